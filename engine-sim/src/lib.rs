@@ -1,0 +1,1 @@
+//! GPU-free model of one inference worker.

@@ -1,0 +1,214 @@
+//! Validated identifiers: workers, blocks and decisions.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// Longest worker name accepted (bytes).
+pub const MAX_WORKER_NAME_LEN: usize = 128;
+
+/// One engine worker, or one data-parallel rank of an engine.
+///
+/// The name is restricted to `[A-Za-z0-9_-]` so that it is a valid NATS
+/// subject token and an etcd key segment. Written as `name` for rank 0 and
+/// `name.rank` otherwise; on the wire it travels as that string.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct WorkerId {
+    name: Arc<str>,
+    dp_rank: u32,
+}
+
+/// Why a string is not a [`WorkerId`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidWorkerId {
+    #[error("worker name is empty")]
+    Empty,
+    #[error("worker name is longer than {MAX_WORKER_NAME_LEN} bytes")]
+    TooLong,
+    #[error("worker name {0:?} has a character outside [A-Za-z0-9_-]")]
+    BadCharacter(String),
+    #[error("data-parallel rank {0:?} is not an unsigned integer")]
+    BadRank(String),
+}
+
+impl WorkerId {
+    /// A worker id from a name and a data-parallel rank.
+    pub fn new(name: &str, dp_rank: u32) -> Result<Self, InvalidWorkerId> {
+        if name.is_empty() {
+            return Err(InvalidWorkerId::Empty);
+        }
+        if name.len() > MAX_WORKER_NAME_LEN {
+            return Err(InvalidWorkerId::TooLong);
+        }
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(InvalidWorkerId::BadCharacter(name.to_owned()));
+        }
+        Ok(Self {
+            name: name.into(),
+            dp_rank,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn dp_rank(&self) -> u32 {
+        self.dp_rank
+    }
+
+    /// Two NATS subject tokens, `name.rank`, always with the rank.
+    pub fn subject_tokens(&self) -> String {
+        format!("{}.{}", self.name, self.dp_rank)
+    }
+}
+
+impl FromStr for WorkerId {
+    type Err = InvalidWorkerId;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once('.') {
+            None => Self::new(s, 0),
+            Some((name, rank)) => {
+                let rank = rank
+                    .parse()
+                    .map_err(|_| InvalidWorkerId::BadRank(rank.to_owned()))?;
+                Self::new(name, rank)
+            }
+        }
+    }
+}
+
+impl TryFrom<String> for WorkerId {
+    type Error = InvalidWorkerId;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<WorkerId> for String {
+    fn from(id: WorkerId) -> Self {
+        id.to_string()
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.dp_rank == 0 {
+            f.write_str(&self.name)
+        } else {
+            write!(f, "{}.{}", self.name, self.dp_rank)
+        }
+    }
+}
+
+impl fmt::Debug for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WorkerId({self})")
+    }
+}
+
+/// The chained sequence hash of one KV block: it names the block and its
+/// whole prefix (see [`crate::hash`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BlockHash(pub u64);
+
+impl fmt::Debug for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockHash({:016x})", self.0)
+    }
+}
+
+impl fmt::Display for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// Identifies one routing decision across the cluster (logs, decision log,
+/// in-flight ledgers of every router replica). Shown as 16 hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DecisionId(pub u64);
+
+impl fmt::Debug for DecisionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DecisionId({self})")
+    }
+}
+
+impl fmt::Display for DecisionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// Why a string is not a [`DecisionId`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("decision id {0:?} is not 1 to 16 hex digits")]
+pub struct InvalidDecisionId(pub String);
+
+impl FromStr for DecisionId {
+    type Err = InvalidDecisionId;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.is_empty() || s.len() > 16 {
+            return Err(InvalidDecisionId(s.to_owned()));
+        }
+        u64::from_str_radix(s, 16)
+            .map(DecisionId)
+            .map_err(|_| InvalidDecisionId(s.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_id_round_trips_through_its_string_form() {
+        for (text, name, rank) in [("decode-0", "decode-0", 0), ("p_1.3", "p_1", 3)] {
+            let id: WorkerId = text.parse().unwrap();
+            assert_eq!((id.name(), id.dp_rank()), (name, rank));
+            assert_eq!(id.to_string(), text);
+        }
+        assert_eq!(WorkerId::new("w", 0).unwrap().subject_tokens(), "w.0");
+    }
+
+    #[test]
+    fn worker_id_rejects_what_cannot_be_a_subject_token() {
+        assert_eq!("".parse::<WorkerId>(), Err(InvalidWorkerId::Empty));
+        assert!(matches!(
+            "a b".parse::<WorkerId>(),
+            Err(InvalidWorkerId::BadCharacter(_))
+        ));
+        assert!(matches!(
+            "a.*".parse::<WorkerId>(),
+            Err(InvalidWorkerId::BadRank(_))
+        ));
+        assert!(matches!(
+            "a.1.2".parse::<WorkerId>(),
+            Err(InvalidWorkerId::BadRank(_))
+        ));
+        assert_eq!(
+            "x".repeat(129).parse::<WorkerId>(),
+            Err(InvalidWorkerId::TooLong)
+        );
+    }
+
+    #[test]
+    fn decision_id_is_hex() {
+        let id = DecisionId(0xabc);
+        assert_eq!(id.to_string(), "0000000000000abc");
+        assert_eq!("0000000000000abc".parse::<DecisionId>().unwrap(), id);
+        assert!("xyz".parse::<DecisionId>().is_err());
+    }
+}

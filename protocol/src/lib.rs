@@ -1,0 +1,23 @@
+//! Switchyard's wire contract.
+//!
+//! The only crate whose types are `Serialize`: block hashing ([`hash`]),
+//! identifiers ([`ids`]), the messages workers, indexer and routers exchange,
+//! the codec every message goes through ([`codec`]) and the names of every
+//! subject, stream and key ([`subjects`]).
+
+pub mod codec;
+pub mod decision;
+pub mod events;
+pub mod hash;
+pub mod ids;
+pub mod index;
+pub mod registry;
+pub mod subjects;
+
+pub use codec::{DecodeError, Message};
+pub use decision::{Annotation, Path, RouteDecision};
+pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
+pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
+pub use ids::{BlockHash, DecisionId, WorkerId};
+pub use index::{IndexChange, IndexDelta, IndexSnapshot, OwnedRun, RunOwner, WorkerCursor};
+pub use registry::{ContractMismatch, HashingContract, Role, WorkerRecord, WorkerSubjects};

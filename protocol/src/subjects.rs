@@ -1,0 +1,82 @@
+//! Every NATS subject, JetStream stream, object-store bucket and etcd key
+//! prefix, defined once.
+
+use crate::ids::WorkerId;
+
+/// JetStream stream of every worker's [`crate::KvEventBatch`]es.
+pub const KV_EVENTS_STREAM: &str = "SY_KV_EVENTS";
+/// All KV-event subjects (the stream's filter).
+pub const KV_EVENTS_ALL: &str = "sy.kv.events.>";
+
+/// The subject one worker publishes its KV events on.
+pub fn kv_events(worker: &WorkerId) -> String {
+    format!("sy.kv.events.{}", worker.subject_tokens())
+}
+
+/// JetStream stream of the indexer's canonical [`crate::IndexDelta`]s.
+pub const INDEX_DELTAS_STREAM: &str = "SY_INDEX_DELTAS";
+pub const INDEX_DELTAS: &str = "sy.index.deltas";
+
+/// Object-store bucket of [`crate::IndexSnapshot`]s.
+pub const SNAPSHOT_BUCKET: &str = "sy-index-snapshots";
+/// Object name of the newest snapshot.
+pub const SNAPSHOT_LATEST: &str = "latest";
+
+/// Request/reply: overlap queries answered by the indexer.
+pub const INDEX_OVERLAP: &str = "sy.index.overlap";
+
+/// Core NATS: load reports (not persisted).
+pub const LOAD_ALL: &str = "sy.load.>";
+
+pub fn load(worker: &WorkerId) -> String {
+    format!("sy.load.{}", worker.subject_tokens())
+}
+
+/// JetStream stream of every replica's decisions.
+pub const DECISIONS_STREAM: &str = "SY_DECISIONS";
+pub const DECISIONS_ALL: &str = "sy.decisions.>";
+
+pub fn decisions(replica: &str) -> String {
+    format!("sy.decisions.{replica}")
+}
+
+/// Core NATS: request completions, for every replica's in-flight ledger.
+pub const COMPLETIONS_ALL: &str = "sy.completions.>";
+
+pub fn completions(replica: &str) -> String {
+    format!("sy.completions.{replica}")
+}
+
+/// Request/reply: generation requests served by a worker's agent.
+pub fn generate(worker: &WorkerId) -> String {
+    format!("sy.worker.{}.generate", worker.subject_tokens())
+}
+
+/// Request/reply: ask a worker's agent to publish its full block set again.
+pub fn resync(worker: &WorkerId) -> String {
+    format!("sy.worker.{}.resync", worker.subject_tokens())
+}
+
+/// etcd: one key per registered worker, under the worker's lease.
+pub const ETCD_WORKERS_PREFIX: &str = "/switchyard/workers/";
+
+pub fn etcd_worker_key(worker: &WorkerId) -> String {
+    format!("{ETCD_WORKERS_PREFIX}{}", worker.subject_tokens())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_subjects_always_carry_the_rank() {
+        let w = WorkerId::new("d0", 0).unwrap();
+        assert_eq!(kv_events(&w), "sy.kv.events.d0.0");
+        assert_eq!(
+            generate(&WorkerId::new("d0", 2).unwrap()),
+            "sy.worker.d0.2.generate"
+        );
+        assert!(kv_events(&w).starts_with(KV_EVENTS_ALL.trim_end_matches('>')));
+        assert!(load(&w).starts_with(LOAD_ALL.trim_end_matches('>')));
+    }
+}

@@ -1,0 +1,226 @@
+//! The codec round-trips every message and turns garbage into errors.
+
+use proptest::prelude::*;
+use protocol::*;
+
+fn worker(name: &str) -> WorkerId {
+    WorkerId::new(name, 0).unwrap()
+}
+
+fn batch() -> KvEventBatch {
+    KvEventBatch {
+        worker: WorkerId::new("d0", 1).unwrap(),
+        epoch: 7,
+        seq: 3,
+        events: vec![
+            KvEvent::Cleared,
+            KvEvent::Stored {
+                parent: None,
+                blocks: vec![BlockHash(1), BlockHash(u64::MAX)],
+                tier: Tier::Device,
+            },
+            KvEvent::Removed {
+                blocks: vec![BlockHash(1)],
+                tier: Tier::Host,
+            },
+        ],
+    }
+}
+
+fn decision() -> RouteDecision {
+    RouteDecision {
+        id: DecisionId(42),
+        request_id: "req-1".into(),
+        path: Path::Remote,
+        decode: worker("d0"),
+        prefill: Some(worker("p0")),
+        isl_tokens: 8192,
+        decode_overlap_tokens: 0,
+        prefill_overlap_tokens: 4096,
+        reserved_decode_blocks: 600,
+        reserved_prefill_tokens: 4096,
+        policy: "isl".into(),
+        rule: "isl.long".into(),
+        reason: "8192 uncached tokens >= 2048".into(),
+        at_ms: 5,
+    }
+}
+
+fn record() -> WorkerRecord {
+    let id = worker("p0");
+    WorkerRecord {
+        subjects: WorkerSubjects::for_worker(&id),
+        id,
+        role: Role::Prefill,
+        contract: HashingContract::for_model("llama", 16),
+        kv_capacity_blocks: 1000,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 131_072,
+        gpus: 1,
+    }
+}
+
+fn snapshot() -> IndexSnapshot {
+    IndexSnapshot {
+        delta_seq: 9,
+        workers: vec![worker("a"), worker("b")],
+        cursors: vec![WorkerCursor {
+            worker: worker("a"),
+            epoch: 1,
+            last_seq: 4,
+            resync_pending: false,
+        }],
+        runs: vec![OwnedRun {
+            blocks: vec![BlockHash(5), BlockHash(6)],
+            owners: vec![RunOwner {
+                worker: 1,
+                tiers: TierSet::only(Tier::Disk),
+            }],
+        }],
+        digest: 77,
+    }
+}
+
+fn delta() -> IndexDelta {
+    IndexDelta {
+        seq: 12,
+        changes: vec![
+            IndexChange::Stored {
+                worker: worker("a"),
+                parent: Some(BlockHash(3)),
+                blocks: vec![BlockHash(4)],
+                tier: Tier::Device,
+            },
+            IndexChange::WorkerRemoved {
+                worker: worker("b"),
+            },
+            IndexChange::Evicted {
+                blocks: vec![BlockHash(9)],
+            },
+        ],
+    }
+}
+
+#[test]
+fn every_message_round_trips() {
+    assert_eq!(KvEventBatch::decode(&batch().encode()).unwrap(), batch());
+    assert_eq!(
+        RouteDecision::decode(&decision().encode()).unwrap(),
+        decision()
+    );
+    assert_eq!(WorkerRecord::decode(&record().encode()).unwrap(), record());
+    assert_eq!(
+        IndexSnapshot::decode(&snapshot().encode()).unwrap(),
+        snapshot()
+    );
+    assert_eq!(IndexDelta::decode(&delta().encode()).unwrap(), delta());
+    let load = LoadReport::idle(worker("d0"), 100, 3);
+    assert_eq!(LoadReport::decode(&load.encode()).unwrap(), load);
+}
+
+#[test]
+fn other_versions_are_refused_by_name() {
+    let mut bytes = batch().encode();
+    bytes[1] = 9; // [fixarray(2), fixint(version), ...]
+    let err = KvEventBatch::decode(&bytes).unwrap_err();
+    assert!(matches!(
+        err,
+        DecodeError::UnsupportedVersion {
+            got: 9,
+            supported: 1,
+            ..
+        }
+    ));
+    assert_eq!(
+        err.to_string(),
+        "KvEventBatch: format version 9 is not supported (this build reads version 1)"
+    );
+}
+
+#[test]
+fn trailing_bytes_and_truncation_are_errors() {
+    let mut bytes = batch().encode();
+    bytes.push(0);
+    assert!(matches!(
+        KvEventBatch::decode(&bytes),
+        Err(DecodeError::TrailingBytes { extra: 1, .. })
+    ));
+    let bytes = batch().encode();
+    for cut in 0..bytes.len() {
+        assert!(KvEventBatch::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+    }
+}
+
+#[test]
+fn a_message_of_another_type_is_refused() {
+    assert!(KvEventBatch::decode(&decision().encode()).is_err());
+    assert!(WorkerRecord::decode(&batch().encode()).is_err());
+}
+
+#[test]
+fn invalid_ids_inside_a_message_are_refused() {
+    let mut bytes = batch().encode();
+    // The worker id "d0.1" is the first string: corrupt it into "d0 1".
+    let at = bytes.windows(4).position(|w| w == b"d0.1").unwrap();
+    bytes[at + 2] = b' ';
+    let err = KvEventBatch::decode(&bytes).unwrap_err();
+    assert!(err.to_string().contains("outside [A-Za-z0-9_-]"), "{err}");
+}
+
+#[test]
+fn an_event_batch_is_compact() {
+    let batch = KvEventBatch {
+        worker: worker("decode-0"),
+        epoch: 1,
+        seq: 1,
+        events: vec![KvEvent::Stored {
+            parent: Some(BlockHash(u64::MAX)),
+            blocks: (0..32).map(|i| BlockHash(u64::MAX - i)).collect(),
+            tier: Tier::Device,
+        }],
+    };
+    // 32 hashes of 9 bytes each dominate; the envelope and fields add little.
+    let len = batch.encode().len();
+    assert!(len <= 32 * 9 + 40, "{len} bytes");
+}
+
+proptest! {
+    #[test]
+    fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = KvEventBatch::decode(&bytes);
+        let _ = IndexDelta::decode(&bytes);
+        let _ = IndexSnapshot::decode(&bytes);
+        let _ = WorkerRecord::decode(&bytes);
+        let _ = RouteDecision::decode(&bytes);
+        let _ = LoadReport::decode(&bytes);
+    }
+
+    #[test]
+    fn corrupted_messages_never_panic(flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+        let mut bytes = batch().encode();
+        let n = bytes.len();
+        for (at, value) in flips {
+            bytes[at % n] = value;
+        }
+        let _ = KvEventBatch::decode(&bytes);
+        let mut bytes = snapshot().encode();
+        let n = bytes.len();
+        bytes[n / 2] ^= 0xff;
+        let _ = IndexSnapshot::decode(&bytes);
+    }
+
+    #[test]
+    fn batches_round_trip(epoch: u64, seq: u64, hashes in proptest::collection::vec(any::<u64>(), 0..64)) {
+        let b = KvEventBatch {
+            worker: worker("w"),
+            epoch,
+            seq,
+            events: vec![KvEvent::Stored {
+                parent: hashes.first().map(|h| BlockHash(*h)),
+                blocks: hashes.iter().map(|h| BlockHash(*h)).collect(),
+                tier: Tier::Host,
+            }],
+        };
+        prop_assert_eq!(KvEventBatch::decode(&b.encode()).unwrap(), b);
+    }
+}
