@@ -1,1 +1,14 @@
-//! KV indexer.
+//! The kv-indexer: the global KV block-ownership index, its event-stream
+//! sequencing, and (with the `service` feature) the service that runs it on
+//! NATS JetStream.
+//!
+//! [`index`], [`indexer`] and [`replica`] are pure: no IO, no clock, no
+//! async. Router replicas and the simulator use them directly.
+
+pub mod index;
+pub mod indexer;
+pub mod replica;
+
+pub use index::{IndexStats, Matches, OwnershipIndex, PrefixDepth, RestoreError, WorkerSlot};
+pub use indexer::{BatchOutcome, BatchStatus, KvIndexer};
+pub use replica::{apply_change, DeltaError, IndexReplica};

@@ -1,0 +1,940 @@
+//! The global block-ownership index: which worker holds which KV block, in
+//! which tier. Pure data structure: no IO, no clock, no threads.
+//!
+//! # Layout
+//!
+//! Block hashes are chained (one hash names its whole prefix), so finding a
+//! block needs no tree walk: one flat hash table maps every block to its
+//! place. Blocks live in *runs*: consecutive blocks of one chain (each the
+//! child of the one before) that have exactly the same owners. A lookup of
+//! a prompt finds its first block in the table, then compares the prompt's
+//! following hashes against the run's contiguous array, and only consults
+//! the table again (and intersects owner sets) where a run ends. Ownership
+//! changes that cover part of a run split it; the smaller side moves.
+//!
+//! Per distinct block the index costs the hash in its run (8 bytes) and one
+//! table slot (8 bytes plus a control byte, at hashbrown's load factor);
+//! per run a small header and its owner list.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use hashbrown::HashTable;
+use protocol::{BlockHash, OwnedRun, RunOwner, Tier, TierSet, WorkerId};
+
+/// A worker's dense number inside one index. Stable while the worker is
+/// known to the index; reused after [`OwnershipIndex::remove_worker`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerSlot(u32);
+
+/// How many leading blocks of a query one worker holds, per tier. Tiers are
+/// cumulative: `host` counts blocks held on the device or in host memory,
+/// `disk` blocks held anywhere; so `device <= host <= disk`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct PrefixDepth {
+    pub device: u32,
+    pub host: u32,
+    pub disk: u32,
+}
+
+/// Per worker, the leading blocks of one query it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Matches {
+    /// Sorted by slot; only workers holding at least the first block.
+    hits: Vec<(WorkerSlot, PrefixDepth)>,
+}
+
+impl Matches {
+    /// The worker's depth, zero when it holds nothing of the query.
+    pub fn get(&self, slot: WorkerSlot) -> PrefixDepth {
+        self.hits
+            .binary_search_by_key(&slot, |(s, _)| *s)
+            .map(|i| self.hits[i].1)
+            .unwrap_or_default()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (WorkerSlot, PrefixDepth)> + '_ {
+        self.hits.iter().copied()
+    }
+
+    pub fn len(&self) -> usize {
+        self.hits.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.hits.is_empty()
+    }
+}
+
+/// Counters of the index's size and work.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct blocks held by at least one worker.
+    pub blocks: u64,
+    /// (block, worker) ownership pairs.
+    pub pairs: u64,
+    /// Runs (see the module docs).
+    pub runs: u64,
+    /// Blocks dropped by the memory cap since the index was created.
+    pub evicted_blocks: u64,
+}
+
+/// Why a snapshot cannot be restored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RestoreError {
+    #[error("run {run} names worker #{worker}, but the snapshot lists {workers} workers")]
+    UnknownWorker {
+        run: usize,
+        worker: u32,
+        workers: usize,
+    },
+    #[error("run {run} is empty or has no owner")]
+    EmptyRun { run: usize },
+    #[error("run {run} has an owner with no tier")]
+    NoTier { run: usize },
+    #[error("run {run} lists worker #{worker} twice or out of order")]
+    OwnersNotSorted { run: usize, worker: u32 },
+    #[error("block {block} appears twice (again in run {run})")]
+    DuplicateBlock { run: usize, block: BlockHash },
+    #[error("worker {0} is listed twice")]
+    DuplicateWorker(WorkerId),
+    #[error("restored index digest {got:016x} differs from the snapshot's {expected:016x}")]
+    DigestMismatch { expected: u64, got: u64 },
+    #[error("snapshot covers delta {snapshot}, but the replica needs delta {needed} next")]
+    Behind { snapshot: u64, needed: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Owner {
+    slot: u32,
+    tiers: TierSet,
+}
+
+/// Where a block lives: its run and its offset in the run's lineage (see
+/// [`Run::base`]).
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    run: u32,
+    offset: u32,
+}
+
+#[derive(Debug, Default)]
+struct Run {
+    blocks: Vec<BlockHash>,
+    /// Offset of `blocks[0]`: table entries store `base + index`, so that
+    /// dropping a run's head moves no entry of the part that stays.
+    base: u32,
+    /// Sorted by slot. Empty only while the run is free.
+    owners: Vec<Owner>,
+    /// The block before `blocks[0]`, if any (walked by the memory cap).
+    parent: Option<BlockHash>,
+    /// Logical time of the last store that touched this run.
+    touched: u64,
+}
+
+impl Run {
+    fn at(&self, loc: Loc) -> BlockHash {
+        self.blocks[(loc.offset - self.base) as usize]
+    }
+
+    fn index_of(&self, loc: Loc) -> usize {
+        (loc.offset - self.base) as usize
+    }
+
+    fn end(&self) -> u32 {
+        self.base + self.blocks.len() as u32
+    }
+
+    fn owner(&self, slot: u32) -> Option<&Owner> {
+        self.owners
+            .binary_search_by_key(&slot, |o| o.slot)
+            .ok()
+            .map(|i| &self.owners[i])
+    }
+}
+
+#[derive(Debug)]
+struct WorkerEntry {
+    id: WorkerId,
+    /// Hash of the id, mixed into the digest.
+    id_hash: u64,
+    /// Ownership pairs of this worker.
+    pairs: u64,
+}
+
+/// Least-recently-touched eviction, enabled by a block cap.
+#[derive(Debug)]
+struct Cap {
+    max_blocks: u64,
+    /// (touched, run); stale entries are skipped when popped.
+    queue: BinaryHeap<Reverse<(u64, u32)>>,
+}
+
+/// The index. See the module docs for its layout.
+#[derive(Debug, Default)]
+pub struct OwnershipIndex {
+    table: HashTable<Loc>,
+    runs: Vec<Run>,
+    free_runs: Vec<u32>,
+    workers: Vec<Option<WorkerEntry>>,
+    free_slots: Vec<u32>,
+    slots: HashMap<WorkerId, u32>,
+    clock: u64,
+    cap: Option<Cap>,
+    stats: IndexStats,
+}
+
+fn table_hash(block: BlockHash) -> u64 {
+    // Block hashes are already uniform; the multiply spreads small test
+    // values over hashbrown's top (control) and low (bucket) bits.
+    let x = block.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^ (x >> 32)
+}
+
+fn digest_term(block: BlockHash, worker_hash: u64, tiers: TierSet) -> u64 {
+    // splitmix64 finaliser over the triple; summed, so order-independent.
+    let mut z = block.0 ^ worker_hash.rotate_left(29) ^ (u64::from(tiers.bits()) << 59);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Length of the common prefix of two slices.
+fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl OwnershipIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An index that keeps at most `max_blocks` distinct blocks: beyond it,
+    /// [`OwnershipIndex::evict_to_cap`] drops the least recently touched runs.
+    pub fn with_max_blocks(max_blocks: u64) -> Self {
+        Self {
+            cap: Some(Cap {
+                max_blocks,
+                queue: BinaryHeap::new(),
+            }),
+            ..Self::default()
+        }
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            runs: (self.runs.len() - self.free_runs.len()) as u64,
+            ..self.stats
+        }
+    }
+
+    /// The worker's slot, if the index knows it.
+    pub fn slot(&self, worker: &WorkerId) -> Option<WorkerSlot> {
+        self.slots.get(worker).map(|s| WorkerSlot(*s))
+    }
+
+    /// The worker behind a slot.
+    pub fn worker(&self, slot: WorkerSlot) -> Option<&WorkerId> {
+        self.workers
+            .get(slot.0 as usize)
+            .and_then(|w| w.as_ref())
+            .map(|w| &w.id)
+    }
+
+    /// Workers the index knows, with the number of blocks each holds.
+    pub fn workers(&self) -> impl Iterator<Item = (&WorkerId, u64)> {
+        self.workers.iter().flatten().map(|w| (&w.id, w.pairs))
+    }
+
+    /// Blocks (in any tier) the worker holds.
+    pub fn worker_blocks(&self, worker: &WorkerId) -> u64 {
+        self.slots
+            .get(worker)
+            .and_then(|s| self.workers[*s as usize].as_ref())
+            .map_or(0, |w| w.pairs)
+    }
+
+    fn intern(&mut self, worker: &WorkerId) -> u32 {
+        if let Some(slot) = self.slots.get(worker) {
+            return *slot;
+        }
+        let entry = WorkerEntry {
+            id: worker.clone(),
+            id_hash: xxhash_rust::xxh3::xxh3_64(worker.to_string().as_bytes()),
+            pairs: 0,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.workers[slot as usize] = Some(entry);
+                slot
+            }
+            None => {
+                self.workers.push(Some(entry));
+                (self.workers.len() - 1) as u32
+            }
+        };
+        self.slots.insert(worker.clone(), slot);
+        slot
+    }
+
+    fn locate(&self, block: BlockHash) -> Option<Loc> {
+        let runs = &self.runs;
+        self.table
+            .find(table_hash(block), |loc| {
+                runs[loc.run as usize].at(*loc) == block
+            })
+            .copied()
+    }
+
+    /// Points the block's table entry, which still says `from`, at `to`.
+    /// Matches on the old place itself: while a run is being cut, the
+    /// entries of its moving part no longer point at their blocks.
+    fn relocate(&mut self, block: BlockHash, from: Loc, to: Loc) {
+        let entry = self
+            .table
+            .find_mut(table_hash(block), |loc| {
+                loc.run == from.run && loc.offset == from.offset
+            })
+            .expect("every stored block has a table entry");
+        *entry = to;
+    }
+
+    fn new_run(&mut self, run: Run) -> u32 {
+        match self.free_runs.pop() {
+            Some(id) => {
+                self.runs[id as usize] = run;
+                id
+            }
+            None => {
+                self.runs.push(run);
+                (self.runs.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Splits `run` so that blocks `[from, from + len)` (lineage offsets)
+    /// form a run of their own, and returns it. The smaller side of each cut
+    /// moves to a new run; the larger keeps its table entries.
+    fn isolate(&mut self, run: u32, from: u32, len: u32) -> u32 {
+        let r = &self.runs[run as usize];
+        let (base, end) = (r.base, r.end());
+        debug_assert!(from >= base && from + len <= end);
+        let mut middle = run;
+        if from + len < end {
+            middle = self.cut(middle, from + len).0;
+        }
+        if from > base {
+            middle = self.cut(middle, from).1;
+        }
+        middle
+    }
+
+    /// Cuts a run at lineage offset `at` into `[base, at)` and `[at, end)`;
+    /// returns the ids of the runs holding them, in that order. Blocks keep
+    /// their lineage offsets; the smaller side moves to a new run id.
+    fn cut(&mut self, run: u32, at: u32) -> (u32, u32) {
+        let r = &mut self.runs[run as usize];
+        let base = r.base;
+        let split = (at - base) as usize;
+        let owners = r.owners.clone();
+        let touched = r.touched;
+        let (moved, moved_base, parent) = if r.blocks.len() - split <= split {
+            let tail = r.blocks.split_off(split);
+            (tail, at, Some(r.blocks[split - 1]))
+        } else {
+            let head: Vec<BlockHash> = r.blocks.drain(..split).collect();
+            let parent = std::mem::replace(&mut r.parent, Some(head[split - 1]));
+            r.base = at;
+            if r.blocks.capacity() > 2 * r.blocks.len() + 8 {
+                r.blocks.shrink_to_fit();
+            }
+            (head, base, parent)
+        };
+        let moved_tail = moved_base == at;
+        let id = self.new_run(Run {
+            blocks: moved,
+            base: moved_base,
+            owners,
+            parent,
+            touched,
+        });
+        for i in 0..self.runs[id as usize].blocks.len() {
+            let block = self.runs[id as usize].blocks[i];
+            let offset = moved_base + i as u32;
+            self.relocate(block, Loc { run, offset }, Loc { run: id, offset });
+        }
+        self.queue_for_cap(id);
+        if moved_tail {
+            (run, id)
+        } else {
+            (id, run)
+        }
+    }
+
+    /// Drops a run and the table entries of its blocks.
+    fn delete_run(&mut self, run: u32) -> Vec<BlockHash> {
+        for i in 0..self.runs[run as usize].blocks.len() {
+            let block = self.runs[run as usize].blocks[i];
+            let runs = &self.runs;
+            if let Ok(entry) = self.table.find_entry(table_hash(block), |loc| {
+                runs[loc.run as usize].at(*loc) == block
+            }) {
+                entry.remove();
+            }
+        }
+        let r = std::mem::take(&mut self.runs[run as usize]);
+        let n = r.blocks.len() as u64;
+        self.stats.blocks -= n;
+        for owner in &r.owners {
+            self.stats.pairs -= n;
+            if let Some(w) = self.workers[owner.slot as usize].as_mut() {
+                w.pairs -= n;
+            }
+        }
+        self.free_runs.push(run);
+        r.blocks
+    }
+
+    /// Records that `worker` holds `blocks` in `tier`; `blocks[0]` is the
+    /// child of `parent` and each block the child of the one before.
+    pub fn store(
+        &mut self,
+        worker: &WorkerId,
+        parent: Option<BlockHash>,
+        blocks: &[BlockHash],
+        tier: Tier,
+    ) {
+        let slot = self.intern(worker);
+        self.clock += 1;
+        let mut prev = parent;
+        let mut i = 0;
+        while i < blocks.len() {
+            let (last_run, advanced) = match self.locate(blocks[i]) {
+                Some(loc) => self.store_known(slot, tier, loc, &blocks[i..]),
+                None => self.store_new(slot, tier, prev, &blocks[i..]),
+            };
+            i += advanced;
+            prev = Some(blocks[i - 1]);
+            self.touch(last_run);
+        }
+    }
+
+    /// Adds the owner to the known blocks at `loc` onward that continue in
+    /// the same run; returns the run holding them and how many there were.
+    fn store_known(
+        &mut self,
+        slot: u32,
+        tier: Tier,
+        loc: Loc,
+        blocks: &[BlockHash],
+    ) -> (u32, usize) {
+        let r = &self.runs[loc.run as usize];
+        let at = r.index_of(loc);
+        let k = common_prefix(blocks, &r.blocks[at..]);
+        let current = r.owner(slot).copied();
+        if current.is_some_and(|o| o.tiers.contains(tier)) {
+            return (loc.run, k);
+        }
+        let run = self.isolate(loc.run, loc.offset, k as u32);
+        let r = &mut self.runs[run as usize];
+        match r.owners.binary_search_by_key(&slot, |o| o.slot) {
+            Ok(i) => r.owners[i].tiers = r.owners[i].tiers.with(tier),
+            Err(i) => {
+                r.owners.insert(
+                    i,
+                    Owner {
+                        slot,
+                        tiers: TierSet::only(tier),
+                    },
+                );
+                self.stats.pairs += k as u64;
+                if let Some(w) = self.workers[slot as usize].as_mut() {
+                    w.pairs += k as u64;
+                }
+            }
+        }
+        (run, k)
+    }
+
+    /// Places blocks the index does not hold yet, up to the first it holds;
+    /// extends the parent's run when the parent ends it and has exactly
+    /// this owner. Returns the run and how many blocks were placed.
+    fn store_new(
+        &mut self,
+        slot: u32,
+        tier: Tier,
+        parent: Option<BlockHash>,
+        blocks: &[BlockHash],
+    ) -> (u32, usize) {
+        let owner = Owner {
+            slot,
+            tiers: TierSet::only(tier),
+        };
+        let extendable = parent.and_then(|p| self.locate(p)).filter(|loc| {
+            let r = &self.runs[loc.run as usize];
+            loc.offset + 1 == r.end() && r.owners == [owner]
+        });
+        let run = match extendable {
+            Some(loc) => loc.run,
+            None => self.new_run(Run {
+                blocks: Vec::with_capacity(blocks.len()),
+                base: 0,
+                owners: vec![owner],
+                parent,
+                touched: 0,
+            }),
+        };
+        let mut placed = 0;
+        for block in blocks {
+            let offset = self.runs[run as usize].end();
+            let runs = &self.runs;
+            let entry = self.table.entry(
+                table_hash(*block),
+                |loc| runs[loc.run as usize].at(*loc) == *block,
+                |loc| table_hash(runs[loc.run as usize].at(*loc)),
+            );
+            match entry {
+                hashbrown::hash_table::Entry::Occupied(_) => break,
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    v.insert(Loc { run, offset });
+                }
+            }
+            self.runs[run as usize].blocks.push(*block);
+            placed += 1;
+        }
+        debug_assert!(placed > 0, "the first block was not in the table");
+        self.stats.blocks += placed as u64;
+        self.stats.pairs += placed as u64;
+        if let Some(w) = self.workers[slot as usize].as_mut() {
+            w.pairs += placed as u64;
+        }
+        (run, placed)
+    }
+
+    /// Records that `worker` no longer holds `blocks` in `tier`. Blocks it
+    /// does not hold there are ignored.
+    pub fn remove(&mut self, worker: &WorkerId, blocks: &[BlockHash], tier: Tier) {
+        let Some(&slot) = self.slots.get(worker) else {
+            return;
+        };
+        let mut i = 0;
+        while i < blocks.len() {
+            let Some(loc) = self.locate(blocks[i]) else {
+                i += 1;
+                continue;
+            };
+            let r = &self.runs[loc.run as usize];
+            if !r.owner(slot).is_some_and(|o| o.tiers.contains(tier)) {
+                i += 1;
+                continue;
+            }
+            // Engines evict leaf-first, so removals often list a run's
+            // blocks backwards; take the longest stretch either way.
+            let at = r.index_of(loc);
+            let rest = &blocks[i..];
+            let forward = common_prefix(rest, &r.blocks[at..]);
+            let backward = rest
+                .iter()
+                .zip(r.blocks[..=at].iter().rev())
+                .take_while(|(x, y)| x == y)
+                .count();
+            let (from, len) = if backward > forward {
+                (loc.offset + 1 - backward as u32, backward)
+            } else {
+                (loc.offset, forward)
+            };
+            self.remove_owner(loc.run, from, len as u32, slot, tier);
+            i += len;
+        }
+    }
+
+    fn remove_owner(&mut self, run: u32, from: u32, len: u32, slot: u32, tier: Tier) {
+        let run = self.isolate(run, from, len);
+        let r = &mut self.runs[run as usize];
+        let i = r
+            .owners
+            .binary_search_by_key(&slot, |o| o.slot)
+            .expect("caller checked ownership");
+        let tiers = r.owners[i].tiers.without(tier);
+        if !tiers.is_empty() {
+            r.owners[i].tiers = tiers;
+            return;
+        }
+        if r.owners.len() == 1 {
+            self.delete_run(run);
+            return;
+        }
+        r.owners.remove(i);
+        self.stats.pairs -= u64::from(len);
+        if let Some(w) = self.workers[slot as usize].as_mut() {
+            w.pairs -= u64::from(len);
+        }
+    }
+
+    /// Drops every block of the worker; the worker stays known.
+    pub fn clear_worker(&mut self, worker: &WorkerId) {
+        let Some(&slot) = self.slots.get(worker) else {
+            return;
+        };
+        if self.workers[slot as usize]
+            .as_ref()
+            .is_some_and(|w| w.pairs == 0)
+        {
+            return;
+        }
+        for run in 0..self.runs.len() as u32 {
+            let r = &mut self.runs[run as usize];
+            let Ok(i) = r.owners.binary_search_by_key(&slot, |o| o.slot) else {
+                continue;
+            };
+            if r.owners.len() == 1 {
+                self.delete_run(run);
+            } else {
+                r.owners.remove(i);
+                let n = r.blocks.len() as u64;
+                self.stats.pairs -= n;
+                if let Some(w) = self.workers[slot as usize].as_mut() {
+                    w.pairs -= n;
+                }
+            }
+        }
+    }
+
+    /// Drops every block of the worker and forgets it.
+    pub fn remove_worker(&mut self, worker: &WorkerId) {
+        self.clear_worker(worker);
+        if let Some(slot) = self.slots.remove(worker) {
+            self.workers[slot as usize] = None;
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// Drops blocks from every owner.
+    pub fn evict_blocks(&mut self, blocks: &[BlockHash]) {
+        for block in blocks {
+            if let Some(loc) = self.locate(*block) {
+                let run = self.isolate(loc.run, loc.offset, 1);
+                self.delete_run(run);
+            }
+        }
+    }
+
+    fn touch(&mut self, mut run: u32) {
+        let clock = self.clock;
+        let Some(cap) = self.cap.as_mut() else {
+            return;
+        };
+        // A store touches the whole prefix path, so that a shared prefix
+        // is never evicted before the runs that continue it.
+        loop {
+            let r = &mut self.runs[run as usize];
+            if r.touched == clock {
+                break; // this store already touched it and its ancestors
+            }
+            r.touched = clock;
+            cap.queue.push(Reverse((clock, run)));
+            let Some(parent) = r.parent else { break };
+            let runs = &self.runs;
+            match self.table.find(table_hash(parent), |loc| {
+                runs[loc.run as usize].at(*loc) == parent
+            }) {
+                Some(loc) => run = loc.run,
+                None => break,
+            }
+        }
+    }
+
+    fn queue_for_cap(&mut self, run: u32) {
+        if let Some(cap) = self.cap.as_mut() {
+            cap.queue
+                .push(Reverse((self.runs[run as usize].touched, run)));
+        }
+    }
+
+    /// Under a block cap, drops least recently touched runs until the index
+    /// fits; returns the dropped blocks (to publish as an eviction).
+    pub fn evict_to_cap(&mut self) -> Vec<BlockHash> {
+        let mut evicted = Vec::new();
+        let Some(max) = self.cap.as_ref().map(|c| c.max_blocks) else {
+            return evicted;
+        };
+        while self.stats.blocks > max {
+            let Some(Reverse((touched, run))) = self.cap.as_mut().and_then(|c| c.queue.pop())
+            else {
+                break;
+            };
+            let r = &self.runs[run as usize];
+            if r.owners.is_empty() || r.touched != touched {
+                continue; // stale entry
+            }
+            evicted.extend(self.delete_run(run));
+        }
+        self.stats.evicted_blocks += evicted.len() as u64;
+        let live = self.runs.len() - self.free_runs.len();
+        if let Some(cap) = self.cap.as_mut() {
+            if cap.queue.len() > 4 * live + 1024 {
+                cap.queue = self
+                    .runs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| !r.owners.is_empty())
+                    .map(|(i, r)| Reverse((r.touched, i as u32)))
+                    .collect();
+            }
+        }
+        evicted
+    }
+
+    /// For each worker, how many leading blocks of `query` it holds (per
+    /// tier). Stops as soon as no worker holds the next block.
+    pub fn find_matches(&self, query: &[BlockHash]) -> Matches {
+        #[derive(Clone, Copy)]
+        struct Active {
+            slot: u32,
+            /// Tier levels still matching: bit 0 device, 1 host, 2 disk.
+            alive: u8,
+            depth: PrefixDepth,
+        }
+        fn levels(tiers: TierSet) -> u8 {
+            let device = tiers.contains(Tier::Device) as u8;
+            let host = (device != 0 || tiers.contains(Tier::Host)) as u8;
+            let disk = (!tiers.is_empty()) as u8;
+            device | host << 1 | disk << 2
+        }
+        fn end_levels(a: &mut Active, dying: u8, at: u32) {
+            if dying & 1 != 0 {
+                a.depth.device = at;
+            }
+            if dying & 2 != 0 {
+                a.depth.host = at;
+            }
+            if dying & 4 != 0 {
+                a.depth.disk = at;
+            }
+            a.alive &= !dying;
+        }
+
+        let mut hits = Vec::new();
+        let Some(first) = query.first().and_then(|b| self.locate(*b)) else {
+            return Matches { hits };
+        };
+        let mut run = &self.runs[first.run as usize];
+        let mut active: Vec<Active> = run
+            .owners
+            .iter()
+            .map(|o| Active {
+                slot: o.slot,
+                alive: levels(o.tiers),
+                depth: PrefixDepth::default(),
+            })
+            .collect();
+        let mut matched = common_prefix(query, &run.blocks[run.index_of(first)..]);
+        while matched < query.len() {
+            let Some(loc) = self.locate(query[matched]) else {
+                break;
+            };
+            run = &self.runs[loc.run as usize];
+            // Intersect the active owners with this run's (both sorted).
+            let mut owners = run.owners.iter().peekable();
+            let at = matched as u32;
+            for a in active.iter_mut() {
+                while owners.next_if(|o| o.slot < a.slot).is_some() {}
+                let now = owners
+                    .peek()
+                    .filter(|o| o.slot == a.slot)
+                    .map_or(0, |o| levels(o.tiers));
+                let dying = a.alive & !now;
+                end_levels(a, dying, at);
+            }
+            for a in active.iter().filter(|a| a.alive == 0) {
+                hits.push((WorkerSlot(a.slot), a.depth));
+            }
+            active.retain(|a| a.alive != 0);
+            if active.is_empty() {
+                break;
+            }
+            matched += common_prefix(&query[matched..], &run.blocks[run.index_of(loc)..]);
+        }
+        let at = matched as u32;
+        for mut a in active {
+            let alive = a.alive;
+            end_levels(&mut a, alive, at);
+            hits.push((WorkerSlot(a.slot), a.depth));
+        }
+        hits.sort_unstable_by_key(|(s, _)| *s);
+        Matches { hits }
+    }
+
+    /// A digest of who holds which block in which tier: equal for equal
+    /// ownership, whatever the order of changes or the run layout.
+    pub fn digest(&self) -> u64 {
+        let mut sum = 0u64;
+        for r in &self.runs {
+            for o in &r.owners {
+                let worker_hash = self.workers[o.slot as usize]
+                    .as_ref()
+                    .map_or(0, |w| w.id_hash);
+                for block in &r.blocks {
+                    sum = sum.wrapping_add(digest_term(*block, worker_hash, o.tiers));
+                }
+            }
+        }
+        sum
+    }
+
+    /// The index as workers and runs (see [`protocol::IndexSnapshot`]).
+    pub fn export(&self) -> (Vec<WorkerId>, Vec<OwnedRun>) {
+        let mut compact = vec![u32::MAX; self.workers.len()];
+        let mut workers = Vec::new();
+        for (slot, w) in self.workers.iter().enumerate() {
+            if let Some(w) = w {
+                compact[slot] = workers.len() as u32;
+                workers.push(w.id.clone());
+            }
+        }
+        let runs = self
+            .runs
+            .iter()
+            .filter(|r| !r.owners.is_empty())
+            .map(|r| OwnedRun {
+                blocks: r.blocks.clone(),
+                owners: r
+                    .owners
+                    .iter()
+                    .map(|o| RunOwner {
+                        worker: compact[o.slot as usize],
+                        tiers: o.tiers,
+                    })
+                    .collect(),
+            })
+            .collect();
+        (workers, runs)
+    }
+
+    /// Rebuilds the index from [`OwnershipIndex::export`]'s output and checks
+    /// it against the exporter's [`OwnershipIndex::digest`]. Keeps this
+    /// index's memory cap setting.
+    pub fn import(
+        &mut self,
+        workers: Vec<WorkerId>,
+        runs: Vec<OwnedRun>,
+        digest: u64,
+    ) -> Result<(), RestoreError> {
+        self.import_unchecked(workers, runs)?;
+        let got = self.digest();
+        if got != digest {
+            *self = match self.cap.as_ref() {
+                Some(c) => Self::with_max_blocks(c.max_blocks),
+                None => Self::new(),
+            };
+            return Err(RestoreError::DigestMismatch {
+                expected: digest,
+                got,
+            });
+        }
+        Ok(())
+    }
+
+    fn import_unchecked(
+        &mut self,
+        workers: Vec<WorkerId>,
+        runs: Vec<OwnedRun>,
+    ) -> Result<(), RestoreError> {
+        let cap = self.cap.take().map(|c| c.max_blocks);
+        *self = match cap {
+            Some(max) => Self::with_max_blocks(max),
+            None => Self::new(),
+        };
+        for worker in &workers {
+            if self.slots.contains_key(worker) {
+                return Err(RestoreError::DuplicateWorker(worker.clone()));
+            }
+            self.intern(worker);
+        }
+        let total: usize = runs.iter().map(|r| r.blocks.len()).sum();
+        self.table
+            .reserve(total, |_| unreachable!("an empty table never rehashes"));
+        for (i, run) in runs.into_iter().enumerate() {
+            if run.blocks.is_empty() || run.owners.is_empty() {
+                return Err(RestoreError::EmptyRun { run: i });
+            }
+            let mut owners = Vec::with_capacity(run.owners.len());
+            for o in &run.owners {
+                if o.worker as usize >= workers.len() {
+                    return Err(RestoreError::UnknownWorker {
+                        run: i,
+                        worker: o.worker,
+                        workers: workers.len(),
+                    });
+                }
+                if o.tiers.is_empty() {
+                    return Err(RestoreError::NoTier { run: i });
+                }
+                if owners.last().is_some_and(|l: &Owner| l.slot >= o.worker) {
+                    return Err(RestoreError::OwnersNotSorted {
+                        run: i,
+                        worker: o.worker,
+                    });
+                }
+                // Workers were interned in order, so slot == position.
+                owners.push(Owner {
+                    slot: o.worker,
+                    tiers: o.tiers,
+                });
+            }
+            let n = run.blocks.len() as u64;
+            let id = self.new_run(Run {
+                blocks: Vec::new(),
+                base: 0,
+                owners,
+                parent: None,
+                touched: 0,
+            });
+            for (offset, block) in run.blocks.iter().enumerate() {
+                let runs = &self.runs;
+                let placed = Loc {
+                    run: id,
+                    offset: offset as u32,
+                };
+                match self.table.entry(
+                    table_hash(*block),
+                    |loc| {
+                        if loc.run == id {
+                            run.blocks[loc.offset as usize] == *block
+                        } else {
+                            runs[loc.run as usize].at(*loc) == *block
+                        }
+                    },
+                    |loc| {
+                        if loc.run == id {
+                            table_hash(run.blocks[loc.offset as usize])
+                        } else {
+                            table_hash(runs[loc.run as usize].at(*loc))
+                        }
+                    },
+                ) {
+                    hashbrown::hash_table::Entry::Occupied(_) => {
+                        return Err(RestoreError::DuplicateBlock {
+                            run: i,
+                            block: *block,
+                        })
+                    }
+                    hashbrown::hash_table::Entry::Vacant(v) => {
+                        v.insert(placed);
+                    }
+                }
+            }
+            let r = &mut self.runs[id as usize];
+            r.blocks = run.blocks;
+            self.stats.blocks += n;
+            for o in &r.owners {
+                self.stats.pairs += n;
+                if let Some(w) = self.workers[o.slot as usize].as_mut() {
+                    w.pairs += n;
+                }
+            }
+            self.queue_for_cap(id);
+        }
+        Ok(())
+    }
+}
