@@ -199,9 +199,27 @@ fn digest_term(block: BlockHash, worker_hash: u64, tiers: TierSet) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Length of the common prefix of two slices.
+/// Length of the common prefix of two slices; compares eight hashes at a
+/// time (branch-free, so the compiler can vectorise) before finishing one
+/// by one.
 fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+    const LANES: usize = 8;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + LANES <= n {
+        let diff = a[i..i + LANES]
+            .iter()
+            .zip(&b[i..i + LANES])
+            .fold(0, |acc, (x, y)| acc | (x.0 ^ y.0));
+        if diff != 0 {
+            break;
+        }
+        i += LANES;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
 }
 
 impl OwnershipIndex {
@@ -297,6 +315,28 @@ impl OwnershipIndex {
             })
             .expect("every stored block has a table entry");
         *entry = to;
+    }
+
+    /// Makes room for `additional` more table entries. Growing rebuilds the
+    /// table by walking the runs in memory order: hashbrown's own rehash
+    /// would fetch every entry's block from a random place (our entries
+    /// hold no hash), which made growth nearly half of the store time.
+    fn reserve_table(&mut self, additional: usize) {
+        let needed = self.table.len() + additional;
+        if needed <= self.table.capacity() {
+            return;
+        }
+        let mut table = HashTable::with_capacity(needed.max(2 * self.table.capacity()).max(64));
+        for (id, run) in self.runs.iter().enumerate() {
+            for (i, block) in run.blocks.iter().enumerate() {
+                let loc = Loc {
+                    run: id as u32,
+                    offset: run.base + i as u32,
+                };
+                table.insert_unique(table_hash(*block), loc, |_| unreachable!("sized above"));
+            }
+        }
+        self.table = table;
     }
 
     fn new_run(&mut self, run: Run) -> u32 {
@@ -484,6 +524,7 @@ impl OwnershipIndex {
                 touched: 0,
             }),
         };
+        self.reserve_table(blocks.len());
         let mut placed = 0;
         for block in blocks {
             let offset = self.runs[run as usize].end();

@@ -5,9 +5,12 @@
 //! [`index`], [`indexer`] and [`replica`] are pure: no IO, no clock, no
 //! async. Router replicas and the simulator use them directly.
 
+pub mod alloc_counter;
 pub mod index;
 pub mod indexer;
 pub mod replica;
+pub mod trace_bench;
+pub mod workload;
 
 pub use index::{IndexStats, Matches, OwnershipIndex, PrefixDepth, RestoreError, WorkerSlot};
 pub use indexer::{BatchOutcome, BatchStatus, KvIndexer};

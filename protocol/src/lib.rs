@@ -13,6 +13,7 @@ pub mod ids;
 pub mod index;
 pub mod registry;
 pub mod subjects;
+pub mod trace;
 
 pub use codec::{DecodeError, Message};
 pub use decision::{Annotation, Path, RouteDecision};
