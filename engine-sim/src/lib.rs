@@ -1,1 +1,113 @@
 //! GPU-free model of one inference worker.
+//!
+//! A sans-IO core: no clock, no threads, no sockets, no randomness. Time is
+//! a parameter (`now_us`, microseconds), so the same engine runs inside the
+//! discrete-event cluster simulator (virtual time) and behind a live worker
+//! agent (real time, possibly sped up).
+//!
+//! What it models:
+//! - **continuous batching** with chunked prefill under a per-step token
+//!   budget, a cap on running requests, a FCFS waiting queue, and vLLM-style
+//!   recompute preemption when the KV cache is full (module `scheduler`);
+//! - a **paged KV cache with prefix caching**: full blocks are named by the
+//!   canonical chained hash ([`protocol::BlockHasher`]), finished requests'
+//!   blocks stay cached until evicted least-recently-used, and storing and
+//!   evicting emit the [`protocol::KvEventBatch`]es a real engine would
+//!   publish (module `kv_cache`);
+//! - **step time** from a cost model calibrated on public figures
+//!   ([`cost`], [`preset`]);
+//! - **roles**: prefill-only requests leave after their prefill, requests
+//!   whose KV was transferred are admitted without prefill compute, local
+//!   (bypass) requests prefill only what is not cached ([`Mode`]);
+//! - the time to move KV between workers ([`KvTransfer`]).
+//!
+//! # Driving an engine
+//!
+//! ```
+//! use std::sync::Arc;
+//! use engine_sim::{Engine, EngineRequest, Mode, Preset, StepOutput};
+//! use protocol::{Role, WorkerId};
+//!
+//! let config = Preset::llama8b_h100().engine_config(16);
+//! let worker = WorkerId::new("decode-0", 0).unwrap();
+//! let mut engine = Engine::new(worker, Role::Both, config, 1).unwrap();
+//! engine
+//!     .submit(EngineRequest {
+//!         id: 7,
+//!         prompt: (0..100).collect::<Vec<u32>>().into(),
+//!         output_tokens: Arc::from(vec![1, 2, 3]),
+//!         mode: Mode::LocalPrefill,
+//!     })
+//!     .unwrap();
+//! let mut now = 0;
+//! let mut tokens = 0;
+//! while let Some(step) = engine.step(now) {
+//!     now = step.end_us(); // outputs take effect when the step ends
+//!     for out in &step.outputs {
+//!         if matches!(out, StepOutput::FirstToken { .. } | StepOutput::Token { .. }) {
+//!             tokens += 1;
+//!         }
+//!     }
+//!     while let Some(batch) = engine.take_kv_events() {
+//!         // publish `batch` to the indexer
+//!         assert_eq!(batch.epoch, 1);
+//!     }
+//! }
+//! assert_eq!(tokens, 3);
+//! assert!(engine.is_idle());
+//! assert_eq!(engine.cached_prefix_tokens(&(0..100).collect::<Vec<u32>>()), 96);
+//! ```
+//!
+//! # API
+//!
+//! - [`Engine::new`]`(worker, role, config, epoch)`; configurations come
+//!   from a [`Preset`] ([`Preset::engine_config`]`(block_size)`).
+//! - [`Engine::submit`]`(request)` queues an [`EngineRequest`]; a mode the
+//!   role does not serve, a duplicate id, an empty prompt or output, or a
+//!   request that cannot fit the cache is a [`SubmitError`].
+//! - [`Engine::step`]`(now_us)` plans and runs the next step and returns a
+//!   [`Step`] (duration, [`StepOutput`]s) or `None` when idle. The driver
+//!   applies the outputs at [`Step::end_us`] and calls `step` again no
+//!   earlier.
+//! - [`Engine::take_kv_events`] returns the events since the last call as
+//!   one batch: `seq` counts from 0 without gaps per epoch, and the first
+//!   batch of an epoch starts with [`protocol::KvEvent::Cleared`].
+//!   [`Engine::restart`]`(new_epoch)` empties the cache, returns the dropped
+//!   requests and starts a new epoch.
+//! - [`Engine::load_report`]`(now_us)`, [`Engine::cached_prefix_tokens`],
+//!   [`Engine::cached_blocks`], [`Engine::block_counts`],
+//!   [`Engine::stats`], [`Engine::is_idle`].
+//!
+//! # Request lifecycle
+//!
+//! A [`Mode::LocalPrefill`] request is admitted with its longest cached
+//! prefix (whole blocks; at least one prompt token is computed), prefills
+//! the rest in chunks, reports [`StepOutput::FirstToken`] at the end of its
+//! last chunk, then one [`StepOutput::Token`] per step and
+//! [`StepOutput::Finished`] with its last token. A [`Mode::PrefillOnly`]
+//! request reports [`StepOutput::PrefillDone`] instead of a first token and
+//! leaves. A [`Mode::KvReceived`] request is admitted with its whole prompt's
+//! KV present (its blocks are stored, only what was not cached here counts
+//! as received), samples its first token in its first step and decodes.
+//! Blocks filled by generated tokens are stored too, so the next turn of a
+//! conversation can hit them. A preempted request ([`StepOutput::Preempted`])
+//! later prefills its prompt and the tokens it produced, then resumes.
+
+pub mod config;
+pub mod cost;
+pub mod engine;
+pub mod error;
+mod kv_cache;
+pub mod preset;
+pub mod request;
+mod scheduler;
+pub mod transfer;
+
+pub use config::EngineConfig;
+pub use cost::{CostModel, StepWork};
+pub use engine::{Engine, EngineStats, Step, StepOutput};
+pub use error::{ConfigError, EpochNotIncreasing, SubmitError};
+pub use kv_cache::BlockCounts;
+pub use preset::{Preset, DEFAULT_BLOCK_SIZE};
+pub use request::{EngineRequest, Mode};
+pub use transfer::KvTransfer;

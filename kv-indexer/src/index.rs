@@ -41,20 +41,29 @@ pub struct PrefixDepth {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Matches {
     /// Sorted by slot; only workers holding at least the first block.
-    hits: Vec<(WorkerSlot, PrefixDepth)>,
+    hits: Vec<Hit>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Hit {
+    slot: u32,
+    /// While matching: tier levels still matching (bit 0 device, 1 host,
+    /// 2 disk). Zero once done.
+    alive: u8,
+    depth: PrefixDepth,
 }
 
 impl Matches {
     /// The worker's depth, zero when it holds nothing of the query.
     pub fn get(&self, slot: WorkerSlot) -> PrefixDepth {
         self.hits
-            .binary_search_by_key(&slot, |(s, _)| *s)
-            .map(|i| self.hits[i].1)
+            .binary_search_by_key(&slot.0, |h| h.slot)
+            .map(|i| self.hits[i].depth)
             .unwrap_or_default()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (WorkerSlot, PrefixDepth)> + '_ {
-        self.hits.iter().copied()
+        self.hits.iter().map(|h| (WorkerSlot(h.slot), h.depth))
     }
 
     pub fn len(&self) -> usize {
@@ -197,6 +206,34 @@ fn digest_term(block: BlockHash, worker_hash: u64, tiers: TierSet) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// Length of the common prefix of two chained hash sequences that start
+/// equal, in O(log n) comparisons.
+///
+/// Relies on chaining: a block hash names its whole prefix, so if both
+/// sequences hold the same hash at position `k` they agree on every
+/// position before `k` too; equality is monotone along the sequences. So
+/// the last common position is checked first (a full match, the common
+/// case), then the first mismatch is found by bisection. Used for lookups
+/// only: stores compare every hash, so that a worker sending blocks that
+/// are not a chain cannot claim blocks it did not list.
+fn chained_prefix(query: &[BlockHash], run: &[BlockHash]) -> usize {
+    let m = query.len().min(run.len());
+    if m == 0 || query[m - 1] == run[m - 1] {
+        return m;
+    }
+    // The first mismatch lies in [lo, hi]; position hi = m - 1 mismatches.
+    let (mut lo, mut hi) = (0, m - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if query[mid] == run[mid] {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// Length of the common prefix of two slices; compares eight hashes at a
@@ -383,7 +420,7 @@ impl OwnershipIndex {
             (tail, at, Some(r.blocks[split - 1]))
         } else {
             let head: Vec<BlockHash> = r.blocks.drain(..split).collect();
-            let parent = std::mem::replace(&mut r.parent, Some(head[split - 1]));
+            let parent = r.parent.replace(head[split - 1]);
             r.base = at;
             if r.blocks.capacity() > 2 * r.blocks.len() + 8 {
                 r.blocks.shrink_to_fit();
@@ -446,34 +483,39 @@ impl OwnershipIndex {
     ) {
         let slot = self.intern(worker);
         self.clock += 1;
-        let mut prev = parent;
+        let mut prev = parent.map(|p| (p, self.locate(p)));
         let mut i = 0;
         while i < blocks.len() {
-            let (last_run, advanced) = match self.locate(blocks[i]) {
+            let (last, advanced) = match self.locate(blocks[i]) {
                 Some(loc) => self.store_known(slot, tier, loc, &blocks[i..]),
                 None => self.store_new(slot, tier, prev, &blocks[i..]),
             };
             i += advanced;
-            prev = Some(blocks[i - 1]);
-            self.touch(last_run);
+            prev = Some((blocks[i - 1], Some(last)));
+            self.touch(last.run);
         }
     }
 
     /// Adds the owner to the known blocks at `loc` onward that continue in
-    /// the same run; returns the run holding them and how many there were.
+    /// the same run; returns where the last of them is and how many there
+    /// were.
     fn store_known(
         &mut self,
         slot: u32,
         tier: Tier,
         loc: Loc,
         blocks: &[BlockHash],
-    ) -> (u32, usize) {
+    ) -> (Loc, usize) {
         let r = &self.runs[loc.run as usize];
         let at = r.index_of(loc);
         let k = common_prefix(blocks, &r.blocks[at..]);
+        let last = |run| Loc {
+            run,
+            offset: loc.offset + k as u32 - 1,
+        };
         let current = r.owner(slot).copied();
         if current.is_some_and(|o| o.tiers.contains(tier)) {
-            return (loc.run, k);
+            return (last(loc.run), k);
         }
         let run = self.isolate(loc.run, loc.offset, k as u32);
         let r = &mut self.runs[run as usize];
@@ -493,27 +535,29 @@ impl OwnershipIndex {
                 }
             }
         }
-        (run, k)
+        (last(run), k)
     }
 
     /// Places blocks the index does not hold yet, up to the first it holds;
     /// extends the parent's run when the parent ends it and has exactly
-    /// this owner. Returns the run and how many blocks were placed.
+    /// this owner. `parent` is the parent's hash and place, if known.
+    /// Returns where the last placed block is and how many were placed.
     fn store_new(
         &mut self,
         slot: u32,
         tier: Tier,
-        parent: Option<BlockHash>,
+        parent: Option<(BlockHash, Option<Loc>)>,
         blocks: &[BlockHash],
-    ) -> (u32, usize) {
+    ) -> (Loc, usize) {
         let owner = Owner {
             slot,
             tiers: TierSet::only(tier),
         };
-        let extendable = parent.and_then(|p| self.locate(p)).filter(|loc| {
+        let extendable = parent.and_then(|(_, loc)| loc).filter(|loc| {
             let r = &self.runs[loc.run as usize];
             loc.offset + 1 == r.end() && r.owners == [owner]
         });
+        let parent = parent.map(|(hash, _)| hash);
         let run = match extendable {
             Some(loc) => loc.run,
             None => self.new_run(Run {
@@ -525,9 +569,10 @@ impl OwnershipIndex {
             }),
         };
         self.reserve_table(blocks.len());
+        let first = self.runs[run as usize].end();
         let mut placed = 0;
         for block in blocks {
-            let offset = self.runs[run as usize].end();
+            let offset = first + placed as u32;
             let runs = &self.runs;
             let entry = self.table.entry(
                 table_hash(*block),
@@ -549,7 +594,11 @@ impl OwnershipIndex {
         if let Some(w) = self.workers[slot as usize].as_mut() {
             w.pairs += placed as u64;
         }
-        (run, placed)
+        let last = Loc {
+            run,
+            offset: first + placed as u32 - 1,
+        };
+        (last, placed)
     }
 
     /// Records that `worker` no longer holds `blocks` in `tier`. Blocks it
@@ -727,82 +776,74 @@ impl OwnershipIndex {
     }
 
     /// For each worker, how many leading blocks of `query` it holds (per
-    /// tier). Stops as soon as no worker holds the next block.
+    /// tier). Stops as soon as no worker holds the next block. `query` must
+    /// be a chain (as [`protocol::BlockHasher`] makes them): inside a run
+    /// the match length is found by bisection (see [`chained_prefix`]).
     pub fn find_matches(&self, query: &[BlockHash]) -> Matches {
-        #[derive(Clone, Copy)]
-        struct Active {
-            slot: u32,
-            /// Tier levels still matching: bit 0 device, 1 host, 2 disk.
-            alive: u8,
-            depth: PrefixDepth,
-        }
         fn levels(tiers: TierSet) -> u8 {
             let device = tiers.contains(Tier::Device) as u8;
             let host = (device != 0 || tiers.contains(Tier::Host)) as u8;
             let disk = (!tiers.is_empty()) as u8;
             device | host << 1 | disk << 2
         }
-        fn end_levels(a: &mut Active, dying: u8, at: u32) {
+        fn end_levels(h: &mut Hit, dying: u8, at: u32) {
             if dying & 1 != 0 {
-                a.depth.device = at;
+                h.depth.device = at;
             }
             if dying & 2 != 0 {
-                a.depth.host = at;
+                h.depth.host = at;
             }
             if dying & 4 != 0 {
-                a.depth.disk = at;
+                h.depth.disk = at;
             }
-            a.alive &= !dying;
+            h.alive &= !dying;
         }
 
-        let mut hits = Vec::new();
         let Some(first) = query.first().and_then(|b| self.locate(*b)) else {
-            return Matches { hits };
+            return Matches::default();
         };
         let mut run = &self.runs[first.run as usize];
-        let mut active: Vec<Active> = run
+        // One entry per owner of the first block, kept in slot order; an
+        // entry whose levels all ended stays, with its depths.
+        let mut hits: Vec<Hit> = run
             .owners
             .iter()
-            .map(|o| Active {
+            .map(|o| Hit {
                 slot: o.slot,
                 alive: levels(o.tiers),
                 depth: PrefixDepth::default(),
             })
             .collect();
-        let mut matched = common_prefix(query, &run.blocks[run.index_of(first)..]);
+        let mut alive = hits.len();
+        let mut matched = chained_prefix(query, &run.blocks[run.index_of(first)..]);
         while matched < query.len() {
             let Some(loc) = self.locate(query[matched]) else {
                 break;
             };
             run = &self.runs[loc.run as usize];
-            // Intersect the active owners with this run's (both sorted).
+            // Intersect the live entries with this run's owners (both sorted).
             let mut owners = run.owners.iter().peekable();
             let at = matched as u32;
-            for a in active.iter_mut() {
-                while owners.next_if(|o| o.slot < a.slot).is_some() {}
+            for h in hits.iter_mut().filter(|h| h.alive != 0) {
+                while owners.next_if(|o| o.slot < h.slot).is_some() {}
                 let now = owners
                     .peek()
-                    .filter(|o| o.slot == a.slot)
+                    .filter(|o| o.slot == h.slot)
                     .map_or(0, |o| levels(o.tiers));
-                let dying = a.alive & !now;
-                end_levels(a, dying, at);
+                let dying = h.alive & !now;
+                end_levels(h, dying, at);
+                alive -= (h.alive == 0) as usize;
             }
-            for a in active.iter().filter(|a| a.alive == 0) {
-                hits.push((WorkerSlot(a.slot), a.depth));
-            }
-            active.retain(|a| a.alive != 0);
-            if active.is_empty() {
+            if alive == 0 {
                 break;
             }
-            matched += common_prefix(&query[matched..], &run.blocks[run.index_of(loc)..]);
+            matched += chained_prefix(&query[matched..], &run.blocks[run.index_of(loc)..]);
         }
         let at = matched as u32;
-        for mut a in active {
-            let alive = a.alive;
-            end_levels(&mut a, alive, at);
-            hits.push((WorkerSlot(a.slot), a.depth));
+        for h in hits.iter_mut() {
+            let dying = h.alive;
+            end_levels(h, dying, at);
         }
-        hits.sort_unstable_by_key(|(s, _)| *s);
         Matches { hits }
     }
 

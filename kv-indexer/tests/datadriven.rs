@@ -8,16 +8,41 @@
 //!   [tier=T] B...`, `removed [tier=T] B...`, `cleared`;
 //! - `remove-worker WORKER`; `match B...`; `stats`; `snapshot-restore`.
 //!
-//! Blocks are short names, hashed into block hashes.
+//! Blocks are short names. A name gets its chained hash where it first
+//! appears (after its parent in that line), as an engine would compute it,
+//! and keeps it afterwards; so names stand for blocks at one place of one
+//! chain.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
 use kv_indexer::{KvIndexer, OwnershipIndex};
-use protocol::{BlockHash, KvEvent, KvEventBatch, Tier, WorkerId};
+use protocol::{BlockHash, BlockHasher, KvEvent, KvEventBatch, Tier, WorkerId};
 
-fn block(name: &str) -> BlockHash {
-    BlockHash(xxhash_rust::xxh3::xxh3_64(name.as_bytes()))
+/// Block names and their hashes.
+#[derive(Default)]
+struct Names(HashMap<String, BlockHash>);
+
+impl Names {
+    /// The hashes of a chain of names following `parent`.
+    fn chain(&mut self, parent: Option<BlockHash>, names: &[&str]) -> Vec<BlockHash> {
+        let mut prev = parent;
+        names
+            .iter()
+            .map(|name| {
+                let hash = *self.0.entry((*name).to_owned()).or_insert_with(|| {
+                    BlockHasher::chain(prev, xxhash_rust::xxh3::xxh3_64(name.as_bytes()))
+                });
+                prev = Some(hash);
+                hash
+            })
+            .collect()
+    }
+
+    fn one(&mut self, name: &str) -> BlockHash {
+        self.chain(None, &[name])[0]
+    }
 }
 
 fn tier(name: &str) -> Tier {
@@ -44,15 +69,16 @@ fn option<'a>(opts: &[(&str, &'a str)], key: &str) -> Option<&'a str> {
     opts.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
 }
 
-fn event(line: &str) -> KvEvent {
+fn event(names: &mut Names, line: &str) -> KvEvent {
     let mut words = line.split_whitespace();
     let kind = words.next().expect("an event");
-    let (opts, names) = options(words);
-    let blocks = names.iter().map(|n| block(n)).collect();
+    let (opts, plain) = options(words);
+    let parent = option(&opts, "parent").map(|p| names.one(p));
+    let blocks = names.chain(parent, &plain);
     let tier = option(&opts, "tier").map_or(Tier::Device, tier);
     match kind {
         "stored" => KvEvent::Stored {
-            parent: option(&opts, "parent").map(block),
+            parent,
             blocks,
             tier,
         },
@@ -62,7 +88,7 @@ fn event(line: &str) -> KvEvent {
     }
 }
 
-fn run(indexer: &mut KvIndexer, command: &[&str]) -> String {
+fn run(indexer: &mut KvIndexer, names: &mut Names, command: &[&str]) -> String {
     let mut words = command[0].split_whitespace();
     let mut out = String::new();
     match words.next().unwrap() {
@@ -73,7 +99,7 @@ fn run(indexer: &mut KvIndexer, command: &[&str]) -> String {
                 worker,
                 epoch: option(&opts, "epoch").unwrap().parse().unwrap(),
                 seq: option(&opts, "seq").unwrap().parse().unwrap(),
-                events: command[1..].iter().map(|l| event(l)).collect(),
+                events: command[1..].iter().map(|l| event(names, l)).collect(),
             };
             let outcome = indexer.apply(batch);
             writeln!(out, "{:?}", outcome.status).unwrap();
@@ -92,7 +118,7 @@ fn run(indexer: &mut KvIndexer, command: &[&str]) -> String {
             }
         }
         "match" => {
-            let query: Vec<BlockHash> = words.map(block).collect();
+            let query = names.chain(None, &words.collect::<Vec<_>>());
             let index = indexer.index();
             let matches = index.find_matches(&query);
             if matches.is_empty() {
@@ -156,6 +182,7 @@ fn check_file(path: &Path) {
         .map(|v| v.trim().parse().unwrap());
     let mut indexer =
         KvIndexer::new(cap.map_or_else(OwnershipIndex::new, OwnershipIndex::with_max_blocks));
+    let mut names = Names::default();
     let mut rewritten = String::new();
     let mut failures = Vec::new();
     let mut lines = text.lines().peekable();
@@ -187,7 +214,7 @@ fn check_file(path: &Path) {
             expected.push_str(l);
             expected.push('\n');
         }
-        let got = run(&mut indexer, &command);
+        let got = run(&mut indexer, &mut names, &command);
         if got != expected {
             failures.push(format!("{line}\n--- expected\n{expected}--- got\n{got}"));
         }

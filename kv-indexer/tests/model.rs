@@ -322,7 +322,7 @@ proptest! {
             }
         }
         let mut interleaved = OwnershipIndex::new();
-        let mut next = vec![0usize; WORKERS];
+        let mut next = [0usize; WORKERS];
         for w in picks.into_iter().chain((0..WORKERS).cycle().take(WORKERS * 60)) {
             if let Some(c) = per_worker[w].get(next[w]) {
                 apply_change(&mut interleaved, c);

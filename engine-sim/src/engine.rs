@@ -1,0 +1,447 @@
+//! The engine: one worker's batch, KV cache and event stream.
+
+use std::collections::HashSet;
+
+use protocol::{BlockHash, BlockHasher, KvEventBatch, LoadReport, Role, WorkerId};
+
+use crate::config::EngineConfig;
+use crate::error::{ConfigError, EpochNotIncreasing, SubmitError};
+use crate::kv_cache::{BlockCounts, KvCache, Mix};
+use crate::request::{EngineRequest, Seq};
+use crate::scheduler::{Env, Scheduler};
+
+/// Something a step did to one request. Outputs of a step take effect at
+/// the step's end ([`Step::end_us`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepOutput {
+    /// The request's first output token. `cached_tokens`: prompt tokens
+    /// found in the prefix cache when it was first admitted.
+    FirstToken {
+        /// The request.
+        id: u64,
+        /// Prefix-cache hit tokens.
+        cached_tokens: u32,
+    },
+    /// One more output token.
+    Token {
+        /// The request.
+        id: u64,
+    },
+    /// A [`crate::Mode::PrefillOnly`] request computed its prompt's KV and left;
+    /// its blocks stay cached on this worker.
+    PrefillDone {
+        /// The request.
+        id: u64,
+        /// Prompt length.
+        prompt_tokens: u32,
+        /// Prefix-cache hit tokens.
+        cached_tokens: u32,
+    },
+    /// The request produced its last token (reported right after that
+    /// token's output) and left.
+    Finished {
+        /// The request.
+        id: u64,
+        /// Tokens produced.
+        output_tokens: u32,
+        /// Prefix-cache hit tokens.
+        cached_tokens: u32,
+    },
+    /// The KV cache ran out: the request lost its blocks and went back to
+    /// the front of the waiting queue. It will prefill again (its prompt and
+    /// the tokens already produced) and resume; tokens already reported are
+    /// not reported again.
+    Preempted {
+        /// The request.
+        id: u64,
+    },
+}
+
+/// One step: a forward pass over the batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// When the step starts: the `now_us` it was asked at, or the end of
+    /// the previous step if that is later.
+    pub start_us: u64,
+    /// How long it takes (cost model).
+    pub duration_us: u64,
+    /// What happened to requests, in order.
+    pub outputs: Vec<StepOutput>,
+    /// Prompt tokens computed.
+    pub prefill_tokens: u32,
+    /// Requests that sampled a decode token.
+    pub decode_seqs: u32,
+}
+
+impl Step {
+    /// When the step's outputs take effect and the next step may start.
+    pub fn end_us(&self) -> u64 {
+        self.start_us.saturating_add(self.duration_us)
+    }
+}
+
+/// Counters since the engine was built (a restart does not reset them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Σ step durations.
+    pub busy_us: u64,
+    /// Prompt tokens computed by prefill (recomputation after preemption
+    /// included).
+    pub prefill_tokens: u64,
+    /// Prompt tokens found in the prefix cache at admission (every
+    /// admission, re-admissions after preemption included).
+    pub cached_prompt_tokens: u64,
+    /// Prompt tokens whose KV arrived by transfer ([`crate::Mode::KvReceived`]).
+    pub kv_received_tokens: u64,
+    /// Output tokens produced.
+    pub output_tokens: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Requests finished (all tokens produced).
+    pub finished: u64,
+    /// Prefill-only requests done.
+    pub prefills_done: u64,
+    /// Blocks stored in the prefix cache.
+    pub blocks_stored: u64,
+    /// Cached blocks evicted.
+    pub blocks_evicted: u64,
+}
+
+/// A GPU-free model of one inference worker. See the crate documentation.
+#[derive(Debug)]
+pub struct Engine {
+    worker: WorkerId,
+    role: Role,
+    config: EngineConfig,
+    hasher: BlockHasher,
+    epoch: u64,
+    next_seq: u64,
+    busy_until_us: u64,
+    cache: KvCache,
+    sched: Scheduler,
+    in_flight: HashSet<u64, Mix>,
+    stats: EngineStats,
+    scratch: Vec<u32>,
+    outputs: Vec<StepOutput>,
+}
+
+impl Engine {
+    /// An idle engine with an empty cache. Its first event batch (seq 0 of
+    /// `epoch`) starts with [`protocol::KvEvent::Cleared`].
+    pub fn new(
+        worker: WorkerId,
+        role: Role,
+        config: EngineConfig,
+        epoch: u64,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let hasher = config.hasher()?;
+        let mut cache = KvCache::new(config.kv_capacity_blocks);
+        cache.clear();
+        Ok(Self {
+            worker,
+            role,
+            config,
+            hasher,
+            epoch,
+            next_seq: 0,
+            busy_until_us: 0,
+            cache,
+            sched: Scheduler::default(),
+            in_flight: HashSet::default(),
+            stats: EngineStats::default(),
+            scratch: Vec::new(),
+            outputs: Vec::new(),
+        })
+    }
+
+    /// Queues a request (it is admitted by a later [`Engine::step`]).
+    pub fn submit(&mut self, req: EngineRequest) -> Result<(), SubmitError> {
+        let id = req.id;
+        if !req.mode.accepted_by(self.role) {
+            return Err(SubmitError::UnsupportedMode {
+                role: self.role,
+                mode: req.mode,
+            });
+        }
+        if self.in_flight.contains(&id) {
+            return Err(SubmitError::DuplicateId(id));
+        }
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt(id));
+        }
+        let output_len = if req.mode.decodes() {
+            if req.output_tokens.is_empty() {
+                return Err(SubmitError::NoOutputTokens(id));
+            }
+            req.output_tokens.len()
+        } else {
+            0
+        };
+        let prompt_len = u32::try_from(req.prompt.len()).map_err(|_| SubmitError::TooLong(id))?;
+        let output_len = u32::try_from(output_len).map_err(|_| SubmitError::TooLong(id))?;
+        // Tokens held at the peak: the last output's KV is never computed.
+        let peak = u64::from(prompt_len) + u64::from(output_len.saturating_sub(1));
+        if peak > u64::from(u32::MAX) {
+            return Err(SubmitError::TooLong(id));
+        }
+        let needed_blocks = peak.div_ceil(u64::from(self.config.block_size));
+        if needed_blocks > u64::from(self.config.kv_capacity_blocks) {
+            return Err(SubmitError::ExceedsKvCapacity {
+                id,
+                needed_blocks,
+                capacity_blocks: self.config.kv_capacity_blocks,
+            });
+        }
+        self.in_flight.insert(id);
+        self.sched.enqueue(Seq::new(req, prompt_len, output_len));
+        Ok(())
+    }
+
+    /// Plans and runs the next step if there is work. The step starts at
+    /// `now_us`, or when the previous step ends if that is later; the
+    /// caller applies its outputs at [`Step::end_us`] and calls `step`
+    /// again no earlier. `None` when idle.
+    pub fn step(&mut self, now_us: u64) -> Option<Step> {
+        if self.sched.is_idle() {
+            return None;
+        }
+        let start_us = now_us.max(self.busy_until_us);
+        let mut env = Env {
+            cache: &mut self.cache,
+            hasher: &self.hasher,
+            scratch: &mut self.scratch,
+            outputs: &mut self.outputs,
+            stats: &mut self.stats,
+            in_flight: &mut self.in_flight,
+            max_batched_tokens: self.config.max_batched_tokens,
+            max_running: self.config.max_running,
+        };
+        let planned = self.sched.plan_step(&mut env);
+        self.sched.apply_step(&mut env);
+        debug_assert!(
+            !planned.work.is_empty() || self.sched.is_idle(),
+            "work pending but nothing scheduled"
+        );
+        if planned.work.is_empty() && self.outputs.is_empty() {
+            return None;
+        }
+        let duration_us = self.config.cost.step_us(&planned.work);
+        self.busy_until_us = start_us.saturating_add(duration_us);
+        self.stats.steps += 1;
+        self.stats.busy_us += duration_us;
+        self.stats.blocks_stored = self.cache.stored_blocks;
+        self.stats.blocks_evicted = self.cache.evicted_blocks;
+        let mut outputs = Vec::with_capacity(self.outputs.len());
+        outputs.append(&mut self.outputs);
+        Some(Step {
+            start_us,
+            duration_us,
+            outputs,
+            prefill_tokens: planned.prefill_tokens,
+            decode_seqs: planned.decode_seqs,
+        })
+    }
+
+    /// The KV events since the last call, as the next batch of this epoch
+    /// (`seq` from 0 without gaps). `None` when nothing happened.
+    pub fn take_kv_events(&mut self) -> Option<KvEventBatch> {
+        if !self.cache.has_events() {
+            return None;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        Some(KvEventBatch {
+            worker: self.worker.clone(),
+            epoch: self.epoch,
+            seq,
+            events: self.cache.take_events(),
+        })
+    }
+
+    /// The worker's load now. `queued_prefill_tokens` counts the prompt
+    /// tokens still to prefill (a waiting request's whole prefill target:
+    /// its cache hits are only known at admission); `active_decode_blocks`
+    /// sums the blocks of each decoding request (a prefix shared by several
+    /// counts once per request, as each one's attention reads it);
+    /// `kv_blocks_used` counts distinct blocks held by requests.
+    pub fn load_report(&self, now_us: u64) -> LoadReport {
+        let mut running_prefill = 0u64;
+        let mut decode_blocks = 0u64;
+        for seq in &self.sched.running {
+            if seq.is_prefilling() {
+                running_prefill += u64::from(seq.remaining_prefill());
+            } else {
+                decode_blocks += seq.blocks.len() as u64;
+            }
+        }
+        let counts = self.cache.counts();
+        LoadReport {
+            worker: self.worker.clone(),
+            running: self.sched.running.len() as u32,
+            waiting: self.sched.waiting.len() as u32,
+            queued_prefill_tokens: self.sched.waiting_prefill_tokens + running_prefill,
+            active_decode_blocks: decode_blocks,
+            kv_blocks_used: u64::from(counts.in_use),
+            kv_blocks_total: u64::from(counts.total),
+            at_ms: now_us / 1000,
+        }
+    }
+
+    /// Engine restart: every request is dropped (returned, running ones
+    /// first, as submitted), the cache is emptied, and the event stream
+    /// starts over in `new_epoch` (seq 0, first event
+    /// [`protocol::KvEvent::Cleared`]; events not yet taken are lost, as
+    /// they would be with a real engine). The stats keep counting.
+    pub fn restart(&mut self, new_epoch: u64) -> Result<Vec<EngineRequest>, EpochNotIncreasing> {
+        if new_epoch <= self.epoch {
+            return Err(EpochNotIncreasing {
+                current: self.epoch,
+                requested: new_epoch,
+            });
+        }
+        let dropped: Vec<EngineRequest> = self.sched.drain().map(|s| s.to_request()).collect();
+        self.in_flight.clear();
+        self.cache.clear();
+        self.outputs.clear();
+        self.epoch = new_epoch;
+        self.next_seq = 0;
+        Ok(dropped)
+    }
+
+    /// How many leading tokens of `prompt` are cached here right now, in
+    /// whole blocks (what a KV transfer to this worker need not move).
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> u32 {
+        let bs = self.hasher.block_size() as usize;
+        let mut parent = None;
+        let mut hits = 0u32;
+        for block in prompt.chunks_exact(bs) {
+            let hash = BlockHasher::chain(parent, self.hasher.content_hash(block));
+            if !self.cache.contains(hash) {
+                break;
+            }
+            hits += 1;
+            parent = Some(hash);
+        }
+        hits.saturating_mul(self.hasher.block_size())
+    }
+
+    /// Every block hash currently cached (in use or evictable), in no
+    /// particular order.
+    pub fn cached_blocks(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.cache.cached_hashes()
+    }
+
+    /// Number of blocks currently cached under a hash.
+    pub fn cached_block_count(&self) -> usize {
+        self.cache.cached_len()
+    }
+
+    /// Free, evictable and in-use blocks (they add up to the capacity).
+    pub fn block_counts(&self) -> BlockCounts {
+        self.cache.counts()
+    }
+
+    /// No request running or waiting.
+    pub fn is_idle(&self) -> bool {
+        self.sched.is_idle()
+    }
+
+    /// Requests in the running batch.
+    pub fn running(&self) -> usize {
+        self.sched.running.len()
+    }
+
+    /// Requests waiting for admission.
+    pub fn waiting(&self) -> usize {
+        self.sched.waiting.len()
+    }
+
+    /// Counters since the engine was built.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The worker this engine models.
+    pub fn worker(&self) -> &WorkerId {
+        &self.worker
+    }
+
+    /// The worker's role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The event stream's current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// When the last step planned ends.
+    pub fn busy_until_us(&self) -> u64 {
+        self.busy_until_us
+    }
+
+    /// Checks the engine's internal consistency: block reference counts
+    /// against the requests holding them, the free and LRU lists, the hash
+    /// map, prefix closure of the cached blocks and the per-request state.
+    /// O(capacity + requests' blocks); meant for tests and debugging.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let bs = self.config.block_size;
+        let mut holders = vec![0u32; self.config.kv_capacity_blocks as usize];
+        for seq in &self.sched.running {
+            let want = seq.computed.div_ceil(bs) as usize;
+            if seq.blocks.len() < want {
+                return Err(format!(
+                    "request {} holds {} blocks for {} tokens",
+                    seq.id,
+                    seq.blocks.len(),
+                    seq.computed
+                ));
+            }
+            if seq.committed != seq.computed / bs {
+                return Err(format!("request {} has uncommitted full blocks", seq.id));
+            }
+            for (j, &b) in seq.blocks.iter().enumerate() {
+                holders[b as usize] += 1;
+                if (j as u32) < seq.committed && self.cache.lookup(seq.hashes[j]) != Some(b) {
+                    return Err(format!(
+                        "request {} block {j} is not its cached block",
+                        seq.id
+                    ));
+                }
+            }
+        }
+        let mut waiting_prefill = 0u64;
+        for seq in &self.sched.waiting {
+            if !seq.blocks.is_empty() {
+                return Err(format!("waiting request {} holds blocks", seq.id));
+            }
+            waiting_prefill += u64::from(seq.remaining_prefill());
+        }
+        if waiting_prefill != self.sched.waiting_prefill_tokens {
+            return Err("waiting prefill counter drifted".into());
+        }
+        if self.in_flight.len() != self.sched.running.len() + self.sched.waiting.len() {
+            return Err("in-flight set does not match the queues".into());
+        }
+        self.cache.check(&holders)?;
+        // Prefix closure needs the parent of each cached block; the running
+        // requests know it for the blocks they hold.
+        for seq in &self.sched.running {
+            for j in 1..seq.committed as usize {
+                if !self.cache.contains(seq.hashes[j - 1]) {
+                    return Err(format!("parent of a block of request {} is gone", seq.id));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,152 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use engine_sim::{Engine, EngineConfig, EngineRequest, Mode, Preset, StepOutput};
+use protocol::{BlockHash, KvEvent, KvEventBatch, Role, WorkerId};
+
+/// The 8B preset's cost model on a small cache.
+pub fn small_config(
+    block_size: u32,
+    capacity: u32,
+    max_batched: u32,
+    max_running: u32,
+) -> EngineConfig {
+    let mut cfg = Preset::llama8b_h100().engine_config(block_size);
+    cfg.kv_capacity_blocks = capacity;
+    cfg.max_batched_tokens = max_batched;
+    cfg.max_running = max_running;
+    cfg
+}
+
+pub fn worker() -> WorkerId {
+    WorkerId::new("w", 0).unwrap()
+}
+
+pub fn engine(role: Role, cfg: EngineConfig) -> Engine {
+    Engine::new(worker(), role, cfg, 0).unwrap()
+}
+
+/// A request whose outputs are `1_000_000 + id * 1000 + k`.
+pub fn req(id: u64, prompt: &[u32], outputs: u32, mode: Mode) -> EngineRequest {
+    EngineRequest {
+        id,
+        prompt: Arc::from(prompt),
+        output_tokens: (0..outputs)
+            .map(|k| 1_000_000 + id as u32 * 1000 + k)
+            .collect(),
+        mode,
+    }
+}
+
+/// `n` tokens starting at `start`.
+pub fn tokens(start: u32, n: u32) -> Vec<u32> {
+    (start..start + n).collect()
+}
+
+/// Steps until idle (at most `max_steps`), returning every output with the
+/// time it took effect, and the final time.
+pub fn run_to_idle(
+    engine: &mut Engine,
+    mut now: u64,
+    max_steps: usize,
+) -> (Vec<(u64, StepOutput)>, u64) {
+    let mut outs = Vec::new();
+    for _ in 0..max_steps {
+        let Some(step) = engine.step(now) else {
+            return (outs, now);
+        };
+        now = step.end_us();
+        outs.extend(step.outputs.into_iter().map(|o| (now, o)));
+    }
+    panic!("engine not idle after {max_steps} steps");
+}
+
+/// Rebuilds a worker's cache content from its event batches, checking the
+/// stream's contract on the way.
+#[derive(Debug, Default)]
+pub struct Replay {
+    pub blocks: HashSet<BlockHash>,
+    epoch: Option<u64>,
+    next_seq: u64,
+}
+
+impl Replay {
+    /// Applies one batch; panics on a contract violation.
+    pub fn apply(&mut self, batch: &KvEventBatch) {
+        if self.epoch != Some(batch.epoch) {
+            assert!(
+                self.epoch.is_none_or(|e| batch.epoch > e),
+                "epoch went backwards"
+            );
+            assert_eq!(batch.seq, 0, "a new epoch starts at seq 0");
+            assert_eq!(
+                batch.events.first(),
+                Some(&KvEvent::Cleared),
+                "a new epoch starts with Cleared"
+            );
+            self.epoch = Some(batch.epoch);
+            self.next_seq = 0;
+        }
+        assert_eq!(batch.seq, self.next_seq, "seq gap");
+        self.next_seq += 1;
+        assert!(!batch.events.is_empty(), "empty batch");
+        for ev in &batch.events {
+            match ev {
+                KvEvent::Cleared => self.blocks.clear(),
+                KvEvent::Stored {
+                    parent,
+                    blocks,
+                    tier,
+                } => {
+                    assert_eq!(*tier, protocol::Tier::Device);
+                    assert!(!blocks.is_empty());
+                    if let Some(p) = parent {
+                        assert!(self.blocks.contains(p), "stored under an unknown parent");
+                    }
+                    for b in blocks {
+                        assert!(self.blocks.insert(*b), "block stored twice");
+                    }
+                }
+                KvEvent::Removed { blocks, tier } => {
+                    assert_eq!(*tier, protocol::Tier::Device);
+                    for b in blocks {
+                        assert!(self.blocks.remove(b), "removed an unknown block");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes the engine's pending events and checks the replay matches its
+    /// cache.
+    pub fn sync(&mut self, engine: &mut Engine) {
+        while let Some(batch) = engine.take_kv_events() {
+            self.apply(&batch);
+        }
+        let cached: HashSet<BlockHash> = engine.cached_blocks().collect();
+        assert_eq!(self.blocks, cached, "replayed events differ from the cache");
+    }
+}
+
+/// Counts tokens (first + later) per request id.
+pub fn tokens_of(outs: &[(u64, StepOutput)], id: u64) -> u32 {
+    outs.iter()
+        .filter(|(_, o)| {
+            matches!(o, StepOutput::FirstToken { id: i, .. } | StepOutput::Token { id: i } if *i == id)
+        })
+        .count() as u32
+}
+
+/// When the request's first token took effect.
+pub fn first_token_at(outs: &[(u64, StepOutput)], id: u64) -> Option<(u64, u32)> {
+    outs.iter().find_map(|(t, o)| match o {
+        StepOutput::FirstToken {
+            id: i,
+            cached_tokens,
+        } if *i == id => Some((*t, *cached_tokens)),
+        _ => None,
+    })
+}

@@ -1,0 +1,467 @@
+//! Behaviour of one engine: prefix caching, batching, preemption, roles,
+//! events and errors.
+
+mod common;
+
+use common::*;
+use engine_sim::{
+    ConfigError, Engine, EngineRequest, EpochNotIncreasing, Mode, Preset, StepOutput, SubmitError,
+};
+use protocol::{KvEvent, Role, Tier};
+
+#[test]
+fn a_cached_prefix_is_not_recomputed() {
+    let cfg = Preset::llama8b_h100().engine_config(16);
+    let mut e = engine(Role::Both, cfg);
+    let first = tokens(0, 1000);
+    e.submit(req(1, &first, 4, Mode::LocalPrefill)).unwrap();
+    let (outs, now) = run_to_idle(&mut e, 0, 100);
+    let (ttft1, cached1) = first_token_at(&outs, 1).unwrap();
+    assert_eq!(cached1, 0);
+    assert_eq!(e.stats().prefill_tokens, 1000);
+
+    // Same first 992 tokens (62 blocks), 200 new ones.
+    let mut second = tokens(0, 992);
+    second.extend(tokens(50_000, 200));
+    assert_eq!(e.cached_prefix_tokens(&second), 992);
+    e.submit(req(2, &second, 4, Mode::LocalPrefill)).unwrap();
+    let (outs, _) = run_to_idle(&mut e, now, 100);
+    let (t2, cached2) = first_token_at(&outs, 2).unwrap();
+    assert_eq!(cached2, 992);
+    assert_eq!(e.stats().prefill_tokens, 1000 + 200, "only the new tokens");
+    assert!(t2 - now < ttft1, "TTFT {} vs {}", t2 - now, ttft1);
+}
+
+#[test]
+fn a_fully_cached_prompt_still_computes_its_last_token() {
+    let cfg = small_config(4, 64, 64, 8);
+    let mut e = engine(Role::Both, cfg);
+    let prompt = tokens(0, 16);
+    e.submit(req(1, &prompt, 1, Mode::LocalPrefill)).unwrap();
+    let (_, now) = run_to_idle(&mut e, 0, 100);
+    assert_eq!(e.cached_prefix_tokens(&prompt), 16);
+    e.submit(req(2, &prompt, 1, Mode::LocalPrefill)).unwrap();
+    let (outs, _) = run_to_idle(&mut e, now, 100);
+    // The last block is recomputed: sampling needs the last token's logits.
+    assert_eq!(first_token_at(&outs, 2).unwrap().1, 12);
+    assert_eq!(e.stats().prefill_tokens, 16 + 4);
+}
+
+#[test]
+fn a_mixed_step_is_slower_than_the_same_decodes_alone() {
+    let cfg = Preset::llama8b_h100().engine_config(16);
+    let mut a = engine(Role::Both, cfg);
+    for id in 0..8 {
+        a.submit(req(
+            id,
+            &tokens(id as u32 * 10_000, 3000),
+            50,
+            Mode::LocalPrefill,
+        ))
+        .unwrap();
+    }
+    let mut now = 0;
+    while a.stats().output_tokens < 8 * 3 {
+        now = a.step(now).unwrap().end_us();
+    }
+    // Two identical engines from here on; one gets a local prefill.
+    let mut b = engine(Role::Both, cfg);
+    for id in 0..8 {
+        b.submit(req(
+            id,
+            &tokens(id as u32 * 10_000, 3000),
+            50,
+            Mode::LocalPrefill,
+        ))
+        .unwrap();
+    }
+    let mut now_b = 0;
+    while b.stats().output_tokens < 8 * 3 {
+        now_b = b.step(now_b).unwrap().end_us();
+    }
+    assert_eq!(now, now_b, "the engine is deterministic");
+    b.submit(req(99, &tokens(900_000, 1024), 5, Mode::LocalPrefill))
+        .unwrap();
+    let pure = a.step(now).unwrap();
+    let mixed = b.step(now).unwrap();
+    assert_eq!(pure.decode_seqs, 8);
+    assert_eq!(
+        mixed.decode_seqs, 8,
+        "decodes are not displaced by the prefill"
+    );
+    assert_eq!((pure.prefill_tokens, mixed.prefill_tokens), (0, 1024));
+    assert!(
+        mixed.duration_us > pure.duration_us,
+        "{} vs {}",
+        mixed.duration_us,
+        pure.duration_us
+    );
+}
+
+#[test]
+fn preemption_frees_blocks_and_the_preempted_request_completes() {
+    // 12 blocks of 4 tokens. Each request alone peaks at 16 + 19 = 35 tokens
+    // (9 blocks); together they cannot fit.
+    let cfg = small_config(4, 12, 64, 8);
+    let mut e = engine(Role::Both, cfg);
+    e.submit(req(1, &tokens(0, 16), 20, Mode::LocalPrefill))
+        .unwrap();
+    e.submit(req(2, &tokens(100, 16), 20, Mode::LocalPrefill))
+        .unwrap();
+    let mut now = 0;
+    let mut outs = Vec::new();
+    let mut saw_preemption = false;
+    while let Some(step) = e.step(now) {
+        now = step.end_us();
+        if step.outputs.contains(&StepOutput::Preempted { id: 2 }) {
+            saw_preemption = true;
+            // Request 2 holds nothing now; only request 1 holds blocks.
+            assert_eq!(e.running(), 1);
+            assert_eq!(e.waiting(), 1);
+        }
+        assert!(
+            !step.outputs.contains(&StepOutput::Preempted { id: 1 }),
+            "the most recently admitted request is preempted"
+        );
+        e.check_invariants().unwrap();
+        outs.extend(step.outputs.into_iter().map(|o| (now, o)));
+    }
+    assert!(saw_preemption);
+    assert!(e.stats().preemptions >= 1);
+    for id in [1, 2] {
+        assert_eq!(tokens_of(&outs, id), 20, "request {id}");
+        let finished = outs
+            .iter()
+            .filter(|(_, o)| matches!(o, StepOutput::Finished { id: i, output_tokens: 20, .. } if *i == id))
+            .count();
+        assert_eq!(finished, 1);
+    }
+    assert_eq!(e.block_counts().in_use, 0);
+}
+
+#[test]
+fn prefill_only_requests_report_done_and_leave_their_blocks_cached() {
+    let cfg = small_config(16, 64, 256, 8);
+    let mut e = engine(Role::Prefill, cfg);
+    let prompt = tokens(0, 100);
+    assert_eq!(
+        e.submit(req(1, &prompt, 3, Mode::LocalPrefill)),
+        Err(SubmitError::UnsupportedMode {
+            role: Role::Prefill,
+            mode: Mode::LocalPrefill
+        })
+    );
+    // Outputs are ignored: a prefill-only request may carry none.
+    e.submit(req(1, &prompt, 0, Mode::PrefillOnly)).unwrap();
+    let (outs, _) = run_to_idle(&mut e, 0, 10);
+    assert_eq!(
+        outs.iter().map(|(_, o)| *o).collect::<Vec<_>>(),
+        vec![StepOutput::PrefillDone {
+            id: 1,
+            prompt_tokens: 100,
+            cached_tokens: 0
+        }]
+    );
+    assert!(e.is_idle());
+    assert_eq!(e.cached_prefix_tokens(&prompt), 96);
+    assert_eq!(e.block_counts().in_use, 0);
+    let mut replay = Replay::default();
+    replay.sync(&mut e);
+    assert_eq!(replay.blocks.len(), 6);
+    assert_eq!(e.stats().prefills_done, 1);
+}
+
+#[test]
+fn kv_received_requests_compute_no_prefill_and_store_their_blocks() {
+    let cfg = small_config(16, 64, 256, 8);
+    let mut e = engine(Role::Decode, cfg);
+    let prompt = tokens(0, 100);
+    assert!(matches!(
+        e.submit(req(1, &prompt, 3, Mode::PrefillOnly)),
+        Err(SubmitError::UnsupportedMode { .. })
+    ));
+    let request = req(1, &prompt, 30, Mode::KvReceived);
+    let outputs = request.output_tokens.clone();
+    e.submit(request).unwrap();
+    let first = e.step(0).unwrap();
+    assert_eq!((first.prefill_tokens, first.decode_seqs), (0, 1));
+    assert_eq!(
+        first.outputs,
+        vec![StepOutput::FirstToken {
+            id: 1,
+            cached_tokens: 0
+        }]
+    );
+    // The prompt's full blocks are stored on admission, as one chain.
+    let batch = e.take_kv_events().unwrap();
+    assert_eq!(batch.events[0], KvEvent::Cleared);
+    match &batch.events[1] {
+        KvEvent::Stored {
+            parent: None,
+            blocks,
+            tier: Tier::Device,
+        } => assert_eq!(blocks.len(), 6),
+        other => panic!("expected Stored, got {other:?}"),
+    }
+    let (outs, _) = run_to_idle(&mut e, first.end_us(), 100);
+    assert_eq!(tokens_of(&outs, 1) + 1, 30);
+    assert_eq!(e.stats().prefill_tokens, 0);
+    assert_eq!(e.stats().kv_received_tokens, 100);
+    // The next turn (prompt + answer) hits the generated tokens' blocks too:
+    // 100 + 29 tokens have KV, 8 full blocks.
+    let mut next_turn = prompt.clone();
+    next_turn.extend_from_slice(&outputs);
+    next_turn.extend(tokens(70_000, 20));
+    assert_eq!(e.cached_prefix_tokens(&next_turn), 128);
+    e.submit(req(2, &next_turn, 2, Mode::LocalPrefill)).unwrap();
+    let (outs, _) = run_to_idle(&mut e, 0, 100);
+    assert_eq!(first_token_at(&outs, 2).unwrap().1, 128);
+    assert_eq!(e.stats().prefill_tokens, 150 - 128);
+}
+
+#[test]
+fn kv_received_counts_only_what_was_not_cached_as_received() {
+    let cfg = small_config(16, 64, 256, 8);
+    let mut e = engine(Role::Both, cfg);
+    let prompt = tokens(0, 100);
+    e.submit(req(1, &prompt[..64], 0, Mode::PrefillOnly))
+        .unwrap();
+    let (_, now) = run_to_idle(&mut e, 0, 10);
+    e.submit(req(2, &prompt, 2, Mode::KvReceived)).unwrap();
+    let step = e.step(now).unwrap();
+    assert_eq!(
+        step.outputs,
+        vec![StepOutput::FirstToken {
+            id: 2,
+            cached_tokens: 64
+        }]
+    );
+    assert_eq!(e.stats().kv_received_tokens, 36);
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget_and_decodes_go_first() {
+    let cfg = small_config(16, 256, 64, 8);
+    let mut e = engine(Role::Both, cfg);
+    e.submit(req(1, &tokens(0, 10), 100, Mode::LocalPrefill))
+        .unwrap();
+    let s = e.step(0).unwrap();
+    assert_eq!(s.prefill_tokens, 10);
+    e.submit(req(2, &tokens(1000, 200), 2, Mode::LocalPrefill))
+        .unwrap();
+    let mut now = s.end_us();
+    let mut chunks = Vec::new();
+    loop {
+        let s = e.step(now).unwrap();
+        now = s.end_us();
+        // Request 1 decodes every step, taking one budget token.
+        assert_eq!(s.decode_seqs, 1);
+        assert!(s.outputs.contains(&StepOutput::Token { id: 1 }));
+        chunks.push(s.prefill_tokens);
+        if s.outputs
+            .iter()
+            .any(|o| matches!(o, StepOutput::FirstToken { id: 2, .. }))
+        {
+            break;
+        }
+    }
+    assert_eq!(chunks, vec![63, 63, 63, 11]);
+}
+
+#[test]
+fn running_cap_and_fcfs_order_hold() {
+    let cfg = small_config(16, 256, 1024, 2);
+    let mut e = engine(Role::Both, cfg);
+    for id in 1..=3 {
+        e.submit(req(
+            id,
+            &tokens(id as u32 * 1000, 20),
+            3,
+            Mode::LocalPrefill,
+        ))
+        .unwrap();
+    }
+    let s = e.step(0).unwrap();
+    assert_eq!(s.prefill_tokens, 40);
+    assert_eq!((e.running(), e.waiting()), (2, 1));
+    let report = e.load_report(s.end_us());
+    assert_eq!((report.running, report.waiting), (2, 1));
+    assert_eq!(report.queued_prefill_tokens, 20);
+    let (outs, _) = run_to_idle(&mut e, s.end_us(), 100);
+    let t3 = first_token_at(&outs, 3).unwrap().0;
+    let finished: Vec<u64> = outs
+        .iter()
+        .filter_map(|(t, o)| match o {
+            StepOutput::Finished { id, .. } => Some(*t).filter(|_| *id != 3),
+            _ => None,
+        })
+        .collect();
+    assert!(finished.iter().all(|&t| t <= t3), "3 waits for a slot");
+}
+
+#[test]
+fn load_report_counts_blocks_and_prefill_work() {
+    let cfg = small_config(16, 100, 64, 8);
+    let mut e = engine(Role::Both, cfg);
+    let idle = e.load_report(5_500);
+    assert_eq!(idle, protocol::LoadReport::idle(worker(), 100, 5));
+    e.submit(req(1, &tokens(0, 40), 10, Mode::LocalPrefill))
+        .unwrap();
+    e.submit(req(2, &tokens(500, 200), 10, Mode::LocalPrefill))
+        .unwrap();
+    assert_eq!(e.load_report(0).queued_prefill_tokens, 240);
+    let s = e.step(0).unwrap();
+    // Request 1 prefilled (40 tokens, now decoding with 3 blocks); request 2
+    // got a 24-token chunk (2 blocks).
+    let r = e.load_report(s.end_us());
+    assert_eq!(r.queued_prefill_tokens, 176);
+    assert_eq!(r.active_decode_blocks, 3);
+    assert_eq!(r.kv_blocks_used, 5);
+    assert_eq!(r.kv_blocks_total, 100);
+    assert_eq!(r.at_ms, s.end_us() / 1000);
+}
+
+#[test]
+fn event_seq_is_gap_free_and_a_restart_starts_a_new_epoch() {
+    let cfg = small_config(4, 32, 64, 8);
+    let mut e = Engine::new(worker(), Role::Both, cfg, 5).unwrap();
+    let first = e.take_kv_events().unwrap();
+    assert_eq!((first.epoch, first.seq), (5, 0));
+    assert_eq!(first.events, vec![KvEvent::Cleared]);
+    assert!(e.take_kv_events().is_none());
+
+    let mut replay = Replay::default();
+    replay.apply(&first);
+    e.submit(req(1, &tokens(0, 20), 5, Mode::LocalPrefill))
+        .unwrap();
+    e.submit(req(2, &tokens(100, 40), 50, Mode::LocalPrefill))
+        .unwrap();
+    let mut now = 0;
+    for _ in 0..10 {
+        now = e.step(now).unwrap().end_us();
+        replay.sync(&mut e);
+    }
+    assert!(!replay.blocks.is_empty());
+
+    assert_eq!(
+        e.restart(5),
+        Err(EpochNotIncreasing {
+            current: 5,
+            requested: 5
+        })
+    );
+    let dropped = e.restart(6).unwrap();
+    assert_eq!(dropped.iter().map(|r| r.id).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(dropped[0].mode, Mode::LocalPrefill);
+    assert!(e.is_idle());
+    assert_eq!(e.cached_blocks().count(), 0);
+    assert_eq!(e.block_counts().free, 32);
+    let batch = e.take_kv_events().unwrap();
+    assert_eq!((batch.epoch, batch.seq), (6, 0));
+    assert_eq!(batch.events, vec![KvEvent::Cleared]);
+    replay.apply(&batch);
+    // The dropped request can come back.
+    e.submit(dropped[0].clone()).unwrap();
+    run_to_idle(&mut e, now, 1000);
+    replay.sync(&mut e);
+    assert_eq!(e.take_kv_events(), None);
+}
+
+#[test]
+fn a_step_asked_for_early_starts_when_the_previous_one_ends() {
+    let cfg = small_config(16, 64, 64, 8);
+    let mut e = engine(Role::Both, cfg);
+    e.submit(req(1, &tokens(0, 10), 5, Mode::LocalPrefill))
+        .unwrap();
+    let a = e.step(1_000).unwrap();
+    assert_eq!(a.start_us, 1_000);
+    let b = e.step(1_001).unwrap();
+    assert_eq!(b.start_us, a.end_us());
+    assert_eq!(e.busy_until_us(), b.end_us());
+    let c = e.step(b.end_us() + 500).unwrap();
+    assert_eq!(c.start_us, b.end_us() + 500);
+}
+
+#[test]
+fn caller_mistakes_are_typed_errors() {
+    let cfg = small_config(4, 8, 64, 8);
+    let mut e = engine(Role::Both, cfg);
+    assert_eq!(
+        e.submit(req(1, &[], 3, Mode::LocalPrefill)),
+        Err(SubmitError::EmptyPrompt(1))
+    );
+    assert_eq!(
+        e.submit(req(1, &[1, 2], 0, Mode::KvReceived)),
+        Err(SubmitError::NoOutputTokens(1))
+    );
+    // 30 + 3 - 1 = 32 tokens = 8 blocks fit; one more token does not.
+    e.submit(req(1, &tokens(0, 30), 3, Mode::LocalPrefill))
+        .unwrap();
+    assert_eq!(
+        e.submit(req(1, &tokens(0, 3), 3, Mode::LocalPrefill)),
+        Err(SubmitError::DuplicateId(1))
+    );
+    assert_eq!(
+        e.submit(req(2, &tokens(0, 31), 3, Mode::LocalPrefill)),
+        Err(SubmitError::ExceedsKvCapacity {
+            id: 2,
+            needed_blocks: 9,
+            capacity_blocks: 8
+        })
+    );
+    // A finished id may be reused.
+    run_to_idle(&mut e, 0, 100);
+    e.submit(req(1, &tokens(0, 3), 3, Mode::LocalPrefill))
+        .unwrap();
+
+    let bad = |f: fn(&mut engine_sim::EngineConfig)| {
+        let mut cfg = small_config(4, 8, 64, 8);
+        f(&mut cfg);
+        Engine::new(worker(), Role::Both, cfg, 0).unwrap_err()
+    };
+    assert_eq!(bad(|c| c.block_size = 0), ConfigError::ZeroBlockSize);
+    assert_eq!(bad(|c| c.kv_capacity_blocks = 0), ConfigError::ZeroCapacity);
+    assert_eq!(
+        bad(|c| c.kv_capacity_blocks = u32::MAX),
+        ConfigError::CapacityTooLarge(u32::MAX)
+    );
+    assert_eq!(
+        bad(|c| c.max_batched_tokens = 0),
+        ConfigError::ZeroMaxBatchedTokens
+    );
+    assert_eq!(bad(|c| c.max_running = 0), ConfigError::ZeroMaxRunning);
+    assert!(matches!(
+        bad(|c| c.cost.decode_fixed_ms = f64::INFINITY),
+        ConfigError::InvalidCost { .. }
+    ));
+}
+
+#[test]
+fn concurrent_identical_prompts_share_blocks_once_computed() {
+    let cfg = small_config(4, 64, 64, 8);
+    let mut e = engine(Role::Both, cfg);
+    let prompt = tokens(0, 20);
+    e.submit(req(1, &prompt, 8, Mode::LocalPrefill)).unwrap();
+    e.submit(req(2, &prompt, 8, Mode::LocalPrefill)).unwrap();
+    let mut replay = Replay::default();
+    let mut now = 0;
+    while let Some(s) = e.step(now) {
+        now = s.end_us();
+        e.check_invariants().unwrap();
+        replay.sync(&mut e);
+    }
+    // Both computed the prompt in the same step; its 5 blocks are stored
+    // once and the duplicates went back to the free list.
+    assert_eq!(e.stats().prefill_tokens, 40);
+    assert_eq!(e.block_counts().in_use, 0);
+}
+
+#[test]
+fn requests_round_trip_through_restart_unchanged() {
+    let cfg = small_config(4, 64, 64, 8);
+    let mut e = engine(Role::Decode, cfg);
+    let original: EngineRequest = req(9, &tokens(0, 10), 4, Mode::KvReceived);
+    e.submit(original.clone()).unwrap();
+    e.step(0).unwrap();
+    assert_eq!(e.restart(1).unwrap(), vec![original]);
+}
