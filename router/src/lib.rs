@@ -1,1 +1,45 @@
-//! Router.
+//! Switchyard's router: for each request, picks a decode worker (KV-aware),
+//! a prefill worker, and whether to prefill remotely or bypass (prefill
+//! locally on the decode worker).
+//!
+//! This crate is the sans-IO core ([`core`]): time (`now_ms`) and
+//! randomness (an [`rand::Rng`]) are arguments, so that the service, the
+//! simulator and replays drive the very same code.
+//!
+//! ```
+//! use protocol::{DecisionId, HashingContract, Role, WorkerRecord, WorkerSubjects};
+//! use rand::SeedableRng;
+//! use router::{IslBased, RouterConfig, RouterCore};
+//!
+//! let contract = HashingContract::for_model("m", 16);
+//! let mut core = RouterCore::new(RouterConfig::new(contract.clone()), Box::new(IslBased::default())).unwrap();
+//! for (name, role) in [("p0", Role::Prefill), ("d0", Role::Decode)] {
+//!     let id = name.parse().unwrap();
+//!     core.register(WorkerRecord {
+//!         subjects: WorkerSubjects::for_worker(&id),
+//!         id,
+//!         role,
+//!         contract: contract.clone(),
+//!         kv_capacity_blocks: 10_000,
+//!         max_batched_tokens: 8192,
+//!         kv_bytes_per_token: 163_840,
+//!         gpus: 1,
+//!     })
+//!     .unwrap();
+//! }
+//! let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+//! let prompt: Vec<u32> = (0..4000).collect();
+//! let decision = core.route_tokens("r1", &prompt, 100, DecisionId(1), 0, &mut rng).unwrap();
+//! assert_eq!(decision.rule, "isl.long_prefill");
+//! assert_eq!(decision.prefill.unwrap().to_string(), "p0");
+//! ```
+
+pub mod core;
+
+pub use crate::core::{
+    rules, AlwaysDisagg, Candidate, CandidateScore, Charges, ConditionalDisaggPolicy, ConfigError,
+    CostModel, DecodeSelection, EffectiveLoad, Explanation, GateCheck, GateConfig, HeldTokens,
+    IslBased, IslOrLoad, LedgerConfig, LoadBased, NeverDisagg, PolicyInput, PrefillSelection,
+    RouteError, RouteRequest, RouterConfig, RouterCore, SlaDynamic, SlaPrediction, TierWeights,
+    Verdict, Workers,
+};

@@ -1,0 +1,221 @@
+//! One full routing decision for an 8k-token prompt (block size 16) over 64
+//! decode workers and 8 prefill workers with a populated index: hashing,
+//! matching, selection, policy, gate, ledger charge, and the decision with
+//! its reason string.
+//!
+//! Prints the median and tail of individually timed decisions, then runs
+//! the criterion benchmark.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use protocol::{
+    DecisionId, HashingContract, IndexChange, IndexDelta, LoadReport, Role, Tier, WorkerId,
+    WorkerRecord, WorkerSubjects,
+};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use router::{IslBased, RouterConfig, RouterCore};
+
+const DECODE: usize = 64;
+const PREFILL: usize = 8;
+const BLOCK: u32 = 16;
+
+fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 150_000) as u32
+        })
+        .collect()
+}
+
+fn record(name: String, role: Role, contract: &HashingContract) -> WorkerRecord {
+    let id: WorkerId = name.parse().unwrap();
+    WorkerRecord {
+        subjects: WorkerSubjects::for_worker(&id),
+        id,
+        role,
+        contract: contract.clone(),
+        kv_capacity_blocks: 100_000,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 163_840,
+        gpus: 2,
+    }
+}
+
+/// The core and the benched prompt: every worker holds a shared 2k-token
+/// system prompt; each decode worker holds 40 conversations of 2k-8k tokens
+/// behind it (so the index holds about 2 600 chains, 500k blocks); the
+/// benched conversation (7.5k tokens) is on d7 and its first half on d8 and
+/// on p1, and the prompt appends 700 new tokens: a bypass on d7.
+fn setup() -> (RouterCore, Vec<u32>) {
+    let contract = HashingContract::for_model("bench", BLOCK);
+    let mut core = RouterCore::new(
+        RouterConfig::new(contract.clone()),
+        Box::new(IslBased::default()),
+    )
+    .unwrap();
+    let mut names = Vec::new();
+    for i in 0..DECODE {
+        names.push((format!("d{i}"), Role::Decode));
+    }
+    for i in 0..PREFILL {
+        names.push((format!("p{i}"), Role::Prefill));
+    }
+    for (name, role) in &names {
+        core.register(record(name.clone(), *role, &contract))
+            .unwrap();
+    }
+    let hasher = *core.hasher();
+    let system = tokens(1, 2_048);
+    let mut changes = Vec::new();
+    let mut seed = 10;
+    for (w, (name, _)) in names.iter().enumerate() {
+        let worker: WorkerId = name.parse().unwrap();
+        let conversations = if w < DECODE { 40 } else { 5 };
+        for _ in 0..conversations {
+            seed += 1;
+            let mut t = system.clone();
+            t.extend(tokens(seed, 2_000 + (seed as usize * 97) % 6_000));
+            changes.push(IndexChange::Stored {
+                worker: worker.clone(),
+                parent: None,
+                blocks: hasher.hash_prompt(&t),
+                tier: if seed % 5 == 0 {
+                    Tier::Host
+                } else {
+                    Tier::Device
+                },
+            });
+        }
+    }
+    let mut conversation = system.clone();
+    conversation.extend(tokens(7, 7_500 - 2_048));
+    let held = hasher.hash_prompt(&conversation);
+    for (name, n) in [
+        ("d7", held.len()),
+        ("d8", held.len() / 2),
+        ("p1", held.len() / 2),
+    ] {
+        changes.push(IndexChange::Stored {
+            worker: name.parse().unwrap(),
+            parent: None,
+            blocks: held[..n].to_vec(),
+            tier: Tier::Device,
+        });
+    }
+    core.apply_delta(&IndexDelta { seq: 1, changes }).unwrap();
+    for (i, (name, _)) in names.iter().enumerate() {
+        // d7 (which holds the conversation) among the least loaded, so that
+        // the decision is a bypass there and goes through the gate.
+        let d7 = name == "d7";
+        let active = if d7 {
+            5_000
+        } else {
+            5_000 + (i as u64 * 7_919) % 40_000
+        };
+        let queued = if d7 { 0 } else { (i as u64 * 1_013) % 9_000 };
+        core.on_load(
+            LoadReport {
+                worker: name.parse().unwrap(),
+                running: 32,
+                waiting: 0,
+                queued_prefill_tokens: queued,
+                active_decode_blocks: active,
+                kv_blocks_used: active + 10_000,
+                kv_blocks_total: 100_000,
+                at_ms: 0,
+            },
+            0,
+        );
+    }
+    conversation.extend(tokens(8, 8_192 - conversation.len()));
+    assert_eq!(conversation.len(), 8_192);
+    (core, conversation)
+}
+
+/// Routes `n` decisions, timing each; every decision is finished right away
+/// (untimed) so that the ledger stays small and the state steady.
+fn timed(
+    core: &mut RouterCore,
+    prompt: &[u32],
+    rng: &mut ChaCha8Rng,
+    next: &mut u64,
+    n: u64,
+) -> Vec<Duration> {
+    let mut out = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        *next += 1;
+        let id = DecisionId(*next);
+        let start = Instant::now();
+        let decision = core.route_tokens("bench", black_box(prompt), 300, id, *next, rng);
+        out.push(start.elapsed());
+        black_box(&decision);
+        core.on_finished(id);
+        if *next % 4_096 == 0 {
+            core.expire(*next + 120_000);
+        }
+    }
+    out
+}
+
+fn main() {
+    let (mut core, prompt) = setup();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut next = 0;
+    let first = core
+        .route_tokens("bench", &prompt, 300, DecisionId(u64::MAX), 0, &mut rng)
+        .unwrap();
+    core.on_finished(first.id);
+    println!(
+        "decision: {} on {} (rule {}): {}",
+        first.path, first.decode, first.rule, first.reason
+    );
+
+    timed(&mut core, &prompt, &mut rng, &mut next, 2_000); // warm up
+    let mut samples = timed(&mut core, &prompt, &mut rng, &mut next, 20_000);
+    samples.sort_unstable();
+    let q = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6;
+    println!(
+        "full decision, 8k tokens, {DECODE} decode + {PREFILL} prefill workers: p50 {:.2} us, p90 {:.2} us, p99 {:.2} us",
+        q(0.5),
+        q(0.9),
+        q(0.99)
+    );
+
+    let hasher = *core.hasher();
+    let mut hashes = Vec::new();
+    let start = Instant::now();
+    for _ in 0..20_000 {
+        hashes.clear();
+        hasher.extend(None, black_box(&prompt), &mut hashes);
+        black_box(&hashes);
+    }
+    println!(
+        "of which hashing alone: {:.2} us",
+        start.elapsed().as_secs_f64() * 1e6 / 20_000.0
+    );
+    let start = Instant::now();
+    for _ in 0..20_000 {
+        black_box(core.replica().index().find_matches(black_box(&hashes)));
+    }
+    println!(
+        "of which matching alone: {:.2} us",
+        start.elapsed().as_secs_f64() * 1e6 / 20_000.0
+    );
+
+    let mut c = Criterion::default().configure_from_args();
+    c.bench_function("decide/8k_tokens_64_decode_8_prefill", |b| {
+        b.iter_custom(|iters| {
+            timed(&mut core, &prompt, &mut rng, &mut next, iters)
+                .iter()
+                .sum()
+        })
+    });
+    c.final_summary();
+}

@@ -1,0 +1,597 @@
+//! The decision step: match, select, ask the policy, gate, reserve.
+
+use kv_indexer::{DeltaError, IndexReplica, PrefixDepth, RestoreError};
+use protocol::hash::ZeroBlockSize;
+use protocol::{
+    BlockHash, BlockHasher, ContractMismatch, DecisionId, HashingContract, IndexDelta,
+    IndexSnapshot, LoadReport, Path, RouteDecision, WorkerId,
+};
+use rand::Rng;
+
+use super::gate::{GateCheck, GateConfig};
+use super::policy::{rules, Candidate, ConditionalDisaggPolicy, HeldTokens, PolicyInput, Verdict};
+use super::select::{
+    any_free, pick, score_decode, score_prefill, DecodeSelection, PrefillSelection, Scored, Shape,
+};
+use super::workers::{Charge, EffectiveLoad, LedgerConfig, Workers};
+
+/// Everything the router core is configured with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterConfig {
+    /// How blocks are named; workers must register the same contract.
+    pub contract: HashingContract,
+    /// Decode-worker selection.
+    pub decode: DecodeSelection,
+    /// Prefill-worker selection.
+    pub prefill: PrefillSelection,
+    /// The decode gate.
+    pub gate: GateConfig,
+    /// The in-flight ledger's timing.
+    pub ledger: LedgerConfig,
+}
+
+impl RouterConfig {
+    /// The defaults for a contract.
+    pub fn new(contract: HashingContract) -> Self {
+        Self {
+            contract,
+            decode: DecodeSelection::default(),
+            prefill: PrefillSelection::default(),
+            gate: GateConfig::default(),
+            ledger: LedgerConfig::default(),
+        }
+    }
+
+    /// Checks every numeric setting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let non_negative = [
+            ("decode.overlap_credit", self.decode.overlap_credit),
+            ("decode.tier_weights.host", self.decode.tier_weights.host),
+            ("decode.tier_weights.disk", self.decode.tier_weights.disk),
+            ("decode.queue_weight", self.decode.queue_weight),
+            ("decode.temperature", self.decode.temperature),
+            ("prefill.tier_weights.host", self.prefill.tier_weights.host),
+            ("prefill.tier_weights.disk", self.prefill.tier_weights.disk),
+            ("prefill.temperature", self.prefill.temperature),
+            ("decode.busy_kv_usage", self.decode.busy_kv_usage),
+        ];
+        for (field, value) in non_negative {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(ConfigError::OutOfRange {
+                    field,
+                    value,
+                    expected: "a finite number >= 0",
+                });
+            }
+        }
+        let budget = self.gate.budget_fraction;
+        if !(budget.is_finite() && budget > 0.0) {
+            return Err(ConfigError::OutOfRange {
+                field: "gate.budget_fraction",
+                value: budget,
+                expected: "a finite number > 0",
+            });
+        }
+        BlockHasher::new(self.contract.block_size, self.contract.salt)?;
+        Ok(())
+    }
+}
+
+/// Why a configuration is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// The contract's block size is zero.
+    #[error(transparent)]
+    ZeroBlockSize(#[from] ZeroBlockSize),
+    /// A numeric setting is out of range.
+    #[error("{field} = {value} is out of range: expected {expected}")]
+    OutOfRange {
+        /// The setting.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// What it must be.
+        expected: &'static str,
+    },
+}
+
+/// Why a request could not be routed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// No worker with role decode or both is registered.
+    #[error("no decode-capable worker is registered")]
+    NoDecodeWorker,
+    /// The prompt has no token.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// The prompt is longer than `u32::MAX` tokens.
+    #[error("a prompt of {0} tokens is too long")]
+    PromptTooLong(usize),
+    /// More block hashes than the prompt has full blocks.
+    #[error("{blocks} block hashes for a {isl_tokens}-token prompt (at most {max} full blocks of {block_size} tokens)")]
+    TooManyBlocks {
+        /// Hashes given.
+        blocks: usize,
+        /// The prompt's length.
+        isl_tokens: u32,
+        /// Tokens per block.
+        block_size: u32,
+        /// Full blocks in the prompt.
+        max: u32,
+    },
+    /// The decision id is already in the ledger (in flight or just
+    /// finished): its reservation would be lost.
+    #[error("decision {0} is already in flight or recently finished")]
+    DuplicateDecision(DecisionId),
+}
+
+/// One request to route.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// The caller's request id (copied into the decision).
+    pub request_id: &'a str,
+    /// Prompt length in tokens.
+    pub isl_tokens: u32,
+    /// Chained hashes of the prompt's leading full blocks (all of them, or
+    /// a prefix: overlaps beyond it are not seen).
+    pub block_hashes: &'a [BlockHash],
+    /// Output tokens expected (for the KV the request will hold).
+    pub expected_output_tokens: u32,
+}
+
+/// One candidate's numbers, as a selection looked at them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CandidateScore {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Leading prompt blocks it holds per tier (cumulative).
+    pub depth: PrefixDepth,
+    /// Its weighted overlap, in blocks.
+    pub overlap_blocks: f64,
+    /// Its effective load.
+    pub load: EffectiveLoad,
+    /// Whether the busy filter marked it (decode only).
+    pub busy: bool,
+    /// Its selection cost (lower is better).
+    pub cost: f64,
+}
+
+/// Everything a decision looked at, for explain and replay. Filled only by
+/// [`RouterCore::route_explained`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Explanation {
+    /// Blocks the request occupies on its decode worker.
+    pub request_blocks: u64,
+    /// Every decode candidate, in id order.
+    pub decode: Vec<CandidateScore>,
+    /// The decode candidate selection picked (index into `decode`); the
+    /// final decode worker differs when the gate moved the request.
+    pub decode_pick: Option<usize>,
+    /// Every prefill candidate, in id order.
+    pub prefill: Vec<CandidateScore>,
+    /// The prefill candidate selection picked (index into `prefill`).
+    pub prefill_pick: Option<usize>,
+    /// The policy's parameters.
+    pub policy_params: Vec<(&'static str, f64)>,
+    /// The policy's verdict, before the gate (`None`: the policy was not
+    /// asked, as no prefill worker exists).
+    pub verdict: Option<Verdict>,
+    /// The gate's check of the bypass (`None`: no bypass was checked).
+    pub gate: Option<GateCheck>,
+}
+
+#[derive(Debug, Default)]
+struct Scratch {
+    depths: Vec<PrefixDepth>,
+    decode: Vec<Scored>,
+    prefill: Vec<Scored>,
+    hashes: Vec<BlockHash>,
+}
+
+/// The router's sans-IO core: worker view, index replica, policy and the
+/// decision step. Time and randomness come in as arguments.
+#[derive(Debug)]
+pub struct RouterCore {
+    config: RouterConfig,
+    hasher: BlockHasher,
+    policy: Box<dyn ConditionalDisaggPolicy>,
+    workers: Workers,
+    replica: IndexReplica,
+    scratch: Scratch,
+}
+
+impl RouterCore {
+    /// A core with no worker and an empty index.
+    pub fn new(
+        config: RouterConfig,
+        policy: Box<dyn ConditionalDisaggPolicy>,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let hasher = BlockHasher::new(config.contract.block_size, config.contract.salt)?;
+        Ok(Self {
+            workers: Workers::new(config.contract.clone(), config.ledger),
+            config,
+            hasher,
+            policy,
+            replica: IndexReplica::new(),
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &dyn ConditionalDisaggPolicy {
+        self.policy.as_ref()
+    }
+
+    /// The block hasher of the configured contract.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// The worker view and ledger.
+    pub fn workers(&self) -> &Workers {
+        &self.workers
+    }
+
+    /// The index replica.
+    pub fn replica(&self) -> &IndexReplica {
+        &self.replica
+    }
+
+    /// The index replica, to apply deltas or restore a snapshot.
+    pub fn replica_mut(&mut self) -> &mut IndexReplica {
+        &mut self.replica
+    }
+
+    /// Applies the indexer's next delta to the replica.
+    pub fn apply_delta(&mut self, delta: &IndexDelta) -> Result<(), DeltaError> {
+        self.replica.apply(delta)
+    }
+
+    /// Replaces the replica's state with a snapshot.
+    pub fn restore(&mut self, snapshot: IndexSnapshot) -> Result<(), RestoreError> {
+        self.replica.restore(snapshot)
+    }
+
+    /// See [`Workers::register`].
+    pub fn register(&mut self, record: protocol::WorkerRecord) -> Result<(), ContractMismatch> {
+        self.workers.register(record)
+    }
+
+    /// See [`Workers::deregister`].
+    pub fn deregister(&mut self, id: &WorkerId) -> bool {
+        self.workers.deregister(id)
+    }
+
+    /// See [`Workers::on_load`].
+    pub fn on_load(&mut self, report: LoadReport, now_ms: u64) -> bool {
+        self.workers.on_load(report, now_ms)
+    }
+
+    /// See [`Workers::on_decision`].
+    pub fn on_decision(&mut self, decision: &RouteDecision) -> bool {
+        self.workers.on_decision(decision)
+    }
+
+    /// See [`Workers::on_prefill_done`].
+    pub fn on_prefill_done(&mut self, id: DecisionId) -> bool {
+        self.workers.on_prefill_done(id)
+    }
+
+    /// See [`Workers::on_finished`].
+    pub fn on_finished(&mut self, id: DecisionId) -> bool {
+        self.workers.on_finished(id)
+    }
+
+    /// See [`Workers::expire`].
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        self.workers.expire(now_ms)
+    }
+
+    /// Routes one request: finds every worker's cached prefix, picks the
+    /// decode worker and (if any) the prefill worker, asks the policy,
+    /// applies the decode gate, and charges the decision to the ledger.
+    pub fn route<R: Rng + ?Sized>(
+        &mut self,
+        request: &RouteRequest<'_>,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<RouteDecision, RouteError> {
+        self.decide(request, id, now_ms, rng, None)
+    }
+
+    /// [`RouterCore::route`], also returning what the decision looked at.
+    pub fn route_explained<R: Rng + ?Sized>(
+        &mut self,
+        request: &RouteRequest<'_>,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<(RouteDecision, Explanation), RouteError> {
+        let mut explanation = Explanation::default();
+        let decision = self.decide(request, id, now_ms, rng, Some(&mut explanation))?;
+        Ok((decision, explanation))
+    }
+
+    /// Hashes a prompt with the configured hasher, then routes it.
+    pub fn route_tokens<R: Rng + ?Sized>(
+        &mut self,
+        request_id: &str,
+        tokens: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<RouteDecision, RouteError> {
+        self.route_tokens_inner(
+            request_id,
+            tokens,
+            expected_output_tokens,
+            id,
+            now_ms,
+            rng,
+            None,
+        )
+    }
+
+    /// [`RouterCore::route_tokens`], also returning what the decision
+    /// looked at.
+    pub fn route_tokens_explained<R: Rng + ?Sized>(
+        &mut self,
+        request_id: &str,
+        tokens: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<(RouteDecision, Explanation), RouteError> {
+        let mut explanation = Explanation::default();
+        let decision = self.route_tokens_inner(
+            request_id,
+            tokens,
+            expected_output_tokens,
+            id,
+            now_ms,
+            rng,
+            Some(&mut explanation),
+        )?;
+        Ok((decision, explanation))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn route_tokens_inner<R: Rng + ?Sized>(
+        &mut self,
+        request_id: &str,
+        tokens: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+        explain: Option<&mut Explanation>,
+    ) -> Result<RouteDecision, RouteError> {
+        let isl_tokens =
+            u32::try_from(tokens.len()).map_err(|_| RouteError::PromptTooLong(tokens.len()))?;
+        let mut hashes = std::mem::take(&mut self.scratch.hashes);
+        hashes.clear();
+        self.hasher.extend(None, tokens, &mut hashes);
+        let request = RouteRequest {
+            request_id,
+            isl_tokens,
+            block_hashes: &hashes,
+            expected_output_tokens,
+        };
+        let result = self.decide(&request, id, now_ms, rng, explain);
+        self.scratch.hashes = hashes;
+        result
+    }
+
+    fn decide<R: Rng + ?Sized>(
+        &mut self,
+        req: &RouteRequest<'_>,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+        explain: Option<&mut Explanation>,
+    ) -> Result<RouteDecision, RouteError> {
+        let bs = self.hasher.block_size();
+        let isl = req.isl_tokens;
+        if isl == 0 {
+            return Err(RouteError::EmptyPrompt);
+        }
+        if req.block_hashes.len() > (isl / bs) as usize {
+            return Err(RouteError::TooManyBlocks {
+                blocks: req.block_hashes.len(),
+                isl_tokens: isl,
+                block_size: bs,
+                max: isl / bs,
+            });
+        }
+        if self.workers.knows_decision(id) {
+            return Err(RouteError::DuplicateDecision(id));
+        }
+        if self.workers.decode_slots().is_empty() {
+            return Err(RouteError::NoDecodeWorker);
+        }
+
+        // Every worker's cached prefix, by our slot.
+        let Scratch {
+            depths,
+            decode,
+            prefill,
+            ..
+        } = &mut self.scratch;
+        let index = self.replica.index();
+        let matches = index.find_matches(req.block_hashes);
+        depths.clear();
+        depths.resize(self.workers.slot_count(), PrefixDepth::default());
+        for (islot, depth) in matches.iter() {
+            let slot = index.worker(islot).and_then(|w| self.workers.slot_index(w));
+            if let Some(slot) = slot {
+                depths[slot as usize] = depth;
+            }
+        }
+
+        // Selection.
+        let shape = Shape::new(isl, req.expected_output_tokens, bs);
+        let dcfg = &self.config.decode;
+        score_decode(dcfg, &self.workers, depths, &shape, decode);
+        let free = any_free(decode);
+        let eligible = |s: &Scored| !free || !s.busy;
+        let d_pick =
+            pick(decode, eligible, dcfg.temperature, rng).ok_or(RouteError::NoDecodeWorker)?;
+        score_prefill(&self.config.prefill, &self.workers, depths, &shape, prefill);
+        let p_pick = pick(prefill, |_| true, self.config.prefill.temperature, rng);
+
+        let held = |depth: PrefixDepth| HeldTokens {
+            device: depth.device.saturating_mul(bs).min(isl),
+            host: depth.host.saturating_mul(bs).min(isl),
+            disk: depth.disk.saturating_mul(bs).min(isl),
+        };
+        let candidate = |s: &Scored| {
+            let slot = self.workers.slot(s.slot);
+            slot.record.as_ref().map(|record| Candidate {
+                id: &slot.id,
+                record,
+                load: s.load,
+                held: held(s.depth),
+            })
+        };
+        let d = candidate(&decode[d_pick]).ok_or(RouteError::NoDecodeWorker)?;
+        let p = p_pick.and_then(|i| candidate(&prefill[i]));
+
+        // Policy.
+        let verdict = match &p {
+            Some(p) => self.policy.decide(&PolicyInput {
+                isl_tokens: isl,
+                expected_output_tokens: req.expected_output_tokens,
+                block_size: bs,
+                decode: d,
+                prefill: *p,
+            }),
+            None => Verdict {
+                path: Path::Bypass,
+                rule: rules::NO_PREFILL_WORKER,
+                reason: format!(
+                    "no prefill worker registered: aggregated on {}, local prefill of {} of {isl} tokens",
+                    d.id,
+                    isl - d.held.any()
+                ),
+            },
+        };
+
+        // The decode gate.
+        let mut path = verdict.path;
+        let mut rule = verdict.rule;
+        let mut final_d = d_pick;
+        let mut gate_check = None;
+        let mut veto = None;
+        if let (Path::Bypass, Some(p)) = (path, &p) {
+            let gate = &self.config.gate;
+            let check = gate.check(&decode[d_pick].load, shape.request_blocks);
+            gate_check = Some(check);
+            if !check.fits {
+                path = Path::Remote;
+                rule = rules::GATE_KV_BUDGET;
+                let room =
+                    |s: &Scored| eligible(s) && gate.check(&s.load, shape.request_blocks).fits;
+                let moved = pick(decode, room, dcfg.temperature, rng);
+                if let Some(m) = moved {
+                    final_d = m;
+                }
+                let capacity = decode[d_pick].load.kv_capacity_blocks;
+                let target = match moved {
+                    Some(m) => format!(
+                        "decode moved to {}, which has room",
+                        self.workers.slot(decode[m].slot).id
+                    ),
+                    None => format!("no decode worker has room, decode stays on {}", d.id),
+                };
+                veto = Some(format!(
+                    "; vetoed by the decode gate: {} would use {} + {} = {} > {:.2} × {capacity} = {:.0} KV blocks: remote prefill on {}, {target}",
+                    d.id,
+                    check.used_blocks,
+                    check.request_blocks,
+                    check.used_blocks.saturating_add(check.request_blocks),
+                    gate.budget_fraction,
+                    check.budget_blocks,
+                    p.id,
+                ));
+            }
+        }
+
+        // The decision, and its charge to the ledger.
+        let final_slot = decode[final_d].slot;
+        let d_final = if final_d == d_pick {
+            d
+        } else {
+            candidate(&decode[final_d]).ok_or(RouteError::NoDecodeWorker)?
+        };
+        let prefill_overlap_tokens = p.as_ref().map_or(0, |p| p.held.any());
+        let (prefiller, prefill_tokens) = match (path, p_pick) {
+            (Path::Remote, Some(i)) => (prefill[i].slot, isl - prefill_overlap_tokens),
+            _ => (final_slot, isl - d_final.held.any()),
+        };
+        if let Some(e) = explain {
+            let score = |s: &Scored| CandidateScore {
+                worker: self.workers.slot(s.slot).id.clone(),
+                depth: s.depth,
+                overlap_blocks: s.overlap_blocks,
+                load: s.load,
+                busy: s.busy,
+                cost: s.cost,
+            };
+            *e = Explanation {
+                request_blocks: shape.request_blocks,
+                decode: decode.iter().map(score).collect(),
+                decode_pick: Some(d_pick),
+                prefill: prefill.iter().map(score).collect(),
+                prefill_pick: p_pick,
+                policy_params: self.policy.params(),
+                verdict: p.is_some().then(|| verdict.clone()),
+                gate: gate_check,
+            };
+        }
+
+        let mut reason = verdict.reason;
+        if let Some(veto) = veto {
+            reason.push_str(&veto);
+        }
+        let decision = RouteDecision {
+            id,
+            request_id: req.request_id.to_owned(),
+            path,
+            decode: d_final.id.clone(),
+            prefill: match path {
+                Path::Remote => p.as_ref().map(|p| p.id.clone()),
+                Path::Bypass => None,
+            },
+            isl_tokens: isl,
+            decode_overlap_tokens: d_final.held.any(),
+            prefill_overlap_tokens,
+            reserved_decode_blocks: shape.request_blocks,
+            reserved_prefill_tokens: u64::from(prefill_tokens),
+            policy: self.policy.name().to_owned(),
+            rule: rule.to_owned(),
+            reason,
+            at_ms: now_ms,
+        };
+
+        self.workers.charge(
+            id,
+            Charge {
+                decode: final_slot,
+                prefiller,
+                prefill_tokens: u64::from(prefill_tokens),
+                decode_blocks: shape.request_blocks,
+                at_ms: now_ms,
+            },
+        );
+        Ok(decision)
+    }
+}

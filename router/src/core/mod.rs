@@ -1,0 +1,25 @@
+//! The router's pure decision core: no IO, no clock, no ambient randomness.
+//!
+//! * [`workers`]: registered workers, load reports and the in-flight ledger;
+//! * [`select`]: decode and prefill selection;
+//! * [`policy`] (and its SLA model): bypass or remote prefill;
+//! * [`gate`]: the decode gate;
+//! * [`decide`]: [`RouterCore`], which puts them together.
+
+pub mod decide;
+pub mod gate;
+pub mod policy;
+pub mod select;
+mod sla;
+pub mod workers;
+
+pub use decide::{
+    CandidateScore, ConfigError, Explanation, RouteError, RouteRequest, RouterConfig, RouterCore,
+};
+pub use gate::{GateCheck, GateConfig};
+pub use policy::{
+    rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens, IslBased,
+    IslOrLoad, LoadBased, NeverDisagg, PolicyInput, SlaDynamic, SlaPrediction, Verdict,
+};
+pub use select::{DecodeSelection, PrefillSelection, TierWeights};
+pub use workers::{Charges, EffectiveLoad, LedgerConfig, Workers};

@@ -1,0 +1,113 @@
+//! Helpers shared by the router's integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+
+use kv_indexer::{KvIndexer, OwnershipIndex};
+use protocol::{
+    BlockHash, HashingContract, KvEvent, KvEventBatch, LoadReport, Role, Tier, WorkerId,
+    WorkerRecord, WorkerSubjects,
+};
+use router::{ConditionalDisaggPolicy, RouterConfig, RouterCore};
+
+pub const BLOCK: u32 = 16;
+
+pub fn contract() -> HashingContract {
+    HashingContract::for_model("test-model", BLOCK)
+}
+
+pub fn id(name: &str) -> WorkerId {
+    name.parse().unwrap()
+}
+
+pub fn record(name: &str, role: Role, capacity: u64) -> WorkerRecord {
+    let id = id(name);
+    WorkerRecord {
+        subjects: WorkerSubjects::for_worker(&id),
+        id,
+        role,
+        contract: contract(),
+        kv_capacity_blocks: capacity,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 163_840,
+        gpus: 2,
+    }
+}
+
+pub fn core_with(config: RouterConfig, policy: Box<dyn ConditionalDisaggPolicy>) -> RouterCore {
+    RouterCore::new(config, policy).unwrap()
+}
+
+pub fn report(worker: &str, active: u64, used: u64, total: u64, at_ms: u64) -> LoadReport {
+    LoadReport {
+        worker: id(worker),
+        running: (active / 64) as u32,
+        waiting: 0,
+        queued_prefill_tokens: 0,
+        active_decode_blocks: active,
+        kv_blocks_used: used,
+        kv_blocks_total: total,
+        at_ms,
+    }
+}
+
+/// Deterministic pseudo-random tokens.
+pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 150_000) as u32
+        })
+        .collect()
+}
+
+/// The real event pipeline: worker event batches through a `KvIndexer`,
+/// its deltas applied to the router's replica.
+pub struct Pipeline {
+    pub indexer: KvIndexer,
+    seqs: HashMap<WorkerId, u64>,
+}
+
+impl Default for Pipeline {
+    fn default() -> Self {
+        Self {
+            indexer: KvIndexer::new(OwnershipIndex::new()),
+            seqs: HashMap::new(),
+        }
+    }
+}
+
+impl Pipeline {
+    /// `worker` now holds `hashes[from..]` (it held `hashes[..from]`).
+    pub fn store(
+        &mut self,
+        core: &mut RouterCore,
+        worker: &WorkerId,
+        hashes: &[BlockHash],
+        from: usize,
+        tier: Tier,
+    ) {
+        if from >= hashes.len() {
+            return;
+        }
+        let seq = self.seqs.entry(worker.clone()).or_insert(0);
+        let batch = KvEventBatch {
+            worker: worker.clone(),
+            epoch: 1,
+            seq: *seq,
+            events: vec![KvEvent::Stored {
+                parent: from.checked_sub(1).map(|i| hashes[i]),
+                blocks: hashes[from..].to_vec(),
+                tier,
+            }],
+        };
+        *seq += 1;
+        let outcome = self.indexer.apply(batch);
+        if let Some(delta) = outcome.delta {
+            core.apply_delta(&delta).unwrap();
+        }
+    }
+}
