@@ -1,1 +1,14 @@
-//! Cluster simulator.
+//! The cluster simulator: runs a whole conditional-disaggregation cluster
+//! in virtual time through the real router and index cores and the engine
+//! model, and compares deployments and policies on a workload.
+
+pub mod cluster;
+pub mod compare;
+pub mod deployment;
+pub mod metrics;
+pub mod plot;
+pub mod workload;
+
+pub use cluster::{simulate, RunResult, SimConfig, SimError};
+pub use deployment::{Deployment, PolicyKind};
+pub use metrics::{Percentiles, RequestRecord, RunSummary, Slo};

@@ -105,8 +105,14 @@ pub struct SlaPrediction {
     /// The decode worker's step time without this request's prefill (0
     /// when nothing runs there).
     pub itl_base_ms: f64,
-    /// Its step time with the largest (and last, most-attending) chunk of
-    /// this prefill mixed in (0 when nothing runs there: no one to slow).
+    /// Time the prefills queued on the decode worker and this local
+    /// prefill's chunks add to its steps, in total: every request running
+    /// there waits that much longer.
+    pub prefill_stall_ms: f64,
+    /// The mean ITL of the requests running on the decode worker while the
+    /// local prefill runs: the base step plus the stall spread over an
+    /// answer of the expected length (the ITL target is a per-request mean,
+    /// TPOT). 0 when nothing runs there: no one to slow.
     pub itl_local_ms: f64,
     /// Tokens a remote prefill computes on the prefill worker.
     pub remote_prefill_tokens: u64,
@@ -166,9 +172,20 @@ impl SlaDynamic {
         let local_ttft = c.queue_ms(d.load.queued_prefill_tokens, mbt_d)
             + c.prefill_ms(local, isl.saturating_sub(local))
             + chunks as f64 * itl_base;
-        let chunk = local.min(u64::from(mbt_d));
+        // Chunk k attends to the cached prefix and the chunks before it;
+        // the queued prefills ahead of it stall the decodes too (linear
+        // term only: their contexts are unknown).
+        let queued_stall = c.prefill_c1_ms * d.load.queued_prefill_tokens as f64;
+        let stall: f64 = queued_stall
+            + (0..chunks)
+                .map(|k| {
+                    let start = k * u64::from(mbt_d);
+                    let chunk = (local - start).min(u64::from(mbt_d));
+                    c.mixed_chunk_ms(chunk, d_hit + start)
+                })
+                .sum::<f64>();
         let itl_local = if batch > 0 {
-            itl_base + c.mixed_chunk_ms(chunk, isl.saturating_sub(chunk))
+            itl_base + stall / f64::from(input.expected_output_tokens.max(1))
         } else {
             0.0
         };
@@ -185,6 +202,7 @@ impl SlaDynamic {
             local_prefill_tokens: local,
             local_ttft_ms: local_ttft,
             itl_base_ms: itl_base,
+            prefill_stall_ms: stall,
             itl_local_ms: itl_local,
             remote_prefill_tokens: remote,
             transfer_ms: transfer,
@@ -297,8 +315,9 @@ mod tests {
 
     /// The ITL target is the threshold of interest: with 20 running requests
     /// of 1k tokens on d0 the base step is 17.8 + 12 + 0.88 = 30.7 ms;
-    /// a local append of `n` tokens on a 7k-token cached prompt adds about
-    /// 0.065 n + 2.75e-6 n (n + 2 (7000 + ...)).
+    /// a local append of `n` tokens on a 7.8k-token cached prompt stalls
+    /// them about 0.065 n + 2.75e-6 n (n + 2 * 7800) ms in total, spread
+    /// over the expected answer.
     #[test]
     fn sla_rule_at_and_around_the_itl_target() {
         let f = Fixture::new();

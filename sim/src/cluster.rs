@@ -1,0 +1,495 @@
+//! One simulated cluster run: a discrete-event loop in virtual time that
+//! drives the real router and indexer cores and the engine model.
+//!
+//! Events, in time order (ties in the order they were scheduled):
+//! - an arrival is routed by [`RouterCore`] and submitted to its prefill
+//!   worker (remote) or its decode worker (bypass);
+//! - an engine step ends: its outputs take effect (first tokens, prefills
+//!   done, finished requests), its KV events leave for the indexer, and the
+//!   engine starts its next step;
+//! - KV events reach the [`KvIndexer`] after a propagation delay; its delta
+//!   goes to the router's index replica;
+//! - a prefill's KV transfer ends: the request is submitted to its decode
+//!   worker;
+//! - every load interval each engine's load report reaches the router.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+
+use engine_sim::{Engine, EngineRequest, KvTransfer, Mode, Preset, StepOutput};
+use kv_indexer::{KvIndexer, OwnershipIndex};
+use protocol::{
+    DecisionId, HashingContract, KvEventBatch, Path, RouteDecision, WorkerId, WorkerRecord,
+    WorkerSubjects,
+};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use router::{rules, RouterConfig, RouterCore};
+
+use crate::deployment::Deployment;
+use crate::metrics::{Counters, RequestRecord, RunSummary, Slo};
+use crate::workload::{Arrival, RequestSpec, Workload};
+
+/// Everything one run needs besides its workload.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub preset: Preset,
+    pub block_size: u32,
+    pub deployment: Deployment,
+    /// The P -> D KV link.
+    pub link: KvTransfer,
+    /// Engine KV event -> indexer -> router replica.
+    pub index_delay_us: u64,
+    /// Load reports reach the router this often.
+    pub load_interval_us: u64,
+    /// Output length the router assumes when it reserves KV.
+    pub expected_output_tokens: u32,
+    pub slo: Slo,
+    /// Seeds the router's tie-breaking.
+    pub seed: u64,
+    /// Share of the arrival window excluded from the figures while the
+    /// cluster fills up.
+    pub warmup_fraction: f64,
+}
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("engine configuration: {0}")]
+    Engine(#[from] engine_sim::ConfigError),
+    #[error("router configuration: {0}")]
+    Router(#[from] router::ConfigError),
+    #[error("worker registration: {0}")]
+    Registration(#[from] protocol::ContractMismatch),
+    #[error("a deployment needs at least one decode-capable worker")]
+    NoDecodeWorker,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    pub summary: RunSummary,
+    pub records: Vec<RequestRecord>,
+    /// Virtual time at the end, microseconds.
+    pub end_us: u64,
+    pub gpus: u32,
+}
+
+#[derive(Debug)]
+enum Event {
+    /// `pulled`: from [`Workload::next_arrival`] (whose successor is pulled
+    /// when it arrives), not a conversation's next turn.
+    Arrival {
+        arrival: Arrival,
+        pulled: bool,
+    },
+    StepEnd {
+        worker: usize,
+        outputs: Vec<StepOutput>,
+    },
+    KvEvents(KvEventBatch),
+    TransferDone {
+        request: u64,
+    },
+    LoadTick,
+}
+
+#[derive(Debug)]
+struct Scheduled {
+    at_us: u64,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at_us, self.seq) == (other.at_us, other.seq)
+    }
+}
+
+impl Eq for Scheduled {}
+
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Scheduled {
+    /// Reversed: the heap pops the earliest event first.
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.at_us, other.seq).cmp(&(self.at_us, self.seq))
+    }
+}
+
+/// A request between its arrival and its last token.
+#[derive(Debug)]
+struct InFlight {
+    spec: RequestSpec,
+    arrival_us: u64,
+    decision: DecisionId,
+    path: Path,
+    decode: usize,
+    first_token_us: Option<u64>,
+}
+
+struct Cluster<'w> {
+    config: SimConfig,
+    workload: &'w mut dyn Workload,
+    now_us: u64,
+    queue: BinaryHeap<Scheduled>,
+    seq: u64,
+    /// Events other than load ticks waiting in the queue.
+    pending: usize,
+    engines: Vec<Engine>,
+    busy: Vec<bool>,
+    worker_index: HashMap<WorkerId, usize>,
+    router: RouterCore,
+    indexer: KvIndexer,
+    rng: ChaCha8Rng,
+    in_flight: HashMap<u64, InFlight>,
+    records: Vec<RequestRecord>,
+    counters: Counters,
+    window: (u64, u64),
+}
+
+/// Runs one deployment on one workload to the end and summarises it.
+pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunResult, SimError> {
+    let mut cluster = Cluster::new(config.clone(), workload)?;
+    cluster.run();
+    let gpus = cluster.engines.len() as u32 * config.preset.gpus;
+    cluster.counters.preemptions = cluster.engines.iter().map(|e| e.stats().preemptions).sum();
+    let summary = RunSummary::new(
+        &cluster.records,
+        &cluster.counters,
+        cluster.window,
+        gpus,
+        &config.slo,
+    );
+    Ok(RunResult {
+        summary,
+        records: cluster.records,
+        end_us: cluster.now_us,
+        gpus,
+    })
+}
+
+impl<'w> Cluster<'w> {
+    fn new(config: SimConfig, workload: &'w mut dyn Workload) -> Result<Self, SimError> {
+        let contract = HashingContract::for_model(config.preset.model, config.block_size);
+        let policy = config.deployment.policy(&config.preset, &config.link);
+        let mut router = RouterCore::new(RouterConfig::new(contract.clone()), policy)?;
+        let engine_config = config.preset.engine_config(config.block_size);
+        let mut engines = Vec::new();
+        let mut worker_index = HashMap::new();
+        for (i, role) in config.deployment.roles().into_iter().enumerate() {
+            let prefix = match role {
+                protocol::Role::Prefill => "p",
+                protocol::Role::Decode => "d",
+                protocol::Role::Both => "w",
+            };
+            let id = WorkerId::new(&format!("{prefix}{i}"), 0).expect("a valid name");
+            router.register(WorkerRecord {
+                subjects: WorkerSubjects::for_worker(&id),
+                id: id.clone(),
+                role,
+                contract: HashingContract {
+                    salt: engine_config.salt,
+                    block_size: engine_config.block_size,
+                    ..contract.clone()
+                },
+                kv_capacity_blocks: u64::from(engine_config.kv_capacity_blocks),
+                max_batched_tokens: engine_config.max_batched_tokens,
+                kv_bytes_per_token: engine_config.kv_bytes_per_token,
+                gpus: engine_config.gpus,
+            })?;
+            worker_index.insert(id.clone(), i);
+            engines.push(Engine::new(id, role, engine_config, 1)?);
+        }
+        if !engines.iter().any(|e| e.role().decodes()) {
+            return Err(SimError::NoDecodeWorker);
+        }
+        let window_end = workload.arrival_window_us();
+        let warmup = (window_end as f64 * config.warmup_fraction.clamp(0.0, 0.9)) as u64;
+        let busy = vec![false; engines.len()];
+        let rng = ChaCha8Rng::seed_from_u64(config.seed);
+        Ok(Self {
+            config,
+            workload,
+            now_us: 0,
+            queue: BinaryHeap::new(),
+            seq: 0,
+            pending: 0,
+            engines,
+            busy,
+            worker_index,
+            router,
+            indexer: KvIndexer::new(OwnershipIndex::new()),
+            rng,
+            in_flight: HashMap::new(),
+            records: Vec::new(),
+            counters: Counters::default(),
+            window: (warmup, window_end.max(warmup + 1)),
+        })
+    }
+
+    fn schedule(&mut self, at_us: u64, event: Event) {
+        if !matches!(event, Event::LoadTick) {
+            self.pending += 1;
+        }
+        self.seq += 1;
+        self.queue.push(Scheduled {
+            at_us,
+            seq: self.seq,
+            event,
+        });
+    }
+
+    fn run(&mut self) {
+        self.pull_arrival();
+        self.schedule(0, Event::LoadTick);
+        while let Some(Scheduled { at_us, event, .. }) = self.queue.pop() {
+            self.now_us = at_us;
+            match event {
+                Event::LoadTick => {
+                    self.report_loads();
+                    if self.pending > 0 || !self.in_flight.is_empty() {
+                        self.schedule(at_us + self.config.load_interval_us, Event::LoadTick);
+                    }
+                    continue;
+                }
+                Event::Arrival { arrival, pulled } => {
+                    self.pending -= 1;
+                    if pulled {
+                        self.pull_arrival();
+                    }
+                    self.route(arrival);
+                }
+                Event::StepEnd { worker, outputs } => {
+                    self.pending -= 1;
+                    self.step_end(worker, outputs);
+                }
+                Event::KvEvents(batch) => {
+                    self.pending -= 1;
+                    if let Some(delta) = self.indexer.apply(batch).delta {
+                        self.router
+                            .apply_delta(&delta)
+                            .expect("deltas reach the replica in order");
+                    }
+                }
+                Event::TransferDone { request } => {
+                    self.pending -= 1;
+                    self.transfer_done(request);
+                }
+            }
+        }
+    }
+
+    /// Schedules the workload's next self-arriving request (one at a time,
+    /// so that only in-flight requests are in memory).
+    fn pull_arrival(&mut self) {
+        if let Some(next) = self.workload.next_arrival() {
+            self.schedule(
+                next.at_us,
+                Event::Arrival {
+                    arrival: next,
+                    pulled: true,
+                },
+            );
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.now_us / 1000
+    }
+
+    fn report_loads(&mut self) {
+        let now_ms = self.now_ms();
+        for engine in &self.engines {
+            self.router.on_load(engine.load_report(self.now_us), now_ms);
+        }
+        self.router.expire(now_ms);
+    }
+
+    fn route(&mut self, arrival: Arrival) {
+        let spec = arrival.request;
+        let id = DecisionId(spec.id);
+        let now_ms = self.now_ms();
+        let decision = match self.router.route_tokens(
+            &spec.id.to_string(),
+            &spec.prompt,
+            self.config.expected_output_tokens,
+            id,
+            now_ms,
+            &mut self.rng,
+        ) {
+            Ok(decision) => decision,
+            Err(_) => {
+                self.counters.refused += 1;
+                self.finish_session_turn(&spec);
+                return;
+            }
+        };
+        self.count_path(&decision);
+        let decode = self.worker_index[&decision.decode];
+        let (target, mode) = match (&decision.path, &decision.prefill) {
+            (Path::Remote, Some(p)) => (self.worker_index[p], Mode::PrefillOnly),
+            _ => (decode, Mode::LocalPrefill),
+        };
+        let request = EngineRequest {
+            id: spec.id,
+            prompt: spec.prompt.clone(),
+            output_tokens: spec.output.clone(),
+            mode,
+        };
+        self.in_flight.insert(
+            spec.id,
+            InFlight {
+                spec,
+                arrival_us: arrival.at_us,
+                decision: id,
+                path: decision.path,
+                decode,
+                first_token_us: None,
+            },
+        );
+        self.submit(target, request);
+    }
+
+    fn count_path(&mut self, decision: &RouteDecision) {
+        match decision.path {
+            Path::Bypass => self.counters.bypassed += 1,
+            Path::Remote => self.counters.remote += 1,
+        }
+        if decision.rule == rules::GATE_KV_BUDGET {
+            self.counters.gate_vetoes += 1;
+        }
+    }
+
+    fn submit(&mut self, worker: usize, request: EngineRequest) {
+        let id = request.id;
+        if self.engines[worker].submit(request).is_err() {
+            self.counters.refused += 1;
+            if let Some(r) = self.in_flight.remove(&id) {
+                self.router.on_finished(r.decision);
+                self.finish_session_turn(&r.spec);
+            }
+            return;
+        }
+        if !self.busy[worker] {
+            self.start_step(worker);
+        }
+    }
+
+    fn start_step(&mut self, worker: usize) {
+        match self.engines[worker].step(self.now_us) {
+            Some(step) => {
+                self.busy[worker] = true;
+                self.schedule(
+                    step.end_us(),
+                    Event::StepEnd {
+                        worker,
+                        outputs: step.outputs,
+                    },
+                );
+            }
+            None => self.busy[worker] = false,
+        }
+    }
+
+    fn step_end(&mut self, worker: usize, outputs: Vec<StepOutput>) {
+        let now = self.now_us;
+        let in_window = (self.window.0..self.window.1).contains(&now);
+        for output in outputs {
+            match output {
+                StepOutput::FirstToken { id, cached_tokens } => {
+                    self.counters.window_tokens += u64::from(in_window);
+                    if let Some(r) = self.in_flight.get_mut(&id) {
+                        r.first_token_us = Some(now);
+                        if r.path == Path::Bypass {
+                            self.counters.d_prompt_tokens += r.spec.prompt.len() as u64;
+                            self.counters.d_cached_tokens += u64::from(cached_tokens);
+                            self.router.on_prefill_done(r.decision);
+                        }
+                    }
+                }
+                StepOutput::Token { .. } => self.counters.window_tokens += u64::from(in_window),
+                StepOutput::PrefillDone {
+                    id,
+                    prompt_tokens,
+                    cached_tokens,
+                } => {
+                    self.counters.p_prompt_tokens += u64::from(prompt_tokens);
+                    self.counters.p_cached_tokens += u64::from(cached_tokens);
+                    self.prefill_done(id);
+                }
+                StepOutput::Finished { id, .. } => self.finished(id),
+                StepOutput::Preempted { .. } => {}
+            }
+        }
+        while let Some(batch) = self.engines[worker].take_kv_events() {
+            self.schedule(now + self.config.index_delay_us, Event::KvEvents(batch));
+        }
+        self.start_step(worker);
+    }
+
+    /// A remote prefill is done: move what the decode worker lacks.
+    fn prefill_done(&mut self, id: u64) {
+        let Some(r) = self.in_flight.get(&id) else {
+            return;
+        };
+        self.router.on_prefill_done(r.decision);
+        let decode = &self.engines[r.decode];
+        let held = u64::from(decode.cached_prefix_tokens(&r.spec.prompt));
+        let bytes = decode
+            .config()
+            .kv_bytes((r.spec.prompt.len() as u64).saturating_sub(held));
+        self.counters.kv_bytes_moved += bytes;
+        let done = self.now_us + self.config.link.duration_us(bytes);
+        self.schedule(done, Event::TransferDone { request: id });
+    }
+
+    fn transfer_done(&mut self, id: u64) {
+        let Some(r) = self.in_flight.get(&id) else {
+            return;
+        };
+        let request = EngineRequest {
+            id,
+            prompt: r.spec.prompt.clone(),
+            output_tokens: r.spec.output.clone(),
+            mode: Mode::KvReceived,
+        };
+        let decode = r.decode;
+        self.submit(decode, request);
+    }
+
+    fn finished(&mut self, id: u64) {
+        let Some(r) = self.in_flight.remove(&id) else {
+            return;
+        };
+        self.router.on_finished(r.decision);
+        self.records.push(RequestRecord {
+            id,
+            arrival_us: r.arrival_us,
+            first_token_us: r.first_token_us.unwrap_or(self.now_us),
+            finish_us: self.now_us,
+            prompt_tokens: r.spec.prompt.len() as u32,
+            output_tokens: r.spec.output.len() as u32,
+            path: r.path,
+        });
+        self.finish_session_turn(&r.spec);
+    }
+
+    /// Lets a closed-loop workload issue the conversation's next turn.
+    fn finish_session_turn(&mut self, spec: &RequestSpec) {
+        if let Some(next) = self.workload.on_finished(spec, self.now_us) {
+            self.schedule(
+                next.at_us,
+                Event::Arrival {
+                    arrival: next,
+                    pulled: false,
+                },
+            );
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! The policy comparison: every deployment over a sweep of loads, the
+//! table, and the report folder (plots, CSV, JSON).
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use protocol::trace::MooncakeRecord;
+
+use crate::cluster::{simulate, SimConfig, SimError};
+use crate::deployment::Deployment;
+use crate::metrics::RunSummary;
+use crate::plot::{panels_to_svg, Chart, Series};
+use crate::workload::{
+    Agentic, AgenticConfig, Mooncake, MooncakeConfig, Synthetic, SyntheticConfig, Workload,
+};
+
+/// Which workload, at load 1.0; the sweep scales it.
+#[derive(Debug, Clone)]
+pub enum WorkloadSpec {
+    /// Load = sessions per second.
+    Agentic(AgenticConfig),
+    /// Load = the trace's rate scale.
+    Mooncake {
+        records: Arc<Vec<MooncakeRecord>>,
+        config: MooncakeConfig,
+    },
+    /// Load = requests per second.
+    Synthetic(SyntheticConfig),
+}
+
+impl WorkloadSpec {
+    pub fn name(&self) -> &'static str {
+        match self {
+            WorkloadSpec::Agentic(_) => "agentic",
+            WorkloadSpec::Mooncake { .. } => "mooncake",
+            WorkloadSpec::Synthetic(_) => "synthetic",
+        }
+    }
+
+    /// What the load axis means.
+    pub fn load_unit(&self) -> &'static str {
+        match self {
+            WorkloadSpec::Agentic(_) => "sessions/s",
+            WorkloadSpec::Mooncake { .. } => "x trace rate",
+            WorkloadSpec::Synthetic(_) => "requests/s",
+        }
+    }
+
+    /// The workload at one load.
+    pub fn at(&self, load: f64) -> Box<dyn Workload> {
+        match self {
+            WorkloadSpec::Agentic(c) => Box::new(Agentic::new(AgenticConfig {
+                sessions_per_s: load,
+                ..c.clone()
+            })),
+            WorkloadSpec::Mooncake { records, config } => Box::new(Mooncake::new(
+                records.as_ref().clone(),
+                MooncakeConfig {
+                    rate_scale: load,
+                    ..config.clone()
+                },
+            )),
+            WorkloadSpec::Synthetic(c) => Box::new(Synthetic::new(SyntheticConfig {
+                requests_per_s: load,
+                ..c.clone()
+            })),
+        }
+    }
+}
+
+/// One deployment at one load.
+#[derive(Debug, Clone)]
+pub struct Point {
+    pub deployment: String,
+    pub load: f64,
+    pub summary: RunSummary,
+    /// Wall-clock seconds the run took (not part of the comparison).
+    pub wall_s: f64,
+}
+
+/// Runs every (deployment, load) pair on `threads` threads; `progress` is
+/// called after each run with (done, total). Results are in deployment,
+/// then load order, whatever the threads did: the comparison is
+/// deterministic for a seed.
+pub fn sweep(
+    base: &SimConfig,
+    deployments: &[Deployment],
+    workload: &WorkloadSpec,
+    loads: &[f64],
+    threads: usize,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> Result<Vec<Point>, SimError> {
+    let jobs: Vec<(usize, &Deployment, f64)> = deployments
+        .iter()
+        .flat_map(|d| loads.iter().map(move |l| (d, *l)))
+        .enumerate()
+        .map(|(i, (d, l))| (i, d, l))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<Point, SimError>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(slot, deployment, load)) = jobs.get(i) else {
+                    break;
+                };
+                let config = SimConfig {
+                    deployment: deployment.clone(),
+                    ..base.clone()
+                };
+                let started = Instant::now();
+                let mut run = workload.at(load);
+                let point = simulate(&config, run.as_mut()).map(|result| Point {
+                    deployment: deployment.name(),
+                    load,
+                    summary: result.summary,
+                    wall_s: started.elapsed().as_secs_f64(),
+                });
+                results.lock().expect("no thread panicked")[slot] = Some(point);
+                progress(done.fetch_add(1, Ordering::Relaxed) + 1, jobs.len());
+            });
+        }
+    });
+    results
+        .into_inner()
+        .expect("no thread panicked")
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
+
+/// The comparison as a fixed-width text table.
+pub fn table(points: &[Point], load_unit: &str) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<24} {:>8} | {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>8} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} | {:>7} {:>5}",
+        "deployment",
+        "load",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "ITL50",
+        "p90",
+        "p99",
+        "tok/s/G",
+        "int50",
+        "int90",
+        "SLO%",
+        "bypas%",
+        "hitP%",
+        "hitD%",
+        "KV GB",
+        "preem"
+    );
+    let _ = writeln!(
+        out,
+        "{:<24} {:>8} | {:>26} | {:>20} | {:>22} | {:>27} | {:>13}",
+        "", load_unit, "ms", "ms", "", "", ""
+    );
+    for p in points {
+        let s = &p.summary;
+        let _ = writeln!(
+            out,
+            "{:<24} {:>8.3} | {:>8.0} {:>8.0} {:>8.0} | {:>6.1} {:>6.1} {:>6.1} | {:>8.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.1} {:>5}",
+            p.deployment,
+            p.load,
+            s.ttft_ms.p50,
+            s.ttft_ms.p90,
+            s.ttft_ms.p99,
+            s.itl_ms.p50,
+            s.itl_ms.p90,
+            s.itl_ms.p99,
+            s.throughput_per_gpu,
+            s.interactivity_p50,
+            s.interactivity_p90,
+            100.0 * s.slo_attainment,
+            100.0 * s.bypass_share,
+            100.0 * s.prefill_hit_rate_p,
+            100.0 * s.prefill_hit_rate_d,
+            s.kv_gb_moved,
+            s.preemptions
+        );
+    }
+    out
+}
+
+/// Per deployment, the highest load at which at least 90% of requests met
+/// both SLO targets (`None`: not even the lowest load).
+pub fn goodput(points: &[Point]) -> Vec<(String, Option<f64>)> {
+    let mut out: Vec<(String, Option<f64>)> = Vec::new();
+    for p in points {
+        if !out.iter().any(|(d, _)| *d == p.deployment) {
+            out.push((p.deployment.clone(), None));
+        }
+        if p.summary.slo_attainment >= 0.9 {
+            let entry = out
+                .iter_mut()
+                .find(|(d, _)| *d == p.deployment)
+                .expect("inserted above");
+            entry.1 = Some(entry.1.map_or(p.load, |l: f64| l.max(p.load)));
+        }
+    }
+    out
+}
+
+fn series(
+    points: &[Point],
+    y: impl Fn(&RunSummary) -> f64,
+    x: impl Fn(&Point) -> f64,
+) -> Vec<Series> {
+    let mut out: Vec<Series> = Vec::new();
+    for p in points {
+        let point = (x(p), y(&p.summary));
+        match out.iter_mut().find(|s| s.name == p.deployment) {
+            Some(s) => s.points.push(point),
+            None => out.push(Series {
+                name: p.deployment.clone(),
+                points: vec![point],
+            }),
+        }
+    }
+    out
+}
+
+/// Writes `interactivity.svg`, `ttft.svg`, `results.csv` and
+/// `results.json` into `dir`.
+pub fn write_report(
+    dir: &Path,
+    points: &[Point],
+    workload: &str,
+    load_unit: &str,
+    note: &str,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let throughput = |p: &Point| p.summary.throughput_per_gpu;
+    let interactivity = panels_to_svg(&[
+        Chart {
+            title: "Interactivity at p50 vs throughput".into(),
+            x_label: "output tokens/s per GPU".into(),
+            y_label: "tokens/s per user (1000 / ITL p50)".into(),
+            series: series(points, |s| s.interactivity_p50, throughput),
+            subtitle: Some(note.to_owned()),
+        },
+        Chart {
+            title: "Interactivity at p90 vs throughput".into(),
+            x_label: "output tokens/s per GPU".into(),
+            y_label: "tokens/s per user (1000 / ITL p90)".into(),
+            series: series(points, |s| s.interactivity_p90, throughput),
+            subtitle: Some(note.to_owned()),
+        },
+    ]);
+    std::fs::write(dir.join("interactivity.svg"), interactivity)?;
+    let ttft = panels_to_svg(&[
+        Chart {
+            title: "TTFT p90 vs load".into(),
+            x_label: format!("load ({load_unit})"),
+            y_label: "TTFT p90 (ms)".into(),
+            series: series(points, |s| s.ttft_ms.p90, |p| p.load),
+            subtitle: Some(note.to_owned()),
+        },
+        Chart {
+            title: "SLO attainment vs load".into(),
+            x_label: format!("load ({load_unit})"),
+            y_label: "share of requests meeting TTFT and ITL targets".into(),
+            series: series(points, |s| s.slo_attainment, |p| p.load),
+            subtitle: Some(note.to_owned()),
+        },
+    ]);
+    std::fs::write(dir.join("ttft.svg"), ttft)?;
+
+    let mut csv = String::from(
+        "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\
+         e2e_p50_ms,throughput_per_gpu,interactivity_p50,interactivity_p90,slo_attainment,bypass_share,\
+         prefill_hit_rate_p,prefill_hit_rate_d,kv_gb_moved,preemptions,gate_vetoes,refused\n",
+    );
+    let mut json = Vec::new();
+    for p in points {
+        let s = &p.summary;
+        let _ = writeln!(
+            csv,
+            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{}",
+            p.deployment,
+            p.load,
+            s.measured,
+            s.ttft_ms.p50,
+            s.ttft_ms.p90,
+            s.ttft_ms.p99,
+            s.itl_ms.p50,
+            s.itl_ms.p90,
+            s.itl_ms.p99,
+            s.e2e_ms.p50,
+            s.throughput_per_gpu,
+            s.interactivity_p50,
+            s.interactivity_p90,
+            s.slo_attainment,
+            s.bypass_share,
+            s.prefill_hit_rate_p,
+            s.prefill_hit_rate_d,
+            s.kv_gb_moved,
+            s.preemptions,
+            s.gate_vetoes,
+            s.refused
+        );
+        json.push(serde_json::json!({
+            "workload": workload,
+            "deployment": p.deployment,
+            "load": p.load,
+            "measured": s.measured,
+            "ttft_ms": {"p50": s.ttft_ms.p50, "p90": s.ttft_ms.p90, "p99": s.ttft_ms.p99},
+            "itl_ms": {"p50": s.itl_ms.p50, "p90": s.itl_ms.p90, "p99": s.itl_ms.p99},
+            "e2e_ms": {"p50": s.e2e_ms.p50, "p90": s.e2e_ms.p90, "p99": s.e2e_ms.p99},
+            "throughput_per_gpu": s.throughput_per_gpu,
+            "interactivity": {"p50": s.interactivity_p50, "p90": s.interactivity_p90},
+            "slo_attainment": s.slo_attainment,
+            "bypass_share": s.bypass_share,
+            "prefill_hit_rate": {"prefill_workers": s.prefill_hit_rate_p, "decode_workers": s.prefill_hit_rate_d},
+            "kv_gb_moved": s.kv_gb_moved,
+            "preemptions": s.preemptions,
+            "gate_vetoes": s.gate_vetoes,
+            "refused": s.refused,
+        }));
+    }
+    std::fs::write(dir.join("results.csv"), csv)?;
+    let json = serde_json::to_string_pretty(&serde_json::Value::Array(json))
+        .expect("JSON values serialise");
+    std::fs::write(dir.join("results.json"), json + "\n")?;
+    Ok(())
+}

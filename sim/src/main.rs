@@ -1,0 +1,342 @@
+//! `sim`: the cluster simulator's command line.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use engine_sim::{KvTransfer, Preset};
+use indicatif::{ProgressBar, ProgressStyle};
+use sim::compare::{goodput, sweep, table, write_report, WorkloadSpec};
+use sim::workload::{AgenticConfig, MooncakeConfig, SyntheticConfig};
+use sim::{Deployment, PolicyKind, SimConfig, Slo};
+
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "Simulate a conditional-disaggregation cluster in virtual time"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run every deployment and policy over a sweep of loads; print the
+    /// table and write the report folder (SVG plots, CSV, JSON).
+    Compare {
+        #[command(flatten)]
+        common: Common,
+        /// Load points in the sweep.
+        #[arg(long, default_value_t = 6)]
+        loads: usize,
+        /// Lowest and highest load (default: per workload).
+        #[arg(long)]
+        min_load: Option<f64>,
+        #[arg(long)]
+        max_load: Option<f64>,
+        /// Where to write the report.
+        #[arg(long, default_value = "report")]
+        out: PathBuf,
+        /// Runs in parallel (default: the machine's cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+    /// Run one deployment at one load and print its figures.
+    Run {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, value_enum, default_value_t = DeploymentArg::Isl)]
+        deployment: DeploymentArg,
+        #[arg(long)]
+        load: f64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum WorkloadArg {
+    Agentic,
+    Mooncake,
+    Synthetic,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DeploymentArg {
+    Disagg,
+    Agg,
+    Isl,
+    Load,
+    IslOrLoad,
+    Sla,
+}
+
+#[derive(Debug, Args)]
+struct Common {
+    #[arg(long, value_enum, default_value_t = WorkloadArg::Agentic)]
+    workload: WorkloadArg,
+    /// Mooncake JSONL trace (for --workload mooncake), e.g.
+    /// ../shared/traces/mooncake_conversation_trace.jsonl
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Replay only the first N trace requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Seconds during which sessions (or requests) start arriving.
+    #[arg(long, default_value_t = 180.0)]
+    duration_s: f64,
+    /// Engine preset: llama70b_fp8_tp2_h100 or llama8b_h100.
+    #[arg(long, default_value = "llama70b_fp8_tp2_h100")]
+    preset: String,
+    /// Workers (each with the preset's GPUs); equal for every deployment.
+    #[arg(long, default_value_t = 8)]
+    workers: u32,
+    /// Prefill workers of the disaggregated and C/D deployments.
+    #[arg(long, default_value_t = 2)]
+    prefill_workers: u32,
+    /// Tokens per KV block (default: 16; 512 for the Mooncake trace).
+    #[arg(long)]
+    block_size: Option<u32>,
+    /// P -> D KV link bandwidth, GB/s.
+    #[arg(long, default_value_t = 87.0)]
+    link_gb_s: f64,
+    /// Engine events reach the router's index after this delay, ms.
+    #[arg(long, default_value_t = 5.0)]
+    index_delay_ms: f64,
+    /// TTFT and ITL targets: the SLO of the goodput figures and of the SLA
+    /// policy.
+    #[arg(long, default_value_t = 2000.0)]
+    ttft_slo_ms: f64,
+    #[arg(long, default_value_t = 60.0)]
+    itl_slo_ms: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+impl Common {
+    fn workload(&self) -> anyhow::Result<WorkloadSpec> {
+        Ok(match self.workload {
+            WorkloadArg::Agentic => WorkloadSpec::Agentic(AgenticConfig {
+                duration_s: self.duration_s,
+                seed: self.seed,
+                ..AgenticConfig::default()
+            }),
+            WorkloadArg::Synthetic => WorkloadSpec::Synthetic(SyntheticConfig {
+                duration_s: self.duration_s,
+                seed: self.seed,
+                ..SyntheticConfig::default()
+            }),
+            WorkloadArg::Mooncake => {
+                let Some(path) = &self.trace else {
+                    bail!("--workload mooncake needs --trace FILE (e.g. ../shared/traces/mooncake_conversation_trace.jsonl)");
+                };
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let records = protocol::trace::parse_mooncake(&text)
+                    .with_context(|| format!("parsing {}", path.display()))?;
+                WorkloadSpec::Mooncake {
+                    records: Arc::new(records),
+                    config: MooncakeConfig {
+                        rate_scale: 1.0,
+                        limit: self.limit,
+                        seed: self.seed,
+                    },
+                }
+            }
+        })
+    }
+
+    fn sim_config(&self) -> anyhow::Result<SimConfig> {
+        let Some(preset) = Preset::by_name(&self.preset) else {
+            let names: Vec<_> = Preset::ALL.iter().map(|p| p.name).collect();
+            bail!(
+                "unknown preset {:?}; known: {}",
+                self.preset,
+                names.join(", ")
+            );
+        };
+        if self.prefill_workers >= self.workers {
+            bail!(
+                "--prefill-workers ({}) must be fewer than --workers ({})",
+                self.prefill_workers,
+                self.workers
+            );
+        }
+        let default_block = if self.workload == WorkloadArg::Mooncake {
+            512
+        } else {
+            16
+        };
+        Ok(SimConfig {
+            preset,
+            block_size: self.block_size.unwrap_or(default_block),
+            deployment: Deployment::Aggregated {
+                workers: self.workers,
+            },
+            link: KvTransfer {
+                bytes_per_s: self.link_gb_s * 1e9,
+                ..KvTransfer::default()
+            },
+            index_delay_us: (self.index_delay_ms * 1e3) as u64,
+            load_interval_us: 100_000,
+            expected_output_tokens: 256,
+            slo: Slo {
+                ttft_ms: self.ttft_slo_ms,
+                itl_ms: self.itl_slo_ms,
+            },
+            seed: self.seed,
+            warmup_fraction: 0.2,
+        })
+    }
+
+    fn deployments(&self) -> Vec<Deployment> {
+        Deployment::all(
+            self.workers,
+            self.prefill_workers,
+            (self.ttft_slo_ms, self.itl_slo_ms),
+        )
+    }
+
+    fn default_loads(&self) -> (f64, f64) {
+        match self.workload {
+            WorkloadArg::Agentic => (0.25, 1.5),
+            WorkloadArg::Mooncake => (0.5, 3.0),
+            WorkloadArg::Synthetic => (1.0, 12.0),
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Compare {
+            common,
+            loads,
+            min_load,
+            max_load,
+            out,
+            threads,
+        } => {
+            let workload = common.workload()?;
+            let base = common.sim_config()?;
+            let (lo, hi) = common.default_loads();
+            let (lo, hi) = (min_load.unwrap_or(lo), max_load.unwrap_or(hi));
+            if loads == 0 || !(lo > 0.0 && hi >= lo) {
+                bail!("need --loads >= 1 and 0 < --min-load <= --max-load");
+            }
+            let points: Vec<f64> = (0..loads)
+                .map(|i| {
+                    if loads == 1 {
+                        lo
+                    } else {
+                        lo + (hi - lo) * i as f64 / (loads - 1) as f64
+                    }
+                })
+                .collect();
+            let deployments = common.deployments();
+            let threads = threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let bar = ProgressBar::new((deployments.len() * points.len()) as u64).with_style(
+                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} runs, {elapsed}")
+                    .expect("valid template"),
+            );
+            bar.set_message(format!(
+                "simulating {} on {threads} threads",
+                workload.name()
+            ));
+            let started = Instant::now();
+            let results = sweep(
+                &base,
+                &deployments,
+                &workload,
+                &points,
+                threads,
+                &|done, _| bar.set_position(done as u64),
+            )?;
+            bar.finish_and_clear();
+            let note = format!(
+                "{} workload, {} workers of {} ({} GPUs), seed {}",
+                workload.name(),
+                common.workers,
+                base.preset.name,
+                common.workers * base.preset.gpus,
+                common.seed
+            );
+            println!(
+                "{note}; SLO: TTFT <= {} ms and ITL <= {} ms\n",
+                common.ttft_slo_ms, common.itl_slo_ms
+            );
+            print!("{}", table(&results, workload.load_unit()));
+            println!("\nHighest load with >= 90% of requests within the SLO:");
+            for (deployment, load) in goodput(&results) {
+                match load {
+                    Some(l) => println!("  {deployment:<24} {l:.3} {}", workload.load_unit()),
+                    None => println!("  {deployment:<24} none of the loads tried"),
+                }
+            }
+            write_report(&out, &results, workload.name(), workload.load_unit(), &note)
+                .with_context(|| format!("writing the report to {}", out.display()))?;
+            println!(
+                "\nReport: {}/interactivity.svg, ttft.svg, results.csv, results.json ({:.1} s)",
+                out.display(),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Command::Run {
+            common,
+            deployment,
+            load,
+        } => {
+            let workload = common.workload()?;
+            let mut config = common.sim_config()?;
+            let (w, p) = (common.workers, common.prefill_workers);
+            let slo = (common.ttft_slo_ms, common.itl_slo_ms);
+            config.deployment = match deployment {
+                DeploymentArg::Disagg => Deployment::Disaggregated {
+                    prefill: p,
+                    decode: w - p,
+                },
+                DeploymentArg::Agg => Deployment::Aggregated { workers: w },
+                other => Deployment::Conditional {
+                    prefill: p,
+                    decode: w - p,
+                    policy: match other {
+                        DeploymentArg::Isl => PolicyKind::Isl {
+                            tokens: 2048,
+                            ratio: 0.7,
+                        },
+                        DeploymentArg::Load => PolicyKind::Load {
+                            prefill_busy: 2.0,
+                            decode_busy: 0.8,
+                        },
+                        DeploymentArg::IslOrLoad => PolicyKind::IslOrLoad,
+                        _ => PolicyKind::Sla {
+                            ttft_ms: slo.0,
+                            itl_ms: slo.1,
+                        },
+                    },
+                },
+            };
+            let started = Instant::now();
+            let results = sweep(
+                &config,
+                std::slice::from_ref(&config.deployment),
+                &workload,
+                &[load],
+                1,
+                &|_, _| {},
+            )?;
+            print!("{}", table(&results, workload.load_unit()));
+            let s = &results[0].summary;
+            println!(
+                "measured {} requests; gate vetoes {}, refused {}; e2e p50 {:.0} ms ({:.2} s wall)",
+                s.measured,
+                s.gate_vetoes,
+                s.refused,
+                s.e2e_ms.p50,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! Per-request records and the figures of one run.
+
+use protocol::Path;
+
+/// Latency targets a request must meet to count as served well.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slo {
+    pub ttft_ms: f64,
+    pub itl_ms: f64,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub arrival_us: u64,
+    pub first_token_us: u64,
+    pub finish_us: u64,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    pub path: Path,
+}
+
+impl RequestRecord {
+    pub fn ttft_ms(&self) -> f64 {
+        (self.first_token_us - self.arrival_us) as f64 / 1e3
+    }
+
+    /// Mean inter-token latency; 0 for a single-token answer.
+    pub fn itl_ms(&self) -> f64 {
+        if self.output_tokens < 2 {
+            return 0.0;
+        }
+        (self.finish_us - self.first_token_us) as f64 / 1e3 / f64::from(self.output_tokens - 1)
+    }
+
+    pub fn e2e_ms(&self) -> f64 {
+        (self.finish_us - self.arrival_us) as f64 / 1e3
+    }
+
+    pub fn meets(&self, slo: &Slo) -> bool {
+        self.ttft_ms() <= slo.ttft_ms && self.itl_ms() <= slo.itl_ms
+    }
+}
+
+/// p50, p90 and p99 of a sample.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// Nearest-rank percentiles; zeros for an empty sample.
+    pub fn of(mut values: Vec<f64>) -> Self {
+        if values.is_empty() {
+            return Self::default();
+        }
+        values.sort_by(f64::total_cmp);
+        let at =
+            |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
+        Self {
+            p50: at(0.50),
+            p90: at(0.90),
+            p99: at(0.99),
+        }
+    }
+}
+
+/// Counters the cluster keeps while it runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Counters {
+    /// Output tokens produced inside the measurement window.
+    pub window_tokens: u64,
+    /// Prompt tokens prefilled by prefill workers, and how many of them
+    /// were prefix-cache hits there.
+    pub p_prompt_tokens: u64,
+    pub p_cached_tokens: u64,
+    /// Likewise for local prefills on decode (or aggregated) workers.
+    pub d_prompt_tokens: u64,
+    pub d_cached_tokens: u64,
+    pub kv_bytes_moved: u64,
+    pub preemptions: u64,
+    /// Requests routed on each path.
+    pub bypassed: u64,
+    pub remote: u64,
+    /// Bypasses the decode gate turned into remote prefills.
+    pub gate_vetoes: u64,
+    /// Requests an engine refused (e.g. longer than its whole cache).
+    pub refused: u64,
+}
+
+/// The figures of one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    /// Requests that arrived in the measurement window and finished.
+    pub measured: usize,
+    pub ttft_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    /// Output tokens per second per GPU over the measurement window.
+    pub throughput_per_gpu: f64,
+    /// Tokens per second per user at the median and the p90 ITL.
+    pub interactivity_p50: f64,
+    pub interactivity_p90: f64,
+    /// Share of measured requests meeting both SLO targets.
+    pub slo_attainment: f64,
+    pub bypass_share: f64,
+    pub prefill_hit_rate_p: f64,
+    pub prefill_hit_rate_d: f64,
+    pub kv_gb_moved: f64,
+    pub preemptions: u64,
+    pub gate_vetoes: u64,
+    pub refused: u64,
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+impl RunSummary {
+    /// Summarises the records that arrived in `[from_us, to_us)`.
+    pub fn new(
+        records: &[RequestRecord],
+        counters: &Counters,
+        window: (u64, u64),
+        gpus: u32,
+        slo: &Slo,
+    ) -> Self {
+        let measured: Vec<&RequestRecord> = records
+            .iter()
+            .filter(|r| (window.0..window.1).contains(&r.arrival_us))
+            .collect();
+        let ttft = Percentiles::of(measured.iter().map(|r| r.ttft_ms()).collect());
+        let itl = Percentiles::of(
+            measured
+                .iter()
+                .filter(|r| r.output_tokens > 1)
+                .map(|r| r.itl_ms())
+                .collect(),
+        );
+        let e2e = Percentiles::of(measured.iter().map(|r| r.e2e_ms()).collect());
+        let seconds = (window.1 - window.0) as f64 / 1e6;
+        let interactivity = |itl_ms: f64| if itl_ms > 0.0 { 1000.0 / itl_ms } else { 0.0 };
+        Self {
+            measured: measured.len(),
+            ttft_ms: ttft,
+            itl_ms: itl,
+            e2e_ms: e2e,
+            throughput_per_gpu: counters.window_tokens as f64
+                / seconds.max(1e-9)
+                / f64::from(gpus.max(1)),
+            interactivity_p50: interactivity(itl.p50),
+            interactivity_p90: interactivity(itl.p90),
+            slo_attainment: ratio(
+                measured.iter().filter(|r| r.meets(slo)).count() as u64,
+                measured.len() as u64,
+            ),
+            bypass_share: ratio(counters.bypassed, counters.bypassed + counters.remote),
+            prefill_hit_rate_p: ratio(counters.p_cached_tokens, counters.p_prompt_tokens),
+            prefill_hit_rate_d: ratio(counters.d_cached_tokens, counters.d_prompt_tokens),
+            kv_gb_moved: counters.kv_bytes_moved as f64 / 1e9,
+            preemptions: counters.preemptions,
+            gate_vetoes: counters.gate_vetoes,
+            refused: counters.refused,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let p = Percentiles::of((1..=100).map(f64::from).collect());
+        assert_eq!((p.p50, p.p90, p.p99), (50.0, 90.0, 99.0));
+        assert_eq!(Percentiles::of(vec![]), Percentiles::default());
+        assert_eq!(Percentiles::of(vec![7.0]).p99, 7.0);
+    }
+
+    #[test]
+    fn request_latencies() {
+        let r = RequestRecord {
+            id: 1,
+            arrival_us: 1_000,
+            first_token_us: 101_000,
+            finish_us: 301_000,
+            prompt_tokens: 10,
+            output_tokens: 11,
+            path: Path::Bypass,
+        };
+        assert_eq!(r.ttft_ms(), 100.0);
+        assert_eq!(r.itl_ms(), 20.0);
+        assert!(r.meets(&Slo {
+            ttft_ms: 100.0,
+            itl_ms: 20.0
+        }));
+        assert!(!r.meets(&Slo {
+            ttft_ms: 99.0,
+            itl_ms: 20.0
+        }));
+    }
+}
