@@ -16,6 +16,7 @@ use protocol::{
 };
 
 use crate::index::{OwnershipIndex, RestoreError};
+use crate::replica::{apply_change, DeltaError};
 
 /// What happened to one batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +72,25 @@ struct Cursor {
     resync_pending: bool,
 }
 
+impl Cursor {
+    fn from_wire(c: &WorkerCursor) -> Self {
+        Self {
+            epoch: c.epoch,
+            last_seq: c.last_seq,
+            resync_pending: c.resync_pending,
+        }
+    }
+
+    fn to_wire(self, worker: &WorkerId) -> WorkerCursor {
+        WorkerCursor {
+            worker: worker.clone(),
+            epoch: self.epoch,
+            last_seq: self.last_seq,
+            resync_pending: self.resync_pending,
+        }
+    }
+}
+
 /// The index plus every worker's stream position and the global delta
 /// sequence.
 #[derive(Debug)]
@@ -101,12 +121,7 @@ impl KvIndexer {
 
     /// Workers whose streams are known, with their positions.
     pub fn cursors(&self) -> impl Iterator<Item = WorkerCursor> + '_ {
-        self.cursors.iter().map(|(worker, c)| WorkerCursor {
-            worker: worker.clone(),
-            epoch: c.epoch,
-            last_seq: c.last_seq,
-            resync_pending: c.resync_pending,
-        })
+        self.cursors.iter().map(|(worker, c)| c.to_wire(worker))
     }
 
     /// Applies one worker batch; see [`BatchStatus`].
@@ -130,10 +145,23 @@ impl KvIndexer {
         if !evicted.is_empty() {
             changes.push(IndexChange::Evicted { blocks: evicted });
         }
-        BatchOutcome {
+        // Every batch that moved the worker's cursor is logged, changes or
+        // not, so that replaying the deltas restores the cursors too.
+        let moved = matches!(
             status,
-            delta: self.seal(changes),
-        }
+            BatchStatus::Applied | BatchStatus::NewEpoch { .. } | BatchStatus::Gap { .. }
+        );
+        let delta = if moved || !changes.is_empty() {
+            let source = self.cursor(&batch.worker);
+            Some(self.seal(changes, source))
+        } else {
+            None
+        };
+        BatchOutcome { status, delta }
+    }
+
+    fn cursor(&self, worker: &WorkerId) -> Option<WorkerCursor> {
+        self.cursors.get(worker).map(|c| c.to_wire(worker))
     }
 
     /// Decides what to do with a batch and moves the worker's cursor; also
@@ -226,20 +254,48 @@ impl KvIndexer {
             return None;
         }
         self.index.remove_worker(worker);
-        self.seal(vec![IndexChange::WorkerRemoved {
+        let change = IndexChange::WorkerRemoved {
             worker: worker.clone(),
-        }])
+        };
+        Some(self.seal(vec![change], None))
     }
 
-    fn seal(&mut self, changes: Vec<IndexChange>) -> Option<IndexDelta> {
-        if changes.is_empty() {
-            return None;
-        }
+    fn seal(&mut self, changes: Vec<IndexChange>, source: Option<WorkerCursor>) -> IndexDelta {
         self.delta_seq += 1;
-        Some(IndexDelta {
+        IndexDelta {
             seq: self.delta_seq,
             changes,
-        })
+            source,
+        }
+    }
+
+    /// Re-applies a delta this indexer published earlier (its write-ahead
+    /// log), after [`KvIndexer::restore`] from an older snapshot: the index
+    /// changes and the source worker's cursor.
+    pub fn replay(&mut self, delta: &IndexDelta) -> Result<(), DeltaError> {
+        if delta.seq <= self.delta_seq {
+            return Err(DeltaError::AlreadyApplied {
+                at: self.delta_seq,
+                got: delta.seq,
+            });
+        }
+        if delta.seq > self.delta_seq + 1 {
+            return Err(DeltaError::Gap {
+                at: self.delta_seq,
+                got: delta.seq,
+            });
+        }
+        for change in &delta.changes {
+            apply_change(&mut self.index, change);
+            if let IndexChange::WorkerRemoved { worker } = change {
+                self.cursors.remove(worker);
+            }
+        }
+        if let Some(c) = &delta.source {
+            self.cursors.insert(c.worker.clone(), Cursor::from_wire(c));
+        }
+        self.delta_seq = delta.seq;
+        Ok(())
     }
 
     /// The whole state, at the current delta sequence.
@@ -268,17 +324,8 @@ impl KvIndexer {
         } = snapshot;
         index.import(workers, runs, digest)?;
         let cursors = cursors
-            .into_iter()
-            .map(|c| {
-                (
-                    c.worker,
-                    Cursor {
-                        epoch: c.epoch,
-                        last_seq: c.last_seq,
-                        resync_pending: c.resync_pending,
-                    },
-                )
-            })
+            .iter()
+            .map(|c| (c.worker.clone(), Cursor::from_wire(c)))
             .collect();
         Ok(Self {
             index,

@@ -5,6 +5,9 @@ use serde::Serialize;
 
 use crate::decision::RouteDecision;
 use crate::events::{KvEventBatch, LoadReport};
+use crate::generate::{
+    GenerateChunk, GenerateRequest, OverlapQuery, OverlapReply, RequestProgress, ResyncReply,
+};
 use crate::index::{IndexDelta, IndexSnapshot};
 use crate::registry::WorkerRecord;
 
@@ -104,4 +107,10 @@ message! {
     RouteDecision => "RouteDecision", version 1;
     IndexDelta => "IndexDelta", version 1;
     IndexSnapshot => "IndexSnapshot", version 1;
+    GenerateRequest => "GenerateRequest", version 1;
+    GenerateChunk => "GenerateChunk", version 1;
+    ResyncReply => "ResyncReply", version 1;
+    OverlapQuery => "OverlapQuery", version 1;
+    OverlapReply => "OverlapReply", version 1;
+    RequestProgress => "RequestProgress", version 1;
 }

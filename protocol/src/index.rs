@@ -30,11 +30,15 @@ pub enum IndexChange {
 }
 
 /// Changes with their place in the indexer's global sequence (from 1,
-/// without gaps).
+/// without gaps). The delta stream is also the indexer's write-ahead log:
+/// `source` names the worker batch a delta applied, so that an indexer
+/// restarting from a snapshot and the deltas after it knows every worker's
+/// stream position.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexDelta {
     pub seq: u64,
     pub changes: Vec<IndexChange>,
+    pub source: Option<WorkerCursor>,
 }
 
 /// Where the indexer stands with one worker's event stream.

@@ -8,6 +8,7 @@
 pub mod codec;
 pub mod decision;
 pub mod events;
+pub mod generate;
 pub mod hash;
 pub mod ids;
 pub mod index;
@@ -18,6 +19,10 @@ pub mod trace;
 pub use codec::{DecodeError, Message};
 pub use decision::{Annotation, Path, RouteDecision};
 pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
+pub use generate::{
+    FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams, OverlapQuery,
+    OverlapReply, Progress, RequestProgress, ResyncReply, Stage, WorkerOverlap,
+};
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, WorkerId};
 pub use index::{IndexChange, IndexDelta, IndexSnapshot, OwnedRun, RunOwner, WorkerCursor};

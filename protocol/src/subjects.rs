@@ -13,7 +13,16 @@ pub fn kv_events(worker: &WorkerId) -> String {
     format!("sy.kv.events.{}", worker.subject_tokens())
 }
 
-/// JetStream stream of the indexer's canonical [`crate::IndexDelta`]s.
+/// Message id of a KV batch: JetStream drops a republished batch within
+/// the stream's duplicate window.
+pub fn kv_batch_msg_id(worker: &WorkerId, epoch: u64, seq: u64) -> String {
+    format!("kv.{}.{epoch}.{seq}", worker.subject_tokens())
+}
+
+/// JetStream stream of the indexer's canonical [`crate::IndexDelta`]s. The
+/// stream sequence of delta `n` is `n`: the indexer publishes each delta
+/// expecting the stream's last sequence to be `n - 1`, which also fences
+/// off a second indexer.
 pub const INDEX_DELTAS_STREAM: &str = "SY_INDEX_DELTAS";
 pub const INDEX_DELTAS: &str = "sy.index.deltas";
 
@@ -40,11 +49,12 @@ pub fn decisions(replica: &str) -> String {
     format!("sy.decisions.{replica}")
 }
 
-/// Core NATS: request completions, for every replica's in-flight ledger.
-pub const COMPLETIONS_ALL: &str = "sy.completions.>";
+/// Core NATS: [`crate::RequestProgress`] of dispatched requests, for every
+/// replica's in-flight ledger.
+pub const PROGRESS_ALL: &str = "sy.progress.>";
 
-pub fn completions(replica: &str) -> String {
-    format!("sy.completions.{replica}")
+pub fn progress(replica: &str) -> String {
+    format!("sy.progress.{replica}")
 }
 
 /// Request/reply: generation requests served by a worker's agent.

@@ -98,6 +98,28 @@ fn delta() -> IndexDelta {
                 blocks: vec![BlockHash(9)],
             },
         ],
+        source: Some(WorkerCursor {
+            worker: worker("a"),
+            epoch: 2,
+            last_seq: 3,
+            resync_pending: true,
+        }),
+    }
+}
+
+fn generate() -> GenerateRequest {
+    GenerateRequest {
+        request_id: "r".into(),
+        annotation: decision().annotation(),
+        stage: Stage::Decode {
+            transfer: KvTransferParams {
+                source: worker("p0"),
+                prompt_tokens: 10,
+                engine: Some("{}".into()),
+            },
+        },
+        prompt: vec![1, 2, 3],
+        max_tokens: 5,
     }
 }
 
@@ -116,6 +138,25 @@ fn every_message_round_trips() {
     assert_eq!(IndexDelta::decode(&delta().encode()).unwrap(), delta());
     let load = LoadReport::idle(worker("d0"), 100, 3);
     assert_eq!(LoadReport::decode(&load.encode()).unwrap(), load);
+    assert_eq!(
+        GenerateRequest::decode(&generate().encode()).unwrap(),
+        generate()
+    );
+    for event in [
+        GenerateEvent::Tokens(vec![1, 2]),
+        GenerateEvent::Finished {
+            output_tokens: 2,
+            cached_tokens: 1,
+            reason: FinishReason::Length,
+        },
+        GenerateEvent::Failed {
+            error: "engine down".into(),
+            retryable: true,
+        },
+    ] {
+        let chunk = GenerateChunk { index: 4, event };
+        assert_eq!(GenerateChunk::decode(&chunk.encode()).unwrap(), chunk);
+    }
 }
 
 #[test]
@@ -193,6 +234,9 @@ proptest! {
         let _ = WorkerRecord::decode(&bytes);
         let _ = RouteDecision::decode(&bytes);
         let _ = LoadReport::decode(&bytes);
+        let _ = GenerateRequest::decode(&bytes);
+        let _ = GenerateChunk::decode(&bytes);
+        let _ = OverlapReply::decode(&bytes);
     }
 
     #[test]

@@ -109,7 +109,12 @@ fn setup() -> (RouterCore, Vec<u32>) {
             tier: Tier::Device,
         });
     }
-    core.apply_delta(&IndexDelta { seq: 1, changes }).unwrap();
+    core.apply_delta(&IndexDelta {
+        seq: 1,
+        changes,
+        source: None,
+    })
+    .unwrap();
     for (i, (name, _)) in names.iter().enumerate() {
         // d7 (which holds the conversation) among the least loaded, so that
         // the decision is a bypass there and goes through the gate.

@@ -85,7 +85,12 @@ proptest! {
                 at_ms: 0,
             }, 0);
         }
-        core.apply_delta(&IndexDelta { seq: 1, changes }).unwrap();
+        core.apply_delta(&IndexDelta {
+            seq: 1,
+            changes,
+            source: None,
+        })
+        .unwrap();
 
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let (decision, _) = core
