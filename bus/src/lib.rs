@@ -1,0 +1,18 @@
+//! The services' glue to the bus and the registry, shared by the worker
+//! agent, the kv-indexer and the router:
+//!
+//! - [`Bus`] (NATS JetStream): the streams and their limits, defined once;
+//!   KV batches published with message ids (duplicates dropped); deltas
+//!   published with the expected last sequence (delta `n` is stream message
+//!   `n`, and a second indexer is fenced off); following the delta stream;
+//!   snapshots in the object store.
+//! - [`Registry`] (etcd): a worker's record under a lease with keep-alive;
+//!   the list and watch of registered workers.
+//!
+//! Names of subjects, streams and keys come from [`protocol::subjects`].
+
+mod nats;
+mod registry;
+
+pub use nats::{Bus, BusError, StreamLimits};
+pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};

@@ -1,0 +1,344 @@
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, object_store, stream};
+use async_nats::{Client, ConnectOptions};
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use protocol::{
+    subjects, DecodeError, IndexDelta, IndexSnapshot, KvEventBatch, Message, RouteDecision,
+};
+use tokio::io::AsyncReadExt;
+
+/// Retention of the streams.
+#[derive(Debug, Clone)]
+pub struct StreamLimits {
+    /// KV events are kept this long (the indexer's snapshots and delta log
+    /// make older ones unnecessary).
+    pub kv_events_max_age: Duration,
+    /// The decision log is kept this long (for replay and explain).
+    pub decisions_max_age: Duration,
+    /// Republished messages within this window are dropped.
+    pub duplicate_window: Duration,
+}
+
+impl Default for StreamLimits {
+    fn default() -> Self {
+        Self {
+            kv_events_max_age: Duration::from_secs(24 * 3600),
+            decisions_max_age: Duration::from_secs(24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What went wrong talking to NATS.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("connecting to NATS at {url}: {message}")]
+    Connect { url: String, message: String },
+    #[error("JetStream stream {stream}: {message}")]
+    Stream {
+        stream: &'static str,
+        message: String,
+    },
+    #[error("publishing to {subject}: {message}")]
+    Publish { subject: String, message: String },
+    #[error(
+        "delta {seq} refused: the delta stream does not end at {} (is another indexer running?)",
+        seq - 1
+    )]
+    Fenced { seq: u64 },
+    #[error("delta stream: message {stream_seq} holds delta {delta_seq}")]
+    DeltaOutOfPlace { stream_seq: u64, delta_seq: u64 },
+    #[error("snapshot store {bucket}: {message}")]
+    Snapshot {
+        bucket: &'static str,
+        message: String,
+    },
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+fn stream_error(stream: &'static str) -> impl Fn(String) -> BusError {
+    move |message| BusError::Stream { stream, message }
+}
+
+fn snapshot_error(message: impl ToString) -> BusError {
+    BusError::Snapshot {
+        bucket: subjects::SNAPSHOT_BUCKET,
+        message: message.to_string(),
+    }
+}
+
+/// A connection to NATS with JetStream.
+#[derive(Debug, Clone)]
+pub struct Bus {
+    client: Client,
+    js: jetstream::Context,
+}
+
+impl Bus {
+    /// Connects, naming the connection (it shows in the server's monitor).
+    pub async fn connect(url: &str, name: &str) -> Result<Self, BusError> {
+        let client = ConnectOptions::new()
+            .name(name)
+            .connect(url)
+            .await
+            .map_err(|e| BusError::Connect {
+                url: url.to_owned(),
+                message: e.to_string(),
+            })?;
+        Ok(Self::from_client(client))
+    }
+
+    pub fn from_client(client: Client) -> Self {
+        let js = jetstream::new(client.clone());
+        Self { client, js }
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// Creates the KV-event, delta and decision streams if they do not exist
+    /// (whoever starts first creates them; the configuration is defined here
+    /// only). Only features of nats-server 2.9 are used.
+    pub async fn ensure_streams(&self, limits: &StreamLimits) -> Result<(), BusError> {
+        let configs = [
+            stream::Config {
+                name: subjects::KV_EVENTS_STREAM.into(),
+                subjects: vec![subjects::KV_EVENTS_ALL.into()],
+                max_age: limits.kv_events_max_age,
+                duplicate_window: limits.duplicate_window,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            },
+            stream::Config {
+                name: subjects::INDEX_DELTAS_STREAM.into(),
+                subjects: vec![subjects::INDEX_DELTAS.into()],
+                duplicate_window: limits.duplicate_window,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            },
+            stream::Config {
+                name: subjects::DECISIONS_STREAM.into(),
+                subjects: vec![subjects::DECISIONS_ALL.into()],
+                max_age: limits.decisions_max_age,
+                duplicate_window: limits.duplicate_window,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            },
+        ];
+        for config in configs {
+            let name = match config.name.as_str() {
+                subjects::KV_EVENTS_STREAM => subjects::KV_EVENTS_STREAM,
+                subjects::INDEX_DELTAS_STREAM => subjects::INDEX_DELTAS_STREAM,
+                _ => subjects::DECISIONS_STREAM,
+            };
+            self.js
+                .get_or_create_stream(config)
+                .await
+                .map_err(|e| stream_error(name)(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    async fn stream(&self, name: &'static str) -> Result<stream::Stream, BusError> {
+        self.js
+            .get_stream(name)
+            .await
+            .map_err(|e| stream_error(name)(e.to_string()))
+    }
+
+    /// Publishes a worker's KV batch and waits for the stream's ack. The
+    /// message id makes a republished batch a no-op; returns whether it
+    /// was one.
+    pub async fn publish_kv_batch(&self, batch: &KvEventBatch) -> Result<bool, BusError> {
+        let subject = subjects::kv_events(&batch.worker);
+        let message = jetstream::message::PublishMessage::build()
+            .payload(batch.encode().into())
+            .message_id(subjects::kv_batch_msg_id(
+                &batch.worker,
+                batch.epoch,
+                batch.seq,
+            ));
+        let ack = self
+            .js
+            .send_publish(subject.clone(), message)
+            .await
+            .map_err(|e| BusError::Publish {
+                subject: subject.clone(),
+                message: e.to_string(),
+            })?
+            .await
+            .map_err(|e| BusError::Publish {
+                subject,
+                message: e.to_string(),
+            })?;
+        Ok(ack.duplicate)
+    }
+
+    /// Publishes the next delta. The stream must end at `delta.seq - 1`:
+    /// otherwise another indexer is writing, or this one is behind, and
+    /// the delta is refused ([`BusError::Fenced`]). Publishing the very
+    /// same delta again is a no-op (its message id names its content).
+    pub async fn publish_delta(&self, delta: &IndexDelta) -> Result<(), BusError> {
+        let payload = delta.encode();
+        let id = format!(
+            "delta.{}.{:016x}",
+            delta.seq,
+            xxhash_rust::xxh3::xxh3_64(&payload)
+        );
+        let message = jetstream::message::PublishMessage::build()
+            .payload(payload.into())
+            .message_id(id)
+            .expected_last_sequence(delta.seq - 1);
+        let fenced = |e: &dyn std::fmt::Display| {
+            let text = e.to_string();
+            if text.contains("wrong last sequence") {
+                BusError::Fenced { seq: delta.seq }
+            } else {
+                BusError::Publish {
+                    subject: subjects::INDEX_DELTAS.into(),
+                    message: text,
+                }
+            }
+        };
+        self.js
+            .send_publish(subjects::INDEX_DELTAS, message)
+            .await
+            .map_err(|e| fenced(&e))?
+            .await
+            .map_err(|e| fenced(&e))?;
+        Ok(())
+    }
+
+    /// The last delta in the stream (0 when none).
+    pub async fn last_delta_seq(&self) -> Result<u64, BusError> {
+        let mut stream = self.stream(subjects::INDEX_DELTAS_STREAM).await?;
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string()))?;
+        Ok(info.state.last_sequence)
+    }
+
+    /// Deltas from `start` on, in order, then new ones as they come. An
+    /// ordered consumer: the server redelivers nothing, and the client
+    /// restarts it where it stopped after a reconnect.
+    pub async fn deltas_from(
+        &self,
+        start: u64,
+    ) -> Result<BoxStream<'static, Result<IndexDelta, BusError>>, BusError> {
+        let stream = self.stream(subjects::INDEX_DELTAS_STREAM).await?;
+        let consumer = stream
+            .create_consumer(consumer::push::OrderedConfig {
+                deliver_subject: self.client.new_inbox(),
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: start.max(1),
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string()))?;
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|e| stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string()))?;
+        Ok(messages
+            .map(|message| {
+                let message = message
+                    .map_err(|e| stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string()))?;
+                let delta = IndexDelta::decode(&message.payload)?;
+                let stream_seq = message
+                    .info()
+                    .map(|i| i.stream_sequence)
+                    .unwrap_or(delta.seq);
+                if stream_seq != delta.seq {
+                    return Err(BusError::DeltaOutOfPlace {
+                        stream_seq,
+                        delta_seq: delta.seq,
+                    });
+                }
+                Ok(delta)
+            })
+            .boxed())
+    }
+
+    /// Drops deltas up to and including `seq` (a snapshot covers them).
+    pub async fn trim_deltas(&self, seq: u64) -> Result<u64, BusError> {
+        let stream = self.stream(subjects::INDEX_DELTAS_STREAM).await?;
+        let purged = stream
+            .purge()
+            .sequence(seq + 1)
+            .await
+            .map_err(|e| stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string()))?;
+        Ok(purged.purged)
+    }
+
+    /// Appends a decision to the decision log.
+    pub async fn publish_decision(
+        &self,
+        replica: &str,
+        decision: &RouteDecision,
+    ) -> Result<(), BusError> {
+        let subject = subjects::decisions(replica);
+        let publish_error = |e: &dyn std::fmt::Display| BusError::Publish {
+            subject: subject.clone(),
+            message: e.to_string(),
+        };
+        self.js
+            .publish(subject.clone(), decision.encode().into())
+            .await
+            .map_err(|e| publish_error(&e))?
+            .await
+            .map_err(|e| publish_error(&e))?;
+        Ok(())
+    }
+
+    async fn snapshot_store(&self) -> Result<object_store::ObjectStore, BusError> {
+        match self.js.get_object_store(subjects::SNAPSHOT_BUCKET).await {
+            Ok(store) => Ok(store),
+            Err(_) => self
+                .js
+                .create_object_store(object_store::Config {
+                    bucket: subjects::SNAPSHOT_BUCKET.into(),
+                    storage: stream::StorageType::File,
+                    ..Default::default()
+                })
+                .await
+                .map_err(snapshot_error),
+        }
+    }
+
+    /// Stores a snapshot as the latest one.
+    pub async fn put_snapshot(&self, snapshot: &IndexSnapshot) -> Result<(), BusError> {
+        let store = self.snapshot_store().await?;
+        let bytes = snapshot.encode();
+        store
+            .put(subjects::SNAPSHOT_LATEST, &mut bytes.as_slice())
+            .await
+            .map_err(snapshot_error)?;
+        Ok(())
+    }
+
+    /// The latest snapshot, if one was ever stored.
+    pub async fn latest_snapshot(&self) -> Result<Option<IndexSnapshot>, BusError> {
+        let store = self.snapshot_store().await?;
+        let mut object = match store.get(subjects::SNAPSHOT_LATEST).await {
+            Ok(object) => object,
+            Err(e) if e.kind() == object_store::GetErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(snapshot_error(e)),
+        };
+        let mut bytes = Vec::new();
+        object
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(snapshot_error)?;
+        Ok(Some(IndexSnapshot::decode(&bytes)?))
+    }
+}

@@ -1,0 +1,303 @@
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use protocol::{subjects, Message, WorkerId, WorkerRecord};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// What went wrong talking to etcd.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("connecting to etcd at {endpoints}: {source}")]
+    Connect {
+        endpoints: String,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("etcd {operation}: {source}")]
+    Etcd {
+        operation: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("the worker watch ended (etcd closed it)")]
+    WatchClosed,
+}
+
+fn etcd(operation: &'static str) -> impl FnOnce(etcd_client::Error) -> RegistryError {
+    move |source| RegistryError::Etcd { operation, source }
+}
+
+/// A change of the registered workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerChange {
+    /// Registered, or its record changed.
+    Up(WorkerRecord),
+    /// Its key is gone: deregistered, or its lease expired.
+    Down(WorkerId),
+    /// A key under the workers' prefix that is not a valid record: counted
+    /// and skipped by the caller, never fatal.
+    Malformed { key: String, error: String },
+}
+
+fn worker_from_key(key: &[u8]) -> Result<WorkerId, String> {
+    let key = String::from_utf8_lossy(key);
+    let id = key
+        .strip_prefix(subjects::ETCD_WORKERS_PREFIX)
+        .ok_or_else(|| format!("key {key:?} is not under {}", subjects::ETCD_WORKERS_PREFIX))?;
+    id.parse().map_err(|e| format!("key {key:?}: {e}"))
+}
+
+fn record_change(key: &[u8], value: &[u8]) -> WorkerChange {
+    match WorkerRecord::decode(value) {
+        Ok(record) => WorkerChange::Up(record),
+        Err(e) => WorkerChange::Malformed {
+            key: String::from_utf8_lossy(key).into_owned(),
+            error: e.to_string(),
+        },
+    }
+}
+
+/// The worker registry in etcd.
+#[derive(Clone)]
+pub struct Registry {
+    client: Client,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").finish_non_exhaustive()
+    }
+}
+
+impl Registry {
+    pub async fn connect(endpoints: &[String]) -> Result<Self, RegistryError> {
+        let client =
+            Client::connect(endpoints, None)
+                .await
+                .map_err(|source| RegistryError::Connect {
+                    endpoints: endpoints.join(","),
+                    source,
+                })?;
+        Ok(Self { client })
+    }
+
+    /// Registers the worker under a lease of `ttl` and keeps the lease
+    /// alive until the [`Registration`] is revoked or dropped. If the lease
+    /// is lost (etcd unreachable for longer than the TTL), the record is
+    /// registered again under a new lease as soon as etcd answers.
+    pub async fn register(
+        &self,
+        record: &WorkerRecord,
+        ttl: Duration,
+    ) -> Result<Registration, RegistryError> {
+        let ttl_s = ttl.as_secs().max(1) as i64;
+        let mut client = self.client.clone();
+        let lease = put_under_lease(&mut client, record, ttl_s).await?;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (lease_tx, lease_rx) = watch::channel(lease);
+        let task = tokio::spawn(keep_alive(client, record.clone(), ttl_s, lease_tx, stop_rx));
+        Ok(Registration {
+            client: self.client.clone(),
+            lease: lease_rx,
+            stop: stop_tx,
+            task,
+        })
+    }
+
+    /// Every registered worker now, and the etcd revision of that view
+    /// (watch from the next one).
+    pub async fn workers(&self) -> Result<(Vec<WorkerChange>, i64), RegistryError> {
+        let response = self
+            .client
+            .clone()
+            .get(
+                subjects::ETCD_WORKERS_PREFIX,
+                Some(GetOptions::new().with_prefix()),
+            )
+            .await
+            .map_err(etcd("list workers"))?;
+        let revision = response.header().map_or(0, |h| h.revision());
+        let changes = response
+            .kvs()
+            .iter()
+            .map(|kv| record_change(kv.key(), kv.value()))
+            .collect();
+        Ok((changes, revision))
+    }
+
+    /// Changes of the registered workers after `revision`.
+    pub async fn watch_workers(&self, revision: i64) -> Result<WorkerWatch, RegistryError> {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let stream = self
+            .client
+            .clone()
+            .watch(subjects::ETCD_WORKERS_PREFIX, Some(options))
+            .await
+            .map_err(etcd("watch workers"))?;
+        Ok(WorkerWatch { stream })
+    }
+}
+
+async fn put_under_lease(
+    client: &mut Client,
+    record: &WorkerRecord,
+    ttl_s: i64,
+) -> Result<i64, RegistryError> {
+    let lease = client
+        .lease_grant(ttl_s, None)
+        .await
+        .map_err(etcd("grant lease"))?
+        .id();
+    client
+        .put(
+            subjects::etcd_worker_key(&record.id),
+            record.encode(),
+            Some(PutOptions::new().with_lease(lease)),
+        )
+        .await
+        .map_err(etcd("register worker"))?;
+    Ok(lease)
+}
+
+async fn keep_alive(
+    mut client: Client,
+    record: WorkerRecord,
+    ttl_s: i64,
+    lease_tx: watch::Sender<i64>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let period = Duration::from_millis((ttl_s as u64 * 1000 / 3).max(100));
+    loop {
+        let lease = *lease_tx.borrow();
+        let alive = async {
+            let (mut keeper, mut responses) = client.lease_keep_alive(lease).await?;
+            loop {
+                keeper.keep_alive().await?;
+                match responses.message().await? {
+                    Some(r) if r.ttl() > 0 => {}
+                    // TTL 0: the lease expired while we were away.
+                    _ => return Ok::<(), etcd_client::Error>(()),
+                }
+                tokio::time::sleep(period).await;
+            }
+        };
+        tokio::select! {
+            _ = stop.changed() => return,
+            result = alive => {
+                match result {
+                    Ok(()) => tracing::warn!(worker = %record.id, lease, "registration lease expired; registering again"),
+                    Err(e) => tracing::warn!(worker = %record.id, lease, error = %e, "lease keep-alive failed; retrying"),
+                }
+            }
+        }
+        // Re-register under a new lease once etcd answers.
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            match put_under_lease(&mut client, &record, ttl_s).await {
+                Ok(lease) => {
+                    tracing::info!(worker = %record.id, lease, "registered again");
+                    let _ = lease_tx.send(lease);
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(worker = %record.id, error = %e, "registration failed; retrying");
+                    tokio::select! {
+                        _ = stop.changed() => return,
+                        _ = tokio::time::sleep(period) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A worker's registration; the lease is kept alive until this is revoked
+/// or dropped (then it expires after its TTL).
+pub struct Registration {
+    client: Client,
+    lease: watch::Receiver<i64>,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("lease", &self.lease())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Registration {
+    /// The current lease id.
+    pub fn lease(&self) -> i64 {
+        *self.lease.borrow()
+    }
+
+    /// Stops the keep-alive and revokes the lease: the worker's key goes
+    /// away at once.
+    pub async fn revoke(mut self) -> Result<(), RegistryError> {
+        let _ = self.stop.send(true);
+        let _ = (&mut self.task).await;
+        let lease = self.lease();
+        self.client
+            .lease_revoke(lease)
+            .await
+            .map_err(etcd("revoke lease"))?;
+        Ok(())
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The stream of worker changes from etcd.
+pub struct WorkerWatch {
+    stream: etcd_client::WatchStream,
+}
+
+impl std::fmt::Debug for WorkerWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerWatch").finish_non_exhaustive()
+    }
+}
+
+impl WorkerWatch {
+    /// The next changes; an error when the watch ended.
+    pub async fn next(&mut self) -> Result<Vec<WorkerChange>, RegistryError> {
+        let response = self
+            .stream
+            .message()
+            .await
+            .map_err(etcd("watch workers"))?
+            .ok_or(RegistryError::WatchClosed)?;
+        if response.canceled() {
+            return Err(RegistryError::WatchClosed);
+        }
+        Ok(response
+            .events()
+            .iter()
+            .filter_map(|event| {
+                let kv = event.kv()?;
+                Some(match event.event_type() {
+                    EventType::Put => record_change(kv.key(), kv.value()),
+                    EventType::Delete => match worker_from_key(kv.key()) {
+                        Ok(id) => WorkerChange::Down(id),
+                        Err(error) => WorkerChange::Malformed {
+                            key: String::from_utf8_lossy(kv.key()).into_owned(),
+                            error,
+                        },
+                    },
+                })
+            })
+            .collect())
+    }
+}

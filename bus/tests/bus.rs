@@ -1,0 +1,149 @@
+//! The glue against real nats-server and etcd processes.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use bus::{Bus, BusError, Registry, StreamLimits, WorkerChange};
+use futures::StreamExt;
+use protocol::{
+    BlockHash, HashingContract, IndexChange, IndexDelta, IndexSnapshot, KvEvent, KvEventBatch,
+    Role, Tier, WorkerId, WorkerRecord, WorkerSubjects,
+};
+use tests::{EtcdServer, NatsServer};
+
+fn worker(name: &str) -> WorkerId {
+    WorkerId::new(name, 0).unwrap()
+}
+
+fn delta(seq: u64) -> IndexDelta {
+    IndexDelta {
+        seq,
+        changes: vec![IndexChange::Stored {
+            worker: worker("d0"),
+            parent: None,
+            blocks: vec![BlockHash(seq)],
+            tier: Tier::Device,
+        }],
+        source: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_dedup_fencing_and_snapshots() -> Result<()> {
+    let server = NatsServer::start()?;
+    let bus = Bus::connect(&server.url(), "bus-test").await?;
+    bus.ensure_streams(&StreamLimits::default()).await?;
+    bus.ensure_streams(&StreamLimits::default()).await?; // idempotent
+
+    let batch = KvEventBatch {
+        worker: worker("d0"),
+        epoch: 1,
+        seq: 0,
+        events: vec![KvEvent::Cleared],
+    };
+    assert!(!bus.publish_kv_batch(&batch).await?);
+    assert!(
+        bus.publish_kv_batch(&batch).await?,
+        "a republished batch is a duplicate"
+    );
+
+    // Deltas: n is stream message n; out of turn is refused.
+    assert!(matches!(
+        bus.publish_delta(&delta(2)).await,
+        Err(BusError::Fenced { seq: 2 })
+    ));
+    for seq in 1..=3 {
+        bus.publish_delta(&delta(seq)).await?;
+    }
+    bus.publish_delta(&delta(3)).await?; // the same delta again: a no-op
+    let other = IndexDelta {
+        changes: vec![],
+        ..delta(3)
+    };
+    assert!(matches!(
+        bus.publish_delta(&other).await,
+        Err(BusError::Fenced { seq: 3 })
+    ));
+    assert_eq!(bus.last_delta_seq().await?, 3);
+    let got: Vec<u64> = bus
+        .deltas_from(2)
+        .await?
+        .take(2)
+        .map(|d| d.map(|d| d.seq))
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    assert_eq!(got, vec![2, 3]);
+    // Trimming keeps the numbering.
+    bus.trim_deltas(2).await?;
+    bus.publish_delta(&delta(4)).await?;
+    let mut follow = bus.deltas_from(1).await?;
+    let first = tokio::time::timeout(Duration::from_secs(5), follow.next())
+        .await?
+        .unwrap()?;
+    assert_eq!(first.seq, 3, "deltas up to 2 were trimmed");
+
+    assert_eq!(bus.latest_snapshot().await?, None);
+    let snapshot = IndexSnapshot {
+        delta_seq: 3,
+        workers: vec![worker("d0")],
+        cursors: vec![],
+        runs: vec![],
+        digest: 0,
+    };
+    bus.put_snapshot(&snapshot).await?;
+    assert_eq!(bus.latest_snapshot().await?, Some(snapshot));
+    Ok(())
+}
+
+fn record(name: &str) -> WorkerRecord {
+    let id = worker(name);
+    WorkerRecord {
+        subjects: WorkerSubjects::for_worker(&id),
+        id,
+        role: Role::Decode,
+        contract: HashingContract::for_model("m", 16),
+        kv_capacity_blocks: 100,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 1,
+        gpus: 1,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registration_lives_with_its_lease() -> Result<()> {
+    let server = EtcdServer::start()?;
+    let registry = Registry::connect(&[server.endpoint()]).await?;
+    let (initial, revision) = registry.workers().await?;
+    assert!(initial.is_empty());
+    let mut watch = registry.watch_workers(revision).await?;
+
+    let a = registry
+        .register(&record("a"), Duration::from_secs(2))
+        .await?;
+    let b = registry
+        .register(&record("b"), Duration::from_secs(2))
+        .await?;
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        seen.extend(tokio::time::timeout(Duration::from_secs(5), watch.next()).await??);
+    }
+    assert_eq!(
+        seen,
+        vec![WorkerChange::Up(record("a")), WorkerChange::Up(record("b"))]
+    );
+
+    // Kept alive past its TTL.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(registry.workers().await?.0.len(), 2);
+
+    // Revoked: gone at once. Dropped: gone when the lease expires.
+    a.revoke().await?;
+    let change = tokio::time::timeout(Duration::from_secs(2), watch.next()).await??;
+    assert_eq!(change, vec![WorkerChange::Down(worker("a"))]);
+    drop(b);
+    let change = tokio::time::timeout(Duration::from_secs(5), watch.next()).await??;
+    assert_eq!(change, vec![WorkerChange::Down(worker("b"))]);
+    Ok(())
+}
