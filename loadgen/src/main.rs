@@ -1,0 +1,153 @@
+//! `loadgen`: drives router replicas (the agentic workload, or a fixed-rate
+//! `/v1/route` benchmark) and measures the event pipeline.
+
+mod agentic;
+mod events_bench;
+mod route_bench;
+mod stats;
+
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use sim::workload::AgenticConfig;
+
+#[derive(Debug, Parser)]
+#[command(version, about = "Load generator and benchmarks for Switchyard")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Agentic sessions (the simulator's workload) in real time against
+    /// router replicas; prints a JSON summary.
+    Agentic {
+        /// Router base URLs, e.g. http://127.0.0.1:8080 (requests are spread over them).
+        #[arg(long, env = "SWITCHYARD_ROUTERS", value_delimiter = ',', required = true)]
+        routers: Vec<String>,
+        #[arg(long, default_value_t = 0.5)]
+        sessions_per_s: f64,
+        #[arg(long, default_value_t = 30.0)]
+        duration_s: f64,
+        /// Runs the workload's clock faster (think times, arrivals).
+        #[arg(long, default_value_t = 1.0)]
+        time_scale: f64,
+        #[arg(long, default_value_t = 256)]
+        max_output_tokens: u32,
+        #[arg(long, default_value_t = 120)]
+        request_timeout_s: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// `/v1/route` at fixed rates (open loop); one JSON line per rate.
+    Route {
+        #[arg(long, env = "SWITCHYARD_ROUTER", default_value = "http://127.0.0.1:8080")]
+        router: String,
+        /// Requests per second, tried in order until p99 exceeds --stop-above-p99-ms.
+        #[arg(long, value_delimiter = ',', default_value = "1000,2000,5000")]
+        rates: Vec<f64>,
+        #[arg(long, default_value_t = 10.0)]
+        duration_s: f64,
+        #[arg(long, default_value_t = 8192)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 256)]
+        distinct: usize,
+        #[arg(long, default_value_t = 256)]
+        max_in_flight: usize,
+        #[arg(long, default_value_t = 5.0)]
+        stop_above_p99_ms: f64,
+    },
+    /// Publishes KV batches as simulated agents and follows the resulting
+    /// deltas as a router does (a kv-indexer must be running); prints the
+    /// publish-to-router-view delay and the pipeline's throughput.
+    Events {
+        #[arg(long, env = "SWITCHYARD_NATS", default_value = "nats://127.0.0.1:4222")]
+        nats: String,
+        #[arg(long, default_value_t = 16)]
+        workers: usize,
+        #[arg(long, default_value_t = 32)]
+        blocks_per_batch: usize,
+        #[arg(long, default_value_t = 100_000.0)]
+        block_events_per_s: f64,
+        #[arg(long, default_value_t = 10.0)]
+        duration_s: f64,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "loadgen=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Agentic {
+            routers,
+            sessions_per_s,
+            duration_s,
+            time_scale,
+            max_output_tokens,
+            request_timeout_s,
+            seed,
+        } => {
+            let summary = agentic::run(agentic::AgenticRun {
+                routers,
+                workload: AgenticConfig {
+                    sessions_per_s,
+                    duration_s,
+                    seed,
+                    ..AgenticConfig::default()
+                },
+                time_scale,
+                max_output_tokens,
+                request_timeout: Duration::from_secs(request_timeout_s),
+            })
+            .await?;
+            println!("{summary}");
+        }
+        Command::Route {
+            router,
+            rates,
+            duration_s,
+            prompt_tokens,
+            distinct,
+            max_in_flight,
+            stop_above_p99_ms,
+        } => {
+            let lines = route_bench::run(route_bench::RouteBench {
+                router,
+                rates,
+                duration: Duration::from_secs_f64(duration_s),
+                prompt_tokens,
+                distinct,
+                max_in_flight,
+                stop_above_p99_ms,
+            })
+            .await?;
+            for line in lines {
+                println!("{line}");
+            }
+        }
+        Command::Events {
+            nats,
+            workers,
+            blocks_per_batch,
+            block_events_per_s,
+            duration_s,
+        } => {
+            let summary = events_bench::run(events_bench::EventsBench {
+                nats,
+                workers,
+                blocks_per_batch,
+                block_events_per_s,
+                duration: Duration::from_secs_f64(duration_s),
+            })
+            .await?;
+            println!("{summary}");
+        }
+    }
+    Ok(())
+}
