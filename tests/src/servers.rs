@@ -418,7 +418,7 @@ fn spawn_etcd(
 
 /// A server process under the `sh` supervisor (see [`SUPERVISOR`]).
 #[derive(Debug)]
-struct Supervised {
+pub(crate) struct Supervised {
     child: Child,
     /// The write end of the supervisor's stdin; closing it stops the server.
     lifeline: Option<ChildStdin>,
@@ -428,7 +428,7 @@ struct Supervised {
 }
 
 impl Supervised {
-    fn spawn(program: &Path, args: &[OsString], log: &Path) -> Result<Self> {
+    pub(crate) fn spawn(program: &Path, args: &[OsString], log: &Path) -> Result<Self> {
         let mut log_file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -458,8 +458,22 @@ impl Supervised {
         })
     }
 
-    fn is_running(&mut self) -> bool {
+    pub(crate) fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// SIGKILL to the whole process group (a crash: no shutdown code runs),
+    /// then wait.
+    pub(crate) fn kill(&mut self) -> Result<()> {
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &group])
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.child.kill();
+        self.child.wait()?;
+        drop(self.lifeline.take());
+        Ok(())
     }
 
     /// An error if the server has exited; [`StartError::PortTaken`] if it
@@ -489,7 +503,7 @@ impl Supervised {
 
     /// SIGTERM (by closing the lifeline), wait, SIGKILL the process group
     /// after [`STOP_TIMEOUT`], wait.
-    fn stop(&mut self) -> Result<()> {
+    pub(crate) fn stop(&mut self) -> Result<()> {
         drop(self.lifeline.take());
         match wait_timeout(&mut self.child, STOP_TIMEOUT)? {
             Some(_) => Ok(()),
@@ -511,7 +525,7 @@ impl Supervised {
     }
 
     /// The last few KiB this run wrote to the log.
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let read = || -> io::Result<String> {
             let mut file = File::open(&self.log)?;
             let end = file.seek(SeekFrom::End(0))?;
@@ -554,7 +568,7 @@ fn wait_timeout(child: &mut Child, timeout: Duration) -> io::Result<Option<ExitS
 /// handed out before (so concurrent starts in one test binary never race
 /// for the same port; a collision with another process is caught by the
 /// server's bind failure or by its identity check, then retried).
-fn free_port() -> Result<u16> {
+pub fn free_port() -> Result<u16> {
     static HANDED_OUT: Mutex<Vec<u16>> = Mutex::new(Vec::new());
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
     for _ in 0..100 {
@@ -625,7 +639,7 @@ fn read_info_line(port: u16) -> io::Result<String> {
 
 /// A minimal HTTP/1.0 exchange on a loopback port; returns the body of a
 /// 200 response.
-fn http_request(port: u16, method: &str, path: &str, body: &str) -> io::Result<String> {
+pub(crate) fn http_request(port: u16, method: &str, path: &str, body: &str) -> io::Result<String> {
     let mut stream = TcpStream::connect_timeout(&loopback(port), Duration::from_millis(200))?;
     stream.set_read_timeout(Some(Duration::from_secs(1)))?;
     stream.set_write_timeout(Some(Duration::from_secs(1)))?;
