@@ -1,1 +1,41 @@
-//! Worker agent.
+//! Switchyard's worker agent: the sidecar beside one engine worker.
+//!
+//! - registers the worker's [`protocol::WorkerRecord`] in etcd under a
+//!   lease kept alive while the agent runs (revoked at shutdown);
+//! - publishes the engine's KV events as [`protocol::KvEventBatch`]es to
+//!   JetStream: a fresh epoch at every start whose first batch starts with
+//!   `Cleared`, `seq` gap-free from 0, each batch retried with the same
+//!   message id until acknowledged ([`publisher`]);
+//! - publishes [`protocol::LoadReport`]s at least every 100 ms and on
+//!   change;
+//! - answers resync requests with a new epoch holding the full block set;
+//! - serves generation requests (local, prefill, decode stages), streaming
+//!   numbered [`protocol::GenerateChunk`]s to the reply subject.
+//!
+//! The engine sits behind the [`Engine`] trait; [`SimEngine`] is the
+//! built-in simulated engine (`engine_sim` driven in real time, sped up).
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), worker_agent::AgentError> {
+//! let config = worker_agent::Config::new("decode-0", "nats://127.0.0.1:4222", &["http://127.0.0.1:2379".into()]);
+//! worker_agent::run(config, async { let _ = tokio::signal::ctrl_c().await; }).await
+//! # }
+//! ```
+
+pub mod block_set;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod publisher;
+pub mod service;
+pub mod sim_engine;
+
+pub use block_set::BlockMirror;
+pub use config::{Config, ConfigError, Settings};
+pub use engine::{Engine, EngineFacts, EngineLoad, KvUpdate};
+pub use error::AgentError;
+pub use publisher::{KvOutbox, OutboxLimits, Pushed};
+pub use service::{run, run_with_engine};
+pub use sim_engine::{SimEngine, SimEngineConfig};

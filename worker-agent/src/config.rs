@@ -1,0 +1,291 @@
+//! The agent's configuration: command-line flags, each with a
+//! `SWITCHYARD_*` environment variable, and their validation.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use engine_sim::{KvTransfer, Preset};
+use protocol::ids::InvalidWorkerId;
+use protocol::{HashingContract, Role, WorkerId};
+
+use crate::publisher::OutboxLimits;
+
+/// Everything the agent is told at start.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "worker-agent",
+    version,
+    about = "Switchyard's sidecar beside one engine worker: registers it, publishes its KV events and load, serves its generation requests"
+)]
+pub struct Config {
+    /// NATS server URL.
+    #[arg(
+        long,
+        env = "SWITCHYARD_NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub nats_url: String,
+
+    /// etcd endpoints, comma-separated.
+    #[arg(
+        long,
+        env = "SWITCHYARD_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    pub etcd_endpoints: Vec<String>,
+
+    /// Worker name: `[A-Za-z0-9_-]`, unique in the deployment.
+    #[arg(long, env = "SWITCHYARD_WORKER_NAME")]
+    pub worker_name: String,
+
+    /// Data-parallel rank of the engine this agent serves.
+    #[arg(long, env = "SWITCHYARD_DP_RANK", default_value_t = 0)]
+    pub dp_rank: u32,
+
+    /// What the worker does: prefill, decode or both.
+    #[arg(long, env = "SWITCHYARD_ROLE", default_value = "both")]
+    pub role: Role,
+
+    /// Model name; it seeds the block hashes and must be the engine's model
+    /// (default: the preset's model).
+    #[arg(long, env = "SWITCHYARD_MODEL")]
+    pub model: Option<String>,
+
+    /// Tokens per KV block (the router's and indexer's block size).
+    #[arg(long, env = "SWITCHYARD_BLOCK_SIZE", default_value_t = engine_sim::DEFAULT_BLOCK_SIZE)]
+    pub block_size: u32,
+
+    /// Simulated engine preset: llama70b_fp8_tp2_h100 or llama8b_h100.
+    #[arg(
+        long,
+        env = "SWITCHYARD_PRESET",
+        default_value = "llama70b_fp8_tp2_h100"
+    )]
+    pub preset: String,
+
+    /// Simulated engine speed-up: virtual step and transfer durations are
+    /// divided by it.
+    #[arg(long, env = "SWITCHYARD_SPEEDUP", default_value_t = 1.0)]
+    pub speedup: f64,
+
+    /// Simulated KV cache size in blocks (default: the preset's).
+    #[arg(long, env = "SWITCHYARD_KV_CAPACITY_BLOCKS")]
+    pub kv_capacity_blocks: Option<u32>,
+
+    /// Simulated KV transfer link for decode requests, GB/s.
+    #[arg(long, env = "SWITCHYARD_LINK_GB_S", default_value_t = 87.0)]
+    pub link_gb_s: f64,
+
+    /// Registration lease TTL in seconds: the worker's key disappears this
+    /// long after the agent dies.
+    #[arg(long, env = "SWITCHYARD_LEASE_TTL_S", default_value_t = 10)]
+    pub lease_ttl_s: u64,
+
+    /// Longest gap between load reports, ms (at most 100); a changed load
+    /// is reported within 10 ms.
+    #[arg(long, env = "SWITCHYARD_LOAD_INTERVAL_MS", default_value_t = 100)]
+    pub load_interval_ms: u64,
+
+    /// KV events held while NATS does not acknowledge them; beyond this the
+    /// agent resynchronises (new epoch with the full block set).
+    #[arg(long, env = "SWITCHYARD_KV_QUEUE_EVENTS", default_value_t = 65_536)]
+    pub kv_queue_events: usize,
+
+    /// Most KV events in one published batch (a resync's first batch holds
+    /// the whole block set regardless).
+    #[arg(long, env = "SWITCHYARD_KV_BATCH_EVENTS", default_value_t = 256)]
+    pub kv_batch_events: usize,
+
+    /// Serve `GET /metrics` (Prometheus text) and `GET /healthz` here.
+    #[arg(long, env = "SWITCHYARD_HTTP_ADDR")]
+    pub http_addr: Option<SocketAddr>,
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("worker name: {0}")]
+    WorkerId(#[from] InvalidWorkerId),
+    #[error("unknown preset {name:?} (known: {known})")]
+    UnknownPreset { name: String, known: String },
+    #[error("block size must be at least one token")]
+    ZeroBlockSize,
+    #[error("speed-up {0} must be a finite number above 0")]
+    Speedup(f64),
+    #[error("link bandwidth {0} GB/s must be a finite number above 0")]
+    Link(f64),
+    #[error("lease TTL must be at least 1 s")]
+    LeaseTtl,
+    #[error("load interval {0} ms must be between 1 and 100 ms (load reports come at least every 100 ms)")]
+    LoadInterval(u64),
+    #[error("the KV queue must hold at least one event")]
+    KvQueue,
+    #[error("a KV batch must hold at least one event")]
+    KvBatch,
+    #[error("no etcd endpoint given")]
+    NoEtcdEndpoint,
+}
+
+/// How often the load is checked for a change.
+const LOAD_POLL: Duration = Duration::from_millis(10);
+
+/// A validated configuration, in the types the agent uses.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub worker: WorkerId,
+    pub role: Role,
+    /// How the deployment names blocks: model and block size.
+    pub contract: HashingContract,
+    pub preset: Preset,
+    pub speedup: f64,
+    pub kv_capacity_blocks: Option<u32>,
+    pub link: KvTransfer,
+    pub lease_ttl: Duration,
+    /// Longest gap between two load reports.
+    pub load_interval: Duration,
+    /// How often the load is checked for a change.
+    pub load_poll: Duration,
+    pub outbox: OutboxLimits,
+}
+
+impl Config {
+    /// A configuration for `worker_name` talking to the given servers,
+    /// everything else at its default (or its `SWITCHYARD_*` variable when
+    /// set): what tests and embedders start from.
+    pub fn new(worker_name: &str, nats_url: &str, etcd_endpoints: &[String]) -> Self {
+        use clap::Parser as _;
+        let mut config = Self::parse_from(["worker-agent", "--worker-name", worker_name]);
+        config.nats_url = nats_url.to_owned();
+        config.etcd_endpoints = etcd_endpoints.to_vec();
+        config
+    }
+
+    /// The model the worker serves: the configured one, else the preset's.
+    pub fn model(&self, preset: &Preset) -> String {
+        self.model
+            .clone()
+            .unwrap_or_else(|| preset.model.to_owned())
+    }
+
+    /// Checks every value and converts them.
+    pub fn validate(&self) -> Result<Settings, ConfigError> {
+        let worker = WorkerId::new(&self.worker_name, self.dp_rank)?;
+        let preset = Preset::by_name(&self.preset).ok_or_else(|| ConfigError::UnknownPreset {
+            name: self.preset.clone(),
+            known: Preset::ALL.map(|p| p.name).join(", "),
+        })?;
+        if self.block_size == 0 {
+            return Err(ConfigError::ZeroBlockSize);
+        }
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return Err(ConfigError::Speedup(self.speedup));
+        }
+        if !(self.link_gb_s.is_finite() && self.link_gb_s > 0.0) {
+            return Err(ConfigError::Link(self.link_gb_s));
+        }
+        if self.lease_ttl_s == 0 {
+            return Err(ConfigError::LeaseTtl);
+        }
+        if !(1..=100).contains(&self.load_interval_ms) {
+            return Err(ConfigError::LoadInterval(self.load_interval_ms));
+        }
+        if self.kv_queue_events == 0 {
+            return Err(ConfigError::KvQueue);
+        }
+        if self.kv_batch_events == 0 {
+            return Err(ConfigError::KvBatch);
+        }
+        if self.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
+            return Err(ConfigError::NoEtcdEndpoint);
+        }
+        let load_interval = Duration::from_millis(self.load_interval_ms);
+        Ok(Settings {
+            worker,
+            role: self.role,
+            contract: HashingContract::for_model(&self.model(&preset), self.block_size),
+            preset,
+            speedup: self.speedup,
+            kv_capacity_blocks: self.kv_capacity_blocks,
+            link: KvTransfer {
+                setup_us: 0,
+                bytes_per_s: self.link_gb_s * 1e9,
+            },
+            lease_ttl: Duration::from_secs(self.lease_ttl_s),
+            load_interval,
+            load_poll: LOAD_POLL.min(load_interval),
+            outbox: OutboxLimits {
+                max_queued_events: self.kv_queue_events,
+                max_batch_events: self.kv_batch_events,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Config {
+        Config::new("w0", "nats://127.0.0.1:1", &["http://127.0.0.1:2".into()])
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let settings = config().validate().unwrap();
+        assert_eq!(settings.worker.to_string(), "w0");
+        assert_eq!(settings.role, Role::Both);
+        let preset = Preset::llama70b_fp8_tp2_h100();
+        assert_eq!(
+            settings.contract,
+            HashingContract::for_model(preset.model, 16)
+        );
+        assert_eq!(settings.contract.salt, preset.salt());
+        assert_eq!(settings.load_poll, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn flags_parse() {
+        use clap::Parser as _;
+        let c = Config::parse_from([
+            "worker-agent",
+            "--worker-name",
+            "p1",
+            "--dp-rank",
+            "2",
+            "--role",
+            "prefill",
+            "--etcd-endpoints",
+            "http://a:1,http://b:2",
+            "--http-addr",
+            "127.0.0.1:9000",
+        ]);
+        assert_eq!(c.role, Role::Prefill);
+        assert_eq!(c.etcd_endpoints, vec!["http://a:1", "http://b:2"]);
+        assert_eq!(c.validate().unwrap().worker.to_string(), "p1.2");
+        assert!(
+            Config::try_parse_from(["worker-agent", "--worker-name", "x", "--role", "boss"])
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn bad_values_are_refused_clearly() {
+        let mut c = config();
+        c.worker_name = "a b".into();
+        assert!(matches!(c.validate(), Err(ConfigError::WorkerId(_))));
+        let mut c = config();
+        c.preset = "gpt5".into();
+        let err = c.validate().unwrap_err();
+        assert!(err.to_string().contains("llama8b_h100"), "{err}");
+        let mut c = config();
+        c.speedup = 0.0;
+        assert_eq!(c.validate().unwrap_err(), ConfigError::Speedup(0.0));
+        let mut c = config();
+        c.load_interval_ms = 250;
+        assert_eq!(c.validate().unwrap_err(), ConfigError::LoadInterval(250));
+        let mut c = config();
+        c.block_size = 0;
+        assert_eq!(c.validate().unwrap_err(), ConfigError::ZeroBlockSize);
+    }
+}

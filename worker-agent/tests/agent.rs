@@ -1,0 +1,802 @@
+//! The agent against real nats-server and etcd processes, checked from the
+//! outside with plain clients.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use async_nats::jetstream::consumer;
+use async_nats::Client;
+use bus::{Bus, Registry, StreamLimits, WorkerChange};
+use engine_sim::Preset;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use protocol::{
+    subjects, Annotation, BlockHash, BlockHasher, DecisionId, FinishReason, GenerateChunk,
+    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvEventBatch, KvTransferParams,
+    LoadReport, Message, Path, ResyncReply, Role, Stage, WorkerId, WorkerRecord, WorkerSubjects,
+};
+use tests::{EtcdServer, NatsServer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::{timeout, Instant};
+use worker_agent::{AgentError, BlockMirror, Config};
+
+const PRESET: Preset = Preset::llama8b_h100();
+const BLOCK_SIZE: u32 = 16;
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Servers {
+    nats: NatsServer,
+    etcd: EtcdServer,
+}
+
+impl Servers {
+    fn start() -> Result<Self> {
+        // The agent's logs show when a test fails (RUST_LOG filters them).
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "info".into()),
+            )
+            .with_test_writer()
+            .try_init();
+        Ok(Self {
+            nats: NatsServer::start()?,
+            etcd: EtcdServer::start()?,
+        })
+    }
+
+    fn config(&self, name: &str, role: Role) -> Config {
+        let mut config = Config::new(name, &self.nats.url(), &[self.etcd.endpoint()]);
+        config.role = role;
+        config.preset = PRESET.name.into();
+        config.block_size = BLOCK_SIZE;
+        config.speedup = 100.0;
+        config.lease_ttl_s = 2;
+        config
+    }
+
+    async fn client(&self) -> Result<Client> {
+        Ok(async_nats::connect(self.nats.url()).await?)
+    }
+
+    async fn registry(&self) -> Result<Registry> {
+        Ok(Registry::connect(&[self.etcd.endpoint()]).await?)
+    }
+}
+
+/// An agent running in a task.
+struct Agent {
+    task: JoinHandle<Result<(), AgentError>>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Agent {
+    fn start(config: Config) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(worker_agent::run(config, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            task,
+            stop: Some(stop),
+        }
+    }
+
+    async fn shutdown(mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        timeout(WAIT, &mut self.task)
+            .await??
+            .context("the agent failed")?;
+        Ok(())
+    }
+}
+
+fn worker(name: &str) -> WorkerId {
+    WorkerId::new(name, 0).unwrap()
+}
+
+fn contract() -> HashingContract {
+    HashingContract::for_model(PRESET.model, BLOCK_SIZE)
+}
+
+fn hasher() -> BlockHasher {
+    BlockHasher::new(BLOCK_SIZE, contract().salt).unwrap()
+}
+
+fn prompt(seed: u64, len: usize) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    protocol::trace::extend_block_tokens(seed, len, &mut tokens);
+    tokens
+}
+
+fn request(id: &str, stage: Stage, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.into(),
+        annotation: Annotation {
+            decision: DecisionId(0xd0),
+            path: Path::Bypass,
+            decode: worker("d"),
+            prefill: None,
+            decode_overlap_tokens: 0,
+            prefill_overlap_tokens: 0,
+        },
+        stage,
+        prompt,
+        max_tokens,
+    }
+}
+
+/// The worker's record in etcd, if registered.
+async fn record(registry: &Registry, id: &WorkerId) -> Result<Option<WorkerRecord>> {
+    let (changes, _) = registry.workers().await?;
+    Ok(changes.into_iter().find_map(|c| match c {
+        WorkerChange::Up(r) if &r.id == id => Some(r),
+        _ => None,
+    }))
+}
+
+async fn wait_registered(registry: &Registry, id: &WorkerId) -> Result<WorkerRecord> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(r) = record(registry, id).await? {
+            return Ok(r);
+        }
+        ensure!(Instant::now() < deadline, "{id} never registered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends raw bytes to the worker's generate subject and collects the
+/// reply stream up to its last chunk, checking the indexes.
+async fn generate_raw(
+    client: &Client,
+    id: &WorkerId,
+    payload: Vec<u8>,
+) -> Result<Vec<GenerateChunk>> {
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await?;
+    client
+        .publish_with_reply(subjects::generate(id), inbox, payload.into())
+        .await?;
+    let mut chunks = Vec::new();
+    loop {
+        let message = timeout(WAIT, replies.next())
+            .await
+            .context("waiting for a chunk")?
+            .context("reply subscription ended")?;
+        let chunk = GenerateChunk::decode(&message.payload)?;
+        ensure!(
+            chunk.index as usize == chunks.len(),
+            "chunk {} after {} chunks",
+            chunk.index,
+            chunks.len()
+        );
+        let last = chunk.event.is_last();
+        chunks.push(chunk);
+        if last {
+            return Ok(chunks);
+        }
+    }
+}
+
+async fn generate(
+    client: &Client,
+    id: &WorkerId,
+    request: &GenerateRequest,
+) -> Result<Vec<GenerateEvent>> {
+    let chunks = generate_raw(client, id, request.encode()).await?;
+    Ok(chunks.into_iter().map(|c| c.event).collect())
+}
+
+fn output_tokens(events: &[GenerateEvent]) -> Vec<u32> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            GenerateEvent::Tokens(t) => Some(t.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+/// The worker's KV batches in the stream, from the first.
+async fn kv_batches(bus: &Bus, id: &WorkerId) -> Result<BoxStream<'static, Result<KvEventBatch>>> {
+    bus.ensure_streams(&StreamLimits::default()).await?;
+    let stream = bus
+        .jetstream()
+        .get_stream(subjects::KV_EVENTS_STREAM)
+        .await?;
+    let consumer = stream
+        .create_consumer(consumer::push::OrderedConfig {
+            deliver_subject: bus.client().new_inbox(),
+            filter_subject: subjects::kv_events(id),
+            ..Default::default()
+        })
+        .await?;
+    let messages = consumer.messages().await?;
+    Ok(messages
+        .map(|m| Ok(KvEventBatch::decode(&m?.payload)?))
+        .boxed())
+}
+
+async fn next_batch(
+    batches: &mut BoxStream<'static, Result<KvEventBatch>>,
+) -> Result<KvEventBatch> {
+    timeout(WAIT, batches.next())
+        .await
+        .context("waiting for a KV batch")?
+        .context("KV batch stream ended")?
+}
+
+/// Follows one worker's batches: checks that they are gap-free within
+/// their epoch, that each epoch starts at seq 0 with `Cleared`, and that
+/// every `Stored` parent is held; mirrors the blocks.
+struct KvFollower {
+    batches: BoxStream<'static, Result<KvEventBatch>>,
+    epoch: Option<u64>,
+    next_seq: u64,
+    mirror: BlockMirror,
+    epochs: Vec<u64>,
+}
+
+impl KvFollower {
+    async fn new(bus: &Bus, id: &WorkerId) -> Result<Self> {
+        Ok(Self {
+            batches: kv_batches(bus, id).await?,
+            epoch: None,
+            next_seq: 0,
+            mirror: BlockMirror::new(),
+            epochs: Vec::new(),
+        })
+    }
+
+    async fn next(&mut self) -> Result<KvEventBatch> {
+        let batch = next_batch(&mut self.batches).await?;
+        if Some(batch.epoch) != self.epoch {
+            if let Some(old) = self.epoch {
+                ensure!(batch.epoch > old, "epoch {} after {old}", batch.epoch);
+            }
+            ensure!(
+                batch.seq == 0,
+                "epoch {} starts at seq {}",
+                batch.epoch,
+                batch.seq
+            );
+            ensure!(
+                batch.events.first() == Some(&KvEvent::Cleared),
+                "epoch {} starts with {:?}",
+                batch.epoch,
+                batch.events.first()
+            );
+            self.epoch = Some(batch.epoch);
+            self.epochs.push(batch.epoch);
+            self.next_seq = 0;
+        }
+        ensure!(
+            batch.seq == self.next_seq,
+            "seq {} where {} was due",
+            batch.seq,
+            self.next_seq
+        );
+        self.next_seq += 1;
+        for event in &batch.events {
+            self.mirror.apply(std::slice::from_ref(event));
+            if let KvEvent::Stored {
+                parent: Some(p), ..
+            } = event
+            {
+                ensure!(
+                    self.mirror.contains(*p),
+                    "stored under an unknown parent {p:?}"
+                );
+            }
+        }
+        Ok(batch)
+    }
+
+    /// Reads batches until every block of `want` is held.
+    async fn until_holding(&mut self, want: &[BlockHash]) -> Result<()> {
+        while !want.iter().all(|h| self.mirror.contains(*h)) {
+            self.next().await?;
+        }
+        Ok(())
+    }
+}
+
+fn free_addr() -> Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?)
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+    let mut text = String::new();
+    timeout(WAIT, stream.read_to_string(&mut text)).await??;
+    let status = text.get(9..12).context("no status line")?.parse()?;
+    Ok((status, text))
+}
+
+// --- 1. Registration ---------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_and_revokes_at_shutdown() -> Result<()> {
+    let servers = Servers::start()?;
+    let registry = servers.registry().await?;
+    let id = worker("reg");
+    let agent = Agent::start(servers.config("reg", Role::Decode));
+    let got = wait_registered(&registry, &id).await?;
+    assert_eq!(
+        got,
+        WorkerRecord {
+            id: id.clone(),
+            role: Role::Decode,
+            contract: contract(),
+            kv_capacity_blocks: u64::from(PRESET.kv_capacity_blocks(BLOCK_SIZE)),
+            max_batched_tokens: PRESET.max_batched_tokens,
+            kv_bytes_per_token: PRESET.kv_bytes_per_token,
+            gpus: PRESET.gpus,
+            subjects: WorkerSubjects::for_worker(&id),
+        }
+    );
+    // Kept alive past its TTL.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(record(&registry, &id).await?.is_some());
+
+    agent.shutdown().await?;
+    assert_eq!(record(&registry, &id).await?, None, "revoked at shutdown");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_expires_when_the_agent_dies() -> Result<()> {
+    let servers = Servers::start()?;
+    let registry = servers.registry().await?;
+    let id = worker("dies");
+    let agent = Agent::start(servers.config("dies", Role::Both));
+    wait_registered(&registry, &id).await?;
+    agent.task.abort();
+    let aborted = Instant::now();
+    while record(&registry, &id).await?.is_some() {
+        ensure!(
+            aborted.elapsed() < Duration::from_secs(3),
+            "still registered 3 s (TTL + 1 s) after the agent died"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn refuses_a_model_the_engine_does_not_hash_for() {
+    let mut config = Config::new("m", "nats://127.0.0.1:1", &["http://127.0.0.1:1".into()]);
+    config.model = Some("some-other-model".into());
+    let err = worker_agent::run(config, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AgentError::Contract { .. }), "{err}");
+    assert!(err.to_string().contains("some-other-model"), "{err}");
+}
+
+// --- 2. Generation in every stage, and its KV events --------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
+    let servers = Servers::start()?;
+    let client = servers.client().await?;
+    let bus = Bus::from_client(client.clone());
+    let id = worker("stages");
+    let mut kv = KvFollower::new(&bus, &id).await?;
+    let agent = Agent::start(servers.config("stages", Role::Both));
+    wait_registered(&servers.registry().await?, &id).await?;
+
+    // Local (bypass): prefill what is not cached, decode.
+    let local = prompt(1, 70);
+    let events = generate(
+        &client,
+        &id,
+        &request("local", Stage::Local, local.clone(), 5),
+    )
+    .await?;
+    let tokens = output_tokens(&events);
+    assert_eq!(tokens.len(), 5);
+    assert_eq!(
+        events.last(),
+        Some(&GenerateEvent::Finished {
+            output_tokens: 5,
+            cached_tokens: 0,
+            reason: FinishReason::Length
+        })
+    );
+    // The same request id gives the same tokens.
+    let again = generate(
+        &client,
+        &id,
+        &request("local", Stage::Local, local.clone(), 5),
+    )
+    .await?;
+    assert_eq!(output_tokens(&again), tokens);
+    assert!(matches!(
+        again.last(),
+        Some(GenerateEvent::Finished {
+            cached_tokens: 64,
+            ..
+        })
+    ));
+
+    // Prefill: prefill only, then the transfer parameters.
+    let prefill = prompt(2, 64);
+    let events = generate(
+        &client,
+        &id,
+        &request("prefill", Stage::Prefill, prefill.clone(), 5),
+    )
+    .await?;
+    assert_eq!(
+        events,
+        vec![
+            GenerateEvent::Prefilled {
+                transfer: KvTransferParams {
+                    source: id.clone(),
+                    prompt_tokens: 64,
+                    engine: None
+                },
+                cached_tokens: 0
+            },
+            GenerateEvent::Finished {
+                output_tokens: 0,
+                cached_tokens: 0,
+                reason: FinishReason::Prefilled
+            },
+        ]
+    );
+
+    // Decode: the KV comes from another worker.
+    let decode = prompt(3, 48);
+    let transfer = KvTransferParams {
+        source: worker("p0"),
+        prompt_tokens: 48,
+        engine: None,
+    };
+    let events = generate(
+        &client,
+        &id,
+        &request("decode", Stage::Decode { transfer }, decode.clone(), 3),
+    )
+    .await?;
+    assert_eq!(output_tokens(&events).len(), 3);
+    assert!(matches!(
+        events.last(),
+        Some(GenerateEvent::Finished {
+            output_tokens: 3,
+            reason: FinishReason::Length,
+            ..
+        })
+    ));
+
+    // Their blocks arrive as gap-free batches of one epoch, named by the
+    // contract's hasher; generated tokens extend the local chain.
+    let mut local_chain = local.clone();
+    local_chain.extend(&tokens[..4]);
+    let mut want = hasher().hash_prompt(&local_chain);
+    assert_eq!(want.len(), 4);
+    want.extend(hasher().hash_prompt(&prefill));
+    want.extend(hasher().hash_prompt(&decode));
+    kv.until_holding(&want).await?;
+    assert_eq!(kv.epochs.len(), 1, "one epoch");
+
+    agent.shutdown().await?;
+    Ok(())
+}
+
+// --- 3. Restart -----------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_starts_a_greater_epoch() -> Result<()> {
+    let servers = Servers::start()?;
+    let bus = Bus::from_client(servers.client().await?);
+    let id = worker("restart");
+    let mut kv = KvFollower::new(&bus, &id).await?;
+
+    let agent = Agent::start(servers.config("restart", Role::Both));
+    let first = kv.next().await?;
+    assert_eq!(
+        (first.seq, first.events.clone()),
+        (0, vec![KvEvent::Cleared])
+    );
+    agent.shutdown().await?;
+
+    let agent = Agent::start(servers.config("restart", Role::Both));
+    let second = kv.next().await?; // the follower checks: greater, seq 0, Cleared
+    assert!(second.epoch > first.epoch);
+    assert_eq!(kv.epochs, vec![first.epoch, second.epoch]);
+    agent.shutdown().await?;
+    Ok(())
+}
+
+// --- 4. Resync ------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_republishes_the_full_block_set() -> Result<()> {
+    let servers = Servers::start()?;
+    let client = servers.client().await?;
+    let bus = Bus::from_client(client.clone());
+    let id = worker("resync");
+    let mut kv = KvFollower::new(&bus, &id).await?;
+    let agent = Agent::start(servers.config("resync", Role::Both));
+    wait_registered(&servers.registry().await?, &id).await?;
+
+    let a = prompt(10, 64);
+    let b = prompt(11, 40);
+    generate(&client, &id, &request("a", Stage::Local, a.clone(), 2)).await?;
+    generate(&client, &id, &request("b", Stage::Prefill, b.clone(), 1)).await?;
+    let mut want = hasher().hash_prompt(&a);
+    want.extend(hasher().hash_prompt(&b));
+    kv.until_holding(&want).await?;
+    let old_epoch = kv.epoch.unwrap();
+
+    let reply = timeout(
+        WAIT,
+        client.request(subjects::resync(&id), Vec::new().into()),
+    )
+    .await??;
+    let reply = ResyncReply::decode(&reply.payload)?;
+    assert_eq!(reply.worker, id);
+    assert!(reply.epoch > old_epoch);
+
+    // Every batch of the old epoch, then the new epoch's first batch: the
+    // whole block set.
+    let (first, held_before) = loop {
+        let held: HashSet<BlockHash> = kv
+            .mirror
+            .stored_events()
+            .iter()
+            .flat_map(stored_blocks)
+            .collect();
+        let batch = kv.next().await?;
+        if batch.epoch == reply.epoch {
+            break (batch, held);
+        }
+    };
+    assert_eq!(first.seq, 0);
+    assert_eq!(first.events[0], KvEvent::Cleared);
+    let republished: HashSet<BlockHash> =
+        first.events[1..].iter().flat_map(stored_blocks).collect();
+    assert_eq!(republished.len() as u64, reply.blocks);
+    assert_eq!(republished, held_before);
+    for h in &want {
+        assert!(republished.contains(h));
+    }
+
+    // Serving and publishing go on in the new epoch.
+    generate(&client, &id, &request("c", Stage::Local, prompt(12, 32), 1)).await?;
+    kv.until_holding(&hasher().hash_prompt(&prompt(12, 32)))
+        .await?;
+    assert_eq!(kv.epoch, Some(reply.epoch));
+    agent.shutdown().await?;
+    Ok(())
+}
+
+fn stored_blocks(event: &KvEvent) -> Vec<BlockHash> {
+    match event {
+        KvEvent::Stored { blocks, .. } => blocks.clone(),
+        other => panic!("not a Stored event: {other:?}"),
+    }
+}
+
+// --- 5. Load reports ------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_reports_come_at_least_every_100ms_and_on_change() -> Result<()> {
+    let servers = Servers::start()?;
+    let client = servers.client().await?;
+    let id = worker("load");
+    let mut reports = client.subscribe(subjects::load(&id)).await?;
+    let mut config = servers.config("load", Role::Both);
+    // 150 decode steps of ~8.5 ms virtual: ~0.6 s.
+    config.speedup = 2.0;
+    let agent = Agent::start(config);
+
+    let mut got: Vec<LoadReport> = Vec::new();
+    let first = timeout(WAIT, reports.next()).await?.context("no report")?;
+    got.push(LoadReport::decode(&first.payload)?);
+    // A long generation runs while reports are collected.
+    let generation = tokio::spawn({
+        let client = client.clone();
+        let id = id.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            generate(
+                &client,
+                &id,
+                &request("long", Stage::Local, prompt(20, 64), 150),
+            )
+            .await
+        }
+    });
+    let until = Instant::now() + Duration::from_millis(1200);
+    while Instant::now() < until {
+        let message = timeout(WAIT, reports.next())
+            .await?
+            .context("reports ended")?;
+        got.push(LoadReport::decode(&message.payload)?);
+    }
+    generation.await??;
+    agent.shutdown().await?;
+
+    assert!(got.iter().all(|r| r.worker == id));
+    assert!(got
+        .iter()
+        .all(|r| r.kv_blocks_total == u64::from(PRESET.kv_capacity_blocks(BLOCK_SIZE))));
+    let max_gap = got
+        .windows(2)
+        .map(|w| w[1].at_ms.saturating_sub(w[0].at_ms))
+        .max()
+        .unwrap();
+    // 100 ms, and a little for a busy test machine's scheduling.
+    assert!(max_gap <= 120, "a {max_gap} ms gap between load reports");
+    assert!(got.len() >= 12, "{} reports in 1.2 s", got.len());
+    assert!(
+        got.iter().any(|r| r.running == 1),
+        "the running request was reported"
+    );
+    Ok(())
+}
+
+// --- 6. Malformed and refused requests ----------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_a_clear_failure_and_serving_goes_on() -> Result<()> {
+    let servers = Servers::start()?;
+    let client = servers.client().await?;
+    let id = worker("bad");
+    let http = free_addr()?;
+    let mut config = servers.config("bad", Role::Prefill);
+    config.http_addr = Some(http);
+    let agent = Agent::start(config);
+    wait_registered(&servers.registry().await?, &id).await?;
+
+    let chunks = generate_raw(&client, &id, b"not msgpack".to_vec()).await?;
+    match &chunks[..] {
+        [GenerateChunk {
+            index: 0,
+            event:
+                GenerateEvent::Failed {
+                    error,
+                    retryable: false,
+                },
+        }] => assert!(error.starts_with("malformed GenerateRequest"), "{error}"),
+        other => bail!("unexpected reply {other:?}"),
+    }
+
+    // No reply subject: counted and dropped.
+    client
+        .publish(
+            subjects::generate(&id),
+            request("noreply", Stage::Prefill, vec![1], 1)
+                .encode()
+                .into(),
+        )
+        .await?;
+
+    // A stage this worker's role does not serve.
+    let events = generate(
+        &client,
+        &id,
+        &request("local", Stage::Local, prompt(30, 32), 2),
+    )
+    .await?;
+    assert_eq!(
+        events,
+        vec![GenerateEvent::Failed {
+            error: "worker bad has role prefill and does not serve local requests".into(),
+            retryable: false
+        }]
+    );
+
+    // Still serving.
+    let events = generate(
+        &client,
+        &id,
+        &request("ok", Stage::Prefill, prompt(31, 32), 1),
+    )
+    .await?;
+    assert!(matches!(
+        events.last(),
+        Some(GenerateEvent::Finished {
+            reason: FinishReason::Prefilled,
+            ..
+        })
+    ));
+
+    let (status, _) = http_get(http, "/healthz").await?;
+    assert_eq!(status, 200);
+    let (status, metrics) = http_get(http, "/metrics").await?;
+    assert_eq!(status, 200);
+    for line in [
+        "worker_agent_malformed_requests_total{reason=\"decode\"}",
+        "worker_agent_malformed_requests_total{reason=\"no_reply\"}",
+        "worker_agent_generate_requests_total{stage=\"local\",outcome=\"refused\"}",
+        "worker_agent_kv_batches_published_total",
+        "worker_agent_load_reports_total",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from\n{metrics}");
+    }
+    agent.shutdown().await?;
+    Ok(())
+}
+
+// --- NATS outage ------------------------------------------------------------
+
+/// Runs a generation whose decode stores blocks while NATS is down, and
+/// follows the worker's batches once NATS is back until every block of
+/// prompt and output is held.
+async fn through_an_outage(name: &str, kv_queue_events: usize) -> Result<KvFollower> {
+    let mut servers = Servers::start()?;
+    let client = servers.client().await?;
+    let id = worker(name);
+    let mut config = servers.config(name, Role::Both);
+    // 400 decode steps of ~8.5 ms virtual: ~1.7 s, a block every ~70 ms.
+    config.speedup = 2.0;
+    config.kv_queue_events = kv_queue_events;
+    let agent = Agent::start(config);
+    wait_registered(&servers.registry().await?, &id).await?;
+
+    let p = prompt(40, 64);
+    let max_tokens = 400;
+    let inbox = client.new_inbox();
+    client
+        .publish_with_reply(
+            subjects::generate(&id),
+            inbox,
+            request(name, Stage::Local, p.clone(), max_tokens)
+                .encode()
+                .into(),
+        )
+        .await?;
+    client.flush().await?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::task::block_in_place(|| servers.nats.stop())?;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::task::block_in_place(|| servers.nats.restart())?;
+
+    let bus = Bus::from_client(servers.client().await?);
+    let mut kv = KvFollower::new(&bus, &id).await?;
+    let mut chain = p.clone();
+    chain.extend(
+        worker_agent::sim_engine::output_tokens(name, max_tokens)
+            .iter()
+            .take(max_tokens as usize - 1),
+    );
+    let want = hasher().hash_prompt(&chain);
+    assert_eq!(want.len(), (64 + 399) / 16);
+    kv.until_holding(&want).await?;
+    agent.shutdown().await?;
+    Ok(kv)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_wait_for_nats_and_are_published_when_it_returns() -> Result<()> {
+    let kv = through_an_outage("outage", 65_536).await?;
+    assert_eq!(kv.epochs.len(), 1, "no resync was needed");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_overflow_resyncs_instead_of_dropping() -> Result<()> {
+    // Three events fit: the decode's stores overflow the queue while NATS
+    // is down, and a new epoch republishes the whole block set.
+    let kv = through_an_outage("overflow", 3).await?;
+    assert!(kv.epochs.len() >= 2, "no resync: {:?}", kv.epochs);
+    Ok(())
+}
