@@ -9,6 +9,9 @@ use protocol::{
 };
 use tokio::io::AsyncReadExt;
 
+/// How long [`Bus::connect`] keeps trying a server that is not up yet.
+pub const CONNECT_PATIENCE: Duration = Duration::from_secs(30);
+
 /// Retention of the streams.
 #[derive(Debug, Clone)]
 pub struct StreamLimits {
@@ -79,16 +82,28 @@ pub struct Bus {
 
 impl Bus {
     /// Connects, naming the connection (it shows in the server's monitor).
+    /// A server that is not up yet (services starting together) is retried
+    /// for up to [`CONNECT_PATIENCE`]; once connected, the client
+    /// reconnects by itself.
     pub async fn connect(url: &str, name: &str) -> Result<Self, BusError> {
-        let client = ConnectOptions::new()
-            .name(name)
-            .connect(url)
-            .await
-            .map_err(|e| BusError::Connect {
-                url: url.to_owned(),
-                message: e.to_string(),
-            })?;
-        Ok(Self::from_client(client))
+        let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
+        let mut pause = Duration::from_millis(100);
+        loop {
+            match ConnectOptions::new().name(name).connect(url).await {
+                Ok(client) => return Ok(Self::from_client(client)),
+                Err(e) if tokio::time::Instant::now() + pause < deadline => {
+                    tracing::warn!(url, error = %e, "NATS not reachable yet; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => {
+                    return Err(BusError::Connect {
+                        url: url.to_owned(),
+                        message: e.to_string(),
+                    })
+                }
+            }
+        }
     }
 
     pub fn from_client(client: Client) -> Self {
