@@ -14,5 +14,5 @@
 mod nats;
 mod registry;
 
-pub use nats::{Bus, BusError, StreamLimits, CONNECT_PATIENCE};
+pub use nats::{Bus, BusError, DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE};
 pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};

@@ -73,6 +73,81 @@ fn snapshot_error(message: impl ToString) -> BusError {
     }
 }
 
+/// Sends deltas in order without waiting for each confirmation (see
+/// [`Bus::delta_publisher`]). Deltas must reach the server in sequence,
+/// so send them one after the other (await [`DeltaPublisher::send`]) and
+/// await only the confirmations concurrently: concurrent
+/// [`Bus::publish_delta`] futures would not keep the order.
+#[derive(Debug, Clone)]
+pub struct DeltaPublisher {
+    js: jetstream::Context,
+}
+
+impl DeltaPublisher {
+    /// Queues the delta on the connection (in order); the returned
+    /// [`DeltaSent`] resolves when the stream confirms it.
+    pub async fn send(&self, delta: &IndexDelta) -> Result<DeltaSent, BusError> {
+        send_delta(&self.js, delta).await
+    }
+}
+
+/// A delta on its way to the stream.
+#[derive(Debug)]
+pub struct DeltaSent {
+    seq: u64,
+    ack: jetstream::context::PublishAckFuture,
+}
+
+impl DeltaSent {
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Waits for the stream's confirmation; [`BusError::Fenced`] when the
+    /// stream did not end at the delta before.
+    pub async fn confirmed(self) -> Result<(), BusError> {
+        let seq = self.seq;
+        self.ack.await.map_err(|e| delta_error(seq, &e))?;
+        Ok(())
+    }
+}
+
+/// Sends a delta expecting the stream to end at the one before it, with a
+/// message id naming its content (so republishing the same delta is a
+/// no-op).
+async fn send_delta(js: &jetstream::Context, delta: &IndexDelta) -> Result<DeltaSent, BusError> {
+    let payload = delta.encode();
+    let id = format!(
+        "delta.{}.{:016x}",
+        delta.seq,
+        xxhash_rust::xxh3::xxh3_64(&payload)
+    );
+    let message = jetstream::message::PublishMessage::build()
+        .payload(payload.into())
+        .message_id(id)
+        .expected_last_sequence(delta.seq - 1);
+    let ack = js
+        .send_publish(subjects::INDEX_DELTAS, message)
+        .await
+        .map_err(|e| delta_error(delta.seq, &e))?;
+    Ok(DeltaSent {
+        seq: delta.seq,
+        ack,
+    })
+}
+
+fn delta_error(seq: u64, error: &dyn std::fmt::Display) -> BusError {
+    let text = error.to_string();
+    if text.contains("wrong last sequence") {
+        BusError::Fenced { seq }
+    } else {
+        BusError::Publish {
+            subject: subjects::INDEX_DELTAS.into(),
+            message: text,
+        }
+    }
+}
+
 /// A connection to NATS with JetStream.
 #[derive(Debug, Clone)]
 pub struct Bus {
@@ -197,39 +272,24 @@ impl Bus {
         Ok(ack.duplicate)
     }
 
-    /// Publishes the next delta. The stream must end at `delta.seq - 1`:
-    /// otherwise another indexer is writing, or this one is behind, and
-    /// the delta is refused ([`BusError::Fenced`]). Publishing the very
-    /// same delta again is a no-op (its message id names its content).
+    /// Publishes the next delta and waits for the stream's confirmation.
+    /// The stream must end at `delta.seq - 1`: otherwise another indexer
+    /// is writing, or this one is behind, and the delta is refused
+    /// ([`BusError::Fenced`]). Publishing the very same delta again is a
+    /// no-op (its message id names its content).
     pub async fn publish_delta(&self, delta: &IndexDelta) -> Result<(), BusError> {
-        let payload = delta.encode();
-        let id = format!(
-            "delta.{}.{:016x}",
-            delta.seq,
-            xxhash_rust::xxh3::xxh3_64(&payload)
-        );
-        let message = jetstream::message::PublishMessage::build()
-            .payload(payload.into())
-            .message_id(id)
-            .expected_last_sequence(delta.seq - 1);
-        let fenced = |e: &dyn std::fmt::Display| {
-            let text = e.to_string();
-            if text.contains("wrong last sequence") {
-                BusError::Fenced { seq: delta.seq }
-            } else {
-                BusError::Publish {
-                    subject: subjects::INDEX_DELTAS.into(),
-                    message: text,
-                }
-            }
-        };
-        self.js
-            .send_publish(subjects::INDEX_DELTAS, message)
-            .await
-            .map_err(|e| fenced(&e))?
-            .await
-            .map_err(|e| fenced(&e))?;
-        Ok(())
+        send_delta(&self.js, delta).await?.confirmed().await
+    }
+
+    /// A publisher that sends deltas in order and lets their confirmations
+    /// be awaited concurrently, for throughput: up to `max_in_flight`
+    /// unconfirmed deltas, each confirmed within `timeout`.
+    pub fn delta_publisher(&self, max_in_flight: usize, timeout: Duration) -> DeltaPublisher {
+        let js = jetstream::context::ContextBuilder::new()
+            .timeout(timeout)
+            .max_ack_inflight(max_in_flight.max(1))
+            .build(self.client.clone());
+        DeltaPublisher { js }
     }
 
     /// The last delta in the stream (0 when none).

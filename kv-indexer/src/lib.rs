@@ -9,6 +9,8 @@ pub mod alloc_counter;
 pub mod index;
 pub mod indexer;
 pub mod replica;
+#[cfg(feature = "service")]
+pub mod service;
 pub mod trace_bench;
 pub mod workload;
 

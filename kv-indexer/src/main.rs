@@ -1,10 +1,12 @@
-//! `kv-indexer`: the indexer service, and its benchmark.
+//! `kv-indexer`: the indexer service (`kv-indexer run`, the default), and
+//! its benchmark (`kv-indexer bench`).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kv_indexer::alloc_counter::{live_bytes, CountingAllocator};
+use kv_indexer::service::{self, Config};
 use kv_indexer::trace_bench::TraceBench;
 
 // Counts live heap bytes for `bench`'s bytes-per-pair figure; the cost is
@@ -13,14 +15,23 @@ use kv_indexer::trace_bench::TraceBench;
 static ALLOC: CountingAllocator = CountingAllocator;
 
 #[derive(Debug, Parser)]
-#[command(version, about = "Switchyard's global KV block-ownership indexer")]
+#[command(
+    version,
+    about = "Switchyard's global KV block-ownership indexer",
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// Without a subcommand: `run` with these flags.
+    #[command(flatten)]
+    run: Config,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the indexer service (the default).
+    Run(Config),
     /// Replay a Mooncake-format trace as simulated workers' KV events
     /// through the index core; print one JSON line of figures.
     Bench {
@@ -43,7 +54,9 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    match cli.command.unwrap_or(Command::Run(cli.run)) {
+        Command::Run(config) => serve(config)?,
         Command::Bench {
             trace,
             workers,
@@ -74,4 +87,43 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn serve(config: Config) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime
+        .block_on(service::run(config, shutdown_signal()))
+        .context("kv-indexer failed")
+}
+
+/// Completes on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
 }

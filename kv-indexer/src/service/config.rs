@@ -1,0 +1,174 @@
+//! The service's configuration: command-line flags, each also read from a
+//! `SWITCHYARD_*` environment variable.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Everything `kv-indexer run` can be told.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// NATS server (with JetStream).
+    #[arg(long, env = "SWITCHYARD_NATS_URL", default_value = DEFAULT_NATS_URL)]
+    pub nats_url: String,
+
+    /// etcd endpoints, comma-separated.
+    #[arg(
+        long,
+        env = "SWITCHYARD_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = DEFAULT_ETCD_ENDPOINT
+    )]
+    pub etcd_endpoints: Vec<String>,
+
+    /// Name of the durable JetStream consumer over the workers' KV events.
+    #[arg(long, env = "SWITCHYARD_INDEXER_CONSUMER", default_value = DEFAULT_CONSUMER)]
+    pub consumer: String,
+
+    /// Address of the HTTP endpoints (`/metrics`, `/healthz`, `/status`).
+    #[arg(long, env = "SWITCHYARD_INDEXER_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR)]
+    pub http_addr: SocketAddr,
+
+    /// Keep at most this many distinct blocks in the index; beyond it the
+    /// least recently touched are evicted (and the eviction is a delta).
+    #[arg(long, env = "SWITCHYARD_INDEXER_MAX_BLOCKS")]
+    pub max_blocks: Option<u64>,
+
+    /// Store a snapshot at least this often (when the index changed), e.g.
+    /// `30s`, `500ms`, `5m`.
+    #[arg(long, env = "SWITCHYARD_INDEXER_SNAPSHOT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub snapshot_interval: Duration,
+
+    /// Store a snapshot after this many deltas, whatever the interval.
+    #[arg(long, env = "SWITCHYARD_INDEXER_SNAPSHOT_EVERY_DELTAS", default_value_t = DEFAULT_SNAPSHOT_EVERY_DELTAS)]
+    pub snapshot_every_deltas: u64,
+
+    /// After a snapshot, deltas it covers are trimmed from the stream except
+    /// this many most recent ones (for routers catching up).
+    #[arg(long, env = "SWITCHYARD_INDEXER_DELTA_MARGIN", default_value_t = DEFAULT_DELTA_MARGIN)]
+    pub delta_margin: u64,
+
+    /// Workers the index holds but etcd does not list are removed after
+    /// this long (about one lease TTL: a restarting agent re-registers
+    /// within it).
+    #[arg(long, env = "SWITCHYARD_INDEXER_WORKER_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub worker_grace: Duration,
+
+    /// How long to wait for a worker's agent to answer a resync request.
+    #[arg(long, env = "SWITCHYARD_INDEXER_RESYNC_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub resync_timeout: Duration,
+
+    /// At most one resync request per worker this often.
+    #[arg(long, env = "SWITCHYARD_INDEXER_RESYNC_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub resync_interval: Duration,
+
+    /// KV messages asked for per pull request (and applied per loop turn).
+    #[arg(long, env = "SWITCHYARD_INDEXER_FETCH_BATCH", default_value_t = DEFAULT_FETCH_BATCH)]
+    pub fetch_batch: usize,
+
+    /// Delta publishes awaiting the stream's confirmation at once; KV
+    /// messages are acked once their delta is confirmed.
+    #[arg(long, env = "SWITCHYARD_INDEXER_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT)]
+    pub max_in_flight: usize,
+
+    /// The KV consumer's ack wait: an unacked message is redelivered after
+    /// this long.
+    #[arg(long, env = "SWITCHYARD_INDEXER_ACK_WAIT", default_value = "60s", value_parser = parse_duration)]
+    pub ack_wait: Duration,
+
+    /// Fault injection for tests: stop abruptly once delta N is confirmed,
+    /// before its KV message is acked. Not a command-line flag.
+    #[arg(skip)]
+    pub crash_after_delta: Option<u64>,
+}
+
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+pub const DEFAULT_ETCD_ENDPOINT: &str = "http://127.0.0.1:2379";
+pub const DEFAULT_CONSUMER: &str = "kv-indexer";
+pub const DEFAULT_HTTP_ADDR: &str = "0.0.0.0:9091";
+pub const DEFAULT_SNAPSHOT_EVERY_DELTAS: u64 = 200_000;
+pub const DEFAULT_DELTA_MARGIN: u64 = 100_000;
+pub const DEFAULT_FETCH_BATCH: usize = 1024;
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 8192;
+
+impl Config {
+    /// The defaults, with the given NATS server and etcd endpoints (what a
+    /// test or an embedding program starts from).
+    pub fn new(nats_url: impl Into<String>, etcd_endpoints: Vec<String>) -> Self {
+        Self {
+            nats_url: nats_url.into(),
+            etcd_endpoints,
+            consumer: DEFAULT_CONSUMER.to_owned(),
+            http_addr: DEFAULT_HTTP_ADDR.parse().expect("valid default address"),
+            max_blocks: None,
+            snapshot_interval: Duration::from_secs(30),
+            snapshot_every_deltas: DEFAULT_SNAPSHOT_EVERY_DELTAS,
+            delta_margin: DEFAULT_DELTA_MARGIN,
+            worker_grace: Duration::from_secs(10),
+            resync_timeout: Duration::from_secs(5),
+            resync_interval: Duration::from_secs(10),
+            fetch_batch: DEFAULT_FETCH_BATCH,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            ack_wait: Duration::from_secs(60),
+            crash_after_delta: None,
+        }
+    }
+}
+
+/// `250ms`, `2s`, `1.5s`, `5m`, `1h`; a bare number is seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (like 500ms, 2s, 5m)"))?;
+    let seconds = match unit.trim() {
+        "ms" => value / 1000.0,
+        "" | "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (ms, s, m or h)"
+            ))
+        }
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("s").is_err());
+    }
+
+    #[test]
+    fn flags_and_defaults_agree() {
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Cli {
+            #[command(flatten)]
+            config: Config,
+        }
+        let parsed =
+            Cli::try_parse_from(["kv-indexer", "--etcd-endpoints", "http://a:1,http://b:2"])
+                .unwrap()
+                .config;
+        let defaults = Config::new(DEFAULT_NATS_URL, vec![]);
+        assert_eq!(parsed.etcd_endpoints, vec!["http://a:1", "http://b:2"]);
+        assert_eq!(parsed.snapshot_interval, defaults.snapshot_interval);
+        assert_eq!(parsed.worker_grace, defaults.worker_grace);
+        assert_eq!(parsed.http_addr, defaults.http_addr);
+        assert_eq!(parsed.ack_wait, defaults.ack_wait);
+    }
+}

@@ -1,0 +1,287 @@
+//! The workers' KV events in: the durable pull consumer, decoding, and the
+//! in-order pipeline of delta publishes after which KV messages are acked.
+//!
+//! # Where the consumer resumes
+//!
+//! A KV message is acked only once the delta it produced is in the delta
+//! stream, so every message up to the consumer's ack floor is covered by
+//! the recovered state. At startup the consumer is recreated to deliver from
+//! the ack floor + 1, in stream order: messages whose deltas were published
+//! (but whose acks were lost) come back as duplicates, the others are
+//! applied. Relying on redelivery instead would hand the unacked messages
+//! back only after the ack wait, behind newer ones: the core would see gaps
+//! and ask workers to resync for nothing.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::context::ConsumerInfoErrorKind;
+use async_nats::jetstream::message::{AckKind, Acker};
+use bus::{Bus, BusError, DeltaPublisher, DeltaSent};
+use futures::stream::FuturesOrdered;
+use futures::StreamExt;
+use protocol::{subjects, IndexDelta, KvEventBatch, Message};
+
+use super::config::Config;
+
+/// Why the KV consumer could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsumerError {
+    #[error("KV event stream {stream}: {message}")]
+    Stream {
+        stream: &'static str,
+        message: String,
+    },
+    #[error("durable consumer {name}: {message}")]
+    Consumer { name: String, message: String },
+}
+
+/// The durable consumer over every worker's KV events, recreated to
+/// deliver from the first message not known to be covered by the deltas
+/// (see the module docs). `recovered_seq` is the recovered delta sequence:
+/// with no delta at all, every retained KV event is read again.
+pub async fn open(
+    bus: &Bus,
+    config: &Config,
+    recovered_seq: u64,
+) -> Result<(PullConsumer, u64), ConsumerError> {
+    let name = config.consumer.clone();
+    let consumer_error = |message: String| ConsumerError::Consumer {
+        name: name.clone(),
+        message,
+    };
+    let stream = bus
+        .jetstream()
+        .get_stream(subjects::KV_EVENTS_STREAM)
+        .await
+        .map_err(|e| ConsumerError::Stream {
+            stream: subjects::KV_EVENTS_STREAM,
+            message: e.to_string(),
+        })?;
+    let ack_floor = match stream.consumer_info(&name).await {
+        Ok(info) => Some(info.ack_floor.stream_sequence),
+        Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => None,
+        Err(e) => return Err(consumer_error(e.to_string())),
+    };
+    let start = match ack_floor {
+        _ if recovered_seq == 0 => 1,
+        Some(floor) => floor + 1,
+        None => {
+            tracing::warn!(
+                consumer = %name,
+                recovered_seq,
+                "the KV consumer does not exist but deltas do: reading every retained KV event again \
+                 (already applied batches are duplicates)"
+            );
+            1
+        }
+    };
+    if ack_floor.is_some() {
+        stream
+            .delete_consumer(&name)
+            .await
+            .map_err(|e| consumer_error(format!("deleting it to resume at {start}: {e}")))?;
+    }
+    let in_flight = config.max_in_flight + 2 * config.fetch_batch;
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some(name.clone()),
+            description: Some("Switchyard kv-indexer: every worker's KV events".into()),
+            filter_subject: subjects::KV_EVENTS_ALL.into(),
+            deliver_policy: DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: config.ack_wait,
+            max_ack_pending: (4 * in_flight).max(10_000) as i64,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| consumer_error(e.to_string()))?;
+    Ok((consumer, start))
+}
+
+/// The consumer's messages, pulled `fetch_batch` at a time.
+pub async fn messages(
+    consumer: &PullConsumer,
+    config: &Config,
+) -> Result<pull::Stream, ConsumerError> {
+    consumer
+        .stream()
+        .max_messages_per_batch(config.fetch_batch.max(1))
+        .messages()
+        .await
+        .map_err(|e| ConsumerError::Consumer {
+            name: config.consumer.clone(),
+            message: e.to_string(),
+        })
+}
+
+/// A KV message that is not a worker's batch.
+#[derive(Debug, thiserror::Error)]
+pub enum Malformed {
+    #[error(transparent)]
+    Decode(#[from] protocol::DecodeError),
+    #[error("batch of worker {worker} on subject {subject} (expected {expected})")]
+    WrongSubject {
+        worker: String,
+        subject: String,
+        expected: String,
+    },
+}
+
+/// Decodes a KV message, checking that the batch came on its worker's
+/// subject.
+pub fn decode(message: &async_nats::Message) -> Result<KvEventBatch, Malformed> {
+    let batch = KvEventBatch::decode(&message.payload)?;
+    let expected = subjects::kv_events(&batch.worker);
+    if message.subject.as_str() != expected {
+        return Err(Malformed::WrongSubject {
+            worker: batch.worker.to_string(),
+            subject: message.subject.to_string(),
+            expected,
+        });
+    }
+    Ok(batch)
+}
+
+/// What one pipeline entry did, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Confirmed {
+    /// The delta now in the stream, if the entry had one.
+    pub seq: Option<u64>,
+}
+
+/// Why the pipeline stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("publishing delta {seq}: {source}")]
+    Publish {
+        seq: u64,
+        #[source]
+        source: BusError,
+    },
+    #[error("injected crash after delta {seq} was published, before its KV message was acked")]
+    InjectedCrash { seq: u64 },
+}
+
+type Entry = Pin<Box<dyn Future<Output = Result<Confirmed, PipelineError>> + Send>>;
+
+/// How long the stream may take to confirm a delta.
+const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(30);
+/// Confirmations awaited at once beyond the configured in-flight limit
+/// (removals, a fetched chunk's overshoot) before `push` waits for the
+/// oldest one.
+const IN_FLIGHT_SLACK: usize = 1024;
+
+/// Delta publishes in flight, confirmed in order; each entry acks its KV
+/// message once its delta is confirmed.
+///
+/// Deltas must reach the server in sequence (each is published expecting
+/// the stream to end at the one before), so each is *sent* in turn
+/// ([`Pipeline::push`] awaits the send, which only queues the message on
+/// the connection) and only the confirmations are awaited concurrently.
+/// (Running [`Bus::publish_delta`] futures concurrently does not keep the
+/// order: a future woken with a send permit can be overtaken by a newer one
+/// that finds capacity free.) A refused delta makes every later one refused
+/// too; the first error, in order, is the one reported.
+pub struct Pipeline {
+    publisher: DeltaPublisher,
+    entries: FuturesOrdered<Entry>,
+    capacity: usize,
+    crash_after_delta: Option<u64>,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("in_flight", &self.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pipeline {
+    /// A pipeline on its own JetStream context over the bus's connection,
+    /// with room for `max_in_flight` confirmations (plus some slack).
+    pub fn new(bus: &Bus, max_in_flight: usize, crash_after_delta: Option<u64>) -> Self {
+        let capacity = max_in_flight.max(1) + IN_FLIGHT_SLACK;
+        // One permit more than entries can hold: a send never waits for a
+        // confirmation only this pipeline would poll.
+        let publisher = bus.delta_publisher(capacity + 1, DELTA_ACK_TIMEOUT);
+        Self {
+            publisher,
+            entries: FuturesOrdered::new(),
+            capacity,
+            crash_after_delta,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Sends `delta` (if any) to the delta stream now, and queues the wait
+    /// for its confirmation, after which the KV message (if any) is acked
+    /// (`AckKind::Ack`) or terminated (`AckKind::Term`).
+    ///
+    /// When the pipeline is full, the oldest entry is awaited first and
+    /// returned (the caller handles it like one from [`Pipeline::next`]).
+    pub async fn push(
+        &mut self,
+        delta: Option<IndexDelta>,
+        ack: Option<(Acker, AckKind)>,
+    ) -> Result<Option<Result<Confirmed, PipelineError>>, PipelineError> {
+        let oldest = if self.entries.len() >= self.capacity {
+            self.entries.next().await
+        } else {
+            None
+        };
+        let sent = match delta {
+            Some(delta) => Some(self.publisher.send(&delta).await.map_err(|source| {
+                PipelineError::Publish {
+                    seq: delta.seq,
+                    source,
+                }
+            })?),
+            None => None,
+        };
+        let crash_after = self.crash_after_delta;
+        self.entries.push_back(Box::pin(async move {
+            let seq = sent.as_ref().map(DeltaSent::seq);
+            if let Some(sent) = sent {
+                let seq = sent.seq();
+                sent.confirmed()
+                    .await
+                    .map_err(|source| PipelineError::Publish { seq, source })?;
+                if crash_after == Some(seq) {
+                    return Err(PipelineError::InjectedCrash { seq });
+                }
+            }
+            if let Some((acker, kind)) = ack {
+                // A lost ack only means a redelivery, which the core drops
+                // as a duplicate.
+                if let Err(e) = acker.ack_with(kind).await {
+                    tracing::warn!(error = %e, delta_seq = ?seq, "acking a KV message failed");
+                }
+            }
+            Ok(Confirmed { seq })
+        }));
+        Ok(oldest)
+    }
+
+    /// The next entry to complete, in push order; `None` when empty.
+    pub async fn next(&mut self) -> Option<Result<Confirmed, PipelineError>> {
+        self.entries.next().await
+    }
+
+    /// The next completed entry if it is ready now.
+    pub fn try_next(&mut self) -> Option<Result<Confirmed, PipelineError>> {
+        futures::FutureExt::now_or_never(self.entries.next()).flatten()
+    }
+}

@@ -1,0 +1,289 @@
+//! The service's metrics, kept in a Prometheus recorder of its own (not the
+//! process-wide one: several services can run in one test process).
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+
+use crate::index::IndexStats;
+use crate::indexer::BatchStatus;
+
+/// Handles to every metric of the service.
+#[derive(Debug)]
+pub struct Metrics {
+    handle: PrometheusHandle,
+    batches: [Counter; 6],
+    pub block_events: Counter,
+    pub malformed_messages: Counter,
+    pub deltas_published: Counter,
+    pub delta_seq: Gauge,
+    pub delta_seq_published: Gauge,
+    pub consumer_pending: Gauge,
+    pub index_blocks: Gauge,
+    pub index_pairs: Gauge,
+    pub index_runs: Gauge,
+    pub index_workers: Gauge,
+    pub index_evicted_blocks: Gauge,
+    pub snapshots_ok: Counter,
+    pub snapshots_failed: Counter,
+    pub snapshot_seconds: Histogram,
+    pub snapshot_bytes: Gauge,
+    pub snapshot_seq: Gauge,
+    pub deltas_trimmed: Counter,
+    pub recovery_replayed: Gauge,
+    pub resync_requests: Counter,
+    pub resync_rate_limited: Counter,
+    pub resync_ok: Counter,
+    pub resync_failed: Counter,
+    pub resync_timeout: Counter,
+    pub overlap_ok: Counter,
+    pub overlap_malformed: Counter,
+    pub workers_removed_lease: Counter,
+    pub workers_removed_unregistered: Counter,
+    pub registry_malformed: Counter,
+    pub registry_errors: Counter,
+}
+
+const STATUSES: [&str; 6] = [
+    "applied",
+    "new_epoch",
+    "duplicate",
+    "gap",
+    "awaiting_resync",
+    "stale_epoch",
+];
+
+struct Reg {
+    recorder: PrometheusRecorder,
+}
+
+impl Reg {
+    fn metadata() -> Metadata<'static> {
+        Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()))
+    }
+
+    fn key(name: &'static str, labels: &[(&'static str, &'static str)]) -> Key {
+        let labels: Vec<Label> = labels.iter().map(|(k, v)| Label::new(*k, *v)).collect();
+        Key::from_parts(name, labels)
+    }
+
+    fn counter(
+        &self,
+        name: &'static str,
+        labels: &[(&'static str, &'static str)],
+        help: &'static str,
+    ) -> Counter {
+        self.recorder.describe_counter(
+            KeyName::from_const_str(name),
+            None,
+            SharedString::const_str(help),
+        );
+        self.recorder
+            .register_counter(&Self::key(name, labels), &Self::metadata())
+    }
+
+    fn gauge(&self, name: &'static str, help: &'static str) -> Gauge {
+        self.recorder.describe_gauge(
+            KeyName::from_const_str(name),
+            None,
+            SharedString::const_str(help),
+        );
+        self.recorder
+            .register_gauge(&Self::key(name, &[]), &Self::metadata())
+    }
+
+    fn histogram(&self, name: &'static str, help: &'static str) -> Histogram {
+        self.recorder.describe_histogram(
+            KeyName::from_const_str(name),
+            None,
+            SharedString::const_str(help),
+        );
+        self.recorder
+            .register_histogram(&Self::key(name, &[]), &Self::metadata())
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let r = Reg {
+            recorder: PrometheusBuilder::new()
+                .set_buckets(&[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0])
+                .expect("non-empty buckets")
+                .build_recorder(),
+        };
+        let batches = STATUSES.map(|status| {
+            r.counter(
+                "kv_indexer_batches_total",
+                &[("status", status)],
+                "KV event batches by admission status",
+            )
+        });
+        let resync = |result| {
+            r.counter(
+                "kv_indexer_resync_replies_total",
+                &[("result", result)],
+                "Outcomes of resync requests",
+            )
+        };
+        let overlap = |result| {
+            r.counter(
+                "kv_indexer_overlap_queries_total",
+                &[("result", result)],
+                "Overlap queries answered",
+            )
+        };
+        let removed = |reason| {
+            r.counter(
+                "kv_indexer_workers_removed_total",
+                &[("reason", reason)],
+                "Workers removed from the index",
+            )
+        };
+        let snapshots = |result| {
+            r.counter(
+                "kv_indexer_snapshots_total",
+                &[("result", result)],
+                "Snapshots stored (or failed)",
+            )
+        };
+        Self {
+            batches,
+            block_events: r.counter(
+                "kv_indexer_block_events_total",
+                &[],
+                "Block events (stored or removed blocks) of applied batches",
+            ),
+            malformed_messages: r.counter(
+                "kv_indexer_malformed_messages_total",
+                &[],
+                "KV messages that could not be decoded (skipped)",
+            ),
+            deltas_published: r.counter(
+                "kv_indexer_deltas_published_total",
+                &[],
+                "Deltas confirmed by the delta stream",
+            ),
+            delta_seq: r.gauge("kv_indexer_delta_seq", "Last delta produced"),
+            delta_seq_published: r.gauge(
+                "kv_indexer_delta_seq_published",
+                "Last delta confirmed by the delta stream",
+            ),
+            consumer_pending: r.gauge(
+                "kv_indexer_consumer_pending",
+                "KV messages not yet delivered to the indexer (consumer lag)",
+            ),
+            index_blocks: r.gauge("kv_indexer_index_blocks", "Distinct blocks in the index"),
+            index_pairs: r.gauge(
+                "kv_indexer_index_pairs",
+                "(block, worker) pairs in the index",
+            ),
+            index_runs: r.gauge("kv_indexer_index_runs", "Runs in the index"),
+            index_workers: r.gauge("kv_indexer_index_workers", "Workers known to the index"),
+            index_evicted_blocks: r.gauge(
+                "kv_indexer_index_evicted_blocks",
+                "Blocks evicted by the memory cap since start",
+            ),
+            snapshots_ok: snapshots("ok"),
+            snapshots_failed: snapshots("error"),
+            snapshot_seconds: r.histogram(
+                "kv_indexer_snapshot_duration_seconds",
+                "Time to take and store a snapshot",
+            ),
+            snapshot_bytes: r.gauge("kv_indexer_snapshot_bytes", "Size of the last snapshot"),
+            snapshot_seq: r.gauge(
+                "kv_indexer_snapshot_delta_seq",
+                "Delta sequence covered by the last stored snapshot",
+            ),
+            deltas_trimmed: r.counter(
+                "kv_indexer_deltas_trimmed_total",
+                &[],
+                "Deltas purged from the stream after a snapshot",
+            ),
+            recovery_replayed: r.gauge(
+                "kv_indexer_recovery_replayed_deltas",
+                "Deltas replayed after the snapshot at the last start",
+            ),
+            resync_requests: r.counter(
+                "kv_indexer_resync_requests_total",
+                &[],
+                "Resync requests sent to worker agents",
+            ),
+            resync_rate_limited: r.counter(
+                "kv_indexer_resync_rate_limited_total",
+                &[],
+                "Resync requests not sent: one was sent to the worker recently",
+            ),
+            resync_ok: resync("ok"),
+            resync_failed: resync("error"),
+            resync_timeout: resync("timeout"),
+            overlap_ok: overlap("ok"),
+            overlap_malformed: overlap("malformed"),
+            workers_removed_lease: removed("lease_expired"),
+            workers_removed_unregistered: removed("unregistered"),
+            registry_malformed: r.counter(
+                "kv_indexer_registry_malformed_total",
+                &[],
+                "Malformed worker records in etcd (skipped)",
+            ),
+            registry_errors: r.counter(
+                "kv_indexer_registry_errors_total",
+                &[],
+                "etcd list or watch failures (retried)",
+            ),
+            handle: r.recorder.handle(),
+        }
+    }
+
+    /// The counter of batches with this status.
+    pub fn batches(&self, status: &BatchStatus) -> &Counter {
+        let i = STATUSES
+            .iter()
+            .position(|s| *s == status.label())
+            .unwrap_or(0);
+        &self.batches[i]
+    }
+
+    pub fn set_index(&self, stats: IndexStats, workers: usize) {
+        self.index_blocks.set(stats.blocks as f64);
+        self.index_pairs.set(stats.pairs as f64);
+        self.index_runs.set(stats.runs as f64);
+        self.index_workers.set(workers as f64);
+        self.index_evicted_blocks.set(stats.evicted_blocks as f64);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.handle.render()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_has_its_counter() {
+        let m = Metrics::new();
+        m.batches(&BatchStatus::Gap {
+            expected: 1,
+            got: 3,
+        })
+        .increment(2);
+        m.batches(&BatchStatus::Applied).increment(1);
+        let text = m.render();
+        assert!(
+            text.contains("kv_indexer_batches_total{status=\"gap\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kv_indexer_batches_total{status=\"applied\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("# HELP kv_indexer_batches_total"), "{text}");
+    }
+}

@@ -1,0 +1,791 @@
+//! The kv-indexer service: a thin shell around [`KvIndexer`] on NATS
+//! JetStream and etcd.
+//!
+//! - [`Service::start`] connects, creates the streams, recovers the state
+//!   (latest snapshot + the delta log after it, see [`recovery`]) and opens
+//!   the durable KV consumer where the recovered state ends (see
+//!   [`consumer`]).
+//! - [`Service::run`] is one loop over one [`Event`] enum in one `select!`:
+//!   KV messages are decoded and applied to the core; each resulting delta
+//!   is published (pipelined, in order) and only then is its KV message
+//!   acked; worker removals from etcd, resync requests, overlap queries,
+//!   `/status`, periodic snapshots and trimming happen in the same loop.
+//!
+//! A refused delta ([`bus::BusError::Fenced`]: another indexer writes the
+//! delta stream) stops the service with [`ServiceError::Fenced`].
+
+pub mod config;
+pub mod consumer;
+pub mod http;
+pub mod metrics;
+pub mod overlap;
+pub mod recovery;
+pub mod resync;
+pub mod snapshots;
+pub mod workers;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
+use async_nats::jetstream::message::AckKind;
+use bus::{Bus, BusError, Registry, RegistryError, StreamLimits, WorkerChange};
+use futures::StreamExt;
+use protocol::{subjects, IndexDelta, Message, WorkerId};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+
+pub use self::config::Config;
+use self::consumer::{Confirmed, ConsumerError, Pipeline, PipelineError};
+use self::http::StatusRequest;
+use self::metrics::Metrics;
+use self::recovery::RecoveryError;
+use self::resync::{ResyncLimiter, ResyncOutcome};
+use self::snapshots::{SnapshotPolicy, Stored};
+use self::workers::{Liveness, RegistryEvent};
+use crate::index::OwnershipIndex;
+use crate::indexer::{BatchStatus, KvIndexer};
+
+/// The queue group of the overlap-query subscription.
+const OVERLAP_QUEUE_GROUP: &str = "kv-indexer";
+/// Wait between attempts to list and watch etcd after a failure.
+const REGISTRY_RETRY: Duration = Duration::from_secs(1);
+/// On shutdown, how long in-flight delta publishes may take to complete.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why the service stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error("recovering the index: {0}")]
+    Recovery(#[from] RecoveryError),
+    #[error(transparent)]
+    Consumer(#[from] ConsumerError),
+    #[error(
+        "delta {seq} was refused: another indexer is writing the delta stream \
+         (or this one fell behind it); stopping"
+    )]
+    Fenced { seq: u64 },
+    #[error(transparent)]
+    Pipeline(PipelineError),
+    #[error("the KV event consumer failed: {0}")]
+    KvConsumer(String),
+    #[error("NATS: {0}")]
+    Nats(String),
+    #[error("HTTP on {addr}: {source}")]
+    Http {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<PipelineError> for ServiceError {
+    fn from(e: PipelineError) -> Self {
+        match e {
+            PipelineError::Publish {
+                source: BusError::Fenced { seq },
+                ..
+            } => ServiceError::Fenced { seq },
+            other => ServiceError::Pipeline(other),
+        }
+    }
+}
+
+/// Starts the service and runs it until `shutdown` completes (then drains
+/// the in-flight publishes and returns).
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServiceError> {
+    Service::start(config).await?.run(shutdown).await
+}
+
+/// A started service: connected, recovered, its HTTP address bound.
+pub struct Service {
+    config: Config,
+    bus: Bus,
+    registry: Registry,
+    indexer: KvIndexer,
+    snapshot_seq: u64,
+    consumer: async_nats::jetstream::consumer::PullConsumer,
+    listener: TcpListener,
+    http_addr: SocketAddr,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service")
+            .field("http_addr", &self.http_addr)
+            .field("delta_seq", &self.indexer.delta_seq())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// Connects to NATS and etcd, creates the streams, binds the HTTP
+    /// address, recovers the state and opens the KV consumer.
+    pub async fn start(config: Config) -> Result<Self, ServiceError> {
+        let listener = TcpListener::bind(config.http_addr)
+            .await
+            .map_err(|source| ServiceError::Http {
+                addr: config.http_addr,
+                source,
+            })?;
+        let http_addr = listener.local_addr().map_err(|source| ServiceError::Http {
+            addr: config.http_addr,
+            source,
+        })?;
+        let bus = Bus::connect(&config.nats_url, "kv-indexer").await?;
+        bus.ensure_streams(&StreamLimits::default()).await?;
+        let registry = Registry::connect(&config.etcd_endpoints).await?;
+        let metrics = Arc::new(Metrics::new());
+
+        let started = Instant::now();
+        let index = match config.max_blocks {
+            Some(max) => OwnershipIndex::with_max_blocks(max),
+            None => OwnershipIndex::new(),
+        };
+        let recovered = recovery::recover(&bus, index).await?;
+        let indexer = recovered.indexer;
+        metrics.recovery_replayed.set(recovered.replayed as f64);
+        metrics.snapshot_seq.set(recovered.snapshot_seq as f64);
+        let stats = indexer.index().stats();
+        tracing::info!(
+            snapshot_seq = recovered.snapshot_seq,
+            replayed = recovered.replayed,
+            delta_seq = indexer.delta_seq(),
+            blocks = stats.blocks,
+            pairs = stats.pairs,
+            workers = indexer.cursors().count(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "recovered the index"
+        );
+
+        let (consumer, start) = consumer::open(&bus, &config, indexer.delta_seq()).await?;
+        tracing::info!(
+            consumer = %config.consumer,
+            start_stream_seq = start,
+            http = %http_addr,
+            "KV consumer ready"
+        );
+        Ok(Self {
+            config,
+            bus,
+            registry,
+            snapshot_seq: recovered.snapshot_seq,
+            indexer,
+            consumer,
+            listener,
+            http_addr,
+            metrics,
+        })
+    }
+
+    /// Where `/metrics`, `/healthz` and `/status` are served.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// The recovered delta sequence.
+    pub fn delta_seq(&self) -> u64 {
+        self.indexer.delta_seq()
+    }
+
+    /// Runs until `shutdown` completes or an error stops it.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServiceError> {
+        let Service {
+            config,
+            bus,
+            registry,
+            indexer,
+            snapshot_seq,
+            consumer,
+            listener,
+            http_addr,
+            metrics,
+        } = self;
+        let client = bus.client().clone();
+
+        let (status_tx, status_rx) = mpsc::channel::<StatusRequest>(16);
+        let (http_stop, http_stopped) = oneshot::channel();
+        let http = tokio::spawn(http::serve(
+            listener,
+            http::router(metrics.clone(), status_tx),
+            http_stopped,
+        ));
+        let (registry_tx, registry_rx) = mpsc::channel(256);
+        let follower = tokio::spawn(workers::follow(registry, registry_tx, REGISTRY_RETRY));
+        let overlap = client
+            .queue_subscribe(subjects::INDEX_OVERLAP, OVERLAP_QUEUE_GROUP.into())
+            .await
+            .map_err(|e| ServiceError::Nats(format!("subscribing to overlap queries: {e}")))?;
+        let kv_messages = consumer::messages(&consumer, &config)
+            .await?
+            .ready_chunks(config.fetch_batch.max(1));
+
+        let now = Instant::now();
+        let mut state = Loop {
+            pipeline: Pipeline::new(&bus, config.max_in_flight, config.crash_after_delta),
+            confirmed_seq: indexer.delta_seq(),
+            snapshots: SnapshotPolicy::new(
+                config.snapshot_interval,
+                config.snapshot_every_deltas,
+                snapshot_seq,
+                now,
+            ),
+            pending_snapshot: None,
+            trimmed_to: 0,
+            liveness: Liveness::new(config.worker_grace),
+            resync: ResyncLimiter::new(config.resync_interval),
+            tasks: JoinSet::new(),
+            last_kv_stream_seq: 0,
+            indexer,
+            bus,
+            client: client.clone(),
+            metrics,
+            config,
+        };
+        state.update_gauges();
+        tracing::info!(http = %http_addr, delta_seq = state.indexer.delta_seq(), "kv-indexer running");
+
+        let result = state
+            .run(shutdown, kv_messages, overlap, status_rx, registry_rx)
+            .await;
+
+        follower.abort();
+        let _ = http_stop.send(());
+        match tokio::time::timeout(Duration::from_secs(5), http).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server failed"),
+            Err(_) => tracing::warn!("HTTP server did not stop in time"),
+            _ => {}
+        }
+        state.tasks.abort_all();
+        if let Err(e) = client.flush().await {
+            tracing::warn!(error = %e, "flushing the NATS connection");
+        }
+        match &result {
+            Ok(()) => tracing::info!(delta_seq = state.confirmed_seq, "kv-indexer stopped"),
+            Err(e) => tracing::error!(
+                error = %e,
+                delta_seq = state.confirmed_seq,
+                "kv-indexer stopped on an error"
+            ),
+        }
+        result
+    }
+}
+
+/// KV messages pulled at once (or the consumer's errors), in order.
+type KvChunk = Vec<Result<async_nats::jetstream::Message, MessagesError>>;
+
+/// Everything the loop reacts to.
+#[derive(Debug)]
+enum Event {
+    Shutdown,
+    /// Messages pulled from the KV consumer (or its errors), in order.
+    Kv(KvChunk),
+    KvEnded,
+    /// The oldest in-flight delta publish completed.
+    Published(Result<Confirmed, PipelineError>),
+    Overlap(async_nats::Message),
+    OverlapEnded,
+    Status(StatusRequest),
+    Registry(RegistryEvent),
+    Task(Result<TaskDone, tokio::task::JoinError>),
+    Tick,
+}
+
+/// Background work the loop started.
+#[derive(Debug)]
+enum TaskDone {
+    Snapshot {
+        result: Result<Stored, BusError>,
+        taken_at: Instant,
+        seq: u64,
+    },
+    Resync {
+        worker: WorkerId,
+        outcome: ResyncOutcome,
+    },
+}
+
+/// The loop's state; the event sources are the loop's locals.
+struct Loop {
+    config: Config,
+    bus: Bus,
+    client: async_nats::Client,
+    indexer: KvIndexer,
+    metrics: Arc<Metrics>,
+    pipeline: Pipeline,
+    /// The last delta the stream confirmed.
+    confirmed_seq: u64,
+    snapshots: SnapshotPolicy,
+    /// A snapshot taken, waiting for its deltas to be confirmed.
+    pending_snapshot: Option<(protocol::IndexSnapshot, Instant)>,
+    trimmed_to: u64,
+    liveness: Liveness,
+    resync: ResyncLimiter,
+    tasks: JoinSet<TaskDone>,
+    last_kv_stream_seq: u64,
+}
+
+impl Loop {
+    async fn run<K>(
+        &mut self,
+        shutdown: impl Future<Output = ()>,
+        mut kv_messages: K,
+        mut overlap: async_nats::Subscriber,
+        mut status_rx: mpsc::Receiver<StatusRequest>,
+        mut registry_rx: mpsc::Receiver<RegistryEvent>,
+    ) -> Result<(), ServiceError>
+    where
+        K: futures::Stream<Item = KvChunk> + Unpin,
+    {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut tick = tokio::time::interval(self.tick_period());
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let max_in_flight = self.config.max_in_flight.max(1);
+        loop {
+            let event = tokio::select! {
+                biased;
+                () = &mut shutdown => Event::Shutdown,
+                message = overlap.next() => match message {
+                    Some(message) => Event::Overlap(message),
+                    None => Event::OverlapEnded,
+                },
+                Some(request) = status_rx.recv() => Event::Status(request),
+                Some(done) = self.pipeline.next() => Event::Published(done),
+                Some(done) = self.tasks.join_next() => Event::Task(done),
+                Some(change) = registry_rx.recv() => Event::Registry(change),
+                _ = tick.tick() => Event::Tick,
+                chunk = kv_messages.next(), if self.pipeline.len() < max_in_flight => match chunk {
+                    Some(chunk) => Event::Kv(chunk),
+                    None => Event::KvEnded,
+                },
+            };
+            match event {
+                Event::Shutdown => break,
+                Event::Kv(chunk) => self.on_kv(chunk).await?,
+                Event::KvEnded => {
+                    return Err(ServiceError::KvConsumer("the message stream ended".into()))
+                }
+                Event::Published(done) => {
+                    self.on_published(done)?;
+                    while let Some(done) = self.pipeline.try_next() {
+                        self.on_published(done)?;
+                    }
+                    self.store_pending_snapshot();
+                }
+                Event::Overlap(message) => self.on_overlap(message).await,
+                Event::OverlapEnded => {
+                    return Err(ServiceError::Nats(
+                        "the overlap-query subscription ended".into(),
+                    ))
+                }
+                Event::Status(reply) => {
+                    let _ = reply.send(self.status());
+                }
+                Event::Registry(change) => self.on_registry(change).await?,
+                Event::Task(done) => self.on_task(done),
+                Event::Tick => self.on_tick().await?,
+            }
+        }
+        self.drain().await
+    }
+
+    fn tick_period(&self) -> Duration {
+        let c = &self.config;
+        (c.snapshot_interval / 2)
+            .min(c.worker_grace / 2)
+            .min(Duration::from_secs(1))
+            .max(Duration::from_millis(20))
+    }
+
+    /// Lets the in-flight publishes complete (and their messages be acked).
+    async fn drain(&mut self) -> Result<(), ServiceError> {
+        let in_flight = self.pipeline.len();
+        let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+            while let Some(done) = self.pipeline.next().await {
+                self.on_published(done)?;
+            }
+            Ok::<(), ServiceError>(())
+        })
+        .await;
+        match drained {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::warn!(
+                    in_flight,
+                    left = self.pipeline.len(),
+                    "in-flight delta publishes did not complete in time; their KV messages will be redelivered"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    async fn on_kv(&mut self, chunk: KvChunk) -> Result<(), ServiceError> {
+        let now = Instant::now();
+        for message in chunk {
+            let message = match message {
+                Ok(message) => message,
+                Err(e) => match e.kind() {
+                    MessagesErrorKind::MissingHeartbeat
+                    | MessagesErrorKind::Pull
+                    | MessagesErrorKind::NoResponders
+                    | MessagesErrorKind::Other => {
+                        tracing::warn!(error = %e, "KV consumer hiccup; continuing");
+                        continue;
+                    }
+                    _ => return Err(ServiceError::KvConsumer(e.to_string())),
+                },
+            };
+            let (stream_seq, pending) = message
+                .info()
+                .map(|i| (i.stream_sequence, i.pending))
+                .unwrap_or((0, 0));
+            self.last_kv_stream_seq = stream_seq;
+            self.metrics.consumer_pending.set(pending as f64);
+            let (message, acker) = message.split();
+            let batch = match consumer::decode(&message) {
+                Ok(batch) => batch,
+                Err(e) => {
+                    self.metrics.malformed_messages.increment(1);
+                    tracing::warn!(
+                        stream_seq,
+                        subject = %message.subject,
+                        bytes = message.payload.len(),
+                        error = %e,
+                        "malformed KV message; skipped"
+                    );
+                    self.push(None, Some((acker, AckKind::Term))).await?;
+                    continue;
+                }
+            };
+            let (worker, epoch, seq) = (batch.worker.clone(), batch.epoch, batch.seq);
+            let block_events = batch.block_events() as u64;
+            let outcome = self.indexer.apply(batch);
+            self.metrics.batches(&outcome.status).increment(1);
+            match &outcome.status {
+                BatchStatus::Applied => self.metrics.block_events.increment(block_events),
+                BatchStatus::NewEpoch { previous } => {
+                    self.metrics.block_events.increment(block_events);
+                    tracing::info!(%worker, epoch, ?previous, stream_seq, delta_seq = ?outcome.delta.as_ref().map(|d| d.seq), "worker started a new epoch");
+                }
+                BatchStatus::Duplicate { last_seq } => {
+                    tracing::debug!(%worker, epoch, seq, last_seq, stream_seq, "duplicate batch dropped");
+                }
+                BatchStatus::Gap { expected, got } => {
+                    tracing::warn!(%worker, epoch, expected, got, stream_seq, "gap in the worker's batches");
+                    self.request_resync(&worker, now);
+                }
+                BatchStatus::AwaitingResync => {
+                    tracing::debug!(%worker, epoch, seq, stream_seq, "batch dropped: awaiting the worker's resync");
+                    self.request_resync(&worker, now);
+                }
+                BatchStatus::StaleEpoch { current } => {
+                    tracing::debug!(%worker, epoch, seq, current, stream_seq, "batch of a stale epoch dropped");
+                }
+            }
+            self.push(outcome.delta, Some((acker, AckKind::Ack)))
+                .await?;
+        }
+        self.update_gauges();
+        self.maybe_snapshot(now);
+        Ok(())
+    }
+
+    /// Sends the delta (if any) and queues the ack of its KV message (if
+    /// any) after its confirmation.
+    async fn push(
+        &mut self,
+        delta: Option<IndexDelta>,
+        ack: Option<(async_nats::jetstream::message::Acker, AckKind)>,
+    ) -> Result<(), ServiceError> {
+        if let Some(delta) = &delta {
+            self.metrics.delta_seq.set(delta.seq as f64);
+        }
+        if let Some(oldest) = self.pipeline.push(delta, ack).await? {
+            self.on_published(oldest)?;
+        }
+        Ok(())
+    }
+
+    fn on_published(&mut self, done: Result<Confirmed, PipelineError>) -> Result<(), ServiceError> {
+        match done {
+            Ok(Confirmed { seq: Some(seq) }) => {
+                self.confirmed_seq = seq;
+                self.metrics.deltas_published.increment(1);
+                self.metrics.delta_seq_published.set(seq as f64);
+                Ok(())
+            }
+            Ok(Confirmed { seq: None }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn request_resync(&mut self, worker: &WorkerId, now: Instant) {
+        if !self.resync.allow(worker, now) {
+            self.metrics.resync_rate_limited.increment(1);
+            return;
+        }
+        self.metrics.resync_requests.increment(1);
+        tracing::info!(%worker, "asking the worker to resync");
+        let client = self.client.clone();
+        let worker = worker.clone();
+        let timeout = self.config.resync_timeout;
+        self.tasks.spawn(async move {
+            let outcome = resync::request(client, &worker, timeout).await;
+            TaskDone::Resync { worker, outcome }
+        });
+    }
+
+    async fn on_overlap(&mut self, message: async_nats::Message) {
+        let Some(reply) = message.reply.clone() else {
+            self.metrics.overlap_malformed.increment(1);
+            tracing::warn!(subject = %message.subject, "overlap query without a reply subject; dropped");
+            return;
+        };
+        let sent = match overlap::answer(&self.indexer, &message.payload) {
+            Ok(answer) => {
+                self.metrics.overlap_ok.increment(1);
+                self.client.publish(reply, answer.encode().into()).await
+            }
+            Err(e) => {
+                self.metrics.overlap_malformed.increment(1);
+                tracing::warn!(error = %e, bytes = message.payload.len(), "malformed overlap query");
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(overlap::ERROR_HEADER, overlap::header_text(&e).as_str());
+                self.client
+                    .publish_with_headers(reply, headers, bytes::Bytes::new())
+                    .await
+            }
+        };
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, "replying to an overlap query");
+        }
+    }
+
+    async fn on_registry(&mut self, event: RegistryEvent) -> Result<(), ServiceError> {
+        match event {
+            RegistryEvent::Listed(changes) => {
+                let mut workers = Vec::new();
+                for change in &changes {
+                    if let WorkerChange::Malformed { key, error } = change {
+                        self.metrics.registry_malformed.increment(1);
+                        tracing::warn!(key, error, "malformed worker record in etcd");
+                    }
+                    match workers::worker_of(change) {
+                        Some(worker) => workers.push(worker),
+                        None => tracing::warn!(?change, "etcd key names no worker"),
+                    }
+                }
+                tracing::info!(registered = workers.len(), "listed the registered workers");
+                self.liveness.listed(workers);
+            }
+            RegistryEvent::Changed(change) => match change {
+                WorkerChange::Up(record) => {
+                    tracing::info!(worker = %record.id, role = %record.role, "worker registered");
+                    self.liveness.up(record.id);
+                }
+                WorkerChange::Down(worker) => {
+                    self.liveness.down(&worker);
+                    if self
+                        .remove_worker(&worker, "lease expired or deregistered")
+                        .await?
+                    {
+                        self.metrics.workers_removed_lease.increment(1);
+                    }
+                }
+                WorkerChange::Malformed { ref key, ref error } => {
+                    self.metrics.registry_malformed.increment(1);
+                    tracing::warn!(key, error, "malformed worker record in etcd; skipped");
+                    if let Some(worker) = workers::worker_of(&change) {
+                        self.liveness.up(worker);
+                    }
+                }
+            },
+            RegistryEvent::Lost(error) => {
+                self.metrics.registry_errors.increment(1);
+                tracing::warn!(error, "lost the etcd worker watch; listing again shortly");
+                self.liveness.lost();
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the worker from the index (a delta); whether it was there.
+    async fn remove_worker(
+        &mut self,
+        worker: &WorkerId,
+        reason: &str,
+    ) -> Result<bool, ServiceError> {
+        self.resync.forget(worker);
+        let Some(delta) = self.indexer.remove_worker(worker) else {
+            tracing::debug!(%worker, reason, "worker left; the index did not hold it");
+            return Ok(false);
+        };
+        tracing::info!(%worker, delta_seq = delta.seq, reason, "worker removed from the index");
+        self.push(Some(delta), None).await?;
+        self.update_gauges();
+        Ok(true)
+    }
+
+    fn on_task(&mut self, done: Result<TaskDone, tokio::task::JoinError>) {
+        let done = match done {
+            Ok(done) => done,
+            Err(e) if e.is_cancelled() => return,
+            Err(e) => {
+                tracing::error!(error = %e, "a background task panicked");
+                return;
+            }
+        };
+        match done {
+            TaskDone::Snapshot {
+                result,
+                taken_at,
+                seq,
+            } => match result {
+                Ok(stored) => {
+                    self.snapshots.stored(stored.seq, taken_at);
+                    let elapsed = taken_at.elapsed();
+                    self.metrics.snapshots_ok.increment(1);
+                    self.metrics.snapshot_seconds.record(elapsed.as_secs_f64());
+                    self.metrics.snapshot_seq.set(stored.seq as f64);
+                    if let Some(bytes) = stored.bytes {
+                        self.metrics.snapshot_bytes.set(bytes as f64);
+                    }
+                    self.metrics.deltas_trimmed.increment(stored.purged);
+                    self.trimmed_to = stored.trimmed_to;
+                    tracing::info!(
+                        delta_seq = stored.seq,
+                        bytes = ?stored.bytes,
+                        elapsed_ms = elapsed.as_millis() as u64,
+                        trimmed_to = stored.trimmed_to,
+                        purged = stored.purged,
+                        "snapshot stored"
+                    );
+                }
+                Err(e) => {
+                    self.snapshots.failed(Instant::now());
+                    self.metrics.snapshots_failed.increment(1);
+                    tracing::error!(delta_seq = seq, error = %e, "storing a snapshot failed; retrying later");
+                }
+            },
+            TaskDone::Resync { worker, outcome } => match outcome {
+                ResyncOutcome::Replied(reply) => {
+                    self.metrics.resync_ok.increment(1);
+                    tracing::info!(%worker, epoch = reply.epoch, blocks = reply.blocks, "worker resynced");
+                }
+                ResyncOutcome::Failed(error) => {
+                    self.metrics.resync_failed.increment(1);
+                    tracing::warn!(%worker, error, "resync request failed");
+                }
+                ResyncOutcome::TimedOut => {
+                    self.metrics.resync_timeout.increment(1);
+                    tracing::warn!(%worker, timeout = ?self.config.resync_timeout, "resync request timed out");
+                }
+            },
+        }
+    }
+
+    async fn on_tick(&mut self) -> Result<(), ServiceError> {
+        let now = Instant::now();
+        self.maybe_snapshot(now);
+        // Workers the index knows but etcd does not list, past the grace.
+        let known: HashSet<WorkerId> = self
+            .indexer
+            .cursors()
+            .map(|c| c.worker)
+            .chain(self.indexer.index().workers().map(|(w, _)| w.clone()))
+            .collect();
+        for worker in self.liveness.sweep(&known, now) {
+            if self
+                .remove_worker(&worker, "not registered in etcd")
+                .await?
+            {
+                self.metrics.workers_removed_unregistered.increment(1);
+            }
+        }
+        Ok(())
+    }
+
+    fn maybe_snapshot(&mut self, now: Instant) {
+        if !self.snapshots.due(self.indexer.delta_seq(), now) {
+            return;
+        }
+        self.snapshots.started();
+        let snapshot = self.indexer.snapshot();
+        tracing::debug!(
+            delta_seq = snapshot.delta_seq,
+            copy_ms = now.elapsed().as_millis() as u64,
+            "snapshot taken"
+        );
+        self.pending_snapshot = Some((snapshot, now));
+        self.store_pending_snapshot();
+    }
+
+    /// Stores the pending snapshot once the stream holds every delta it
+    /// covers.
+    fn store_pending_snapshot(&mut self) {
+        let ready =
+            matches!(&self.pending_snapshot, Some((s, _)) if s.delta_seq <= self.confirmed_seq);
+        if !ready {
+            return;
+        }
+        let Some((snapshot, taken_at)) = self.pending_snapshot.take() else {
+            return;
+        };
+        let bus = self.bus.clone();
+        let (margin, trimmed_to, seq) = (
+            self.config.delta_margin,
+            self.trimmed_to,
+            snapshot.delta_seq,
+        );
+        self.tasks.spawn(async move {
+            let result = snapshots::store(bus, snapshot, margin, trimmed_to).await;
+            TaskDone::Snapshot {
+                result,
+                taken_at,
+                seq,
+            }
+        });
+    }
+
+    fn update_gauges(&self) {
+        let index = self.indexer.index();
+        self.metrics
+            .set_index(index.stats(), index.workers().count());
+        self.metrics.delta_seq.set(self.indexer.delta_seq() as f64);
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let index = self.indexer.index();
+        let stats = index.stats();
+        let workers: serde_json::Map<String, serde_json::Value> = index
+            .workers()
+            .map(|(w, blocks)| (w.to_string(), blocks.into()))
+            .collect();
+        serde_json::json!({
+            "delta_seq": self.indexer.delta_seq(),
+            "delta_seq_published": self.confirmed_seq,
+            "snapshot_seq": self.snapshots.covered(),
+            "kv_stream_seq": self.last_kv_stream_seq,
+            "in_flight": self.pipeline.len(),
+            "blocks": stats.blocks,
+            "pairs": stats.pairs,
+            "runs": stats.runs,
+            "evicted_blocks": stats.evicted_blocks,
+            "workers": workers.len(),
+            "worker_blocks": workers,
+            "cursors": self.indexer.cursors().count(),
+            "digest": format!("{:016x}", index.digest()),
+        })
+    }
+}

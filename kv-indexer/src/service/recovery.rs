@@ -1,0 +1,80 @@
+//! Startup: the indexer's state is the latest snapshot plus the deltas
+//! published after it (the delta stream is the write-ahead log).
+
+use std::time::Duration;
+
+use bus::{Bus, BusError};
+use futures::StreamExt;
+
+use crate::index::{OwnershipIndex, RestoreError};
+use crate::indexer::KvIndexer;
+use crate::replica::DeltaError;
+
+/// How long to wait for the next delta of the log before giving up.
+const DELTA_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why the state could not be recovered.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("the latest snapshot does not restore: {0}")]
+    Restore(#[from] RestoreError),
+    #[error(
+        "the latest snapshot covers delta {snapshot} but the delta stream ends at {last}: \
+         the delta stream was lost or reset"
+    )]
+    SnapshotAhead { snapshot: u64, last: u64 },
+    #[error("replaying the delta log: {0} (were deltas trimmed past the latest snapshot?)")]
+    Replay(#[from] DeltaError),
+    #[error("the delta log ended at {at}, before its last delta {last}")]
+    LogEnded { at: u64, last: u64 },
+    #[error("no delta after {at} within {DELTA_READ_TIMEOUT:?} (the log ends at {last})")]
+    LogTimeout { at: u64, last: u64 },
+}
+
+/// The recovered state.
+#[derive(Debug)]
+pub struct Recovered {
+    pub indexer: KvIndexer,
+    /// The delta the snapshot covered (0 without one).
+    pub snapshot_seq: u64,
+    /// Deltas replayed after the snapshot.
+    pub replayed: u64,
+}
+
+/// Loads the latest snapshot into `index` (or starts from it empty), then
+/// replays the published deltas after the snapshot up to the last one.
+pub async fn recover(bus: &Bus, index: OwnershipIndex) -> Result<Recovered, RecoveryError> {
+    let snapshot = bus.latest_snapshot().await?;
+    let last = bus.last_delta_seq().await?;
+    let mut indexer = match snapshot {
+        Some(snapshot) if snapshot.delta_seq > last => {
+            return Err(RecoveryError::SnapshotAhead {
+                snapshot: snapshot.delta_seq,
+                last,
+            })
+        }
+        Some(snapshot) => KvIndexer::restore(index, snapshot)?,
+        None => KvIndexer::new(index),
+    };
+    let snapshot_seq = indexer.delta_seq();
+    if snapshot_seq < last {
+        // The consumer follows the stream forever: stop at `last`.
+        let mut deltas = bus.deltas_from(snapshot_seq + 1).await?;
+        while indexer.delta_seq() < last {
+            let at = indexer.delta_seq();
+            let delta = match tokio::time::timeout(DELTA_READ_TIMEOUT, deltas.next()).await {
+                Ok(Some(delta)) => delta?,
+                Ok(None) => return Err(RecoveryError::LogEnded { at, last }),
+                Err(_) => return Err(RecoveryError::LogTimeout { at, last }),
+            };
+            indexer.replay(&delta)?;
+        }
+    }
+    Ok(Recovered {
+        replayed: indexer.delta_seq() - snapshot_seq,
+        indexer,
+        snapshot_seq,
+    })
+}

@@ -1,0 +1,219 @@
+//! Restarts, crashes and recovery from snapshot + delta log, with traffic.
+
+#![cfg(feature = "service")]
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use common::*;
+use futures::StreamExt;
+use kv_indexer::service::consumer::PipelineError;
+use kv_indexer::service::ServiceError;
+use protocol::KvEventBatch;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_and_crashes_during_traffic_lose_and_duplicate_nothing() -> Result<()> {
+    let servers = Servers::start().await?;
+    let mut config = servers.config();
+    // The workers of this test never register.
+    config.worker_grace = Duration::from_secs(3600);
+    config.fetch_batch = 64;
+
+    let workers = [worker("d0"), worker("d1"), worker("d2"), worker("p0")];
+    let mut workload = Workload::new(&workers, 7);
+    let batches: Vec<KvEventBatch> = (0..2000).map(|_| workload.batch()).collect();
+    let local = local_indexer(&batches);
+    ensure!(local.delta_seq() == batches.len() as u64);
+
+    // The publisher runs through every phase.
+    let publisher = {
+        let bus = servers.bus.clone();
+        let batches = batches.clone();
+        tokio::spawn(async move {
+            for chunk in batches.chunks(50) {
+                for batch in chunk {
+                    bus.publish_kv_batch(batch).await?;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            anyhow::Ok(())
+        })
+    };
+
+    // 1. Graceful stop mid-traffic.
+    let service = Running::start(config.clone()).await?;
+    wait_for_delta(service.http, 200, WAIT).await?;
+    service.stop().await?;
+    let stopped_at = servers.bus.last_delta_seq().await?;
+
+    // 2. A crash after a delta is published, before its KV message is acked.
+    let crash_at = stopped_at + 100;
+    let mut crashing = config.clone();
+    crashing.crash_after_delta = Some(crash_at);
+    let service = Running::start(crashing).await?;
+    match service.join().await? {
+        Err(ServiceError::Pipeline(PipelineError::InjectedCrash { seq })) if seq == crash_at => {}
+        other => bail!("expected the injected crash at {crash_at}, got {other:?}"),
+    }
+
+    // 3. Aborted mid-stream (no shutdown at all), while it works through a
+    // backlog. The message whose delta was published but not acked comes
+    // back: a duplicate. (Deltas after it that the crashed instance had
+    // already sent may be in the stream too: republished identical, they
+    // are no-ops.)
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let service = Running::start(config.clone()).await?;
+    let at = servers.bus.last_delta_seq().await?;
+    ensure!(at >= crash_at);
+    wait_for("progress on the backlog", WAIT, || async {
+        let s = service.status().await?;
+        Ok((s["delta_seq"].as_u64() >= Some(at + 100)).then_some(()))
+    })
+    .await?;
+    ensure!(
+        service
+            .metric("kv_indexer_batches_total{status=\"duplicate\"}")
+            .await?
+            >= 1.0
+    );
+    service.abort().await;
+
+    // 4. Runs to the end.
+    let service = Running::start(config.clone()).await?;
+    publisher.await??;
+    let status = wait_for_delta(service.http, local.delta_seq(), WAIT).await?;
+    ensure!(
+        status["delta_seq"] == local.delta_seq(),
+        "no extra delta (a gap or a re-applied batch would add one): {status}"
+    );
+    ensure!(
+        status["digest"] == digest_hex(local.index().digest()),
+        "{status}"
+    );
+    ensure!(
+        service
+            .metric("kv_indexer_batches_total{status=\"gap\"}")
+            .await?
+            == 0.0
+    );
+
+    let deltas = read_deltas(&servers.bus, 1, local.delta_seq()).await?;
+    check_sources(&deltas)?;
+    let replica = replica_at(&servers.bus, local.delta_seq()).await?;
+    ensure!(replica.index().digest() == local.index().digest());
+    service.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_the_delta_log_recover_the_index() -> Result<()> {
+    let servers = Servers::start().await?;
+    let mut config = servers.config();
+    config.worker_grace = Duration::from_secs(3600);
+    config.snapshot_interval = Duration::from_secs(3600);
+    config.snapshot_every_deltas = 50;
+    config.delta_margin = 20;
+    config.fetch_batch = 16;
+
+    let workers = [worker("d0"), worker("d1"), worker("d2")];
+    let mut workload = Workload::new(&workers, 11);
+    let batches: Vec<KvEventBatch> = (0..420).map(|_| workload.batch()).collect();
+    let local = local_indexer(&batches);
+
+    let service = Running::start(config.clone()).await?;
+    for batch in &batches[..320] {
+        servers.bus.publish_kv_batch(batch).await?;
+    }
+    let status = wait_for_delta(service.http, 320, WAIT).await?;
+    let snapshot_seq = wait_for("a snapshot", WAIT, || async {
+        let s = service.status().await?["snapshot_seq"]
+            .as_u64()
+            .unwrap_or(0);
+        Ok((s >= 250).then_some(s))
+    })
+    .await?;
+    ensure!(snapshot_seq < 320, "{status}");
+    ensure!(
+        service
+            .metric("kv_indexer_snapshots_total{result=\"ok\"}")
+            .await?
+            >= 5.0
+    );
+    ensure!(service.metric("kv_indexer_snapshot_bytes").await? > 0.0);
+    service.stop().await?;
+
+    // Deltas the snapshot covers are trimmed, but for the margin.
+    let first = servers
+        .bus
+        .deltas_from(1)
+        .await?
+        .next()
+        .await
+        .context("no delta")??;
+    let snapshot = servers
+        .bus
+        .latest_snapshot()
+        .await?
+        .context("no snapshot")?;
+    ensure!(
+        first.seq == snapshot.delta_seq - 20 + 1,
+        "first delta {}",
+        first.seq
+    );
+
+    // Restart: the snapshot plus the deltas after it.
+    let service = Running::start(config.clone()).await?;
+    let replayed = service
+        .metric("kv_indexer_recovery_replayed_deltas")
+        .await?;
+    ensure!(
+        replayed == (320 - snapshot.delta_seq) as f64 && replayed > 0.0,
+        "replayed {replayed} after snapshot {}",
+        snapshot.delta_seq
+    );
+    let status = service.status().await?;
+    ensure!(status["delta_seq"] == 320);
+    let at_320 = local_indexer(&batches[..320]);
+    ensure!(status["digest"] == digest_hex(at_320.index().digest()));
+    for batch in &batches[320..] {
+        servers.bus.publish_kv_batch(batch).await?;
+    }
+    let status = wait_for_delta(service.http, 420, WAIT).await?;
+    ensure!(
+        status["digest"] == digest_hex(local.index().digest()),
+        "{status}"
+    );
+    ensure!(
+        service
+            .metric("kv_indexer_batches_total{status=\"duplicate\"}")
+            .await?
+            == 0.0
+    );
+    let replica = replica_at(&servers.bus, 420).await?;
+    ensure!(replica.index().digest() == local.index().digest());
+    service.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_fences_the_indexer_off() -> Result<()> {
+    let servers = Servers::start().await?;
+    let service = Running::start(servers.config()).await?;
+    let mut workload = Workload::new(&[worker("d0")], 13);
+    servers.bus.publish_kv_batch(&workload.batch()).await?;
+    wait_for_delta(service.http, 1, WAIT).await?;
+    // Someone else writes delta 2.
+    let intruder = protocol::IndexDelta {
+        seq: 2,
+        changes: vec![],
+        source: None,
+    };
+    servers.bus.publish_delta(&intruder).await?;
+    servers.bus.publish_kv_batch(&workload.batch()).await?;
+    match service.join().await? {
+        Err(ServiceError::Fenced { seq: 2 }) => Ok(()),
+        other => bail!("expected the indexer to be fenced off at delta 2, got {other:?}"),
+    }
+}

@@ -1,0 +1,156 @@
+//! The service and the workers' lifecycle: resync after a gap, removal on
+//! lease expiry, removal of workers that never registered.
+
+#![cfg(feature = "service")]
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use bus::Registry;
+use common::*;
+use futures::StreamExt;
+use protocol::{
+    subjects, HashingContract, KvEventBatch, Message, ResyncReply, Role, WorkerRecord,
+    WorkerSubjects,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_triggers_a_resync_request() -> Result<()> {
+    let servers = Servers::start().await?;
+    let d0 = worker("d0");
+    let mut requests = servers
+        .bus
+        .client()
+        .subscribe(subjects::resync(&d0))
+        .await?;
+    let service = Running::start(servers.config()).await?;
+
+    let mut workload = Workload::new(std::slice::from_ref(&d0), 3);
+    let batches: Vec<KvEventBatch> = (0..4).map(|_| workload.batch()).collect();
+    servers.bus.publish_kv_batch(&batches[0]).await?;
+    servers.bus.publish_kv_batch(&batches[1]).await?;
+    // Batch 2 is lost: 3 is a gap.
+    servers.bus.publish_kv_batch(&batches[3]).await?;
+
+    let request = tokio::time::timeout(Duration::from_secs(10), requests.next())
+        .await
+        .context("no resync request")?
+        .context("subscription ended")?;
+    let reply = ResyncReply {
+        worker: d0.clone(),
+        epoch: 2,
+        blocks: 0,
+    };
+    servers
+        .bus
+        .client()
+        .publish(
+            request.reply.context("no reply subject")?,
+            reply.encode().into(),
+        )
+        .await?;
+    // The gap is logged (its cursor move is a delta): 3 deltas.
+    wait_for_delta(service.http, 3, Duration::from_secs(10)).await?;
+    ensure!(
+        service
+            .metric("kv_indexer_batches_total{status=\"gap\"}")
+            .await?
+            == 1.0
+    );
+    wait_for("the resync reply", Duration::from_secs(10), || async {
+        let ok = service
+            .metric("kv_indexer_resync_replies_total{result=\"ok\"}")
+            .await?;
+        Ok((ok == 1.0).then_some(()))
+    })
+    .await?;
+    ensure!(service.metric("kv_indexer_resync_requests_total").await? == 1.0);
+
+    // The agent resyncs: a new epoch from Cleared, applied.
+    let mut resynced = Workload::new(std::slice::from_ref(&d0), 4).batch();
+    resynced.epoch = 2;
+    servers.bus.publish_kv_batch(&resynced).await?;
+    let status = wait_for_delta(service.http, 4, Duration::from_secs(10)).await?;
+    let mut local = local_indexer(&[batches[0].clone(), batches[1].clone(), batches[3].clone()]);
+    local.apply(resynced);
+    ensure!(status["digest"] == digest_hex(local.index().digest()));
+    service.stop().await
+}
+
+fn record(name: &str) -> WorkerRecord {
+    let id = worker(name);
+    WorkerRecord {
+        subjects: WorkerSubjects::for_worker(&id),
+        id,
+        role: Role::Decode,
+        contract: HashingContract::for_model("m", 16),
+        kv_capacity_blocks: 1000,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 1,
+        gpus: 1,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_and_unregistered_workers_leave_the_index() -> Result<()> {
+    let servers = Servers::start().await?;
+    let registry = Registry::connect(&[servers.etcd.endpoint()]).await?;
+    let alive = registry
+        .register(&record("alive"), Duration::from_secs(5))
+        .await?;
+    let mortal = registry
+        .register(&record("mortal"), Duration::from_secs(1))
+        .await?;
+    let mut config = servers.config();
+    config.worker_grace = Duration::from_secs(1);
+    let service = Running::start(config).await?;
+
+    let workers = [worker("alive"), worker("mortal"), worker("ghost")];
+    let mut workload = Workload::new(&workers, 5);
+    let batches: Vec<KvEventBatch> = (0..9).map(|_| workload.batch()).collect();
+    for batch in &batches {
+        servers.bus.publish_kv_batch(batch).await?;
+    }
+    let status = wait_for_delta(service.http, 9, Duration::from_secs(10)).await?;
+    ensure!(status["workers"] == 3, "{status}");
+
+    // "ghost" never registered: gone after the grace. The lease of
+    // "mortal" expires once its keep-alive stops.
+    drop(mortal);
+    let status = wait_for(
+        "ghost and mortal to leave",
+        Duration::from_secs(10),
+        || async {
+            let s = service.status().await?;
+            Ok((s["workers"] == 1).then_some(s))
+        },
+    )
+    .await?;
+    let blocks = &status["worker_blocks"];
+    ensure!(blocks.get("alive").is_some(), "{status}");
+    ensure!(
+        status["pairs"] == blocks["alive"],
+        "only alive's blocks are left: {status}"
+    );
+    ensure!(
+        service
+            .metric("kv_indexer_workers_removed_total{reason=\"lease_expired\"}")
+            .await?
+            == 1.0
+    );
+    ensure!(
+        service
+            .metric("kv_indexer_workers_removed_total{reason=\"unregistered\"}")
+            .await?
+            == 1.0
+    );
+    // The removals are deltas: a replica agrees.
+    let seq = status["delta_seq"].as_u64().unwrap();
+    wait_for_delta(service.http, seq, Duration::from_secs(10)).await?;
+    let replica = replica_at(&servers.bus, seq).await?;
+    ensure!(digest_hex(replica.index().digest()) == status["digest"]);
+    alive.revoke().await?;
+    service.stop().await
+}
