@@ -2,9 +2,11 @@
 //! a prefill worker, and whether to prefill remotely or bypass (prefill
 //! locally on the decode worker).
 //!
-//! This crate is the sans-IO core ([`core`]): time (`now_ms`) and
-//! randomness (an [`rand::Rng`]) are arguments, so that the service, the
-//! simulator and replays drive the very same code.
+//! The decisions are made by the sans-IO core ([`core`]): time (`now_ms`)
+//! and randomness (an [`rand::Rng`]) are arguments, so that the service,
+//! the simulator and replays drive the very same code. The service (HTTP,
+//! NATS, etcd) is `service`, behind the default `service` feature; the
+//! simulator builds this crate without it.
 //!
 //! ```
 //! use protocol::{DecisionId, HashingContract, Role, WorkerRecord, WorkerSubjects};
@@ -35,6 +37,8 @@
 //! ```
 
 pub mod core;
+#[cfg(feature = "service")]
+pub mod service;
 
 pub use crate::core::{
     rules, AlwaysDisagg, Candidate, CandidateScore, Charges, ConditionalDisaggPolicy, ConfigError,

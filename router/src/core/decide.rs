@@ -123,6 +123,13 @@ pub enum RouteError {
     /// finished): its reservation would be lost.
     #[error("decision {0} is already in flight or recently finished")]
     DuplicateDecision(DecisionId),
+    /// Every decode-capable worker is in the avoid list of
+    /// [`RouterCore::route_avoiding`].
+    #[error("no other decode-capable worker: all {avoided} registered ones are avoided")]
+    NoOtherDecodeWorker {
+        /// Registered decode-capable workers that were avoided.
+        avoided: usize,
+    },
 }
 
 /// One request to route.
@@ -303,7 +310,28 @@ impl RouterCore {
         now_ms: u64,
         rng: &mut R,
     ) -> Result<RouteDecision, RouteError> {
-        self.decide(request, id, now_ms, rng, None)
+        self.decide(request, id, now_ms, rng, None, &[])
+    }
+
+    /// [`RouterCore::route`], never choosing a worker of `avoid` for either
+    /// leg: to retry a request elsewhere after a worker failed it. Avoided
+    /// workers are left out of both selections (an avoided prefill worker
+    /// leaves the remote path to the others, or to none: then the request
+    /// bypasses). [`RouteError::NoOtherDecodeWorker`] when every
+    /// decode-capable worker is avoided.
+    pub fn route_avoiding<R: Rng + ?Sized>(
+        &mut self,
+        request: &RouteRequest<'_>,
+        avoid: &[WorkerId],
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<RouteDecision, RouteError> {
+        let slots: Vec<u32> = avoid
+            .iter()
+            .filter_map(|w| self.workers.slot_index(w))
+            .collect();
+        self.decide(request, id, now_ms, rng, None, &slots)
     }
 
     /// [`RouterCore::route`], also returning what the decision looked at.
@@ -315,7 +343,7 @@ impl RouterCore {
         rng: &mut R,
     ) -> Result<(RouteDecision, Explanation), RouteError> {
         let mut explanation = Explanation::default();
-        let decision = self.decide(request, id, now_ms, rng, Some(&mut explanation))?;
+        let decision = self.decide(request, id, now_ms, rng, Some(&mut explanation), &[])?;
         Ok((decision, explanation))
     }
 
@@ -386,7 +414,7 @@ impl RouterCore {
             block_hashes: &hashes,
             expected_output_tokens,
         };
-        let result = self.decide(&request, id, now_ms, rng, explain);
+        let result = self.decide(&request, id, now_ms, rng, explain, &[]);
         self.scratch.hashes = hashes;
         result
     }
@@ -398,6 +426,7 @@ impl RouterCore {
         now_ms: u64,
         rng: &mut R,
         explain: Option<&mut Explanation>,
+        avoid: &[u32],
     ) -> Result<RouteDecision, RouteError> {
         let bs = self.hasher.block_size();
         let isl = req.isl_tokens;
@@ -441,11 +470,19 @@ impl RouterCore {
         let shape = Shape::new(isl, req.expected_output_tokens, bs);
         let dcfg = &self.config.decode;
         score_decode(dcfg, &self.workers, depths, &shape, decode);
+        if !avoid.is_empty() {
+            let avoided = decode.len();
+            decode.retain(|s| !avoid.contains(&s.slot));
+            if decode.is_empty() {
+                return Err(RouteError::NoOtherDecodeWorker { avoided });
+            }
+        }
         let free = any_free(decode);
         let eligible = |s: &Scored| !free || !s.busy;
         let d_pick =
             pick(decode, eligible, dcfg.temperature, rng).ok_or(RouteError::NoDecodeWorker)?;
         score_prefill(&self.config.prefill, &self.workers, depths, &shape, prefill);
+        prefill.retain(|s| !avoid.contains(&s.slot));
         let p_pick = pick(prefill, |_| true, self.config.prefill.temperature, rng);
 
         let held = |depth: PrefixDepth| HeldTokens {

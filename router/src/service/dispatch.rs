@@ -1,0 +1,594 @@
+//! Dispatch over NATS: a routed request's legs to its workers, the chunks
+//! streamed back, the decision log and progress notices.
+//!
+//! A leg is one `GenerateRequest` published to the worker's generate
+//! subject with a fresh inbox as the reply subject; the worker streams
+//! `GenerateChunk`s (indexed from 0) to the inbox. The first chunk must
+//! come within `first_chunk`, each next one within `idle`; a skipped index
+//! is an error. Bypass is one leg (`Stage::Local` on the decode worker);
+//! remote is a `Stage::Prefill` leg on the prefill worker, which answers
+//! `Prefilled { transfer }`, then a `Stage::Decode { transfer }` leg on the
+//! decode worker.
+//!
+//! Every decision goes to the decision log; `PrefillDone` and `Finished`
+//! go to this replica's ledger (through the event loop) and to the peers'
+//! (`subjects::progress(replica)`). A failure before any token, when
+//! retryable, is retried once on a new decision that avoids the worker
+//! that failed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bus::Bus;
+use futures::StreamExt;
+use protocol::{
+    DecisionId, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, Message, Path,
+    Progress, RequestProgress, RouteDecision, Stage, WorkerId,
+};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tracing::Instrument;
+
+use super::config::Timeouts;
+use super::metrics::Metrics;
+use super::state::{ask_route, now_ms, AskError, Command, RouteJob, Routed};
+
+/// Why a dispatch failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DispatchError {
+    #[error("no agent listens on {worker}'s generate subject {subject}")]
+    NoResponders { worker: WorkerId, subject: String },
+    #[error("{worker} sent no chunk of the {stage} leg within {after:?}")]
+    FirstChunkTimeout {
+        worker: WorkerId,
+        stage: &'static str,
+        after: Duration,
+    },
+    #[error("{worker} sent nothing for {after:?} in the middle of the {stage} leg")]
+    IdleTimeout {
+        worker: WorkerId,
+        stage: &'static str,
+        after: Duration,
+    },
+    #[error("{worker} failed the {stage} leg: {error}")]
+    WorkerFailed {
+        worker: WorkerId,
+        stage: &'static str,
+        error: String,
+        retryable: bool,
+    },
+    #[error("{worker}'s {stage} stream lost chunk {expected} (the next one was {got})")]
+    MissingChunk {
+        worker: WorkerId,
+        stage: &'static str,
+        expected: u32,
+        got: u32,
+    },
+    #[error("{worker} sent a malformed chunk on the {stage} leg: {error}")]
+    Malformed {
+        worker: WorkerId,
+        stage: &'static str,
+        error: String,
+    },
+    #[error("{worker} broke the protocol on the {stage} leg: {what}")]
+    Protocol {
+        worker: WorkerId,
+        stage: &'static str,
+        what: &'static str,
+    },
+    #[error("sending the {stage} leg to {worker}: {error}")]
+    Nats {
+        worker: WorkerId,
+        stage: &'static str,
+        error: String,
+    },
+    #[error("the client went away")]
+    ClientGone,
+}
+
+impl DispatchError {
+    /// Whether another worker may succeed where this one failed (when no
+    /// token was streamed yet).
+    pub fn retryable(&self) -> bool {
+        match self {
+            DispatchError::NoResponders { .. }
+            | DispatchError::FirstChunkTimeout { .. }
+            | DispatchError::Nats { .. } => true,
+            DispatchError::WorkerFailed { retryable, .. } => *retryable,
+            _ => false,
+        }
+    }
+
+    /// Whether the failure is a timeout (504 rather than 502).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            DispatchError::FirstChunkTimeout { .. } | DispatchError::IdleTimeout { .. }
+        )
+    }
+
+    /// The worker that failed.
+    pub fn worker(&self) -> Option<&WorkerId> {
+        match self {
+            DispatchError::NoResponders { worker, .. }
+            | DispatchError::FirstChunkTimeout { worker, .. }
+            | DispatchError::IdleTimeout { worker, .. }
+            | DispatchError::WorkerFailed { worker, .. }
+            | DispatchError::MissingChunk { worker, .. }
+            | DispatchError::Malformed { worker, .. }
+            | DispatchError::Protocol { worker, .. }
+            | DispatchError::Nats { worker, .. } => Some(worker),
+            DispatchError::ClientGone => None,
+        }
+    }
+
+    /// A metrics label.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            DispatchError::NoResponders { .. } => "no_responders",
+            DispatchError::FirstChunkTimeout { .. } => "first_chunk_timeout",
+            DispatchError::IdleTimeout { .. } => "idle_timeout",
+            DispatchError::WorkerFailed { .. } => "worker_failed",
+            DispatchError::MissingChunk { .. } => "missing_chunk",
+            DispatchError::Malformed { .. } => "malformed_chunk",
+            DispatchError::Protocol { .. } => "protocol_error",
+            DispatchError::Nats { .. } => "nats_error",
+            DispatchError::ClientGone => "client_gone",
+        }
+    }
+}
+
+/// What the dispatcher tells the HTTP handler, in order.
+#[derive(Debug)]
+pub enum Out {
+    /// The first attempt failed before any token; this decision retries it.
+    Rerouted {
+        decision: RouteDecision,
+        retry_of: DecisionId,
+    },
+    /// Output tokens, in order.
+    Tokens(Vec<u32>),
+    /// The stream ended well.
+    Done {
+        reason: FinishReason,
+        output_tokens: u32,
+        cached_tokens: u32,
+    },
+    /// The stream failed (after a retry, if one was allowed).
+    Failed {
+        error: DispatchError,
+        /// Why no retry was made, when it could have been.
+        no_retry: Option<String>,
+    },
+}
+
+/// One request to dispatch.
+#[derive(Debug)]
+pub struct Job {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    /// For a retry's new decision.
+    pub hashes: Arc<[protocol::BlockHash]>,
+}
+
+struct Inner {
+    client: async_nats::Client,
+    bus: Bus,
+    replica: Arc<str>,
+    progress_subject: String,
+    commands: mpsc::Sender<Command>,
+    timeouts: Timeouts,
+    metrics: Metrics,
+}
+
+/// Sends routed requests to workers; cheap to clone.
+#[derive(Clone)]
+pub struct Dispatcher {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Dispatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("replica", &self.inner.replica)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Dispatcher {
+    pub fn new(
+        bus: Bus,
+        replica: Arc<str>,
+        commands: mpsc::Sender<Command>,
+        timeouts: Timeouts,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                client: bus.client().clone(),
+                progress_subject: protocol::subjects::progress(&replica),
+                bus,
+                replica,
+                commands,
+                timeouts,
+                metrics,
+            }),
+        }
+    }
+
+    /// Appends a decision to the decision log, in the background (a slow
+    /// JetStream ack must not delay the request; peers that see its
+    /// `Finished` first ignore the late decision).
+    fn log_decision(&self, decision: &RouteDecision) {
+        let inner = self.inner.clone();
+        let decision = decision.clone();
+        tokio::spawn(
+            async move {
+                if let Err(e) = inner.bus.publish_decision(&inner.replica, &decision).await {
+                    tracing::warn!(error = %e, "publishing the decision to the decision log failed");
+                    inner.metrics.dispatch("decision_log_error");
+                }
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// Tells this replica's ledger (through the loop) and the peers'.
+    fn progress(&self, decision: DecisionId, progress: Progress) {
+        let inner = &self.inner;
+        match inner
+            .commands
+            .try_send(Command::Progress { decision, progress })
+        {
+            Ok(()) | Err(TrySendError::Closed(_)) => {}
+            Err(TrySendError::Full(command)) => {
+                let commands = inner.commands.clone();
+                spawn(async move {
+                    let _ = commands.send(command).await;
+                });
+            }
+        }
+        let payload = RequestProgress {
+            decision,
+            progress,
+            at_ms: now_ms(),
+        }
+        .encode();
+        let client = inner.client.clone();
+        let subject = inner.progress_subject.clone();
+        spawn(async move {
+            if let Err(e) = client.publish(subject, payload.into()).await {
+                tracing::warn!(error = %e, "publishing a progress notice failed");
+            }
+        });
+    }
+
+    /// Runs a routed request to its end, sending what happens to `out`.
+    /// Stops early when `out` is closed (the client went away).
+    pub async fn serve(self, mut routed: Routed, job: Job, out: mpsc::Sender<Out>) {
+        let Job {
+            request_id,
+            prompt,
+            max_tokens,
+            hashes,
+        } = job;
+        let isl_tokens = prompt.len() as u32;
+        let mut request = GenerateRequest {
+            request_id: request_id.clone(),
+            annotation: routed.decision.annotation(),
+            stage: Stage::Local,
+            prompt,
+            max_tokens,
+        };
+        let mut retried = false;
+        loop {
+            self.log_decision(&routed.decision);
+            request.annotation = routed.decision.annotation();
+            let mut ticket = Ticket {
+                dispatcher: self.clone(),
+                decision: routed.decision.id,
+                finished: false,
+            };
+            let mut streamed = false;
+            let result = tokio::select! {
+                r = self.legs(&routed, &mut request, &mut ticket, &out, &mut streamed) => r,
+                _ = out.closed() => Err(DispatchError::ClientGone),
+            };
+            ticket.finish();
+            let metrics = &self.inner.metrics;
+            let error = match result {
+                Ok(()) => {
+                    metrics.dispatch("ok");
+                    return;
+                }
+                Err(DispatchError::ClientGone) => {
+                    tracing::info!(decision = %routed.decision.id, "the client went away; request abandoned");
+                    metrics.dispatch("client_gone");
+                    return;
+                }
+                Err(e) => e,
+            };
+            let mut no_retry = None;
+            if !retried && !streamed && error.retryable() {
+                let avoid: Vec<WorkerId> = error.worker().cloned().into_iter().collect();
+                tracing::warn!(decision = %routed.decision.id, %error, "dispatch failed before any token; retrying on another worker");
+                let job = RouteJob {
+                    request_id: request_id.clone(),
+                    isl_tokens,
+                    hashes: hashes.clone(),
+                    expected_output_tokens: max_tokens,
+                    avoid,
+                    dry_run: false,
+                };
+                let inner = &self.inner;
+                match ask_route(&inner.commands, job, inner.timeouts.route).await {
+                    Ok(next) => {
+                        metrics.dispatch("retried");
+                        tracing::info!(
+                            decision = %next.decision.id,
+                            retry_of = %routed.decision.id,
+                            path = %next.decision.path,
+                            decode = %next.decision.decode,
+                            rule = %next.decision.rule,
+                            "retrying"
+                        );
+                        let rerouted = Out::Rerouted {
+                            decision: next.decision.clone(),
+                            retry_of: routed.decision.id,
+                        };
+                        if out.send(rerouted).await.is_err() {
+                            // The client left: the retry never runs.
+                            self.progress(next.decision.id, Progress::Finished);
+                            metrics.dispatch("client_gone");
+                            return;
+                        }
+                        routed = next;
+                        retried = true;
+                        continue;
+                    }
+                    Err(e) => {
+                        no_retry = Some(match e {
+                            AskError::Route(e) => format!("no retry: {e}"),
+                            other => format!("no retry: {other}"),
+                        });
+                    }
+                }
+            }
+            tracing::warn!(decision = %routed.decision.id, %error, streamed, "dispatch failed");
+            metrics.dispatch(error.outcome());
+            let _ = out.send(Out::Failed { error, no_retry }).await;
+            return;
+        }
+    }
+
+    async fn legs(
+        &self,
+        routed: &Routed,
+        request: &mut GenerateRequest,
+        ticket: &mut Ticket,
+        out: &mpsc::Sender<Out>,
+        streamed: &mut bool,
+    ) -> Result<(), DispatchError> {
+        let decision = &routed.decision;
+        request.stage = Stage::Local;
+        if let (Path::Remote, Some(prefill), Some(subject)) =
+            (decision.path, &decision.prefill, &routed.prefill_subject)
+        {
+            request.stage = Stage::Prefill;
+            let mut leg = self.open(prefill, subject, request).await?;
+            let transfer = match leg.next().await? {
+                GenerateEvent::Prefilled { transfer, .. } => transfer,
+                GenerateEvent::Failed { error, retryable } => {
+                    return Err(DispatchError::WorkerFailed {
+                        worker: prefill.clone(),
+                        stage: "prefill",
+                        error,
+                        retryable,
+                    })
+                }
+                GenerateEvent::Finished { .. } => {
+                    return Err(leg.protocol("the prefill leg finished without Prefilled"))
+                }
+                GenerateEvent::Tokens(_) => {
+                    return Err(leg.protocol("the prefill leg sent output tokens"))
+                }
+            };
+            drop(leg);
+            tracing::debug!(decision = %decision.id, source = %transfer.source, "prefill done");
+            ticket.prefill_done();
+            request.stage = Stage::Decode { transfer };
+        }
+        let mut leg = self
+            .open(&decision.decode, &routed.decode_subject, request)
+            .await?;
+        loop {
+            match leg.next().await? {
+                GenerateEvent::Tokens(tokens) => {
+                    if tokens.is_empty() {
+                        continue;
+                    }
+                    *streamed = true;
+                    if out.send(Out::Tokens(tokens)).await.is_err() {
+                        return Err(DispatchError::ClientGone);
+                    }
+                }
+                GenerateEvent::Finished {
+                    output_tokens,
+                    cached_tokens,
+                    reason,
+                } => {
+                    let done = Out::Done {
+                        reason,
+                        output_tokens,
+                        cached_tokens,
+                    };
+                    return match out.send(done).await {
+                        Ok(()) => Ok(()),
+                        Err(_) => Err(DispatchError::ClientGone),
+                    };
+                }
+                GenerateEvent::Failed { error, retryable } => {
+                    return Err(DispatchError::WorkerFailed {
+                        worker: decision.decode.clone(),
+                        stage: leg.stage,
+                        error,
+                        retryable,
+                    })
+                }
+                GenerateEvent::Prefilled { .. } => {
+                    return Err(leg.protocol("a decode leg sent Prefilled"))
+                }
+            }
+        }
+    }
+
+    /// Publishes one leg and subscribes to its replies.
+    async fn open(
+        &self,
+        worker: &WorkerId,
+        subject: &str,
+        request: &GenerateRequest,
+    ) -> Result<Leg, DispatchError> {
+        let inner = &self.inner;
+        let stage = request.stage.as_str();
+        let nats = |e: &dyn std::fmt::Display| DispatchError::Nats {
+            worker: worker.clone(),
+            stage,
+            error: e.to_string(),
+        };
+        let inbox = inner.client.new_inbox();
+        // The subscription reaches the server before the request (same
+        // connection, in order).
+        let replies = inner
+            .client
+            .subscribe(inbox.clone())
+            .await
+            .map_err(|e| nats(&e))?;
+        inner
+            .client
+            .publish_with_reply(subject.to_owned(), inbox, request.encode().into())
+            .await
+            .map_err(|e| nats(&e))?;
+        tracing::debug!(%worker, stage, %subject, "leg sent");
+        Ok(Leg {
+            worker: worker.clone(),
+            subject: subject.to_owned(),
+            stage,
+            replies,
+            next_index: 0,
+            timeouts: inner.timeouts,
+        })
+    }
+}
+
+/// Spawns on the current runtime, if there is one (not during a runtime's
+/// teardown from outside it).
+fn spawn(future: impl std::future::Future<Output = ()> + Send + 'static) {
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(future.in_current_span());
+    }
+}
+
+/// A decision's ledger entry: `Finished` is sent exactly once, also when
+/// the dispatch is dropped half-way.
+struct Ticket {
+    dispatcher: Dispatcher,
+    decision: DecisionId,
+    finished: bool,
+}
+
+impl Ticket {
+    fn prefill_done(&mut self) {
+        self.dispatcher
+            .progress(self.decision, Progress::PrefillDone);
+    }
+
+    fn finish(&mut self) {
+        if !std::mem::replace(&mut self.finished, true) {
+            self.dispatcher.progress(self.decision, Progress::Finished);
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// One leg's reply stream.
+struct Leg {
+    worker: WorkerId,
+    subject: String,
+    stage: &'static str,
+    replies: async_nats::Subscriber,
+    next_index: u32,
+    timeouts: Timeouts,
+}
+
+impl Leg {
+    fn protocol(&self, what: &'static str) -> DispatchError {
+        DispatchError::Protocol {
+            worker: self.worker.clone(),
+            stage: self.stage,
+            what,
+        }
+    }
+
+    /// The next event, in order, within the timeouts.
+    async fn next(&mut self) -> Result<GenerateEvent, DispatchError> {
+        let first = self.next_index == 0;
+        let wait = if first {
+            self.timeouts.first_chunk
+        } else {
+            self.timeouts.idle
+        };
+        let message = match tokio::time::timeout(wait, self.replies.next()).await {
+            Ok(Some(message)) => message,
+            Ok(None) => {
+                return Err(DispatchError::Nats {
+                    worker: self.worker.clone(),
+                    stage: self.stage,
+                    error: "the reply subscription ended (connection closed)".into(),
+                })
+            }
+            Err(_) if first => {
+                return Err(DispatchError::FirstChunkTimeout {
+                    worker: self.worker.clone(),
+                    stage: self.stage,
+                    after: wait,
+                })
+            }
+            Err(_) => {
+                return Err(DispatchError::IdleTimeout {
+                    worker: self.worker.clone(),
+                    stage: self.stage,
+                    after: wait,
+                })
+            }
+        };
+        if message.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+            return Err(DispatchError::NoResponders {
+                worker: self.worker.clone(),
+                subject: self.subject.clone(),
+            });
+        }
+        let chunk =
+            GenerateChunk::decode(&message.payload).map_err(|e| DispatchError::Malformed {
+                worker: self.worker.clone(),
+                stage: self.stage,
+                error: e.to_string(),
+            })?;
+        if chunk.index != self.next_index {
+            return Err(DispatchError::MissingChunk {
+                worker: self.worker.clone(),
+                stage: self.stage,
+                expected: self.next_index,
+                got: chunk.index,
+            });
+        }
+        self.next_index += 1;
+        Ok(chunk.event)
+    }
+}

@@ -1,0 +1,335 @@
+//! The router's Prometheus metrics.
+//!
+//! Each replica owns its recorder (no process-global state: tests run
+//! several replicas in one process); `GET /metrics` renders it. Names:
+//!
+//! | metric | kind | labels |
+//! | --- | --- | --- |
+//! | `router_decisions_total` | counter | `path`, `rule` |
+//! | `router_bypass_share` | gauge | (share of bypass decisions since start) |
+//! | `router_overlap_tokens` | histogram | `side` (`decode`, `prefill`) |
+//! | `router_decision_seconds` | histogram | (time in the core's `route`) |
+//! | `router_route_seconds` | histogram | (handler: parse, hash, loop round trip) |
+//! | `router_route_errors_total` | counter | `reason` |
+//! | `router_dispatch_total` | counter | `outcome` |
+//! | `router_http_requests_total` | counter | `route`, `status` |
+//! | `router_workers_registered` | gauge | |
+//! | `router_workers_refused_total` | counter | `reason` (contract mismatch label) |
+//! | `router_workers_malformed_total` | counter | |
+//! | `router_index_applied_seq` | gauge | (last delta applied) |
+//! | `router_index_head_seq` | gauge | (last delta in the stream, polled) |
+//! | `router_index_delta_seq_lag` | gauge | (head - applied) |
+//! | `router_index_reloads_total` | counter | `reason` |
+//! | `router_deltas_total` | counter | `outcome` (`applied`, `duplicate`, `gap`, `error`) |
+//! | `router_decision_log_lag_seconds` | histogram | (a peer's decision: JetStream publication to application) |
+//! | `router_peer_messages_total` | counter | `kind`, `outcome` |
+//! | `router_ledger_in_flight` | gauge | |
+//! | `router_ledger_expired_total` | counter | |
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{Counter, Gauge, Histogram, Key, Label, Recorder};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+use protocol::{Path, RouteDecision};
+
+const LATENCY_BUCKETS: &[f64] = &[
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
+    500e-3, 1.0, 2.5, 5.0, 10.0,
+];
+const TOKEN_BUCKETS: &[f64] = &[
+    0.0, 16.0, 64.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0,
+    131072.0,
+];
+const LAG_BUCKETS: &[f64] = &[
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+static METADATA: metrics::Metadata<'static> =
+    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
+
+/// One replica's metrics; cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+    decisions: AtomicU64,
+    bypasses: AtomicU64,
+    bypass_share: Gauge,
+    overlap_decode: Histogram,
+    overlap_prefill: Histogram,
+    decision_seconds: Histogram,
+    route_seconds: Histogram,
+    decision_log_lag: Histogram,
+    workers_registered: Gauge,
+    workers_malformed: Counter,
+    applied_seq: Gauge,
+    head_seq: Gauge,
+    seq_lag: Gauge,
+    in_flight: Gauge,
+    expired: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let builder = PrometheusBuilder::new();
+        let builder = [
+            ("router_decision_seconds", LATENCY_BUCKETS),
+            ("router_route_seconds", LATENCY_BUCKETS),
+            ("router_overlap_tokens", TOKEN_BUCKETS),
+            ("router_decision_log_lag_seconds", LAG_BUCKETS),
+        ]
+        .into_iter()
+        .fold(builder, |b, (name, buckets)| {
+            b.set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+                .expect("non-empty buckets")
+        });
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        let describe = |name: &'static str, text: &'static str| {
+            recorder.describe_counter(name.into(), None, text.into());
+        };
+        describe(
+            "router_decisions_total",
+            "Routing decisions (dispatched or dry runs) by path and rule",
+        );
+        describe(
+            "router_bypass_share",
+            "Share of bypass decisions since the replica started",
+        );
+        describe(
+            "router_overlap_tokens",
+            "Prompt tokens the chosen worker already held, per decision",
+        );
+        describe(
+            "router_decision_seconds",
+            "Time the core took to decide (in the event loop)",
+        );
+        describe(
+            "router_route_seconds",
+            "Time from the parsed request to the decision (hashing, queueing, deciding)",
+        );
+        describe("router_dispatch_total", "Dispatched requests by outcome");
+        describe(
+            "router_http_requests_total",
+            "HTTP responses by route and status",
+        );
+        describe(
+            "router_workers_refused_total",
+            "Worker registrations refused, by hashing-contract mismatch",
+        );
+        describe(
+            "router_index_delta_seq_lag",
+            "Index deltas published but not applied yet (head polled every tick)",
+        );
+        describe(
+            "router_decision_log_lag_seconds",
+            "Time from a peer decision's publication to its application here",
+        );
+        let histogram = |name: &'static str, labels: Vec<Label>| {
+            recorder.register_histogram(&Key::from_parts(name, labels), &METADATA)
+        };
+        let gauge = |name: &'static str| recorder.register_gauge(&Key::from_name(name), &METADATA);
+        let inner = Inner {
+            decisions: AtomicU64::new(0),
+            bypasses: AtomicU64::new(0),
+            bypass_share: gauge("router_bypass_share"),
+            overlap_decode: histogram("router_overlap_tokens", vec![Label::new("side", "decode")]),
+            overlap_prefill: histogram(
+                "router_overlap_tokens",
+                vec![Label::new("side", "prefill")],
+            ),
+            decision_seconds: histogram("router_decision_seconds", vec![]),
+            route_seconds: histogram("router_route_seconds", vec![]),
+            decision_log_lag: histogram("router_decision_log_lag_seconds", vec![]),
+            workers_registered: gauge("router_workers_registered"),
+            workers_malformed: recorder
+                .register_counter(&Key::from_name("router_workers_malformed_total"), &METADATA),
+            applied_seq: gauge("router_index_applied_seq"),
+            head_seq: gauge("router_index_head_seq"),
+            seq_lag: gauge("router_index_delta_seq_lag"),
+            in_flight: gauge("router_ledger_in_flight"),
+            expired: recorder
+                .register_counter(&Key::from_name("router_ledger_expired_total"), &METADATA),
+            recorder,
+            handle,
+        };
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.inner.handle.render()
+    }
+
+    /// Folds histogram samples; call periodically.
+    pub fn upkeep(&self) {
+        self.inner.handle.run_upkeep();
+    }
+
+    fn counter(&self, name: &'static str, labels: Vec<Label>) -> Counter {
+        self.inner
+            .recorder
+            .register_counter(&Key::from_parts(name, labels), &METADATA)
+    }
+
+    /// A decision the core made.
+    pub fn decision(&self, decision: &RouteDecision, took: Duration) {
+        let i = &self.inner;
+        i.decision_seconds.record(took.as_secs_f64());
+        self.counter(
+            "router_decisions_total",
+            vec![
+                Label::new("path", decision.path.as_str()),
+                Label::new("rule", decision.rule.clone()),
+            ],
+        )
+        .increment(1);
+        let total = i.decisions.fetch_add(1, Ordering::Relaxed) + 1;
+        let bypasses = i
+            .bypasses
+            .fetch_add(u64::from(decision.path == Path::Bypass), Ordering::Relaxed)
+            + u64::from(decision.path == Path::Bypass);
+        i.bypass_share.set(bypasses as f64 / total as f64);
+        i.overlap_decode
+            .record(f64::from(decision.decode_overlap_tokens));
+        if decision.path == Path::Remote {
+            i.overlap_prefill
+                .record(f64::from(decision.prefill_overlap_tokens));
+        }
+    }
+
+    /// The handler's view of a decision's latency.
+    pub fn route_latency(&self, took: Duration) {
+        self.inner.route_seconds.record(took.as_secs_f64());
+    }
+
+    /// A request that could not be routed.
+    pub fn route_error(&self, reason: &'static str) {
+        self.counter(
+            "router_route_errors_total",
+            vec![Label::new("reason", reason)],
+        )
+        .increment(1);
+    }
+
+    /// A dispatch ended (or was retried).
+    pub fn dispatch(&self, outcome: &'static str) {
+        self.counter(
+            "router_dispatch_total",
+            vec![Label::new("outcome", outcome)],
+        )
+        .increment(1);
+    }
+
+    /// An HTTP response.
+    pub fn http(&self, route: &str, status: u16) {
+        self.counter(
+            "router_http_requests_total",
+            vec![
+                Label::new("route", route.to_owned()),
+                Label::new("status", status.to_string()),
+            ],
+        )
+        .increment(1);
+    }
+
+    pub fn worker_refused(&self, reason: &'static str) {
+        self.counter(
+            "router_workers_refused_total",
+            vec![Label::new("reason", reason)],
+        )
+        .increment(1);
+    }
+
+    pub fn worker_malformed(&self) {
+        self.inner.workers_malformed.increment(1);
+    }
+
+    pub fn workers_registered(&self, n: usize) {
+        self.inner.workers_registered.set(n as f64);
+    }
+
+    pub fn delta(&self, outcome: &'static str) {
+        self.counter("router_deltas_total", vec![Label::new("outcome", outcome)])
+            .increment(1);
+    }
+
+    /// Where the replica stands in the delta stream.
+    pub fn index_position(&self, applied: u64, head: u64) {
+        let i = &self.inner;
+        i.applied_seq.set(applied as f64);
+        i.head_seq.set(head as f64);
+        i.seq_lag.set(head.saturating_sub(applied) as f64);
+    }
+
+    pub fn index_reload(&self, reason: &'static str) {
+        self.counter(
+            "router_index_reloads_total",
+            vec![Label::new("reason", reason)],
+        )
+        .increment(1);
+    }
+
+    /// A message from a peer or a worker (load report, progress, decision).
+    pub fn peer_message(&self, kind: &'static str, outcome: &'static str) {
+        self.counter(
+            "router_peer_messages_total",
+            vec![Label::new("kind", kind), Label::new("outcome", outcome)],
+        )
+        .increment(1);
+    }
+
+    pub fn decision_log_lag(&self, lag: Duration) {
+        self.inner.decision_log_lag.record(lag.as_secs_f64());
+    }
+
+    pub fn ledger(&self, in_flight: usize, expired: usize) {
+        self.inner.in_flight.set(in_flight as f64);
+        self.inner.expired.increment(expired as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_what_was_recorded() {
+        let m = Metrics::new();
+        m.worker_refused("block_size");
+        m.http("/v1/route", 200);
+        m.route_latency(Duration::from_micros(300));
+        m.upkeep();
+        let text = m.render();
+        assert!(
+            text.contains("router_workers_refused_total{reason=\"block_size\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("router_http_requests_total{route=\"/v1/route\",status=\"200\"} 1"));
+        assert!(text.contains("router_route_seconds_bucket"), "{text}");
+        // Two recorders do not share anything.
+        assert!(!Metrics::new().render().contains("block_size"));
+    }
+}

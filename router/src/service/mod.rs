@@ -1,0 +1,182 @@
+//! The router service: a thin shell around [`RouterCore`].
+//!
+//! [`run`] connects to NATS and etcd, opens the inputs (load reports,
+//! progress notices, the decision log, the worker registry), starts the
+//! event loop that owns the core ([`state`]) and serves the HTTP API
+//! ([`http`]) until `shutdown` resolves. See the crate's README section in
+//! `router/README.md` for the API and the settings.
+
+pub mod config;
+pub mod dispatch;
+pub mod http;
+pub mod inputs;
+pub mod metrics;
+pub mod openai;
+pub mod replica;
+pub mod state;
+pub mod text;
+
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use bus::{Bus, BusError, Registry, RegistryError, StreamLimits};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+pub use config::{Config, ConfigError, PolicyConfig, Settings, Timeouts};
+pub use http::{DECISION_HEADER, REQUEST_ID_HEADER};
+
+use crate::core::RouterCore;
+use dispatch::Dispatcher;
+use inputs::{InputError, Inputs};
+use metrics::Metrics;
+use state::{LoopParts, Readiness, RouterLoop};
+use text::{Text, TextError};
+
+/// Commands queued for the event loop before handlers wait (backpressure).
+const COMMAND_QUEUE: usize = 4096;
+
+/// Why the service could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Core(#[from] crate::core::ConfigError),
+    #[error(transparent)]
+    Tokenizer(#[from] TextError),
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Input(#[from] InputError),
+    #[error("the HTTP server failed: {0}")]
+    Http(std::io::Error),
+    #[error("the event loop stopped unexpectedly")]
+    LoopStopped,
+}
+
+/// Runs a router replica until `shutdown` resolves: serves HTTP on
+/// `listener` (bind it first: its address is known before `run` starts),
+/// then drains in-flight requests for at most `config.timeouts.drain`.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServiceError> {
+    let text = config.tokenizer.as_deref().map(Text::load).transpose()?;
+    let core = RouterCore::new(config.router.clone(), config.policy.build())?;
+    let hasher = *core.hasher();
+    let seed = config.seed.unwrap_or_else(random_seed);
+    let replica: Arc<str> = config.replica_id.as_str().into();
+    tracing::info!(
+        replica = %replica,
+        model = %config.model,
+        block_size = config.router.contract.block_size,
+        policy = core.policy().name(),
+        params = ?core.policy().params(),
+        seed,
+        tokenizer = ?config.tokenizer,
+        "starting the router"
+    );
+
+    let bus = Bus::connect(&config.nats_url, &format!("router-{replica}")).await?;
+    bus.ensure_streams(&StreamLimits::default()).await?;
+    let registry = Registry::connect(&config.etcd_endpoints).await?;
+    let inputs = Inputs::open(&bus, registry).await?;
+
+    let metrics = Metrics::new();
+    let (ready_tx, ready_rx) = watch::channel(Readiness::not_ready("starting"));
+    let (commands, command_rx) = mpsc::channel(COMMAND_QUEUE);
+    let (stop_loop, loop_stopped) = watch::channel(false);
+    let (stop_http, http_stopped) = watch::channel(false);
+
+    let router_loop = RouterLoop::new(LoopParts {
+        core,
+        seed,
+        replica: replica.clone(),
+        bus: bus.clone(),
+        metrics: metrics.clone(),
+        readiness: ready_tx,
+        tick: config.timeouts.tick,
+    });
+    let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
+
+    let dispatcher = Dispatcher::new(
+        bus.clone(),
+        replica.clone(),
+        commands.clone(),
+        config.timeouts,
+        metrics.clone(),
+    );
+    let app = Arc::new(http::App {
+        commands,
+        hasher,
+        text,
+        model: config.model.clone(),
+        replica: replica.clone(),
+        metrics,
+        readiness: ready_rx,
+        dispatcher,
+        route_timeout: config.timeouts.route,
+        default_max_tokens: config.default_max_tokens,
+        next_request: AtomicU64::new(0),
+    });
+    let routes = http::router(app, config.max_body_bytes);
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving HTTP");
+    }
+    let mut http_task = tokio::spawn(async move {
+        let mut stopped = http_stopped;
+        axum::serve(listener, routes)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+    });
+
+    let outcome = tokio::select! {
+        _ = shutdown => {
+            tracing::info!("shutting down: draining HTTP requests");
+            Ok(())
+        }
+        served = &mut http_task => Err(match served {
+            Ok(Err(e)) => ServiceError::Http(e),
+            _ => ServiceError::Http(std::io::Error::other("the HTTP server stopped")),
+        }),
+        _ = &mut loop_task => Err(ServiceError::LoopStopped),
+    };
+
+    // HTTP first (requests in flight still need the loop), then the loop.
+    let _ = stop_http.send(true);
+    if !http_task.is_finished()
+        && tokio::time::timeout(config.timeouts.drain, &mut http_task)
+            .await
+            .is_err()
+    {
+        tracing::warn!(drain = ?config.timeouts.drain, "requests still in flight after the drain timeout; closing them");
+        http_task.abort();
+    }
+    let _ = stop_loop.send(true);
+    if !loop_task.is_finished() {
+        let _ = loop_task.await;
+    }
+    tracing::info!(replica = %replica, "router stopped");
+    outcome
+}
+
+/// A seed from the process's randomly keyed hasher state (no RNG crate
+/// with OS entropy is needed).
+fn random_seed() -> u64 {
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}

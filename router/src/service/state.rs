@@ -1,0 +1,756 @@
+//! The event loop: the one task that owns the [`RouterCore`].
+//!
+//! Everything that changes the core arrives as an [`Event`] and is handled
+//! in one `select!`: HTTP handlers' commands (routing, their requests'
+//! progress, ledger queries) through a channel with oneshot replies; index
+//! deltas; worker registrations; load reports; the other replicas'
+//! decisions and progress notices; results of background work (a snapshot
+//! loaded, the delta stream's head polled); the tick; shutdown. Prompts are
+//! hashed by the handlers, so a route command costs the loop one decision.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream;
+use bus::{Bus, BusError, WorkerChange};
+use futures::stream::{self, BoxStream};
+use futures::StreamExt;
+use kv_indexer::DeltaError;
+use protocol::{
+    subjects, BlockHash, DecisionId, IndexDelta, LoadReport, Message, Progress, RequestProgress,
+    Role, RouteDecision, WorkerId,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::inputs::{Inputs, WorkerEvent};
+use super::metrics::Metrics;
+use super::openai::{LedgerBody, LedgerWorker};
+use super::replica::{self, LoadError, LoadedIndex};
+use crate::core::{RouteError, RouteRequest, RouterCore};
+
+/// The router clock: milliseconds since the Unix epoch (decisions carry it
+/// to peers, whose ledgers expire entries against their own clock).
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A request to route, already hashed.
+#[derive(Debug)]
+pub struct RouteJob {
+    pub request_id: String,
+    pub isl_tokens: u32,
+    pub hashes: Arc<[BlockHash]>,
+    pub expected_output_tokens: u32,
+    /// Workers not to choose (a retry after one failed).
+    pub avoid: Vec<WorkerId>,
+    /// `POST /v1/route`: decide, then release the reservation at once.
+    pub dry_run: bool,
+}
+
+/// A decision and where to send its legs.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    pub decision: RouteDecision,
+    /// The decode worker's generate subject.
+    pub decode_subject: String,
+    /// The prefill worker's generate subject (remote path).
+    pub prefill_subject: Option<String>,
+}
+
+/// What HTTP handlers ask the loop.
+#[derive(Debug)]
+pub enum Command {
+    Route {
+        job: RouteJob,
+        reply: oneshot::Sender<Result<Routed, RouteError>>,
+    },
+    /// A request this replica dispatched progressed (also published for
+    /// the peers by the dispatcher).
+    Progress {
+        decision: DecisionId,
+        progress: Progress,
+    },
+    Ledger {
+        decision: Option<DecisionId>,
+        reply: oneshot::Sender<LedgerBody>,
+    },
+}
+
+/// Why a route command got no decision.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    #[error("the router is shutting down")]
+    Stopped,
+    #[error("the router's event loop did not decide within {0:?} (overloaded)")]
+    Timeout(Duration),
+}
+
+/// Asks the loop for a decision, waiting at most `timeout` (queueing
+/// included).
+pub async fn ask_route(
+    commands: &mpsc::Sender<Command>,
+    job: RouteJob,
+    timeout: Duration,
+) -> Result<Routed, AskError> {
+    let (reply, answer) = oneshot::channel();
+    let ask = async {
+        commands
+            .send(Command::Route { job, reply })
+            .await
+            .map_err(|_| AskError::Stopped)?;
+        answer
+            .await
+            .map_err(|_| AskError::Stopped)?
+            .map_err(AskError::from)
+    };
+    tokio::time::timeout(timeout, ask)
+        .await
+        .map_err(|_| AskError::Timeout(timeout))?
+}
+
+/// `/readyz`'s answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Readiness {
+    pub ready: bool,
+    pub status: String,
+}
+
+impl Readiness {
+    pub fn not_ready(status: impl Into<String>) -> Self {
+        Self {
+            ready: false,
+            status: status.into(),
+        }
+    }
+}
+
+/// Everything the loop reacts to.
+enum Event {
+    Command(Command),
+    Delta(Result<IndexDelta, BusError>),
+    DeltasEnded,
+    IndexLoaded(Result<LoadedIndex, LoadError>),
+    DeltaHead(Result<u64, BusError>),
+    Workers(WorkerEvent),
+    Load(async_nats::Message),
+    Progress(async_nats::Message),
+    PeerDecision(Result<jetstream::Message, String>),
+    InputEnded(Input),
+    Tick,
+    Shutdown,
+}
+
+/// The inputs of [`Inputs`].
+#[derive(Debug, Clone, Copy)]
+enum Input {
+    Workers,
+    Loads,
+    Progress,
+    Decisions,
+}
+
+/// Where the index stands.
+#[derive(Debug)]
+enum IndexState {
+    /// A snapshot is being loaded (`why`: start, or the gap that caused it).
+    Loading {
+        why: String,
+    },
+    /// Applying deltas up to `target`, the stream's end when loading.
+    CatchingUp {
+        target: u64,
+    },
+    Ready,
+}
+
+/// What the loop needs besides its inputs.
+#[derive(Debug)]
+pub struct LoopParts {
+    pub core: RouterCore,
+    pub seed: u64,
+    pub replica: Arc<str>,
+    pub bus: Bus,
+    pub metrics: Metrics,
+    pub readiness: watch::Sender<Readiness>,
+    pub tick: Duration,
+}
+
+/// The event loop's state.
+pub struct RouterLoop {
+    core: RouterCore,
+    rng: ChaCha8Rng,
+    ids: ChaCha8Rng,
+    replica: Arc<str>,
+    own_decisions: String,
+    own_progress: String,
+    bus: Bus,
+    metrics: Metrics,
+    readiness: watch::Sender<Readiness>,
+    tick: Duration,
+    index: IndexState,
+    deltas: BoxStream<'static, Result<IndexDelta, BusError>>,
+    head: u64,
+    head_poll: bool,
+    last_load: Option<Instant>,
+    workers_listed: bool,
+    side_tx: mpsc::UnboundedSender<Event>,
+    side_rx: mpsc::UnboundedReceiver<Event>,
+}
+
+impl std::fmt::Debug for RouterLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouterLoop")
+            .field("replica", &self.replica)
+            .field("index", &self.index)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RouterLoop {
+    pub fn new(parts: LoopParts) -> Self {
+        let (side_tx, side_rx) = mpsc::unbounded_channel();
+        let LoopParts {
+            core,
+            seed,
+            replica,
+            bus,
+            metrics,
+            readiness,
+            tick,
+        } = parts;
+        Self {
+            core,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            ids: ChaCha8Rng::seed_from_u64(seed ^ 0x5157_1C4A_8D3E_0001),
+            own_decisions: subjects::decisions(&replica),
+            own_progress: subjects::progress(&replica),
+            replica,
+            bus,
+            metrics,
+            readiness,
+            tick,
+            index: IndexState::Loading {
+                why: "loading the index snapshot".into(),
+            },
+            deltas: stream::pending().boxed(),
+            head: 0,
+            head_poll: false,
+            last_load: None,
+            workers_listed: false,
+            side_tx,
+            side_rx,
+        }
+    }
+
+    /// Runs until `stop` turns true (or every command sender is gone).
+    pub async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut inputs: Inputs,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        self.load_index("start");
+        self.publish_readiness();
+        let mut tick = tokio::time::interval(self.tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let event = tokio::select! {
+                _ = stop.wait_for(|s| *s) => Event::Shutdown,
+                command = commands.recv() => match command {
+                    Some(c) => Event::Command(c),
+                    None => Event::Shutdown,
+                },
+                delta = self.deltas.next() => match delta {
+                    Some(d) => Event::Delta(d),
+                    None => Event::DeltasEnded,
+                },
+                Some(side) = self.side_rx.recv() => side,
+                workers = inputs.workers.next() => match workers {
+                    Some(w) => Event::Workers(w),
+                    None => Event::InputEnded(Input::Workers),
+                },
+                load = inputs.loads.next() => match load {
+                    Some(m) => Event::Load(m),
+                    None => Event::InputEnded(Input::Loads),
+                },
+                progress = inputs.progress.next() => match progress {
+                    Some(m) => Event::Progress(m),
+                    None => Event::InputEnded(Input::Progress),
+                },
+                decision = inputs.decisions.next() => match decision {
+                    Some(m) => Event::PeerDecision(m),
+                    None => Event::InputEnded(Input::Decisions),
+                },
+                _ = tick.tick() => Event::Tick,
+            };
+            match event {
+                Event::Shutdown => break,
+                Event::Command(c) => self.on_command(c),
+                Event::Delta(d) => self.on_delta(d),
+                Event::DeltasEnded => {
+                    tracing::warn!("the delta stream ended; reloading the index");
+                    self.deltas = stream::pending().boxed();
+                    self.load_index("stream_ended");
+                }
+                Event::IndexLoaded(loaded) => self.on_index_loaded(loaded),
+                Event::DeltaHead(head) => self.on_head(head),
+                Event::Workers(w) => self.on_workers(w),
+                Event::Load(m) => self.on_load(&m),
+                Event::Progress(m) => self.on_progress(&m),
+                Event::PeerDecision(m) => self.on_peer_decision(m),
+                Event::InputEnded(input) => {
+                    // Subscriptions end only with the NATS connection, the
+                    // registry stream never: nothing more will come.
+                    tracing::error!(
+                        ?input,
+                        "an input of the router ended; it is no longer followed"
+                    );
+                    match input {
+                        Input::Workers => inputs.workers = stream::pending().boxed(),
+                        Input::Loads => inputs.loads = stream::pending().boxed(),
+                        Input::Progress => inputs.progress = stream::pending().boxed(),
+                        Input::Decisions => inputs.decisions = stream::pending().boxed(),
+                    }
+                }
+                Event::Tick => self.on_tick(),
+            }
+        }
+        tracing::info!(replica = %self.replica, "event loop stopped");
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Route { job, reply } => {
+                let dry_run = job.dry_run;
+                let result = self.route(job);
+                if let Err(Ok(routed)) = reply.send(result) {
+                    // The requester is gone (timed out, client closed):
+                    // nothing will run, and no peer was told.
+                    if !dry_run {
+                        self.core.on_finished(routed.decision.id);
+                    }
+                }
+            }
+            Command::Progress { decision, progress } => match progress {
+                Progress::PrefillDone => {
+                    self.core.on_prefill_done(decision);
+                }
+                Progress::Finished => {
+                    self.core.on_finished(decision);
+                }
+            },
+            Command::Ledger { decision, reply } => {
+                let _ = reply.send(self.ledger(decision));
+            }
+        }
+    }
+
+    fn route(&mut self, job: RouteJob) -> Result<Routed, RouteError> {
+        let now = now_ms();
+        let request = RouteRequest {
+            request_id: &job.request_id,
+            isl_tokens: job.isl_tokens,
+            block_hashes: &job.hashes,
+            expected_output_tokens: job.expected_output_tokens,
+        };
+        let started = Instant::now();
+        let mut attempts = 0;
+        let decision = loop {
+            let id = DecisionId(self.ids.random());
+            let result = if job.avoid.is_empty() {
+                self.core.route(&request, id, now, &mut self.rng)
+            } else {
+                self.core
+                    .route_avoiding(&request, &job.avoid, id, now, &mut self.rng)
+            };
+            match result {
+                // A random 64-bit id met a live one: draw another.
+                Err(RouteError::DuplicateDecision(_)) if attempts < 3 => attempts += 1,
+                other => break other?,
+            }
+        };
+        self.metrics.decision(&decision, started.elapsed());
+        if job.dry_run {
+            // Nothing will run: release the reservation at once (the
+            // tombstone it leaves expires with the ledger's tombstone TTL).
+            self.core.on_finished(decision.id);
+        }
+        let subject = |id: &WorkerId| {
+            self.core
+                .workers()
+                .record(id)
+                .map(|r| r.subjects.generate.clone())
+        };
+        let decode_subject =
+            subject(&decision.decode).unwrap_or_else(|| subjects::generate(&decision.decode));
+        let prefill_subject = decision
+            .prefill
+            .as_ref()
+            .map(|p| subject(p).unwrap_or_else(|| subjects::generate(p)));
+        tracing::debug!(
+            request_id = %decision.request_id,
+            decision = %decision.id,
+            path = %decision.path,
+            decode = %decision.decode,
+            prefill = ?decision.prefill.as_ref().map(|p| p.to_string()),
+            rule = %decision.rule,
+            dry_run = job.dry_run,
+            "routed"
+        );
+        Ok(Routed {
+            decision,
+            decode_subject,
+            prefill_subject,
+        })
+    }
+
+    fn ledger(&self, decision: Option<DecisionId>) -> LedgerBody {
+        let workers = self.core.workers();
+        let mut list: Vec<LedgerWorker> = workers
+            .records()
+            .map(|r| {
+                let charges = workers.ledger_charges(&r.id);
+                let load = workers.effective_load(&r.id);
+                LedgerWorker {
+                    worker: r.id.to_string(),
+                    role: match r.role {
+                        Role::Prefill => "prefill",
+                        Role::Decode => "decode",
+                        Role::Both => "both",
+                    },
+                    charged_prefill_tokens: charges.prefill_tokens,
+                    charged_decode_blocks: charges.decode_blocks,
+                    charged_requests: charges.requests,
+                    effective_kv_blocks_used: load.map(|l| l.kv_blocks_used),
+                    effective_queued_prefill_tokens: load.map(|l| l.queued_prefill_tokens),
+                }
+            })
+            .collect();
+        list.sort_by(|a, b| a.worker.cmp(&b.worker));
+        LedgerBody {
+            replica: self.replica.to_string(),
+            in_flight: workers.in_flight(),
+            applied_delta: self.core.replica().applied(),
+            workers: list,
+            knows_decision: decision.map(|d| workers.knows_decision(d)),
+        }
+    }
+
+    // --- The index -------------------------------------------------------
+
+    /// Loads the latest snapshot in the background (at most one load at a
+    /// time; repeated loads are spaced by a second).
+    fn load_index(&mut self, reason: &'static str) {
+        self.metrics.index_reload(reason);
+        self.deltas = stream::pending().boxed();
+        self.index = IndexState::Loading {
+            why: match reason {
+                "start" => "loading the index snapshot".into(),
+                other => format!("reloading the index snapshot ({other})"),
+            },
+        };
+        self.publish_readiness();
+        let delay = match self.last_load {
+            Some(at) if at.elapsed() < Duration::from_secs(1) => {
+                Duration::from_secs(1) - at.elapsed()
+            }
+            _ => Duration::ZERO,
+        };
+        self.last_load = Some(Instant::now() + delay);
+        let bus = self.bus.clone();
+        let tx = self.side_tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let loaded = replica::load(&bus).await;
+            let _ = tx.send(Event::IndexLoaded(loaded));
+        });
+    }
+
+    fn on_index_loaded(&mut self, loaded: Result<LoadedIndex, LoadError>) {
+        let loaded = match loaded {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "loading the index failed; retrying");
+                self.load_index("load_failed");
+                return;
+            }
+        };
+        let applied = loaded.replica.applied();
+        *self.core.replica_mut() = loaded.replica;
+        self.deltas = loaded.deltas;
+        self.head = self.head.max(loaded.head);
+        tracing::info!(
+            snapshot = ?loaded.snapshot_seq,
+            applied,
+            head = loaded.head,
+            "index loaded; following deltas from {}",
+            applied + 1
+        );
+        self.index = if loaded.head > applied {
+            IndexState::CatchingUp {
+                target: loaded.head,
+            }
+        } else {
+            IndexState::Ready
+        };
+        self.metrics.index_position(applied, self.head);
+        self.publish_readiness();
+    }
+
+    fn on_delta(&mut self, delta: Result<IndexDelta, BusError>) {
+        let delta = match delta {
+            Ok(d) => d,
+            Err(e) => {
+                // A delta we cannot read is a delta we miss: the next one
+                // shows the gap and reloads.
+                tracing::error!(error = %e, "unreadable index delta");
+                self.metrics.delta("error");
+                return;
+            }
+        };
+        match self.core.apply_delta(&delta) {
+            Ok(()) => {
+                self.metrics.delta("applied");
+                self.head = self.head.max(delta.seq);
+                if let IndexState::CatchingUp { target } = self.index {
+                    if delta.seq >= target {
+                        self.index = IndexState::Ready;
+                        tracing::info!(applied = delta.seq, "caught up with the index deltas");
+                    }
+                    self.publish_readiness();
+                }
+            }
+            Err(DeltaError::AlreadyApplied { at, got }) => {
+                tracing::debug!(at, got, "delta already applied");
+                self.metrics.delta("duplicate");
+            }
+            Err(DeltaError::Gap { at, got }) => {
+                tracing::warn!(
+                    at,
+                    got,
+                    "delta stream gap: deltas {} to {} are gone; reloading the latest snapshot",
+                    at + 1,
+                    got - 1
+                );
+                self.metrics.delta("gap");
+                self.load_index("gap");
+            }
+        }
+    }
+
+    fn on_head(&mut self, head: Result<u64, BusError>) {
+        self.head_poll = false;
+        match head {
+            Ok(head) => {
+                self.head = self.head.max(head);
+                self.metrics
+                    .index_position(self.core.replica().applied(), self.head);
+            }
+            Err(e) => tracing::warn!(error = %e, "polling the delta stream's head failed"),
+        }
+    }
+
+    fn publish_readiness(&self) {
+        let applied = self.core.replica().applied();
+        let readiness = match &self.index {
+            IndexState::Loading { why } => Readiness::not_ready(why.clone()),
+            IndexState::CatchingUp { target } => {
+                Readiness::not_ready(format!("catching up: applied {applied} of {target} deltas"))
+            }
+            IndexState::Ready if !self.workers_listed => {
+                Readiness::not_ready("listing the registered workers")
+            }
+            IndexState::Ready => Readiness {
+                ready: true,
+                status: format!("ready: index at delta {applied}"),
+            },
+        };
+        self.readiness.send_if_modified(|r| {
+            let changed = *r != readiness;
+            *r = readiness;
+            changed
+        });
+    }
+
+    // --- Workers ---------------------------------------------------------
+
+    fn on_workers(&mut self, event: WorkerEvent) {
+        match event {
+            WorkerEvent::Listed(changes) => {
+                let listed: HashSet<WorkerId> = changes
+                    .iter()
+                    .filter_map(|c| match c {
+                        WorkerChange::Up(r) => Some(r.id.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                let gone: Vec<WorkerId> = self
+                    .core
+                    .workers()
+                    .records()
+                    .map(|r| r.id.clone())
+                    .filter(|id| !listed.contains(id))
+                    .collect();
+                for id in gone {
+                    self.on_worker_change(WorkerChange::Down(id));
+                }
+                for change in changes {
+                    self.on_worker_change(change);
+                }
+                if !self.workers_listed {
+                    tracing::info!(
+                        workers = self.core.workers().len(),
+                        "registered workers listed"
+                    );
+                }
+                self.workers_listed = true;
+                self.publish_readiness();
+            }
+            WorkerEvent::Changed(changes) => {
+                for change in changes {
+                    self.on_worker_change(change);
+                }
+            }
+            WorkerEvent::Lost(error) => {
+                tracing::warn!(%error, "the worker watch was lost; listing the workers again");
+            }
+        }
+        self.metrics.workers_registered(self.core.workers().len());
+    }
+
+    fn on_worker_change(&mut self, change: WorkerChange) {
+        match change {
+            WorkerChange::Up(record) => {
+                let id = record.id.clone();
+                let role = record.role;
+                let known = self.core.workers().record(&id) == Some(&record);
+                match self.core.register(record) {
+                    Ok(()) if !known => {
+                        tracing::info!(worker = %id, %role, "worker registered");
+                    }
+                    Ok(()) => {}
+                    Err(mismatch) => {
+                        tracing::error!(
+                            worker = %id,
+                            %role,
+                            reason = mismatch.label(),
+                            "refusing worker {id}: {mismatch}"
+                        );
+                        self.metrics.worker_refused(mismatch.label());
+                    }
+                }
+            }
+            WorkerChange::Down(id) => {
+                if self.core.deregister(&id) {
+                    tracing::info!(worker = %id, "worker deregistered");
+                }
+            }
+            WorkerChange::Malformed { key, error } => {
+                tracing::warn!(%key, %error, "malformed worker record in etcd; ignored");
+                self.metrics.worker_malformed();
+            }
+        }
+    }
+
+    // --- Peers and workers on the bus -----------------------------------
+
+    fn on_load(&mut self, message: &async_nats::Message) {
+        match LoadReport::decode(&message.payload) {
+            Ok(report) => {
+                let applied = self.core.on_load(report, now_ms());
+                self.metrics
+                    .peer_message("load", if applied { "applied" } else { "ignored" });
+            }
+            Err(e) => {
+                tracing::warn!(subject = %message.subject, error = %e, "malformed load report");
+                self.metrics.peer_message("load", "malformed");
+            }
+        }
+    }
+
+    fn on_progress(&mut self, message: &async_nats::Message) {
+        if message.subject.as_str() == self.own_progress {
+            return; // applied directly by this replica's dispatcher
+        }
+        match RequestProgress::decode(&message.payload) {
+            Ok(p) => {
+                let released = match p.progress {
+                    Progress::PrefillDone => self.core.on_prefill_done(p.decision),
+                    Progress::Finished => self.core.on_finished(p.decision),
+                };
+                self.metrics
+                    .peer_message("progress", if released { "applied" } else { "ignored" });
+            }
+            Err(e) => {
+                tracing::warn!(subject = %message.subject, error = %e, "malformed progress notice");
+                self.metrics.peer_message("progress", "malformed");
+            }
+        }
+    }
+
+    fn on_peer_decision(&mut self, message: Result<jetstream::Message, String>) {
+        let message = match message {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "decision log consumer error");
+                self.metrics.peer_message("decision", "error");
+                return;
+            }
+        };
+        if message.subject.as_str() == self.own_decisions {
+            return; // charged when decided
+        }
+        match RouteDecision::decode(&message.payload) {
+            Ok(decision) => {
+                if let Ok(info) = message.info() {
+                    let published = info.published.unix_timestamp_nanos();
+                    let now = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_nanos() as i128);
+                    let lag = (now - published).max(0) as u64;
+                    self.metrics.decision_log_lag(Duration::from_nanos(lag));
+                }
+                let charged = self.core.on_decision(&decision);
+                tracing::debug!(
+                    decision = %decision.id,
+                    request_id = %decision.request_id,
+                    subject = %message.subject,
+                    charged,
+                    "peer decision"
+                );
+                self.metrics
+                    .peer_message("decision", if charged { "applied" } else { "ignored" });
+            }
+            Err(e) => {
+                tracing::warn!(subject = %message.subject, error = %e, "malformed decision in the decision log");
+                self.metrics.peer_message("decision", "malformed");
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let expired = self.core.expire(now_ms());
+        self.metrics
+            .ledger(self.core.workers().in_flight(), expired);
+        self.metrics.workers_registered(self.core.workers().len());
+        self.metrics
+            .index_position(self.core.replica().applied(), self.head);
+        self.metrics.upkeep();
+        if !self.head_poll {
+            self.head_poll = true;
+            let bus = self.bus.clone();
+            let tx = self.side_tx.clone();
+            tokio::spawn(async move {
+                let head = bus.last_delta_seq().await;
+                let _ = tx.send(Event::DeltaHead(head));
+            });
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! Routing and dispatch end to end: bypass to the worker holding the
+//! prompt (streamed and not), remote prefill with the transfer handed to
+//! the decode leg, `/v1/route` without dispatch, and text prompts through
+//! a tokenizer.
+
+mod service_support;
+
+use anyhow::{Context, Result};
+use protocol::{subjects, DecisionId, Message, Path, Role, RouteDecision, Stage};
+use service_support::*;
+
+/// p0 prefills; d0 and d1 decode; d1 holds a 1 000-token conversation.
+async fn deployment(cluster: &Cluster) -> Result<(Vec<FakeWorker>, Vec<u32>)> {
+    let mut workers = Vec::new();
+    for (name, role) in [
+        ("p0", Role::Prefill),
+        ("d0", Role::Decode),
+        ("d1", Role::Decode),
+    ] {
+        workers.push(FakeWorker::start(cluster, record(name, role), Behavior::Serve).await?);
+    }
+    let history = tokens(42, 1000);
+    let mut indexer = Indexer::new(cluster);
+    indexer.store("d1", &history).await?;
+    Ok((workers, history))
+}
+
+fn decision_header(r: &reqwest::Response) -> String {
+    r.headers()["x-switchyard-decision"]
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let (mut workers, history) = deployment(&cluster).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    router.wait_workers(3).await?;
+    let mut prompt = history.clone();
+    prompt.extend(tokens(43, 50));
+
+    // Not streamed.
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 5}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    let decision = decision_header(&r);
+    let body: serde_json::Value = r.json().await?;
+    let sy = &body["switchyard"];
+    assert_eq!(sy["decision"], decision.as_str());
+    assert_eq!(sy["path"], "bypass");
+    assert_eq!(sy["decode"], "d1");
+    assert_eq!(sy["rule"], "isl.short_append");
+    assert_eq!(sy["decode_overlap_tokens"], 992);
+    assert!(sy["reason"].as_str().unwrap().contains("bypass on d1"));
+    assert_eq!(body["object"], "text_completion");
+    let choice = &body["choices"][0];
+    assert_eq!(
+        choice["token_ids"],
+        serde_json::json!([1000, 1001, 1002, 1003, 1004])
+    );
+    assert_eq!(choice["text"], "");
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(body["usage"]["prompt_tokens"], 1050);
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+
+    let d1 = &mut workers[2];
+    let request = d1.next_request().await?;
+    assert_eq!(request.stage, Stage::Local);
+    assert_eq!(request.prompt, prompt);
+    assert_eq!(request.annotation.decision, decision.parse::<DecisionId>()?);
+    assert_eq!(request.annotation.path, Path::Bypass);
+    assert!(workers[0].no_request() && workers[1].no_request());
+
+    // The decision is in the decision log.
+    let logged = cluster
+        .bus
+        .jetstream()
+        .get_stream(subjects::DECISIONS_STREAM)
+        .await?
+        .get_last_raw_message_by_subject(&subjects::decisions("r1"))
+        .await?;
+    let logged = RouteDecision::decode(&logged.payload)?;
+    assert_eq!(logged.id.to_string(), decision);
+    assert_eq!(logged.decode, id("d1"));
+
+    // Streamed: SSE chunks in order, the annotation first, [DONE] last.
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": prompt, "max_tokens": 7, "stream": true}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let decision = decision_header(&r);
+    let text = r.text().await?;
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("an SSE data line"))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(chunks[0]["switchyard"]["decision"], decision.as_str());
+    assert_eq!(chunks[0]["switchyard"]["path"], "bypass");
+    let streamed: Vec<u64> = chunks
+        .iter()
+        .flat_map(|c| c["choices"][0]["token_ids"].as_array().unwrap().clone())
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(streamed, (1000..1007).collect::<Vec<u64>>());
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(last["usage"]["completion_tokens"], 7);
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    assert_eq!(workers[2].next_request().await?.max_tokens, 7);
+
+    let metrics = router.get_text("/metrics").await?;
+    assert!(
+        metrics.contains("router_decisions_total{path=\"bypass\",rule=\"isl.short_append\"} 2"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("router_dispatch_total{outcome=\"ok\"} 2"));
+    assert!(
+        metrics.contains("router_http_requests_total{route=\"/v1/completions\",status=\"200\"} 2")
+    );
+    router.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_cold_prompt_is_prefilled_remotely() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let (mut workers, _) = deployment(&cluster).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    router.wait_workers(3).await?;
+    let prompt = tokens(7, 4000);
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": prompt, "max_tokens": 3}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    let decision: DecisionId = decision_header(&r).parse()?;
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(body["switchyard"]["path"], "remote");
+    assert_eq!(body["switchyard"]["prefill"], "p0");
+    assert_eq!(body["switchyard"]["rule"], "isl.long_prefill");
+    assert_eq!(
+        body["choices"][0]["token_ids"],
+        serde_json::json!([1000, 1001, 1002])
+    );
+
+    let prefill = workers[0].next_request().await?;
+    assert_eq!(prefill.stage, Stage::Prefill);
+    assert_eq!(prefill.annotation.decision, decision);
+    assert_eq!(prefill.annotation.prefill, Some(id("p0")));
+    let decode_name = body["switchyard"]["decode"].as_str().unwrap().to_owned();
+    let decoder = workers
+        .iter_mut()
+        .find(|w| w.id.to_string() == decode_name)
+        .context("the decode worker")?;
+    let decode = decoder.next_request().await?;
+    match &decode.stage {
+        Stage::Decode { transfer } => {
+            assert_eq!(transfer.source, id("p0"));
+            assert_eq!(transfer.prompt_tokens, 4000);
+            assert_eq!(transfer.engine.as_deref(), Some(ENGINE_PARAMS));
+        }
+        other => panic!("expected a decode leg, got {other:?}"),
+    }
+    assert_eq!(decode.annotation, prefill.annotation);
+    assert_eq!(decode.prompt, prompt);
+
+    // Every reservation of this replica is released.
+    wait_for("the ledger emptied", || async {
+        (router.ledger().await.ok()?["in_flight"] == 0).then_some(())
+    })
+    .await?;
+    router.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_returns_the_decision_without_dispatching() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let (mut workers, history) = deployment(&cluster).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    router.wait_workers(3).await?;
+    let mut prompt = history;
+    prompt.extend(tokens(3, 20));
+    let r = router
+        .post(
+            "/v1/route",
+            serde_json::json!({"prompt": prompt, "max_tokens": 10}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    let header = decision_header(&r);
+    let body: serde_json::Value = r.json().await?;
+    let decision: RouteDecision = serde_json::from_value(body.clone())?;
+    assert_eq!(decision.id.to_string(), header);
+    assert_eq!(
+        (decision.path, decision.decode.to_string()),
+        (Path::Bypass, "d1".into())
+    );
+    assert_eq!(decision.isl_tokens, 1020);
+    assert_eq!(decision.decode_overlap_tokens, 992);
+    assert_eq!(body["switchyard"]["decision"], header.as_str());
+
+    // Nothing was dispatched, nothing stays reserved.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(workers.iter_mut().all(|w| w.no_request()));
+    let ledger = router.ledger().await?;
+    assert_eq!(ledger["in_flight"], 0);
+    assert!(ledger["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|w| w["charged_requests"] == 0));
+    router.stop().await
+}
+
+const TOKENIZER: &str = r#"{
+  "version": "1.0",
+  "truncation": null,
+  "padding": null,
+  "added_tokens": [],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "Whitespace"},
+  "post_processor": null,
+  "decoder": null,
+  "model": {
+    "type": "WordLevel",
+    "vocab": {"[UNK]": 0, "hello": 1, "world": 2,
+              "alpha": 1000, "beta": 1001, "gamma": 1002, "delta": 1003},
+    "unk_token": "[UNK]"
+  }
+}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_prompts_and_text_output_with_a_tokenizer() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, TOKENIZER)?;
+    let cluster = Cluster::start().await?;
+    let mut worker =
+        FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
+    let mut config = cluster.config("r1");
+    config.tokenizer = Some(path);
+    let router = RouterHandle::ready(config).await?;
+    router.wait_workers(1).await?;
+
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": "hello world hello", "max_tokens": 3}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(body["choices"][0]["text"], "alpha beta gamma");
+    assert_eq!(body["usage"]["prompt_tokens"], 3);
+    assert_eq!(worker.next_request().await?.prompt, vec![1, 2, 1]);
+
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": "hello", "max_tokens": 4, "stream": true}),
+        )
+        .await?;
+    let text = r.text().await?;
+    let pieces: String = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(|e| {
+            let v: serde_json::Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(
+        pieces.split_whitespace().collect::<Vec<_>>(),
+        ["alpha", "beta", "gamma", "delta"]
+    );
+    router.stop().await
+}

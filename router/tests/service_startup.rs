@@ -1,0 +1,122 @@
+//! Start-up: the snapshot, the deltas after it, a gap in the delta stream,
+//! readiness, health, shutdown, configuration errors.
+
+mod service_support;
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use protocol::Role;
+use router::service::{self, Config, ServiceError, Settings};
+use service_support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_after_catching_up_from_snapshot_and_deltas_across_a_gap() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let mut indexer = Indexer::new(&cluster);
+    for i in 0..4 {
+        indexer.store("d0", &tokens(i, 64)).await?;
+    }
+    let early = indexer.snapshot();
+    for i in 4..8 {
+        indexer.store("d0", &tokens(i, 64)).await?;
+    }
+    let late = indexer.snapshot();
+    for i in 8..10 {
+        indexer.store("d0", &tokens(i, 64)).await?;
+    }
+    assert_eq!((early.delta_seq, late.delta_seq), (4, 8));
+    // Deltas 1..=6 are trimmed: the early snapshot cannot be followed.
+    cluster.bus.put_snapshot(&early).await?;
+    cluster.bus.trim_deltas(6).await?;
+    let _worker = FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
+
+    let router = RouterHandle::start(cluster.config("r1")).await?;
+    let health = router.http.get(router.url("/healthz")).send().await?;
+    assert_eq!(health.status(), 200);
+    // Not ready: the gap makes it reload the (same) early snapshot.
+    let reason = wait_for("a 503 from /readyz", || async {
+        let r = router.http.get(router.url("/readyz")).send().await.ok()?;
+        (r.status() == 503).then_some(())?;
+        let body: serde_json::Value = r.json().await.ok()?;
+        Some(body["status"].as_str()?.to_owned())
+    })
+    .await?;
+    assert!(
+        reason.contains("snapshot") || reason.contains("catching up"),
+        "{reason}"
+    );
+    wait_for("a reload after the gap", || async {
+        let m = router.get_text("/metrics").await.ok()?;
+        m.contains("router_index_reloads_total{reason=\"gap\"}")
+            .then_some(())
+    })
+    .await?;
+    let r = router.http.get(router.url("/readyz")).send().await?;
+    assert_eq!(r.status(), 503, "still not ready while the gap lasts");
+
+    // The indexer writes a snapshot that covers the trimmed deltas.
+    cluster.bus.put_snapshot(&late).await?;
+    router.wait_ready().await?;
+    let ledger = router.ledger().await?;
+    assert_eq!(ledger["applied_delta"], 10);
+    let metrics = router.get_text("/metrics").await?;
+    assert!(
+        metrics.contains("router_deltas_total{outcome=\"applied\"} 2"),
+        "{metrics}"
+    );
+    let body: serde_json::Value = router
+        .http
+        .get(router.url("/readyz"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    assert_eq!(body["ready"], true);
+
+    let started = Instant::now();
+    router.stop().await?;
+    assert!(started.elapsed() < Duration::from_secs(5));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_deployment_is_ready_and_catches_up_on_new_deltas() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    assert_eq!(router.ledger().await?["applied_delta"], 0);
+    // No snapshot ever: the replica follows the deltas from 1.
+    let mut indexer = Indexer::new(&cluster);
+    indexer.store("d0", &tokens(1, 64)).await?;
+    indexer.store("d1", &tokens(2, 64)).await?;
+    wait_for("the deltas applied", || async {
+        (router.ledger().await.ok()?["applied_delta"] == 2).then_some(())
+    })
+    .await?;
+    router.stop().await
+}
+
+#[tokio::test]
+async fn start_up_errors_are_clear() -> Result<()> {
+    // A tokenizer that does not exist: refused before anything else.
+    // (An unreachable NATS is waited for: `bus::CONNECT_PATIENCE`.)
+    let mut config = Config::new("nats://127.0.0.1:1", &["http://127.0.0.1:1".into()], MODEL)?;
+    config.tokenizer = Some("/nonexistent/tokenizer.json".into());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let e = service::run(config, listener, std::future::pending())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ServiceError::Tokenizer(_)), "{e}");
+    assert!(e.to_string().contains("/nonexistent/tokenizer.json"), "{e}");
+
+    // Invalid settings name the key.
+    let e = Settings {
+        model: Some(MODEL.into()),
+        gate_budget_fraction: Some(-1.0),
+        ..Settings::default()
+    }
+    .load()
+    .unwrap_err();
+    assert!(e.to_string().contains("gate_budget_fraction"), "{e}");
+    Ok(())
+}

@@ -1,0 +1,464 @@
+//! Helpers of the router service's tests: real NATS and etcd servers, a
+//! router replica on an ephemeral port, fake workers answering generate
+//! requests, and an indexer stand-in publishing real deltas.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bus::{Bus, Registration, Registry, StreamLimits};
+use futures::StreamExt;
+use kv_indexer::{KvIndexer, OwnershipIndex};
+use protocol::{
+    BlockHasher, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, HashingContract,
+    IndexSnapshot, KvEvent, KvEventBatch, KvTransferParams, Message, Role, Stage, Tier, WorkerId,
+    WorkerRecord, WorkerSubjects,
+};
+use router::service::{self, Config, ServiceError, Settings};
+use tests::{EtcdServer, NatsServer};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::task::JoinHandle;
+
+pub const MODEL: &str = "test-model";
+pub const BLOCK: u32 = 16;
+/// Bounds every wait of a test.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+pub fn contract() -> HashingContract {
+    HashingContract::for_model(MODEL, BLOCK)
+}
+
+pub fn hasher() -> BlockHasher {
+    BlockHasher::new(BLOCK, contract().salt).unwrap()
+}
+
+pub fn id(name: &str) -> WorkerId {
+    name.parse().unwrap()
+}
+
+pub fn record(name: &str, role: Role) -> WorkerRecord {
+    let id = id(name);
+    WorkerRecord {
+        subjects: WorkerSubjects::for_worker(&id),
+        id,
+        role,
+        contract: contract(),
+        kv_capacity_blocks: 100_000,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 1024,
+        gpus: 1,
+    }
+}
+
+/// Deterministic pseudo-random tokens.
+pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 150_000) as u32
+        })
+        .collect()
+}
+
+/// Real servers and clients to them.
+pub struct Cluster {
+    pub nats: NatsServer,
+    pub etcd: EtcdServer,
+    pub bus: Bus,
+    pub registry: Registry,
+}
+
+impl Cluster {
+    pub async fn start() -> Result<Self> {
+        let (nats, etcd) = tokio::task::spawn_blocking(|| -> Result<_> {
+            Ok((NatsServer::start()?, EtcdServer::start()?))
+        })
+        .await??;
+        let bus = Bus::connect(&nats.url(), "test").await?;
+        bus.ensure_streams(&StreamLimits::default()).await?;
+        let registry = Registry::connect(&[etcd.endpoint()]).await?;
+        Ok(Self {
+            nats,
+            etcd,
+            bus,
+            registry,
+        })
+    }
+
+    /// A router config for these servers, with short timeouts.
+    pub fn config(&self, replica: &str) -> Config {
+        Settings {
+            nats_url: Some(self.nats.url()),
+            etcd_endpoints: Some(vec![self.etcd.endpoint()]),
+            model: Some(MODEL.into()),
+            block_size: Some(BLOCK),
+            replica_id: Some(replica.into()),
+            policy: Some("isl".into()),
+            first_chunk_timeout_ms: Some(1_000),
+            idle_timeout_ms: Some(1_000),
+            tick_ms: Some(100),
+            drain_timeout_ms: Some(1_000),
+            seed: Some(7),
+            ..Settings::default()
+        }
+        .load()
+        .unwrap()
+    }
+}
+
+/// A router replica running in this process.
+pub struct RouterHandle {
+    pub addr: SocketAddr,
+    pub http: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), ServiceError>>>,
+}
+
+impl RouterHandle {
+    pub async fn start(config: Config) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(service::run(config, listener, async move {
+            let _ = stopped.await;
+        }));
+        Ok(Self {
+            addr,
+            http: reqwest::Client::builder().timeout(WAIT).build()?,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Starts a replica and waits until `/readyz` says 200.
+    pub async fn ready(config: Config) -> Result<Self> {
+        let router = Self::start(config).await?;
+        router.wait_ready().await?;
+        Ok(router)
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub async fn wait_ready(&self) -> Result<()> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Ok(r) = self.http.get(self.url("/readyz")).send().await {
+                if r.status() == 200 {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                let body = self.get_text("/readyz").await.unwrap_or_default();
+                bail!("the router is not ready after {WAIT:?}: {body}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn get_text(&self, path: &str) -> Result<String> {
+        Ok(self.http.get(self.url(path)).send().await?.text().await?)
+    }
+
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> Result<reqwest::Response> {
+        Ok(self.http.post(self.url(path)).json(&body).send().await?)
+    }
+
+    pub async fn ledger(&self) -> Result<serde_json::Value> {
+        Ok(self
+            .http
+            .get(self.url("/debug/ledger"))
+            .send()
+            .await?
+            .json()
+            .await?)
+    }
+
+    /// Waits until the replica knows `n` workers (registered, refused ones
+    /// excluded).
+    pub async fn wait_workers(&self, n: usize) -> Result<()> {
+        wait_for("the router's worker list", || async {
+            let ledger = self.ledger().await.ok()?;
+            (ledger["workers"].as_array()?.len() == n).then_some(())
+        })
+        .await
+    }
+
+    /// Stops the replica gracefully; its result.
+    pub async fn stop(mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let task = self.task.take().unwrap();
+        tokio::time::timeout(WAIT, task)
+            .await
+            .context("the router did not stop in time")???;
+        Ok(())
+    }
+}
+
+impl Drop for RouterHandle {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// Polls `check` until it gives `Some`, for at most [`WAIT`].
+pub async fn wait_for<T, F, Fut>(what: &str, mut check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = check().await {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a fake worker does with a request.
+#[derive(Clone)]
+pub enum Behavior {
+    /// Prefill legs: `Prefilled` then `Finished`; other legs: `max_tokens`
+    /// tokens `1000, 1001, ...` in chunks of two, then `Finished`.
+    Serve,
+    /// Serve, but hold the last chunk until notified.
+    Hold(Arc<Notify>),
+    /// Never answer.
+    Silent,
+    /// Answer with a failure.
+    Fail { retryable: bool },
+    /// Skip a chunk index.
+    SkipChunk,
+}
+
+/// The engine handle a prefill worker hands to the decode leg.
+pub const ENGINE_PARAMS: &str = r#"{"remote_block_ids":[1,2,3]}"#;
+
+/// A worker agent stand-in: registered in etcd, answering its generate
+/// subject.
+pub struct FakeWorker {
+    pub id: WorkerId,
+    pub requests: mpsc::UnboundedReceiver<GenerateRequest>,
+    registration: Option<Registration>,
+    task: JoinHandle<()>,
+}
+
+impl FakeWorker {
+    pub async fn start(
+        cluster: &Cluster,
+        record: WorkerRecord,
+        behavior: Behavior,
+    ) -> Result<Self> {
+        let client = cluster.bus.client().clone();
+        let mut subscription = client.subscribe(record.subjects.generate.clone()).await?;
+        client.flush().await?;
+        let (tx, requests) = mpsc::unbounded_channel();
+        let me = record.id.clone();
+        let task = tokio::spawn(async move {
+            while let Some(message) = subscription.next().await {
+                let Ok(request) = GenerateRequest::decode(&message.payload) else {
+                    continue;
+                };
+                let Some(reply) = message.reply.clone() else {
+                    continue;
+                };
+                let _ = tx.send(request.clone());
+                let client = client.clone();
+                let me = me.clone();
+                let behavior = behavior.clone();
+                tokio::spawn(async move {
+                    let events = answer(&me, &request, &behavior).await;
+                    let skip = matches!(behavior, Behavior::SkipChunk);
+                    let hold = match &behavior {
+                        Behavior::Hold(n) => Some(n.clone()),
+                        _ => None,
+                    };
+                    let last = events.len().saturating_sub(1);
+                    for (i, event) in events.into_iter().enumerate() {
+                        if skip && i == 1 {
+                            continue;
+                        }
+                        if i == last {
+                            if let Some(n) = &hold {
+                                n.notified().await;
+                            }
+                        }
+                        let chunk = GenerateChunk {
+                            index: i as u32,
+                            event,
+                        };
+                        let _ = client.publish(reply.clone(), chunk.encode().into()).await;
+                    }
+                    let _ = client.flush().await;
+                });
+            }
+        });
+        let registration = cluster
+            .registry
+            .register(&record, Duration::from_secs(5))
+            .await?;
+        Ok(Self {
+            id: record.id,
+            requests,
+            registration: Some(registration),
+            task,
+        })
+    }
+
+    /// The next request this worker received.
+    pub async fn next_request(&mut self) -> Result<GenerateRequest> {
+        tokio::time::timeout(WAIT, self.requests.recv())
+            .await
+            .context("no request reached the worker")?
+            .context("worker stopped")
+    }
+
+    pub fn no_request(&mut self) -> bool {
+        self.requests.try_recv().is_err()
+    }
+
+    pub async fn deregister(&mut self) -> Result<()> {
+        if let Some(r) = self.registration.take() {
+            r.revoke().await?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for FakeWorker {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn answer(
+    me: &WorkerId,
+    request: &GenerateRequest,
+    behavior: &Behavior,
+) -> Vec<GenerateEvent> {
+    match behavior {
+        Behavior::Silent => return Vec::new(),
+        Behavior::Fail { retryable } => {
+            return vec![GenerateEvent::Failed {
+                error: "engine overloaded".into(),
+                retryable: *retryable,
+            }]
+        }
+        _ => {}
+    }
+    if request.stage == Stage::Prefill {
+        return vec![
+            GenerateEvent::Prefilled {
+                transfer: KvTransferParams {
+                    source: me.clone(),
+                    prompt_tokens: request.prompt.len() as u32,
+                    engine: Some(ENGINE_PARAMS.into()),
+                },
+                cached_tokens: 0,
+            },
+            GenerateEvent::Finished {
+                output_tokens: 0,
+                cached_tokens: 0,
+                reason: FinishReason::Prefilled,
+            },
+        ];
+    }
+    let output: Vec<u32> = (0..request.max_tokens).map(|i| 1000 + i).collect();
+    let mut events: Vec<GenerateEvent> = output
+        .chunks(2)
+        .map(|c| GenerateEvent::Tokens(c.to_vec()))
+        .collect();
+    events.push(GenerateEvent::Finished {
+        output_tokens: request.max_tokens,
+        cached_tokens: 0,
+        reason: FinishReason::Length,
+    });
+    events
+}
+
+/// The kv-indexer's part: real deltas from worker KV events, published to
+/// the delta stream, and snapshots.
+pub struct Indexer {
+    pub indexer: KvIndexer,
+    seqs: HashMap<WorkerId, u64>,
+    bus: Bus,
+    pub published: Mutex<u64>,
+}
+
+impl Indexer {
+    pub fn new(cluster: &Cluster) -> Self {
+        Self {
+            indexer: KvIndexer::new(OwnershipIndex::new()),
+            seqs: HashMap::new(),
+            bus: cluster.bus.clone(),
+            published: Mutex::new(0),
+        }
+    }
+
+    /// An indexer whose deltas continue the stream after `seq` (the
+    /// stream's numbering is global: a second indexer in a test must
+    /// start where the first stopped).
+    pub fn new_from(cluster: &Cluster, seq: u64) -> Self {
+        let mut indexer = Self::new(cluster);
+        let snapshot = IndexSnapshot {
+            delta_seq: seq,
+            workers: Vec::new(),
+            cursors: Vec::new(),
+            runs: Vec::new(),
+            digest: OwnershipIndex::new().digest(),
+        };
+        indexer.indexer =
+            KvIndexer::restore(OwnershipIndex::new(), snapshot).expect("an empty snapshot");
+        indexer
+    }
+
+    /// `worker` now holds the full blocks of `prompt` (on the device);
+    /// the delta is published.
+    pub async fn store(&mut self, worker: &str, prompt: &[u32]) -> Result<u64> {
+        let worker = id(worker);
+        let hashes = hasher().hash_prompt(prompt);
+        let seq = self.seqs.entry(worker.clone()).or_insert(0);
+        let mut events = Vec::new();
+        if *seq == 0 {
+            events.push(KvEvent::Cleared);
+        }
+        events.push(KvEvent::Stored {
+            parent: None,
+            blocks: hashes,
+            tier: Tier::Device,
+        });
+        let batch = KvEventBatch {
+            worker,
+            epoch: 1,
+            seq: *seq,
+            events,
+        };
+        *seq += 1;
+        let delta = self
+            .indexer
+            .apply(batch)
+            .delta
+            .context("the batch gave no delta")?;
+        self.bus.publish_delta(&delta).await?;
+        Ok(delta.seq)
+    }
+
+    pub fn snapshot(&self) -> IndexSnapshot {
+        self.indexer.snapshot()
+    }
+}
