@@ -49,18 +49,23 @@ struct Streamed {
 }
 
 fn parse_event(data: &str, into: &mut Streamed) -> anyhow::Result<()> {
-    let value: serde_json::Value = serde_json::from_str(data).with_context(|| format!("bad SSE data {data:?}"))?;
+    let value: serde_json::Value =
+        serde_json::from_str(data).with_context(|| format!("bad SSE data {data:?}"))?;
     if let Some(error) = value.get("error") {
         bail!("router error: {error}");
     }
     if let Some(path) = value.pointer("/switchyard/path").and_then(|p| p.as_str()) {
         into.path = Some(path.to_owned());
     }
-    if let Some(ids) = value.pointer("/choices/0/token_ids").and_then(|t| t.as_array()) {
+    if let Some(ids) = value
+        .pointer("/choices/0/token_ids")
+        .and_then(|t| t.as_array())
+    {
         if !ids.is_empty() && into.first_token.is_none() {
             into.first_token = Some(Instant::now());
         }
-        into.token_ids.extend(ids.iter().filter_map(|t| t.as_u64()).map(|t| t as u32));
+        into.token_ids
+            .extend(ids.iter().filter_map(|t| t.as_u64()).map(|t| t as u32));
     }
     Ok(())
 }
@@ -98,11 +103,15 @@ async fn complete(
     let mut buffer = String::new();
     let mut body = response.bytes_stream();
     while let Some(chunk) = body.next().await {
-        buffer.push_str(&String::from_utf8_lossy(&chunk.context("reading the stream")?));
+        buffer.push_str(&String::from_utf8_lossy(
+            &chunk.context("reading the stream")?,
+        ));
         while let Some(end) = buffer.find("\n\n") {
             let event: String = buffer.drain(..end + 2).collect();
             for line in event.lines() {
-                let Some(data) = line.strip_prefix("data:") else { continue };
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
                 let data = data.trim();
                 if data == "[DONE]" {
                     return Ok((streamed, started));
@@ -124,16 +133,25 @@ pub async fn run(config: AgenticRun) -> anyhow::Result<serde_json::Value> {
     let client = reqwest::Client::builder().build()?;
     let start = Instant::now();
     let scale = config.time_scale.max(1e-6);
-    let at = move |workload_us: u64| start + Duration::from_micros((workload_us as f64 / scale) as u64);
+    let at =
+        move |workload_us: u64| start + Duration::from_micros((workload_us as f64 / scale) as u64);
     let mut sessions = tokio::task::JoinSet::new();
     let mut next_router = 0usize;
     loop {
-        let arrival = workload.lock().expect("no panic while locked").next_arrival();
+        let arrival = workload
+            .lock()
+            .expect("no panic while locked")
+            .next_arrival();
         let Some(arrival) = arrival else { break };
         tokio::time::sleep_until(at(arrival.at_us).into()).await;
         let router = config.routers[next_router % config.routers.len()].clone();
         next_router += 1;
-        let (client, workload, results, config) = (client.clone(), workload.clone(), results.clone(), config.clone());
+        let (client, workload, results, config) = (
+            client.clone(),
+            workload.clone(),
+            results.clone(),
+            config.clone(),
+        );
         sessions.spawn(async move {
             let mut turn: Option<Arrival> = Some(arrival);
             while let Some(Arrival { at_us, request }) = turn.take() {
@@ -167,7 +185,10 @@ pub async fn run(config: AgenticRun) -> anyhow::Result<serde_json::Value> {
     }
     while sessions.join_next().await.is_some() {}
     let elapsed = start.elapsed().as_secs_f64();
-    let results = Arc::try_unwrap(results).expect("all sessions ended").into_inner().expect("no panic");
+    let results = Arc::try_unwrap(results)
+        .expect("all sessions ended")
+        .into_inner()
+        .expect("no panic");
     let (mut ttft, mut e2e) = (Samples::default(), Samples::default());
     let mut tokens = 0;
     let mut paths = std::collections::BTreeMap::<String, usize>::new();

@@ -89,7 +89,8 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
 
     // The publishers: each a worker extending its own chains.
     let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
-    let per_worker_batches_per_s = bench.block_events_per_s / bench.blocks_per_batch as f64 / bench.workers as f64;
+    let per_worker_batches_per_s =
+        bench.block_events_per_s / bench.blocks_per_batch as f64 / bench.workers as f64;
     let interval = Duration::from_secs_f64(1.0 / per_worker_batches_per_s);
     let batches = (per_worker_batches_per_s * bench.duration.as_secs_f64()).ceil() as u64;
     let mut publishers = tokio::task::JoinSet::new();
@@ -127,8 +128,13 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
                     seq,
                     events,
                 };
-                published.lock().await.insert((worker.clone(), epoch, seq), Instant::now());
-                bus.publish_kv_batch(&batch).await.context("publishing a batch")?;
+                published
+                    .lock()
+                    .await
+                    .insert((worker.clone(), epoch, seq), Instant::now());
+                bus.publish_kv_batch(&batch)
+                    .await
+                    .context("publishing a batch")?;
             }
             anyhow::Ok(())
         });
@@ -137,9 +143,12 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         result??;
     }
     done.store(true, Ordering::Relaxed);
-    let (mut delays, blocks, seconds, applied) = tokio::time::timeout(Duration::from_secs(60), follower)
-        .await
-        .context("the pipeline did not deliver every batch within 60 s (is kv-indexer running?)")???;
+    let (mut delays, blocks, seconds, applied) =
+        tokio::time::timeout(Duration::from_secs(60), follower)
+            .await
+            .context(
+                "the pipeline did not deliver every batch within 60 s (is kv-indexer running?)",
+            )???;
     Ok(serde_json::json!({
         "workers": bench.workers,
         "blocks_per_batch": bench.blocks_per_batch,

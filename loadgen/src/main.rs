@@ -24,7 +24,12 @@ enum Command {
     /// router replicas; prints a JSON summary.
     Agentic {
         /// Router base URLs, e.g. http://127.0.0.1:8080 (requests are spread over them).
-        #[arg(long, env = "SWITCHYARD_ROUTERS", value_delimiter = ',', required = true)]
+        #[arg(
+            long,
+            env = "SWITCHYARD_ROUTERS",
+            value_delimiter = ',',
+            required = true
+        )]
         routers: Vec<String>,
         #[arg(long, default_value_t = 0.5)]
         sessions_per_s: f64,
@@ -42,7 +47,11 @@ enum Command {
     },
     /// `/v1/route` at fixed rates (open loop); one JSON line per rate.
     Route {
-        #[arg(long, env = "SWITCHYARD_ROUTER", default_value = "http://127.0.0.1:8080")]
+        #[arg(
+            long,
+            env = "SWITCHYARD_ROUTER",
+            default_value = "http://127.0.0.1:8080"
+        )]
         router: String,
         /// Requests per second, tried in order until p99 exceeds --stop-above-p99-ms.
         #[arg(long, value_delimiter = ',', default_value = "1000,2000,5000")]
@@ -79,7 +88,8 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "loadgen=info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "loadgen=info".into()),
         )
         .with_writer(std::io::stderr)
         .init();

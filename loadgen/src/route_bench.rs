@@ -32,8 +32,13 @@ fn bodies(prompt_tokens: usize, distinct: usize) -> Vec<bytes::Bytes> {
             let shared = prompt_tokens * 3 / 4;
             let mut prompt = Vec::with_capacity(prompt_tokens);
             protocol::trace::extend_block_tokens((i % 16) as u64, shared, &mut prompt);
-            protocol::trace::extend_block_tokens(1_000_000 + i as u64, prompt_tokens - shared, &mut prompt);
-            let body = serde_json::json!({"model": "switchyard", "prompt": prompt, "max_tokens": 128});
+            protocol::trace::extend_block_tokens(
+                1_000_000 + i as u64,
+                prompt_tokens - shared,
+                &mut prompt,
+            );
+            let body =
+                serde_json::json!({"model": "switchyard", "prompt": prompt, "max_tokens": 128});
             bytes::Bytes::from(serde_json::to_vec(&body).expect("JSON"))
         })
         .collect()
@@ -48,7 +53,13 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
     let url = format!("{}/v1/route", bench.router);
     // Warm up connections and the router.
     for body in bodies.iter().take(32) {
-        let status = client.post(&url).header("content-type", "application/json").body(body.clone()).send().await?.status();
+        let status = client
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await?
+            .status();
         if !status.is_success() {
             bail!("warm-up request got HTTP {status}");
         }
@@ -70,10 +81,19 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
                 shed += 1;
                 continue;
             };
-            let (client, url, body) = (client.clone(), url.clone(), bodies[i % bodies.len()].clone());
+            let (client, url, body) = (
+                client.clone(),
+                url.clone(),
+                bodies[i % bodies.len()].clone(),
+            );
             let (samples, errors) = (samples.clone(), errors.clone());
             tasks.spawn(async move {
-                let result = client.post(url).header("content-type", "application/json").body(body).send().await;
+                let result = client
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await;
                 let ok = match result {
                     Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
                     Err(_) => false,

@@ -41,9 +41,9 @@ pub mod core;
 pub mod service;
 
 pub use crate::core::{
-    rules, AlwaysDisagg, Candidate, CandidateScore, Charges, ConditionalDisaggPolicy, ConfigError,
-    CostModel, DecodeSelection, EffectiveLoad, Explanation, GateCheck, GateConfig, HeldTokens,
-    IslBased, IslOrLoad, LedgerConfig, LoadBased, NeverDisagg, PolicyInput, PrefillSelection,
-    RouteError, RouteRequest, RouterConfig, RouterCore, SlaDynamic, SlaPrediction, TierWeights,
-    Verdict, Workers,
+    decision_seed, rules, AlwaysDisagg, Candidate, CandidateScore, Charges,
+    ConditionalDisaggPolicy, ConfigError, CostModel, DecodeSelection, EffectiveLoad, Explanation,
+    GateCheck, GateConfig, HeldTokens, IslBased, IslOrLoad, LedgerConfig, LoadBased, NeverDisagg,
+    PolicyInput, PrefillSelection, RouteError, RouteRequest, RouterConfig, RouterCore, SlaDynamic,
+    SlaPrediction, TierWeights, Verdict, Workers,
 };

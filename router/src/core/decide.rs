@@ -132,6 +132,20 @@ pub enum RouteError {
     },
 }
 
+/// The seed of the random draws (tie-breaks, softmax sampling) of one
+/// decision: a function of the request and the deployment's seed only, so
+/// that replicas at the same state decide the same for the same request,
+/// and a recorded decision can be replayed exactly.
+pub fn decision_seed(deployment_seed: u64, request: &RouteRequest<'_>) -> u64 {
+    let last = request.block_hashes.last().map_or(0, |h| h.0);
+    let mut bytes = [0u8; 28];
+    bytes[..8].copy_from_slice(&deployment_seed.to_le_bytes());
+    bytes[8..16].copy_from_slice(&last.to_le_bytes());
+    bytes[16..20].copy_from_slice(&request.isl_tokens.to_le_bytes());
+    bytes[20..28].copy_from_slice(&(request.block_hashes.len() as u64).to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64(&bytes)
+}
+
 /// One request to route.
 #[derive(Debug, Clone, Copy)]
 pub struct RouteRequest<'a> {

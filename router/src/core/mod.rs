@@ -14,7 +14,8 @@ mod sla;
 pub mod workers;
 
 pub use decide::{
-    CandidateScore, ConfigError, Explanation, RouteError, RouteRequest, RouterConfig, RouterCore,
+    decision_seed, CandidateScore, ConfigError, Explanation, RouteError, RouteRequest,
+    RouterConfig, RouterCore,
 };
 pub use gate::{GateCheck, GateConfig};
 pub use policy::{

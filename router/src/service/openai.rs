@@ -442,6 +442,10 @@ pub struct LedgerBody {
     pub replica: String,
     pub in_flight: usize,
     pub applied_delta: u64,
+    /// The index replica's digest (hex) and size: equal on replicas and
+    /// the indexer at the same delta.
+    pub index_digest: String,
+    pub index_blocks: u64,
     pub workers: Vec<LedgerWorker>,
     /// With `?decision=ID`: whether the ledger holds it (in flight or
     /// recently finished).

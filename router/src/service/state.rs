@@ -29,7 +29,7 @@ use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::openai::{LedgerBody, LedgerWorker};
 use super::replica::{self, LoadError, LoadedIndex};
-use crate::core::{RouteError, RouteRequest, RouterCore};
+use crate::core::{decision_seed, RouteError, RouteRequest, RouterCore};
 
 /// The router clock: milliseconds since the Unix epoch (decisions carry it
 /// to peers, whose ledgers expire entries against their own clock).
@@ -185,7 +185,8 @@ pub struct LoopParts {
 /// The event loop's state.
 pub struct RouterLoop {
     core: RouterCore,
-    rng: ChaCha8Rng,
+    /// The deployment's seed of decisions' draws ([`decision_seed`]).
+    seed: u64,
     ids: ChaCha8Rng,
     replica: Arc<str>,
     own_decisions: String,
@@ -227,7 +228,7 @@ impl RouterLoop {
         } = parts;
         Self {
             core,
-            rng: ChaCha8Rng::seed_from_u64(seed),
+            seed,
             ids: ChaCha8Rng::seed_from_u64(seed ^ 0x5157_1C4A_8D3E_0001),
             own_decisions: subjects::decisions(&replica),
             own_progress: subjects::progress(&replica),
@@ -362,13 +363,16 @@ impl RouterLoop {
         };
         let started = Instant::now();
         let mut attempts = 0;
+        // Draws depend on the request only: replicas at the same state
+        // decide alike, and a logged decision replays exactly.
+        let mut rng = ChaCha8Rng::seed_from_u64(decision_seed(self.seed, &request));
         let decision = loop {
             let id = DecisionId(self.ids.random());
             let result = if job.avoid.is_empty() {
-                self.core.route(&request, id, now, &mut self.rng)
+                self.core.route(&request, id, now, &mut rng)
             } else {
                 self.core
-                    .route_avoiding(&request, &job.avoid, id, now, &mut self.rng)
+                    .route_avoiding(&request, &job.avoid, id, now, &mut rng)
             };
             match result {
                 // A random 64-bit id met a live one: draw another.
@@ -438,6 +442,8 @@ impl RouterLoop {
             replica: self.replica.to_string(),
             in_flight: workers.in_flight(),
             applied_delta: self.core.replica().applied(),
+            index_digest: format!("{:016x}", self.core.replica().index().digest()),
+            index_blocks: self.core.replica().index().stats().blocks,
             workers: list,
             knows_decision: decision.map(|d| workers.knows_decision(d)),
         }
