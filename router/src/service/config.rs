@@ -190,7 +190,9 @@ pub struct Settings {
     /// max_tokens of a request that gives none. Default 16 (OpenAI's).
     #[arg(long, env = "SWITCHYARD_DEFAULT_MAX_TOKENS")]
     pub default_max_tokens: Option<u32>,
-    /// Seed of the router's RNG (tie breaks, softmax picks). Default: random.
+    /// Seed of the decisions' random draws (tie breaks, softmax picks);
+    /// with the request, it fixes them, so every replica of a deployment
+    /// must use the same one. Default 0.
     #[arg(long, env = "SWITCHYARD_SEED")]
     pub seed: Option<u64>,
 }
@@ -317,8 +319,8 @@ pub struct Config {
     pub timeouts: Timeouts,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
-    /// RNG seed; `None`: drawn at start (and logged).
-    pub seed: Option<u64>,
+    /// The deployment's seed of decisions' draws (the same on every replica).
+    pub seed: u64,
 }
 
 impl Config {
@@ -487,7 +489,7 @@ impl Config {
             timeouts,
             max_body_bytes,
             default_max_tokens,
-            seed: s.seed,
+            seed: s.seed.unwrap_or(0),
         })
     }
 }

@@ -70,7 +70,7 @@ pub async fn run(
     let text = config.tokenizer.as_deref().map(Text::load).transpose()?;
     let core = RouterCore::new(config.router.clone(), config.policy.build())?;
     let hasher = *core.hasher();
-    let seed = config.seed.unwrap_or_else(random_seed);
+    let seed = config.seed;
     let replica: Arc<str> = config.replica_id.as_str().into();
     tracing::info!(
         replica = %replica,
@@ -97,6 +97,7 @@ pub async fn run(
     let router_loop = RouterLoop::new(LoopParts {
         core,
         seed,
+        id_seed: random_seed(),
         replica: replica.clone(),
         bus: bus.clone(),
         metrics: metrics.clone(),
@@ -170,6 +171,7 @@ pub async fn run(
 
 /// A seed from the process's randomly keyed hasher state (no RNG crate
 /// with OS entropy is needed).
+/// A seed for this replica's decision ids (unique per process).
 fn random_seed() -> u64 {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u128(

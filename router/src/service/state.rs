@@ -174,7 +174,10 @@ enum IndexState {
 #[derive(Debug)]
 pub struct LoopParts {
     pub core: RouterCore,
+    /// The deployment's seed of decisions' draws ([`decision_seed`]).
     pub seed: u64,
+    /// Seeds this replica's decision ids.
+    pub id_seed: u64,
     pub replica: Arc<str>,
     pub bus: Bus,
     pub metrics: Metrics,
@@ -220,6 +223,7 @@ impl RouterLoop {
         let LoopParts {
             core,
             seed,
+            id_seed,
             replica,
             bus,
             metrics,
@@ -229,7 +233,7 @@ impl RouterLoop {
         Self {
             core,
             seed,
-            ids: ChaCha8Rng::seed_from_u64(seed ^ 0x5157_1C4A_8D3E_0001),
+            ids: ChaCha8Rng::seed_from_u64(id_seed),
             own_decisions: subjects::decisions(&replica),
             own_progress: subjects::progress(&replica),
             replica,

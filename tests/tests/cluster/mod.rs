@@ -1,0 +1,350 @@
+//! A whole Switchyard deployment as processes on loopback: nats-server,
+//! etcd, the kv-indexer, router replicas and worker agents with simulated
+//! engines. Every process stops when the test ends.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use futures::StreamExt;
+use kv_indexer::{KvIndexer, OwnershipIndex};
+use protocol::{KvEventBatch, Message};
+use serde_json::{json, Value};
+use tests::{free_port, EtcdServer, NatsServer, Service};
+
+/// The engines' model (the simulated preset's) and block size: routers
+/// must agree with both.
+pub const MODEL: &str = "Llama-3.3-70B-Instruct-FP8";
+pub const BLOCK_SIZE: u32 = 16;
+const STARTUP: Duration = Duration::from_secs(30);
+
+pub struct Node {
+    pub service: Service,
+    pub port: u16,
+}
+
+impl Node {
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+pub struct Cluster {
+    pub nats: NatsServer,
+    pub etcd: EtcdServer,
+    pub indexer: Node,
+    pub routers: Vec<Node>,
+    pub agents: Vec<Node>,
+    pub http: reqwest::Client,
+}
+
+impl Cluster {
+    /// `prefill` and `decode` name the agents; `routers` replicas.
+    pub async fn start(prefill: &[&str], decode: &[&str], routers: usize) -> Result<Self> {
+        let nats = NatsServer::start()?;
+        let etcd = EtcdServer::start()?;
+        let indexer = Self::spawn_indexer(&nats, &etcd)?;
+        let mut cluster = Self {
+            nats,
+            etcd,
+            indexer,
+            routers: Vec::new(),
+            agents: Vec::new(),
+            http: reqwest::Client::new(),
+        };
+        for name in prefill {
+            cluster.start_agent(name, "prefill")?;
+        }
+        for name in decode {
+            cluster.start_agent(name, "decode")?;
+        }
+        for i in 0..routers {
+            cluster.start_router(&format!("r{i}"))?;
+        }
+        cluster.wait_ready().await?;
+        Ok(cluster)
+    }
+
+    fn spawn_indexer(nats: &NatsServer, etcd: &EtcdServer) -> Result<Node> {
+        let port = free_port()?;
+        let mut service = Service::start(
+            "kv-indexer",
+            "kv-indexer",
+            &[
+                "run".into(),
+                format!("--nats-url={}", nats.url()),
+                format!("--etcd-endpoints={}", etcd.endpoint()),
+                format!("--http-addr=127.0.0.1:{port}"),
+                "--snapshot-interval=1s".into(),
+                "--worker-grace=3s".into(),
+            ],
+        )?;
+        service.wait_http_ok(port, "/healthz", STARTUP)?;
+        Ok(Node { service, port })
+    }
+
+    pub fn start_agent(&mut self, name: &str, role: &str) -> Result<()> {
+        let port = free_port()?;
+        let mut service = Service::start(
+            "worker-agent",
+            name,
+            &[
+                format!("--nats-url={}", self.nats.url()),
+                format!("--etcd-endpoints={}", self.etcd.endpoint()),
+                format!("--worker-name={name}"),
+                format!("--role={role}"),
+                format!("--block-size={BLOCK_SIZE}"),
+                "--speedup=20".into(),
+                "--lease-ttl-s=2".into(),
+                format!("--http-addr=127.0.0.1:{port}"),
+            ],
+        )?;
+        service.wait_http_ok(port, "/healthz", STARTUP)?;
+        self.agents.push(Node { service, port });
+        Ok(())
+    }
+
+    pub fn start_router(&mut self, replica: &str) -> Result<usize> {
+        let port = free_port()?;
+        let service = Service::start(
+            "router",
+            replica,
+            &[
+                format!("--nats-url={}", self.nats.url()),
+                format!("--etcd-endpoints={}", self.etcd.endpoint()),
+                format!("--http-addr=127.0.0.1:{port}"),
+                format!("--replica-id={replica}"),
+                format!("--model={MODEL}"),
+                format!("--block-size={BLOCK_SIZE}"),
+                "--policy=isl".into(),
+            ],
+        )?;
+        self.routers.push(Node { service, port });
+        Ok(self.routers.len() - 1)
+    }
+
+    /// Every router ready and knowing every agent.
+    pub async fn wait_ready(&mut self) -> Result<()> {
+        let agents = self.agents.len();
+        for i in 0..self.routers.len() {
+            let port = self.routers[i].port;
+            self.routers[i]
+                .service
+                .wait_http_ok(port, "/readyz", STARTUP)?;
+            let this = &*self;
+            this.eventually(
+                &format!("router {i} to know {agents} workers"),
+                || async move {
+                    let state = this.router_state(i).await?;
+                    Ok(state["workers"].as_array().map_or(0, Vec::len) == agents)
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Polls `check` until it holds, for up to 30 s; the error names what
+    /// was awaited.
+    pub async fn eventually<F, Fut>(&self, what: &str, mut check: F) -> Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool>>,
+    {
+        self.eventually_some(what, || {
+            let check = check();
+            async move { Ok(check.await?.then_some(())) }
+        })
+        .await
+    }
+
+    /// Polls `check` until it gives a value, for up to 30 s.
+    pub async fn eventually_some<T, F, Fut>(&self, what: &str, mut check: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>>>,
+    {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut last = None;
+        loop {
+            match check().await {
+                Ok(Some(value)) => return Ok(value),
+                Ok(None) => {}
+                Err(e) => last = Some(e),
+            }
+            if Instant::now() > deadline {
+                bail!("timed out waiting for {what} (last error: {last:?})");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn get_json(&self, url: String) -> Result<Value> {
+        let response = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        let status = response.status();
+        let body: Value = response
+            .json()
+            .await
+            .with_context(|| format!("GET {url}: body"))?;
+        if !status.is_success() {
+            bail!("GET {url}: HTTP {status}: {body}");
+        }
+        Ok(body)
+    }
+
+    /// A router's `/debug/ledger`: workers, ledger, applied delta, digest.
+    pub async fn router_state(&self, router: usize) -> Result<Value> {
+        self.get_json(format!("{}/debug/ledger", self.routers[router].url()))
+            .await
+    }
+
+    /// The indexer's `/status`.
+    pub async fn indexer_status(&self) -> Result<Value> {
+        self.get_json(format!("{}/status", self.indexer.url()))
+            .await
+    }
+
+    /// A non-streamed completion; the response JSON (with `switchyard`).
+    pub async fn complete(
+        &self,
+        router: usize,
+        request_id: &str,
+        prompt: &[u32],
+        max_tokens: u32,
+    ) -> Result<Value> {
+        let response = self
+            .http
+            .post(format!("{}/v1/completions", self.routers[router].url()))
+            .header("x-request-id", request_id)
+            .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}))
+            .send()
+            .await?;
+        let status = response.status();
+        let body: Value = response.json().await?;
+        if !status.is_success() {
+            bail!("completion {request_id}: HTTP {status}: {body}");
+        }
+        Ok(body)
+    }
+
+    /// `/v1/route` (no dispatch): the decision's `switchyard` object.
+    pub async fn route(&self, router: usize, prompt: &[u32]) -> Result<Value> {
+        let response = self
+            .http
+            .post(format!("{}/v1/route", self.routers[router].url()))
+            .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 16}))
+            .send()
+            .await?;
+        let status = response.status();
+        let body: Value = response.json().await?;
+        if !status.is_success() {
+            bail!("route: HTTP {status}: {body}");
+        }
+        Ok(body["switchyard"].clone())
+    }
+
+    /// Waits until every router has applied the indexer's last delta, and
+    /// returns the common digest; fails if they differ.
+    pub async fn converged_digest(&self) -> Result<String> {
+        self.eventually_some(
+            "routers to reach the indexer's delta and digest",
+            || async {
+                let status = self.indexer_status().await?;
+                let seq = status["delta_seq_published"].as_u64().unwrap_or(0);
+                let expected = status["digest"].as_str().unwrap_or_default().to_owned();
+                for i in 0..self.routers.len() {
+                    let state = self.router_state(i).await?;
+                    if state["applied_delta"].as_u64() != Some(seq)
+                        || state["index_digest"].as_str() != Some(&expected)
+                    {
+                        return Ok(None);
+                    }
+                }
+                Ok(Some(expected))
+            },
+        )
+        .await
+    }
+
+    /// The digest of an index built here, independently, from every batch
+    /// on the KV-event stream: what the indexer must hold.
+    pub async fn digest_from_event_log(&self) -> Result<String> {
+        let client = async_nats::connect(self.nats.url()).await?;
+        let js = async_nats::jetstream::new(client);
+        let stream = js.get_stream(protocol::subjects::KV_EVENTS_STREAM).await?;
+        let last = stream.clone().info().await?.state.last_sequence;
+        let consumer = stream
+            .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
+            .await?;
+        let mut messages = consumer.messages().await?;
+        let mut indexer = KvIndexer::new(OwnershipIndex::new());
+        let mut seen = 0;
+        while seen < last {
+            let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+                .await
+                .context("reading the KV event log")?
+                .ok_or_else(|| anyhow!("the KV event log ended early"))??;
+            seen = message.info().map_err(|e| anyhow!("{e}"))?.stream_sequence;
+            if let Ok(batch) = KvEventBatch::decode(&message.payload) {
+                indexer.apply(batch);
+            }
+        }
+        // Workers whose leases expired left the indexer's index too.
+        let registry = bus::Registry::connect(&[self.etcd.endpoint()]).await?;
+        let (registered, _) = registry.workers().await?;
+        let alive: Vec<_> = registered
+            .into_iter()
+            .filter_map(|c| match c {
+                bus::WorkerChange::Up(r) => Some(r.id),
+                _ => None,
+            })
+            .collect();
+        let gone: Vec<_> = indexer
+            .index()
+            .workers()
+            .map(|(w, _)| w.clone())
+            .filter(|w| !alive.contains(w))
+            .collect();
+        for worker in gone {
+            indexer.remove_worker(&worker);
+        }
+        Ok(format!("{:016x}", indexer.index().digest()))
+    }
+
+    /// Every process's output, for a failing test's message.
+    pub fn logs(&self) -> String {
+        let mut out = format!("--- kv-indexer\n{}\n", self.indexer.service.log());
+        for node in self.routers.iter().chain(&self.agents) {
+            out.push_str(&format!(
+                "--- {}\n{}\n",
+                node.service.name(),
+                node.service.log()
+            ));
+        }
+        out
+    }
+}
+
+/// A prompt of `n` deterministic tokens from `seed`.
+pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut out = Vec::with_capacity(n);
+    protocol::trace::extend_block_tokens(seed, n, &mut out);
+    out
+}
+
+/// The generated token ids of a completion.
+pub fn output(response: &Value) -> Vec<u32> {
+    response["choices"][0]["token_ids"]
+        .as_array()
+        .map(|ids| {
+            ids.iter()
+                .filter_map(Value::as_u64)
+                .map(|t| t as u32)
+                .collect()
+        })
+        .unwrap_or_default()
+}

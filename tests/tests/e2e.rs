@@ -1,0 +1,312 @@
+//! End-to-end: the real binaries as processes (kv-indexer, router replicas,
+//! worker agents with simulated engines) against real nats-server and etcd.
+
+mod cluster;
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use async_nats::jetstream;
+use cluster::{output, tokens, Cluster};
+use futures::StreamExt;
+use protocol::{subjects, Message, Path, RouteDecision};
+use serde_json::Value;
+
+/// Turn 0 of a conversation: long and cold, so it goes remote (ISL rule,
+/// 2048 tokens); later turns append a few hundred tokens to the previous
+/// prompt and answer, so they bypass to the decode worker holding them.
+const COLD_PROMPT: usize = 4_000;
+const APPEND: usize = 300;
+const ANSWER: u32 = 40;
+
+fn path(response: &Value) -> &str {
+    response["switchyard"]["path"].as_str().unwrap_or("?")
+}
+
+fn decode(response: &Value) -> &str {
+    response["switchyard"]["decode"].as_str().unwrap_or("?")
+}
+
+/// Sends turns 0..turns of conversation `seed` to `router`; returns each
+/// turn's response.
+async fn conversation(
+    cluster: &Cluster,
+    router: usize,
+    seed: u64,
+    turns: usize,
+) -> Result<Vec<Value>> {
+    let mut prompt = tokens(seed, COLD_PROMPT);
+    let mut previous_prompt = 0;
+    let mut responses = Vec::new();
+    for turn in 0..turns {
+        if turn > 0 {
+            // The router must see the previous turn's blocks on its decode
+            // worker (at least its whole prompt) before this turn can be
+            // routed to it.
+            let held = previous_prompt as u64 / 16 * 16;
+            cluster
+                .eventually("the previous turn's blocks to reach the router", || {
+                    let prompt = &prompt;
+                    async move {
+                        let d = cluster.route(router, prompt).await?;
+                        Ok(d["decode_overlap_tokens"].as_u64().unwrap_or(0) >= held)
+                    }
+                })
+                .await?;
+        }
+        let response = cluster
+            .complete(router, &format!("conv{seed}-turn{turn}"), &prompt, ANSWER)
+            .await?;
+        previous_prompt = prompt.len();
+        prompt.extend(output(&response));
+        prompt.extend(tokens(seed * 1000 + turn as u64, APPEND));
+        responses.push(response);
+    }
+    Ok(responses)
+}
+
+/// Reads every decision on the decision log.
+async fn decision_log(cluster: &Cluster) -> Result<Vec<RouteDecision>> {
+    let js = jetstream::new(async_nats::connect(cluster.nats.url()).await?);
+    let mut stream = js.get_stream(subjects::DECISIONS_STREAM).await?;
+    let last = stream.info().await?.state.last_sequence;
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let mut decisions = Vec::new();
+    let mut seen = 0;
+    while seen < last {
+        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .context("reading the decision log")?
+            .context("the decision log ended early")??;
+        seen = message
+            .info()
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .stream_sequence;
+        decisions.push(RouteDecision::decode(&message.payload)?);
+    }
+    Ok(decisions)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn conversations_replicas_late_joiners_and_bad_input() -> Result<()> {
+    let mut cluster = Cluster::start(&["p0"], &["d0", "d1", "d2"], 2).await?;
+    let result = async {
+        // 1. A multi-turn conversation: turn 0 remote (P -> D), later short
+        // turns bypass to that same D; the decision log explains it.
+        let turns = conversation(&cluster, 0, 1, 4).await?;
+        ensure!(
+            path(&turns[0]) == "remote",
+            "turn 0: {}",
+            turns[0]["switchyard"]
+        );
+        let home = decode(&turns[0]).to_owned();
+        for (i, turn) in turns.iter().enumerate().skip(1) {
+            ensure!(path(turn) == "bypass", "turn {i}: {}", turn["switchyard"]);
+            ensure!(
+                decode(turn) == home,
+                "turn {i} left {home}: {}",
+                turn["switchyard"]
+            );
+        }
+        let log = decision_log(&cluster).await?;
+        let turn2 = log
+            .iter()
+            .find(|d| d.request_id == "conv1-turn2")
+            .context("turn 2 is on the decision log")?;
+        ensure!(turn2.path == Path::Bypass && turn2.decode.to_string() == home);
+        ensure!(
+            turn2.decode_overlap_tokens as usize >= COLD_PROMPT,
+            "{turn2:?}"
+        );
+        ensure!(
+            turn2.reason.contains("2048") && turn2.reason.contains(&home),
+            "{}",
+            turn2.reason
+        );
+
+        // Conversations through the other replica too.
+        conversation(&cluster, 1, 2, 2).await?;
+
+        // 2. Both replicas agree with the indexer, and decide alike.
+        let digest = cluster.converged_digest().await?;
+        ensure!(digest == cluster.digest_from_event_log().await?);
+        for seed in [1, 2, 3] {
+            let prompt = tokens(seed, COLD_PROMPT + 100);
+            let (a, b) = (
+                cluster.route(0, &prompt).await?,
+                cluster.route(1, &prompt).await?,
+            );
+            for field in ["path", "decode", "prefill", "decode_overlap_tokens", "rule"] {
+                ensure!(
+                    a[field] == b[field],
+                    "replicas differ on {field}: {a} vs {b}"
+                );
+            }
+        }
+
+        // 5. A replica started late is ready from snapshot + deltas and
+        // agrees on the digest.
+        let late = cluster.start_router("late")?;
+        cluster.wait_ready().await?;
+        ensure!(cluster.converged_digest().await? == digest);
+        let prompt = tokens(1, COLD_PROMPT);
+        let (a, c) = (
+            cluster.route(0, &prompt).await?,
+            cluster.route(late, &prompt).await?,
+        );
+        ensure!(
+            a["decode"] == c["decode"] && a["path"] == c["path"],
+            "{a} vs {c}"
+        );
+
+        // 6. Bad input: a malformed message on the event stream is counted
+        // and skipped; the consumer keeps going. Malformed HTTP gets a 4xx.
+        let client = async_nats::connect(cluster.nats.url()).await?;
+        jetstream::new(client)
+            .publish(
+                "sy.kv.events.garbage.0",
+                bytes::Bytes::from_static(b"\x93not a batch"),
+            )
+            .await?
+            .await?;
+        conversation(&cluster, 0, 4, 1).await?;
+        cluster
+            .eventually("the malformed message to be counted", || async {
+                let metrics = cluster
+                    .http
+                    .get(format!("{}/metrics", cluster.indexer.url()))
+                    .send()
+                    .await?
+                    .text()
+                    .await?;
+                Ok(metrics.lines().any(|l| {
+                    l.starts_with("kv_indexer_malformed_messages_total") && !l.ends_with(" 0")
+                }))
+            })
+            .await?;
+        ensure!(cluster.converged_digest().await? == cluster.digest_from_event_log().await?);
+        for body in [
+            "{not json",
+            r#"{"prompt": []}"#,
+            r#"{"prompt": "text without a tokenizer"}"#,
+        ] {
+            let response = cluster
+                .http
+                .post(format!("{}/v1/completions", cluster.routers[0].url()))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await?;
+            let status = response.status();
+            let error: Value = response.json().await?;
+            ensure!(status.as_u16() == 400, "{body}: HTTP {status}");
+            ensure!(
+                error["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()),
+                "{error}"
+            );
+        }
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_indexer_crashes_and_recovers_during_traffic() -> Result<()> {
+    let mut cluster = Cluster::start(&["p0"], &["d0", "d1"], 2).await?;
+    let result = async {
+        conversation(&cluster, 0, 10, 2).await?;
+        // Let a snapshot cover part of the log (1 s interval).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+
+        // 3. Kill the indexer (SIGKILL) during traffic: the routers keep
+        // serving from their replicas (which stop learning new blocks until
+        // it is back, so these requests get no new affinity).
+        cluster.indexer.service.kill()?;
+        for seed in 11..17 {
+            cluster
+                .complete(
+                    (seed % 2) as usize,
+                    &format!("outage-{seed}"),
+                    &tokens(seed, 3000),
+                    16,
+                )
+                .await
+                .context("serving while the indexer is down")?;
+        }
+        let port = cluster.indexer.port;
+        cluster.indexer.service.restart()?;
+        cluster
+            .indexer
+            .service
+            .wait_http_ok(port, "/healthz", Duration::from_secs(30))?;
+        conversation(&cluster, 0, 20, 2).await?;
+
+        // It recovered from snapshot + log: nothing lost, nothing doubled,
+        // and the replicas converge on it.
+        let digest = cluster.converged_digest().await?;
+        ensure!(digest == cluster.digest_from_event_log().await?);
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_worker_leaves_every_index() -> Result<()> {
+    let mut cluster = Cluster::start(&["p0"], &["d0", "d1"], 2).await?;
+    let result = async {
+        let turns = conversation(&cluster, 0, 30, 2).await?;
+        let home = decode(&turns[1]).to_owned();
+
+        // 4. Kill the agent of the worker holding the conversation: its
+        // lease (2 s) expires, its blocks leave every replica's index, and
+        // nothing is routed to it afterwards.
+        let agent = cluster
+            .agents
+            .iter_mut()
+            .find(|a| a.service.name() == home)
+            .context("the home worker's agent")?;
+        agent.service.kill()?;
+        let c = &cluster;
+        for router in 0..2 {
+            c.eventually(&format!("router {router} to drop {home}"), || {
+                let home = &home;
+                async move {
+                    let state = c.router_state(router).await?;
+                    Ok(!state["workers"]
+                        .as_array()
+                        .is_some_and(|w| w.iter().any(|w| w["worker"] == home.as_str())))
+                }
+            })
+            .await?;
+        }
+        let digest = cluster.converged_digest().await?;
+        ensure!(digest == cluster.digest_from_event_log().await?);
+        let status = cluster.indexer_status().await?;
+        ensure!(status["worker_blocks"].get(&home).is_none(), "{status}");
+        for seed in 31..35 {
+            let response = cluster
+                .complete(
+                    (seed % 2) as usize,
+                    &format!("after-{seed}"),
+                    &tokens(seed, 3000),
+                    8,
+                )
+                .await?;
+            ensure!(
+                decode(&response) != home,
+                "routed to the dead {home}: {}",
+                response["switchyard"]
+            );
+        }
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
