@@ -5,7 +5,7 @@ use async_nats::{Client, ConnectOptions};
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use protocol::{
-    subjects, DecodeError, IndexDelta, IndexSnapshot, KvEventBatch, Message, RouteDecision,
+    subjects, DecisionRecord, DecodeError, IndexDelta, IndexSnapshot, KvEventBatch, Message,
 };
 use tokio::io::AsyncReadExt;
 
@@ -355,11 +355,11 @@ impl Bus {
         Ok(purged.purged)
     }
 
-    /// Appends a decision to the decision log.
+    /// Appends a decision (with its inputs) to the decision log.
     pub async fn publish_decision(
         &self,
         replica: &str,
-        decision: &RouteDecision,
+        record: &DecisionRecord,
     ) -> Result<(), BusError> {
         let subject = subjects::decisions(replica);
         let publish_error = |e: &dyn std::fmt::Display| BusError::Publish {
@@ -367,7 +367,7 @@ impl Bus {
             message: e.to_string(),
         };
         self.js
-            .publish(subject.clone(), decision.encode().into())
+            .publish(subject.clone(), record.encode().into())
             .await
             .map_err(|e| publish_error(&e))?
             .await

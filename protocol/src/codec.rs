@@ -10,6 +10,7 @@ use crate::generate::{
 };
 use crate::index::{IndexDelta, IndexSnapshot};
 use crate::registry::WorkerRecord;
+use crate::replay::{DecisionRecord, IndexStatus};
 
 /// A type that travels on the bus or sits in the registry.
 pub trait Message: Serialize + DeserializeOwned {
@@ -113,4 +114,6 @@ message! {
     OverlapQuery => "OverlapQuery", version 1;
     OverlapReply => "OverlapReply", version 1;
     RequestProgress => "RequestProgress", version 1;
+    DecisionRecord => "DecisionRecord", version 1;
+    IndexStatus => "IndexStatus", version 1;
 }

@@ -13,6 +13,7 @@ pub mod hash;
 pub mod ids;
 pub mod index;
 pub mod registry;
+pub mod replay;
 pub mod subjects;
 pub mod trace;
 
@@ -27,3 +28,4 @@ pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, WorkerId};
 pub use index::{IndexChange, IndexDelta, IndexSnapshot, OwnedRun, RunOwner, WorkerCursor};
 pub use registry::{ContractMismatch, HashingContract, Role, WorkerRecord, WorkerSubjects};
+pub use replay::{CandidateInput, CandidateLoad, DecisionInputs, DecisionRecord, IndexStatus};

@@ -34,6 +34,9 @@ pub const SNAPSHOT_LATEST: &str = "latest";
 /// Request/reply: overlap queries answered by the indexer.
 pub const INDEX_OVERLAP: &str = "sy.index.overlap";
 
+/// Request/reply: the indexer's [`crate::IndexStatus`] (position, digest).
+pub const INDEX_STATUS: &str = "sy.index.status";
+
 /// Core NATS: load reports (not persisted).
 pub const LOAD_ALL: &str = "sy.load.>";
 
@@ -41,7 +44,8 @@ pub fn load(worker: &WorkerId) -> String {
     format!("sy.load.{}", worker.subject_tokens())
 }
 
-/// JetStream stream of every replica's decisions.
+/// JetStream stream of every replica's [`crate::DecisionRecord`]s: the
+/// decision log.
 pub const DECISIONS_STREAM: &str = "SY_DECISIONS";
 pub const DECISIONS_ALL: &str = "sy.decisions.>";
 

@@ -38,12 +38,15 @@
 
 pub mod core;
 #[cfg(feature = "service")]
+pub mod explain;
+#[cfg(feature = "service")]
 pub mod service;
 
 pub use crate::core::{
-    decision_seed, rules, AlwaysDisagg, Candidate, CandidateScore, Charges,
-    ConditionalDisaggPolicy, ConfigError, CostModel, DecodeSelection, EffectiveLoad, Explanation,
-    GateCheck, GateConfig, HeldTokens, IslBased, IslOrLoad, LedgerConfig, LoadBased, NeverDisagg,
-    PolicyInput, PrefillSelection, RouteError, RouteRequest, RouterConfig, RouterCore, SlaDynamic,
-    SlaPrediction, TierWeights, Verdict, Workers,
+    decision_seed, difference, policy_from_params, rules, AlwaysDisagg, Candidate, CandidateScore,
+    Charges, ConditionalDisaggPolicy, ConfigError, CostModel, DecodeSelection, DepthMismatch,
+    EffectiveLoad, Explanation, GateCheck, GateConfig, HeldTokens, IslBased, IslOrLoad,
+    LedgerConfig, LoadBased, NeverDisagg, Overrides, ParamError, PolicyInput, PrefillSelection,
+    ReplayError, Replayed, Replayer, RouteError, RouteRequest, RouterConfig, RouterCore,
+    SlaDynamic, SlaPrediction, TierWeights, Verdict, Workers,
 };

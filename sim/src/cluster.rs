@@ -63,6 +63,8 @@ pub enum SimError {
     Registration(#[from] protocol::ContractMismatch),
     #[error("a deployment needs at least one decode-capable worker")]
     NoDecodeWorker,
+    #[error("policy: {0}")]
+    Policy(#[from] router::ParamError),
 }
 
 /// The outcome of a run.
@@ -177,7 +179,7 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
 impl<'w> Cluster<'w> {
     fn new(config: SimConfig, workload: &'w mut dyn Workload) -> Result<Self, SimError> {
         let contract = HashingContract::for_model(config.preset.model, config.block_size);
-        let policy = config.deployment.policy(&config.preset, &config.link);
+        let policy = config.deployment.policy(&config.preset, &config.link)?;
         let mut router = RouterCore::new(RouterConfig::new(contract.clone()), policy)?;
         let engine_config = config.preset.engine_config(config.block_size);
         let mut engines = Vec::new();

@@ -4,11 +4,11 @@ use engine_sim::{KvTransfer, Preset};
 use protocol::Role;
 use router::{
     AlwaysDisagg, ConditionalDisaggPolicy, CostModel, IslBased, IslOrLoad, LoadBased, NeverDisagg,
-    SlaDynamic,
+    ParamError, SlaDynamic,
 };
 
 /// The per-request decision rule of a C/D deployment.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum PolicyKind {
     /// Bypass short appends on the decode worker that holds the context.
     Isl { tokens: u32, ratio: f64 },
@@ -18,22 +18,33 @@ pub enum PolicyKind {
     IslOrLoad,
     /// Predict TTFT and ITL on both paths against SLA targets.
     Sla { ttft_ms: f64, itl_ms: f64 },
+    /// Any router policy by name and parameters (see
+    /// [`router::policy_from_params`]), e.g. from a decision log.
+    Named {
+        name: String,
+        params: Vec<(String, f64)>,
+    },
 }
 
 impl PolicyKind {
-    pub fn label(&self) -> &'static str {
+    pub fn label(&self) -> &str {
         match self {
             PolicyKind::Isl { .. } => "isl",
             PolicyKind::Load { .. } => "load",
             PolicyKind::IslOrLoad => "isl-or-load",
             PolicyKind::Sla { .. } => "sla",
+            PolicyKind::Named { name, .. } => name,
         }
     }
 
     /// The router policy, with cost constants from the engines' preset and
     /// the KV link.
-    pub fn policy(&self, preset: &Preset, link: &KvTransfer) -> Box<dyn ConditionalDisaggPolicy> {
-        match *self {
+    pub fn policy(
+        &self,
+        preset: &Preset,
+        link: &KvTransfer,
+    ) -> Result<Box<dyn ConditionalDisaggPolicy>, ParamError> {
+        Ok(match *self {
             PolicyKind::Isl { tokens, ratio } => Box::new(IslBased {
                 eff_isl_tokens: tokens,
                 eff_isl_ratio: ratio,
@@ -51,7 +62,11 @@ impl PolicyKind {
                 itl_ms,
                 sla_cost_model(preset, link),
             )),
-        }
+            PolicyKind::Named {
+                ref name,
+                ref params,
+            } => router::policy_from_params(name, params)?,
+        })
     }
 }
 
@@ -114,10 +129,14 @@ impl Deployment {
             .collect()
     }
 
-    pub fn policy(&self, preset: &Preset, link: &KvTransfer) -> Box<dyn ConditionalDisaggPolicy> {
+    pub fn policy(
+        &self,
+        preset: &Preset,
+        link: &KvTransfer,
+    ) -> Result<Box<dyn ConditionalDisaggPolicy>, ParamError> {
         match self {
-            Deployment::Disaggregated { .. } => Box::new(AlwaysDisagg),
-            Deployment::Aggregated { .. } => Box::new(NeverDisagg),
+            Deployment::Disaggregated { .. } => Ok(Box::new(AlwaysDisagg)),
+            Deployment::Aggregated { .. } => Ok(Box::new(NeverDisagg)),
             Deployment::Conditional { policy, .. } => policy.policy(preset, link),
         }
     }

@@ -7,63 +7,10 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use async_nats::jetstream;
-use cluster::{output, tokens, Cluster};
+use cluster::{conversation, decode, path, tokens, Cluster, COLD_PROMPT};
 use futures::StreamExt;
 use protocol::{subjects, Message, Path, RouteDecision};
 use serde_json::Value;
-
-/// Turn 0 of a conversation: long and cold, so it goes remote (ISL rule,
-/// 2048 tokens); later turns append a few hundred tokens to the previous
-/// prompt and answer, so they bypass to the decode worker holding them.
-const COLD_PROMPT: usize = 4_000;
-const APPEND: usize = 300;
-const ANSWER: u32 = 40;
-
-fn path(response: &Value) -> &str {
-    response["switchyard"]["path"].as_str().unwrap_or("?")
-}
-
-fn decode(response: &Value) -> &str {
-    response["switchyard"]["decode"].as_str().unwrap_or("?")
-}
-
-/// Sends turns 0..turns of conversation `seed` to `router`; returns each
-/// turn's response.
-async fn conversation(
-    cluster: &Cluster,
-    router: usize,
-    seed: u64,
-    turns: usize,
-) -> Result<Vec<Value>> {
-    let mut prompt = tokens(seed, COLD_PROMPT);
-    let mut previous_prompt = 0;
-    let mut responses = Vec::new();
-    for turn in 0..turns {
-        if turn > 0 {
-            // The router must see the previous turn's blocks on its decode
-            // worker (at least its whole prompt) before this turn can be
-            // routed to it.
-            let held = previous_prompt as u64 / 16 * 16;
-            cluster
-                .eventually("the previous turn's blocks to reach the router", || {
-                    let prompt = &prompt;
-                    async move {
-                        let d = cluster.route(router, prompt).await?;
-                        Ok(d["decode_overlap_tokens"].as_u64().unwrap_or(0) >= held)
-                    }
-                })
-                .await?;
-        }
-        let response = cluster
-            .complete(router, &format!("conv{seed}-turn{turn}"), &prompt, ANSWER)
-            .await?;
-        previous_prompt = prompt.len();
-        prompt.extend(output(&response));
-        prompt.extend(tokens(seed * 1000 + turn as u64, APPEND));
-        responses.push(response);
-    }
-    Ok(responses)
-}
 
 /// Reads every decision on the decision log.
 async fn decision_log(cluster: &Cluster) -> Result<Vec<RouteDecision>> {

@@ -225,6 +225,11 @@ impl Service {
             .queue_subscribe(subjects::INDEX_OVERLAP, OVERLAP_QUEUE_GROUP.into())
             .await
             .map_err(|e| ServiceError::Nats(format!("subscribing to overlap queries: {e}")))?;
+        let status_queries = client
+            .queue_subscribe(subjects::INDEX_STATUS, OVERLAP_QUEUE_GROUP.into())
+            .await
+            .map_err(|e| ServiceError::Nats(format!("subscribing to status queries: {e}")))?;
+        let queries = futures::stream::select(overlap, status_queries);
         let kv_messages = consumer::messages(&consumer, &config)
             .await?
             .ready_chunks(config.fetch_batch.max(1));
@@ -255,7 +260,7 @@ impl Service {
         tracing::info!(http = %http_addr, delta_seq = state.indexer.delta_seq(), "kv-indexer running");
 
         let result = state
-            .run(shutdown, kv_messages, overlap, status_rx, registry_rx)
+            .run(shutdown, kv_messages, queries, status_rx, registry_rx)
             .await;
 
         follower.abort();
@@ -293,8 +298,9 @@ enum Event {
     KvEnded,
     /// The oldest in-flight delta publish completed.
     Published(Result<Confirmed, PipelineError>),
-    Overlap(async_nats::Message),
-    OverlapEnded,
+    /// A request/reply query: overlap or status.
+    Query(async_nats::Message),
+    QueriesEnded,
     Status(StatusRequest),
     Registry(RegistryEvent),
     Task(Result<TaskDone, tokio::task::JoinError>),
@@ -336,16 +342,17 @@ struct Loop {
 }
 
 impl Loop {
-    async fn run<K>(
+    async fn run<K, Q>(
         &mut self,
         shutdown: impl Future<Output = ()>,
         mut kv_messages: K,
-        mut overlap: async_nats::Subscriber,
+        mut queries: Q,
         mut status_rx: mpsc::Receiver<StatusRequest>,
         mut registry_rx: mpsc::Receiver<RegistryEvent>,
     ) -> Result<(), ServiceError>
     where
         K: futures::Stream<Item = KvChunk> + Unpin,
+        Q: futures::Stream<Item = async_nats::Message> + Unpin,
     {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut tick = tokio::time::interval(self.tick_period());
@@ -355,9 +362,9 @@ impl Loop {
             let event = tokio::select! {
                 biased;
                 () = &mut shutdown => Event::Shutdown,
-                message = overlap.next() => match message {
-                    Some(message) => Event::Overlap(message),
-                    None => Event::OverlapEnded,
+                message = queries.next() => match message {
+                    Some(message) => Event::Query(message),
+                    None => Event::QueriesEnded,
                 },
                 Some(request) = status_rx.recv() => Event::Status(request),
                 Some(done) = self.pipeline.next() => Event::Published(done),
@@ -382,11 +389,9 @@ impl Loop {
                     }
                     self.store_pending_snapshot();
                 }
-                Event::Overlap(message) => self.on_overlap(message).await,
-                Event::OverlapEnded => {
-                    return Err(ServiceError::Nats(
-                        "the overlap-query subscription ended".into(),
-                    ))
+                Event::Query(message) => self.on_query(message).await,
+                Event::QueriesEnded => {
+                    return Err(ServiceError::Nats("the query subscriptions ended".into()))
                 }
                 Event::Status(reply) => {
                     let _ = reply.send(self.status());
@@ -546,12 +551,25 @@ impl Loop {
         });
     }
 
-    async fn on_overlap(&mut self, message: async_nats::Message) {
+    async fn on_query(&mut self, message: async_nats::Message) {
         let Some(reply) = message.reply.clone() else {
             self.metrics.overlap_malformed.increment(1);
-            tracing::warn!(subject = %message.subject, "overlap query without a reply subject; dropped");
+            tracing::warn!(subject = %message.subject, "query without a reply subject; dropped");
             return;
         };
+        if message.subject.as_str() == subjects::INDEX_STATUS {
+            let index = self.indexer.index();
+            let status = protocol::IndexStatus {
+                delta_seq: self.indexer.delta_seq(),
+                digest: index.digest(),
+                blocks: index.stats().blocks,
+                pairs: index.stats().pairs,
+            };
+            if let Err(e) = self.client.publish(reply, status.encode().into()).await {
+                tracing::warn!(error = %e, "replying to a status query");
+            }
+            return;
+        }
         let sent = match overlap::answer(&self.indexer, &message.payload) {
             Ok(answer) => {
                 self.metrics.overlap_ok.increment(1);

@@ -348,6 +348,25 @@ impl RouterCore {
         self.decide(request, id, now_ms, rng, None, &slots)
     }
 
+    /// [`RouterCore::route_avoiding`], also returning what the decision
+    /// looked at.
+    pub fn route_avoiding_explained<R: Rng + ?Sized>(
+        &mut self,
+        request: &RouteRequest<'_>,
+        avoid: &[WorkerId],
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<(RouteDecision, Explanation), RouteError> {
+        let slots: Vec<u32> = avoid
+            .iter()
+            .filter_map(|w| self.workers.slot_index(w))
+            .collect();
+        let mut explanation = Explanation::default();
+        let decision = self.decide(request, id, now_ms, rng, Some(&mut explanation), &slots)?;
+        Ok((decision, explanation))
+    }
+
     /// [`RouterCore::route`], also returning what the decision looked at.
     pub fn route_explained<R: Rng + ?Sized>(
         &mut self,

@@ -9,6 +9,7 @@
 pub mod decide;
 pub mod gate;
 pub mod policy;
+pub mod replay;
 pub mod select;
 mod sla;
 pub mod workers;
@@ -21,6 +22,10 @@ pub use gate::{GateCheck, GateConfig};
 pub use policy::{
     rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens, IslBased,
     IslOrLoad, LoadBased, NeverDisagg, PolicyInput, SlaDynamic, SlaPrediction, Verdict,
+};
+pub use replay::{
+    difference, policy_from_params, DepthMismatch, Overrides, ParamError, ReplayError, Replayed,
+    Replayer,
 };
 pub use select::{DecodeSelection, PrefillSelection, TierWeights};
 pub use workers::{Charges, EffectiveLoad, LedgerConfig, Workers};

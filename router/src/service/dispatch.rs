@@ -22,8 +22,8 @@ use std::time::Duration;
 use bus::Bus;
 use futures::StreamExt;
 use protocol::{
-    DecisionId, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, Message, Path,
-    Progress, RequestProgress, RouteDecision, Stage, WorkerId,
+    DecisionId, DecisionRecord, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest,
+    Message, Path, Progress, RequestProgress, RouteDecision, Stage, WorkerId,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -220,12 +220,14 @@ impl Dispatcher {
     /// Appends a decision to the decision log, in the background (a slow
     /// JetStream ack must not delay the request; peers that see its
     /// `Finished` first ignore the late decision).
-    fn log_decision(&self, decision: &RouteDecision) {
+    fn log_decision(&self, record: Option<&Arc<DecisionRecord>>) {
+        let Some(record) = record.cloned() else {
+            return;
+        };
         let inner = self.inner.clone();
-        let decision = decision.clone();
         tokio::spawn(
             async move {
-                if let Err(e) = inner.bus.publish_decision(&inner.replica, &decision).await {
+                if let Err(e) = inner.bus.publish_decision(&inner.replica, &record).await {
                     tracing::warn!(error = %e, "publishing the decision to the decision log failed");
                     inner.metrics.dispatch("decision_log_error");
                 }
@@ -283,7 +285,7 @@ impl Dispatcher {
         };
         let mut retried = false;
         loop {
-            self.log_decision(&routed.decision);
+            self.log_decision(routed.record.as_ref());
             request.annotation = routed.decision.annotation();
             let mut ticket = Ticket {
                 dispatcher: self.clone(),
@@ -320,6 +322,7 @@ impl Dispatcher {
                     expected_output_tokens: max_tokens,
                     avoid,
                     dry_run: false,
+                    explain: false,
                 };
                 let inner = &self.inner;
                 match ask_route(&inner.commands, job, inner.timeouts.route).await {

@@ -281,7 +281,7 @@ impl App {
         })
     }
 
-    async fn decide(&self, p: &Prepared, dry_run: bool) -> Result<Routed, ApiError> {
+    async fn decide(&self, p: &Prepared, dry_run: bool, explain: bool) -> Result<Routed, ApiError> {
         let started = Instant::now();
         let job = RouteJob {
             request_id: p.request_id.clone(),
@@ -290,6 +290,7 @@ impl App {
             expected_output_tokens: p.max_tokens,
             avoid: Vec::new(),
             dry_run,
+            explain,
         };
         let routed = ask_route(&self.commands, job, self.route_timeout)
             .await
@@ -311,21 +312,35 @@ fn unix_now() -> u64 {
 
 // --- Handlers ---------------------------------------------------------------
 
+/// `?explain=true` on `/v1/route`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct RouteQuery {
+    #[serde(default)]
+    explain: bool,
+}
+
 async fn route(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
+    query: Result<Query<RouteQuery>, QueryRejection>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let request_id = app.request_id(&headers);
     let result = async {
+        let Query(query) = query.map_err(|e| ApiError::bad_request(&request_id, e.body_text()))?;
         let prepared = app.prepare(request_id.clone(), body)?;
-        let routed = app.decide(&prepared, true).await?;
+        let routed = app.decide(&prepared, true, query.explain).await?;
         let info = app.info(&routed.decision);
+        let explanation = routed
+            .explanation
+            .as_ref()
+            .map(|e| crate::explain::to_json(&routed.decision, e, app.hasher.block_size()));
         let mut response = json_response(
             StatusCode::OK,
             &RouteBody {
                 decision: &routed.decision,
                 switchyard: &info,
+                explanation,
             },
         );
         set_header(&mut response, DECISION_HEADER, &info.decision);
@@ -366,7 +381,7 @@ async fn serve_completion(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let prepared = app.prepare(request_id, body)?;
-    let routed = app.decide(&prepared, false).await?;
+    let routed = app.decide(&prepared, false, false).await?;
     let span = tracing::Span::current();
     span.record("decision", tracing::field::display(routed.decision.id));
     let d = &routed.decision;

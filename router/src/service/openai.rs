@@ -405,6 +405,9 @@ pub struct ErrorDetail<'a> {
 pub struct RouteBody<'a> {
     #[serde(flatten)]
     pub decision: &'a RouteDecision,
+    /// With `?explain=true`: what the decision looked at.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explanation: Option<serde_json::Value>,
     pub switchyard: &'a SwitchyardInfo,
 }
 

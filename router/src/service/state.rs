@@ -18,8 +18,8 @@ use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use kv_indexer::DeltaError;
 use protocol::{
-    subjects, BlockHash, DecisionId, IndexDelta, LoadReport, Message, Progress, RequestProgress,
-    Role, RouteDecision, WorkerId,
+    subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, Message, Progress,
+    RequestProgress, Role, RouteDecision, WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -29,7 +29,7 @@ use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::openai::{LedgerBody, LedgerWorker};
 use super::replica::{self, LoadError, LoadedIndex};
-use crate::core::{decision_seed, RouteError, RouteRequest, RouterCore};
+use crate::core::{decision_seed, Explanation, RouteError, RouteRequest, RouterCore};
 
 /// The router clock: milliseconds since the Unix epoch (decisions carry it
 /// to peers, whose ledgers expire entries against their own clock).
@@ -50,12 +50,18 @@ pub struct RouteJob {
     pub avoid: Vec<WorkerId>,
     /// `POST /v1/route`: decide, then release the reservation at once.
     pub dry_run: bool,
+    /// Return what the decision looked at (`/v1/route?explain=true`).
+    pub explain: bool,
 }
 
 /// A decision and where to send its legs.
 #[derive(Debug, Clone)]
 pub struct Routed {
     pub decision: RouteDecision,
+    /// Its decision-log entry (dispatched decisions only).
+    pub record: Option<Arc<DecisionRecord>>,
+    /// What it looked at, when asked for.
+    pub explanation: Option<Explanation>,
     /// The decode worker's generate subject.
     pub decode_subject: String,
     /// The prefill worker's generate subject (remote path).
@@ -369,14 +375,15 @@ impl RouterLoop {
         let mut attempts = 0;
         // Draws depend on the request only: replicas at the same state
         // decide alike, and a logged decision replays exactly.
-        let mut rng = ChaCha8Rng::seed_from_u64(decision_seed(self.seed, &request));
-        let decision = loop {
+        let seed = decision_seed(self.seed, &request);
+        let (decision, explanation) = loop {
             let id = DecisionId(self.ids.random());
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
             let result = if job.avoid.is_empty() {
-                self.core.route(&request, id, now, &mut rng)
+                self.core.route_explained(&request, id, now, &mut rng)
             } else {
                 self.core
-                    .route_avoiding(&request, &job.avoid, id, now, &mut rng)
+                    .route_avoiding_explained(&request, &job.avoid, id, now, &mut rng)
             };
             match result {
                 // A random 64-bit id met a live one: draw another.
@@ -385,6 +392,13 @@ impl RouterLoop {
             }
         };
         self.metrics.decision(&decision, started.elapsed());
+        // Dispatched decisions go to the decision log with their inputs.
+        let record = (!job.dry_run).then(|| {
+            Arc::new(
+                self.core
+                    .record(&decision, &explanation, &request, seed, &job.avoid),
+            )
+        });
         if job.dry_run {
             // Nothing will run: release the reservation at once (the
             // tombstone it leaves expires with the ledger's tombstone TTL).
@@ -414,6 +428,8 @@ impl RouterLoop {
         );
         Ok(Routed {
             decision,
+            record,
+            explanation: job.explain.then_some(explanation),
             decode_subject,
             prefill_subject,
         })
@@ -717,8 +733,8 @@ impl RouterLoop {
         if message.subject.as_str() == self.own_decisions {
             return; // charged when decided
         }
-        match RouteDecision::decode(&message.payload) {
-            Ok(decision) => {
+        match DecisionRecord::decode(&message.payload) {
+            Ok(DecisionRecord { decision, .. }) => {
                 if let Ok(info) = message.info() {
                     let published = info.published.unix_timestamp_nanos();
                     let now = SystemTime::now()

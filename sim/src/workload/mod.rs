@@ -3,12 +3,14 @@
 
 mod agentic;
 mod mooncake;
+mod scripted;
 mod synthetic;
 
 use std::sync::Arc;
 
 pub use agentic::{Agentic, AgenticConfig};
 pub use mooncake::{Mooncake, MooncakeConfig};
+pub use scripted::Scripted;
 pub use synthetic::{Synthetic, SyntheticConfig};
 
 /// One request a workload issues.
@@ -49,7 +51,7 @@ pub trait Workload: Send {
 
 /// Appends `n` pseudo-tokens derived from `seed` (the same seed always
 /// gives the same tokens).
-pub(crate) fn pseudo_tokens(seed: u64, n: usize, out: &mut Vec<u32>) {
+pub fn pseudo_tokens(seed: u64, n: usize, out: &mut Vec<u32>) {
     protocol::trace::extend_block_tokens(seed, n, out);
 }
 

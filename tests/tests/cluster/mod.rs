@@ -1,3 +1,6 @@
+//! Shared by several test binaries; each uses a part of it.
+#![allow(dead_code)]
+
 //! A whole Switchyard deployment as processes on loopback: nats-server,
 //! etcd, the kv-indexer, router replicas and worker agents with simulated
 //! engines. Every process stops when the test ends.
@@ -347,4 +350,57 @@ pub fn output(response: &Value) -> Vec<u32> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Turn 0 of a conversation: long and cold, so it goes remote (ISL rule,
+/// 2048 tokens); later turns append a few hundred tokens to the previous
+/// prompt and answer, so they bypass to the decode worker holding them.
+pub const COLD_PROMPT: usize = 4_000;
+pub const APPEND: usize = 300;
+pub const ANSWER: u32 = 40;
+
+pub fn path(response: &Value) -> &str {
+    response["switchyard"]["path"].as_str().unwrap_or("?")
+}
+
+pub fn decode(response: &Value) -> &str {
+    response["switchyard"]["decode"].as_str().unwrap_or("?")
+}
+
+/// Sends turns 0..turns of conversation `seed` to `router`; returns each
+/// turn's response.
+pub async fn conversation(
+    cluster: &Cluster,
+    router: usize,
+    seed: u64,
+    turns: usize,
+) -> Result<Vec<Value>> {
+    let mut prompt = tokens(seed, COLD_PROMPT);
+    let mut previous_prompt = 0;
+    let mut responses = Vec::new();
+    for turn in 0..turns {
+        if turn > 0 {
+            // The router must see the previous turn's blocks on its decode
+            // worker (at least its whole prompt) before this turn can be
+            // routed to it.
+            let held = previous_prompt as u64 / 16 * 16;
+            cluster
+                .eventually("the previous turn's blocks to reach the router", || {
+                    let prompt = &prompt;
+                    async move {
+                        let d = cluster.route(router, prompt).await?;
+                        Ok(d["decode_overlap_tokens"].as_u64().unwrap_or(0) >= held)
+                    }
+                })
+                .await?;
+        }
+        let response = cluster
+            .complete(router, &format!("conv{seed}-turn{turn}"), &prompt, ANSWER)
+            .await?;
+        previous_prompt = prompt.len();
+        prompt.extend(output(&response));
+        prompt.extend(tokens(seed * 1000 + turn as u64, APPEND));
+        responses.push(response);
+    }
+    Ok(responses)
 }

@@ -1,0 +1,72 @@
+//! What the decision log holds, so that any decision can be replayed and
+//! explained later: the decision with everything it depended on.
+
+use serde::{Deserialize, Serialize};
+
+use crate::decision::RouteDecision;
+use crate::ids::{BlockHash, WorkerId};
+use crate::registry::Role;
+
+/// One entry of the decision log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecisionRecord {
+    pub decision: RouteDecision,
+    pub inputs: DecisionInputs,
+}
+
+/// Everything a decision depended on besides the index, which is rebuilt
+/// from the delta log at `delta_seq` (and checked against `depth`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecisionInputs {
+    /// The prompt's chained block hashes (not its tokens).
+    pub block_hashes: Vec<BlockHash>,
+    pub block_size: u32,
+    pub expected_output_tokens: u32,
+    /// The last index delta the router had applied.
+    pub delta_seq: u64,
+    /// Seed of the decision's random draws (tie breaks, softmax).
+    pub seed: u64,
+    /// Workers the decision was told to avoid (a retry).
+    pub avoid: Vec<WorkerId>,
+    /// The policy's parameters (its name is in the decision).
+    pub policy_params: Vec<(String, f64)>,
+    /// The router's selection and gate settings.
+    pub router_params: Vec<(String, f64)>,
+    /// Every worker the selection looked at.
+    pub candidates: Vec<CandidateInput>,
+}
+
+/// One candidate worker as the decision saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CandidateInput {
+    pub worker: WorkerId,
+    pub role: Role,
+    pub kv_capacity_blocks: u64,
+    pub max_batched_tokens: u32,
+    pub kv_bytes_per_token: u64,
+    /// Leading prompt blocks it held: device, host-or-better, any tier.
+    pub depth: [u32; 3],
+    pub load: CandidateLoad,
+}
+
+/// A candidate's effective load: its last report combined with the
+/// in-flight ledger (see the router's `EffectiveLoad`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CandidateLoad {
+    pub running: u32,
+    pub waiting: u32,
+    pub queued_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub kv_blocks_used: u64,
+    /// What the last report alone said (the ledger not counted).
+    pub reported_kv_blocks_used: u64,
+}
+
+/// The indexer's position and digest, by request/reply (`INDEX_STATUS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexStatus {
+    pub delta_seq: u64,
+    pub digest: u64,
+    pub blocks: u64,
+    pub pairs: u64,
+}

@@ -1,0 +1,282 @@
+//! The export file: one incident window, taken off the cluster to be
+//! examined anywhere.
+//!
+//! Layout: the magic line `SWITCHYARD-EXPORT v1\n`, then frames of
+//! `[kind: u8][length: u32 little-endian][payload]`, each payload one
+//! protocol message in its wire encoding, and last an end frame holding
+//! the number of frames before it (so that a file cut at a frame boundary
+//! is still caught). A reader reports a truncated or corrupt file with the
+//! byte offset of the frame at fault.
+
+use protocol::{
+    DecisionRecord, DecodeError, IndexDelta, IndexSnapshot, IndexStatus, KvEventBatch, Message,
+};
+
+pub const MAGIC: &[u8] = b"SWITCHYARD-EXPORT v1\n";
+
+/// Everything an export holds, in file order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Export {
+    /// The index before the window (absent when the deltas start at 1).
+    pub snapshot: Option<IndexSnapshot>,
+    /// Deltas after the snapshot, in sequence.
+    pub deltas: Vec<IndexDelta>,
+    /// The workers' KV batches during the window, in stream order.
+    pub kv_batches: Vec<KvEventBatch>,
+    /// The decision log in the window, in log order.
+    pub decisions: Vec<DecisionRecord>,
+    /// The live indexer's position and digest when the export was taken
+    /// (the deltas run up to it).
+    pub checkpoint: Option<IndexStatus>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Kind {
+    Snapshot = 1,
+    Delta = 2,
+    KvBatch = 3,
+    Decision = 4,
+    Checkpoint = 5,
+    End = 0xff,
+}
+
+/// Why bytes are not an export.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("not a Switchyard export (the file does not start with {:?})", String::from_utf8_lossy(MAGIC).trim_end())]
+    BadMagic,
+    #[error("truncated at byte {offset}: {what}")]
+    Truncated { offset: usize, what: &'static str },
+    #[error("byte {offset}: unknown frame kind {kind}")]
+    UnknownKind { offset: usize, kind: u8 },
+    #[error("byte {offset}: corrupt {kind} frame: {source}")]
+    Corrupt {
+        offset: usize,
+        kind: &'static str,
+        #[source]
+        source: DecodeError,
+    },
+    #[error("byte {offset}: a second snapshot or checkpoint")]
+    Duplicate { offset: usize },
+    #[error("byte {offset}: the end frame counts {expected} frames, the file has {found}")]
+    Count {
+        offset: usize,
+        expected: u32,
+        found: u32,
+    },
+    #[error("byte {offset}: data after the end frame")]
+    AfterEnd { offset: usize },
+}
+
+fn frame(out: &mut Vec<u8>, kind: Kind, payload: &[u8]) {
+    out.push(kind as u8);
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(payload);
+}
+
+impl Export {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        if let Some(s) = &self.snapshot {
+            frame(&mut out, Kind::Snapshot, &s.encode());
+        }
+        for d in &self.deltas {
+            frame(&mut out, Kind::Delta, &d.encode());
+        }
+        for b in &self.kv_batches {
+            frame(&mut out, Kind::KvBatch, &b.encode());
+        }
+        for r in &self.decisions {
+            frame(&mut out, Kind::Decision, &r.encode());
+        }
+        if let Some(c) = &self.checkpoint {
+            frame(&mut out, Kind::Checkpoint, &c.encode());
+        }
+        let frames = self.deltas.len()
+            + self.kv_batches.len()
+            + self.decisions.len()
+            + usize::from(self.snapshot.is_some())
+            + usize::from(self.checkpoint.is_some());
+        frame(&mut out, Kind::End, &(frames as u32).to_le_bytes());
+        out
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, ExportError> {
+        let mut export = Export::default();
+        let mut at = bytes.strip_prefix(MAGIC).ok_or(ExportError::BadMagic)?;
+        let mut offset = MAGIC.len();
+        let mut frames = 0u32;
+        loop {
+            if at.is_empty() {
+                return Err(ExportError::Truncated {
+                    offset,
+                    what: "the end frame (the file was cut short)",
+                });
+            }
+            let truncated = |what| ExportError::Truncated { offset, what };
+            let (&kind, rest) = at.split_first().ok_or(truncated("frame kind"))?;
+            let len_bytes: [u8; 4] = rest
+                .get(..4)
+                .ok_or(truncated("frame length"))?
+                .try_into()
+                .expect("4 bytes");
+            let len = u32::from_le_bytes(len_bytes) as usize;
+            let payload = rest.get(4..4 + len).ok_or(truncated("frame payload"))?;
+            macro_rules! decode {
+                ($ty:ty, $name:literal) => {
+                    <$ty>::decode(payload).map_err(|source| ExportError::Corrupt {
+                        offset,
+                        kind: $name,
+                        source,
+                    })?
+                };
+            }
+            match kind {
+                k if k == Kind::Snapshot as u8 => {
+                    if export.snapshot.is_some() {
+                        return Err(ExportError::Duplicate { offset });
+                    }
+                    export.snapshot = Some(decode!(IndexSnapshot, "snapshot"));
+                }
+                k if k == Kind::Delta as u8 => export.deltas.push(decode!(IndexDelta, "delta")),
+                k if k == Kind::KvBatch as u8 => {
+                    export.kv_batches.push(decode!(KvEventBatch, "KV batch"))
+                }
+                k if k == Kind::Decision as u8 => {
+                    export.decisions.push(decode!(DecisionRecord, "decision"))
+                }
+                k if k == Kind::Checkpoint as u8 => {
+                    if export.checkpoint.is_some() {
+                        return Err(ExportError::Duplicate { offset });
+                    }
+                    export.checkpoint = Some(decode!(IndexStatus, "checkpoint"));
+                }
+                k if k == Kind::End as u8 => {
+                    let count: [u8; 4] =
+                        payload.try_into().map_err(|_| ExportError::Truncated {
+                            offset,
+                            what: "the end frame's count",
+                        })?;
+                    let expected = u32::from_le_bytes(count);
+                    if expected != frames {
+                        return Err(ExportError::Count {
+                            offset,
+                            expected,
+                            found: frames,
+                        });
+                    }
+                    if rest.len() > 4 + len {
+                        return Err(ExportError::AfterEnd {
+                            offset: offset + 5 + len,
+                        });
+                    }
+                    return Ok(export);
+                }
+                other => {
+                    return Err(ExportError::UnknownKind {
+                        offset,
+                        kind: other,
+                    })
+                }
+            }
+            frames += 1;
+            at = &rest[4 + len..];
+            offset += 1 + 4 + len;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use protocol::{BlockHash, IndexChange, Tier, WorkerId};
+
+    use super::*;
+
+    fn sample() -> Export {
+        let worker = WorkerId::new("d0", 0).unwrap();
+        Export {
+            snapshot: None,
+            deltas: (1..=3)
+                .map(|seq| IndexDelta {
+                    seq,
+                    changes: vec![IndexChange::Stored {
+                        worker: worker.clone(),
+                        parent: None,
+                        blocks: vec![BlockHash(seq)],
+                        tier: Tier::Device,
+                    }],
+                    source: None,
+                })
+                .collect(),
+            kv_batches: vec![KvEventBatch {
+                worker,
+                epoch: 1,
+                seq: 0,
+                events: vec![protocol::KvEvent::Cleared],
+            }],
+            decisions: Vec::new(),
+            checkpoint: Some(IndexStatus {
+                delta_seq: 3,
+                digest: 9,
+                blocks: 3,
+                pairs: 3,
+            }),
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        assert_eq!(Export::from_bytes(&sample().to_bytes()).unwrap(), sample());
+    }
+
+    #[test]
+    fn every_truncation_names_its_offset() {
+        let bytes = sample().to_bytes();
+        for cut in MAGIC.len() + 1..bytes.len() {
+            let error = Export::from_bytes(&bytes[..cut]).unwrap_err();
+            match error {
+                ExportError::Truncated { offset, .. } | ExportError::Corrupt { offset, .. } => {
+                    assert!(offset >= MAGIC.len() && offset <= cut, "cut {cut}: {error}")
+                }
+                other => panic!("cut {cut}: {other}"),
+            }
+        }
+        assert!(matches!(
+            Export::from_bytes(&bytes[..5]),
+            Err(ExportError::BadMagic)
+        ));
+    }
+
+    #[test]
+    fn corrupt_frames_name_their_offset_and_kind() {
+        let mut bytes = sample().to_bytes();
+        // The second frame's payload: corrupt its version byte.
+        let first = MAGIC.len();
+        let len = u32::from_le_bytes(bytes[first + 1..first + 5].try_into().unwrap()) as usize;
+        let second = first + 5 + len;
+        bytes[second + 6] = 0x7f;
+        let error = Export::from_bytes(&bytes).unwrap_err();
+        assert!(
+            matches!(error, ExportError::Corrupt { offset, kind: "delta", .. } if offset == second),
+            "{error}"
+        );
+        assert!(error
+            .to_string()
+            .starts_with(&format!("byte {second}: corrupt delta frame")));
+        bytes[second] = 42;
+        assert!(matches!(
+            Export::from_bytes(&bytes),
+            Err(ExportError::UnknownKind { kind: 42, .. })
+        ));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn garbage_never_panics(tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let mut bytes = MAGIC.to_vec();
+            bytes.extend(tail);
+            let _ = Export::from_bytes(&bytes);
+        }
+    }
+}

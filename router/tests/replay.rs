@@ -1,0 +1,190 @@
+//! Decision records replay exactly: the same decisions from the records
+//! and the delta log, whatever the ledger and loads were; other settings
+//! flip what they should.
+
+mod common;
+
+use common::*;
+use kv_indexer::{KvIndexer, OwnershipIndex};
+use protocol::{
+    DecisionId, DecisionRecord, IndexDelta, KvEvent, KvEventBatch, Path, Role, Tier, WorkerId,
+};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use router::{
+    decision_seed, difference, IslBased, Overrides, Replayer, RouteRequest, RouterConfig,
+    RouterCore,
+};
+
+/// Routes a few conversations, keeping every decision's record and every
+/// delta.
+fn history() -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
+    let mut core = core_with(RouterConfig::new(contract()), Box::new(IslBased::default()));
+    let mut indexer = KvIndexer::new(OwnershipIndex::new());
+    let mut deltas = Vec::new();
+    let mut seqs = std::collections::HashMap::<WorkerId, u64>::new();
+    let mut store = |core: &mut RouterCore,
+                     deltas: &mut Vec<IndexDelta>,
+                     worker: &WorkerId,
+                     hashes: &[protocol::BlockHash]| {
+        let seq = seqs.entry(worker.clone()).or_insert(0);
+        let batch = KvEventBatch {
+            worker: worker.clone(),
+            epoch: 1,
+            seq: *seq,
+            events: vec![KvEvent::Stored {
+                parent: None,
+                blocks: hashes.to_vec(),
+                tier: Tier::Device,
+            }],
+        };
+        *seq += 1;
+        if let Some(delta) = indexer.apply(batch).delta {
+            core.apply_delta(&delta).unwrap();
+            deltas.push(delta);
+        }
+    };
+    core.register(record("p0", Role::Prefill, 20_000)).unwrap();
+    for d in ["d0", "d1", "d2"] {
+        core.register(record(d, Role::Decode, 20_000)).unwrap();
+    }
+    let mut records = Vec::new();
+    let mut conversations: Vec<Vec<u32>> = (0..4)
+        .map(|c| tokens(c, 3_000 + 500 * c as usize))
+        .collect();
+    let mut n = 0u64;
+    for turn in 0..5u64 {
+        for (c, conversation) in conversations.iter_mut().enumerate() {
+            n += 1;
+            let now = n * 100;
+            for (i, d) in ["d0", "d1", "d2", "p0"].into_iter().enumerate() {
+                let active = (n * 37 + i as u64 * 101) % 900;
+                core.on_load(report(d, active, active * 2, 20_000, now), now);
+            }
+            let hashes = core.hasher().hash_prompt(conversation);
+            let request = RouteRequest {
+                request_id: &format!("c{c}-t{turn}"),
+                isl_tokens: conversation.len() as u32,
+                block_hashes: &hashes,
+                expected_output_tokens: 200,
+            };
+            let seed = decision_seed(7, &request);
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let (decision, explanation) = core
+                .route_explained(&request, DecisionId(n), now, &mut rng)
+                .unwrap();
+            records.push(core.record(&decision, &explanation, &request, seed, &[]));
+            // Every other request is still in flight at the next decision:
+            // the ledger shapes the loads the records must carry.
+            if n % 2 == 0 {
+                core.on_finished(DecisionId(n));
+            }
+            let decode = decision.decode.clone();
+            conversation.extend(tokens(1_000 + n, 200));
+            let hashes = core.hasher().hash_prompt(conversation);
+            store(&mut core, &mut deltas, &decode, &hashes);
+            conversation.extend(tokens(2_000 + n, if turn == 3 { 2_500 } else { 150 }));
+        }
+    }
+    (records, deltas)
+}
+
+fn replay_all(
+    records: &[DecisionRecord],
+    deltas: &[IndexDelta],
+    overrides: &Overrides,
+) -> Vec<router::Replayed> {
+    let mut replayer = Replayer::new();
+    let mut next = deltas.iter();
+    records
+        .iter()
+        .map(|r| {
+            while replayer.replica().applied() < r.inputs.delta_seq {
+                replayer.apply_delta(next.next().unwrap()).unwrap();
+            }
+            replayer.replay(r, overrides).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn every_recorded_decision_replays_exactly() {
+    let (records, deltas) = history();
+    assert!(records.iter().any(|r| r.decision.path == Path::Bypass));
+    assert!(records.iter().any(|r| r.decision.path == Path::Remote));
+    for (record, replayed) in
+        records
+            .iter()
+            .zip(replay_all(&records, &deltas, &Overrides::default()))
+    {
+        assert_eq!(
+            difference(&record.decision, &replayed.decision),
+            None,
+            "{}",
+            record.decision.id
+        );
+        assert!(
+            replayed.depth_mismatches.is_empty(),
+            "{:?}",
+            replayed.depth_mismatches
+        );
+    }
+}
+
+#[test]
+fn a_lower_threshold_flips_bypasses_to_remote() {
+    let (records, deltas) = history();
+    let overrides = Overrides {
+        policy_params: vec![("eff_isl_tokens".into(), 100.0)],
+        ..Overrides::default()
+    };
+    let mut flipped = 0;
+    for (record, replayed) in records
+        .iter()
+        .zip(replay_all(&records, &deltas, &overrides))
+    {
+        if record.decision.path == Path::Bypass {
+            assert_eq!(
+                replayed.decision.path,
+                Path::Remote,
+                "{}",
+                replayed.decision.reason
+            );
+            flipped += 1;
+        } else {
+            assert_eq!(replayed.decision.path, Path::Remote);
+        }
+    }
+    assert!(flipped > 0);
+}
+
+#[test]
+fn a_record_at_another_index_position_is_refused() {
+    let (records, _) = history();
+    let late = records.iter().find(|r| r.inputs.delta_seq > 0).unwrap();
+    assert!(matches!(
+        Replayer::new().replay(late, &Overrides::default()),
+        Err(router::ReplayError::IndexPosition { .. })
+    ));
+}
+
+#[test]
+fn unknown_policies_and_parameters_are_named() {
+    let (records, deltas) = history();
+    let mut replayer = Replayer::new();
+    for d in &deltas {
+        if d.seq > records[0].inputs.delta_seq {
+            break;
+        }
+        replayer.apply_delta(d).unwrap();
+    }
+    let bad = Overrides {
+        policy_params: vec![("eff_isl_tokenz".into(), 1.0)],
+        ..Overrides::default()
+    };
+    let error = replayer.replay(&records[0], &bad).unwrap_err().to_string();
+    assert!(
+        error.contains("eff_isl_tokenz") && error.contains("eff_isl_tokens"),
+        "{error}"
+    );
+}
