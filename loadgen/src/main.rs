@@ -3,6 +3,8 @@
 
 mod agentic;
 mod events_bench;
+mod overhead;
+mod ready_bench;
 mod route_bench;
 mod stats;
 
@@ -71,7 +73,11 @@ enum Command {
     /// deltas as a router does (a kv-indexer must be running); prints the
     /// publish-to-router-view delay and the pipeline's throughput.
     Events {
-        #[arg(long, env = "SWITCHYARD_NATS", default_value = "nats://127.0.0.1:4222")]
+        #[arg(
+            long,
+            env = "SWITCHYARD_NATS_URL",
+            default_value = "nats://127.0.0.1:4222"
+        )]
         nats: String,
         #[arg(long, default_value_t = 16)]
         workers: usize,
@@ -81,6 +87,54 @@ enum Command {
         block_events_per_s: f64,
         #[arg(long, default_value_t = 10.0)]
         duration_s: f64,
+    },
+    /// Times a new router replica from spawn to ready, after writing a
+    /// snapshot of --blocks blocks (run against a fresh NATS without a
+    /// kv-indexer).
+    Ready {
+        #[arg(
+            long,
+            env = "SWITCHYARD_NATS_URL",
+            default_value = "nats://127.0.0.1:4222"
+        )]
+        nats: String,
+        #[arg(
+            long,
+            env = "SWITCHYARD_ETCD_ENDPOINTS",
+            default_value = "http://127.0.0.1:2379"
+        )]
+        etcd: String,
+        /// The router binary, e.g. target/release/router.
+        #[arg(long)]
+        router_bin: String,
+        #[arg(long, default_value_t = 1_000_000)]
+        blocks: usize,
+        #[arg(long, default_value_t = 18_080)]
+        port: u16,
+    },
+    /// The router's latency overhead over calling the worker directly.
+    Overhead {
+        #[arg(
+            long,
+            env = "SWITCHYARD_ROUTER",
+            default_value = "http://127.0.0.1:8080"
+        )]
+        router: String,
+        #[arg(
+            long,
+            env = "SWITCHYARD_NATS_URL",
+            default_value = "nats://127.0.0.1:4222"
+        )]
+        nats: String,
+        /// The worker to call directly (e.g. the only decode worker).
+        #[arg(long)]
+        worker: String,
+        #[arg(long, default_value_t = 200)]
+        requests: usize,
+        #[arg(long, default_value_t = 256)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 4)]
+        max_tokens: u32,
     },
 }
 
@@ -158,6 +212,52 @@ async fn main() -> anyhow::Result<()> {
             .await?;
             println!("{summary}");
         }
+        Command::Ready {
+            nats,
+            etcd,
+            router_bin,
+            blocks,
+            port,
+        } => {
+            let summary = ready_bench::run(ready_bench::ReadyBench {
+                nats,
+                etcd,
+                router_bin,
+                blocks,
+                port,
+            })
+            .await?;
+            println!("{summary}");
+        }
+        Command::Overhead {
+            router,
+            nats,
+            worker,
+            requests,
+            prompt_tokens,
+            max_tokens,
+        } => {
+            let summary = overhead::run(overhead::Overhead {
+                router,
+                nats,
+                worker,
+                requests,
+                prompt_tokens,
+                max_tokens,
+            })
+            .await?;
+            println!("{summary}");
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
 }

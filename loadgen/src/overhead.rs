@@ -1,0 +1,125 @@
+//! The router's latency overhead: the same small request sent through
+//! `/v1/completions` (routed, dispatched over NATS, streamed back) and
+//! straight to the worker's agent over NATS (what the router does for
+//! it), one at a time; compares the medians.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use protocol::{
+    subjects, Annotation, DecisionId, GenerateChunk, GenerateEvent, GenerateRequest, Message, Path,
+    Stage, WorkerId,
+};
+
+use crate::stats::Samples;
+
+#[derive(Debug, Clone)]
+pub struct Overhead {
+    pub router: String,
+    pub nats: String,
+    /// The decode worker to call directly (the router must route the
+    /// request there too: give it the only decode worker, or check the
+    /// reported paths).
+    pub worker: String,
+    pub requests: usize,
+    pub prompt_tokens: usize,
+    pub max_tokens: u32,
+}
+
+async fn direct(
+    client: &async_nats::Client,
+    worker: &WorkerId,
+    prompt: &[u32],
+    max_tokens: u32,
+    n: u64,
+) -> anyhow::Result<()> {
+    let decode = worker.clone();
+    let request = GenerateRequest {
+        request_id: format!("direct-{n}"),
+        annotation: Annotation {
+            decision: DecisionId(n),
+            path: Path::Bypass,
+            decode,
+            prefill: None,
+            decode_overlap_tokens: 0,
+            prefill_overlap_tokens: 0,
+        },
+        stage: Stage::Local,
+        prompt: prompt.to_vec(),
+        max_tokens,
+    };
+    let inbox = client.new_inbox();
+    let mut chunks = client.subscribe(inbox.clone()).await?;
+    client
+        .publish_with_reply(subjects::generate(worker), inbox, request.encode().into())
+        .await?;
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(30), chunks.next())
+            .await
+            .context("the worker did not answer")?
+            .context("the reply subscription ended")?;
+        match GenerateChunk::decode(&message.payload)?.event {
+            GenerateEvent::Finished { .. } => return Ok(()),
+            GenerateEvent::Failed { error, .. } => bail!("the worker failed: {error}"),
+            _ => {}
+        }
+    }
+}
+
+pub async fn run(o: Overhead) -> anyhow::Result<serde_json::Value> {
+    let client = async_nats::connect(&o.nats).await?;
+    let http = reqwest::Client::new();
+    let worker: WorkerId = o
+        .worker
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--worker: {e}"))?;
+    let (mut routed, mut straight) = (Samples::default(), Samples::default());
+    let mut paths = std::collections::BTreeMap::<String, usize>::new();
+    for n in 0..o.requests {
+        // A fresh prompt each time, so that caches do not favour either.
+        let mut prompt = Vec::with_capacity(o.prompt_tokens);
+        protocol::trace::extend_block_tokens(7_000_000 + n as u64, o.prompt_tokens, &mut prompt);
+        let started = Instant::now();
+        let response = http
+            .post(format!("{}/v1/completions", o.router))
+            .json(&serde_json::json!({"prompt": prompt, "max_tokens": o.max_tokens}))
+            .send()
+            .await?;
+        if !response.status().is_success() {
+            bail!(
+                "HTTP {}: {}",
+                response.status(),
+                response.text().await.unwrap_or_default()
+            );
+        }
+        let body: serde_json::Value = response.json().await?;
+        routed.push(started.elapsed());
+        let decode = body["switchyard"]["decode"]
+            .as_str()
+            .unwrap_or("?")
+            .to_owned();
+        *paths
+            .entry(format!(
+                "{} on {decode}",
+                body["switchyard"]["path"].as_str().unwrap_or("?")
+            ))
+            .or_default() += 1;
+
+        let mut prompt = Vec::with_capacity(o.prompt_tokens);
+        protocol::trace::extend_block_tokens(8_000_000 + n as u64, o.prompt_tokens, &mut prompt);
+        let started = Instant::now();
+        direct(&client, &worker, &prompt, o.max_tokens, n as u64).await?;
+        straight.push(started.elapsed());
+    }
+    let (r50, d50) = (routed.percentile_ms(0.5), straight.percentile_ms(0.5));
+    Ok(serde_json::json!({
+        "requests": o.requests,
+        "prompt_tokens": o.prompt_tokens,
+        "max_tokens": o.max_tokens,
+        "via_router_ms": routed.summary(),
+        "direct_ms": straight.summary(),
+        "overhead_p50_ms": crate::stats::round3(r50 - d50),
+        "router_paths": paths,
+    }))
+}
