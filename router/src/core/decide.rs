@@ -341,10 +341,7 @@ impl RouterCore {
         now_ms: u64,
         rng: &mut R,
     ) -> Result<RouteDecision, RouteError> {
-        let slots: Vec<u32> = avoid
-            .iter()
-            .filter_map(|w| self.workers.slot_index(w))
-            .collect();
+        let slots = self.slots_of(avoid);
         self.decide(request, id, now_ms, rng, None, &slots)
     }
 
@@ -358,13 +355,17 @@ impl RouterCore {
         now_ms: u64,
         rng: &mut R,
     ) -> Result<(RouteDecision, Explanation), RouteError> {
-        let slots: Vec<u32> = avoid
-            .iter()
-            .filter_map(|w| self.workers.slot_index(w))
-            .collect();
+        let slots = self.slots_of(avoid);
         let mut explanation = Explanation::default();
         let decision = self.decide(request, id, now_ms, rng, Some(&mut explanation), &slots)?;
         Ok((decision, explanation))
+    }
+
+    fn slots_of(&self, workers: &[WorkerId]) -> Vec<u32> {
+        workers
+            .iter()
+            .filter_map(|w| self.workers.slot_index(w))
+            .collect()
     }
 
     /// [`RouterCore::route`], also returning what the decision looked at.
