@@ -1,4 +1,5 @@
-# The services and the load generator in one image (docker-compose.yml).
+# The services, mock-vllm, the load generator and replay in one image
+# (docker-compose.yml).
 FROM rust:1.95-bookworm AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev \
@@ -7,9 +8,10 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p kv-indexer -p router -p worker-agent -p loadgen \
+    cargo build --release --locked -p kv-indexer -p router -p worker-agent -p loadgen -p mock-vllm -p replay \
  && mkdir -p /out \
- && cp target/release/kv-indexer target/release/router target/release/worker-agent target/release/loadgen /out/
+ && cp target/release/kv-indexer target/release/router target/release/worker-agent target/release/loadgen \
+       target/release/mock-vllm target/release/replay /out/
 
 FROM debian:bookworm-slim
 RUN apt-get update \

@@ -6,7 +6,7 @@
 mod service_support;
 
 use anyhow::{Context, Result};
-use protocol::{subjects, DecisionId, Message, Path, Role, RouteDecision, Stage};
+use protocol::{subjects, DecisionId, DecisionRecord, Message, Path, Role, RouteDecision, Stage};
 use service_support::*;
 
 /// p0 prefills; d0 and d1 decode; d1 holds a 1 000-token conversation.
@@ -85,7 +85,7 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
         .await?
         .get_last_raw_message_by_subject(&subjects::decisions("r1"))
         .await?;
-    let logged = RouteDecision::decode(&logged.payload)?;
+    let logged = DecisionRecord::decode(&logged.payload)?.decision;
     assert_eq!(logged.id.to_string(), decision);
     assert_eq!(logged.decode, id("d1"));
 

@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use async_nats::jetstream;
 use cluster::{conversation, decode, path, tokens, Cluster, COLD_PROMPT};
 use futures::StreamExt;
-use protocol::{subjects, Message, Path, RouteDecision};
+use protocol::{subjects, DecisionRecord, Message, Path, RouteDecision};
 use serde_json::Value;
 
 /// Reads every decision on the decision log.
@@ -32,7 +32,7 @@ async fn decision_log(cluster: &Cluster) -> Result<Vec<RouteDecision>> {
             .info()
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .stream_sequence;
-        decisions.push(RouteDecision::decode(&message.payload)?);
+        decisions.push(DecisionRecord::decode(&message.payload)?.decision);
     }
     Ok(decisions)
 }
@@ -214,12 +214,12 @@ async fn a_dead_worker_leaves_every_index() -> Result<()> {
         // 4. Kill the agent of the worker holding the conversation: its
         // lease (2 s) expires, its blocks leave every replica's index, and
         // nothing is routed to it afterwards.
-        let agent = cluster
-            .agents
+        let worker = cluster
+            .workers
             .iter_mut()
-            .find(|a| a.service.name() == home)
-            .context("the home worker's agent")?;
-        agent.service.kill()?;
+            .find(|w| w.name == home)
+            .context("the home worker")?;
+        worker.agent.service.kill()?;
         let c = &cluster;
         for router in 0..2 {
             c.eventually(&format!("router {router} to drop {home}"), || {

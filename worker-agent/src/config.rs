@@ -9,6 +9,18 @@ use protocol::ids::InvalidWorkerId;
 use protocol::{HashingContract, Role, WorkerId};
 
 use crate::publisher::OutboxLimits;
+use crate::vllm::{EngineKind, ReplayLimits, VllmConfig};
+
+/// The engine behind the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineChoice {
+    /// The built-in simulated engine (engine-sim in real time).
+    Sim,
+    /// A vLLM server (or mock-vllm): KV events over ZMQ, OpenAI HTTP API.
+    Vllm,
+    /// An SGLang server: its KV events and metrics; local requests only.
+    Sglang,
+}
 
 /// Everything the agent is told at start.
 #[derive(Debug, Clone, clap::Parser)]
@@ -56,7 +68,10 @@ pub struct Config {
     #[arg(long, env = "SWITCHYARD_BLOCK_SIZE", default_value_t = engine_sim::DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
 
-    /// Simulated engine preset: llama70b_fp8_tp2_h100 or llama8b_h100.
+    /// Engine preset: llama70b_fp8_tp2_h100 or llama8b_h100. The simulated
+    /// engine's model; for a real engine, the hardware facts registered for
+    /// the router's cost model (GPUs, KV bytes per token, step budget) and
+    /// the KV capacity when the engine does not report it.
     #[arg(
         long,
         env = "SWITCHYARD_PRESET",
@@ -69,7 +84,8 @@ pub struct Config {
     #[arg(long, env = "SWITCHYARD_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
 
-    /// Simulated KV cache size in blocks (default: the preset's).
+    /// KV cache size in blocks (default: a real engine's own figure when it
+    /// reports one, else the preset's).
     #[arg(long, env = "SWITCHYARD_KV_CAPACITY_BLOCKS")]
     pub kv_capacity_blocks: Option<u32>,
 
@@ -100,6 +116,81 @@ pub struct Config {
     /// Serve `GET /metrics` (Prometheus text) and `GET /healthz` here.
     #[arg(long, env = "SWITCHYARD_HTTP_ADDR")]
     pub http_addr: Option<SocketAddr>,
+
+    /// The engine: the built-in simulation, or a real server.
+    #[arg(long, env = "SWITCHYARD_ENGINE", value_enum, default_value = "sim")]
+    pub engine: EngineChoice,
+
+    /// Real engine: its OpenAI API's base URL.
+    #[arg(
+        long,
+        env = "SWITCHYARD_ENGINE_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    pub engine_url: String,
+
+    /// Real engine: its KV-event PUB socket for data-parallel rank 0 (the
+    /// port is offset by --dp-rank).
+    #[arg(
+        long,
+        env = "SWITCHYARD_KV_EVENTS_ENDPOINT",
+        default_value = "tcp://127.0.0.1:5557"
+    )]
+    pub kv_events_endpoint: String,
+
+    /// Real engine: its KV-event replay (ROUTER) socket for rank 0, if it
+    /// has one (recommended: gaps and restarts are then recovered exactly).
+    #[arg(long, env = "SWITCHYARD_KV_REPLAY_ENDPOINT")]
+    pub kv_replay_endpoint: Option<String>,
+
+    /// Real engine: the KV events' topic.
+    #[arg(long, env = "SWITCHYARD_KV_EVENTS_TOPIC", default_value = "")]
+    pub kv_events_topic: String,
+
+    /// Real engine: data-parallel ranks behind its API; above 1, requests
+    /// are pinned to --dp-rank (`X-data-parallel-rank`).
+    #[arg(long, env = "SWITCHYARD_ENGINE_DP_SIZE", default_value_t = 1)]
+    pub engine_dp_size: u32,
+
+    /// Real engine: how long to wait for it to come up.
+    #[arg(
+        long,
+        env = "SWITCHYARD_ENGINE_STARTUP_TIMEOUT_S",
+        default_value_t = 600
+    )]
+    pub engine_startup_timeout_s: u64,
+
+    /// Real engine: a request that makes no progress for this long fails
+    /// (retryable).
+    #[arg(long, env = "SWITCHYARD_ENGINE_TIMEOUT_S", default_value_t = 300)]
+    pub engine_timeout_s: u64,
+
+    /// Real engine: how often its /metrics is scraped for the load, ms.
+    #[arg(
+        long,
+        env = "SWITCHYARD_ENGINE_METRICS_INTERVAL_MS",
+        default_value_t = 200
+    )]
+    pub engine_metrics_interval_ms: u64,
+
+    /// Real engine: ask for generated token ids (`return_token_ids`).
+    #[arg(
+        long,
+        env = "SWITCHYARD_ENGINE_RETURN_TOKEN_IDS",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub engine_return_token_ids: bool,
+
+    /// Real engine: longest KV replay, ms (a replay that takes longer is
+    /// given up, and the gap resynchronised).
+    #[arg(long, env = "SWITCHYARD_KV_REPLAY_TIMEOUT_MS", default_value_t = 5_000)]
+    pub kv_replay_timeout_ms: u64,
+
+    /// Real engine: when no KV event came for this long, ask the replay
+    /// socket for any batch the subscription missed (0: never), ms.
+    #[arg(long, env = "SWITCHYARD_KV_IDLE_CHECK_MS", default_value_t = 1_000)]
+    pub kv_idle_check_ms: u64,
 }
 
 /// A configuration that cannot run.
@@ -125,6 +216,14 @@ pub enum ConfigError {
     KvBatch,
     #[error("no etcd endpoint given")]
     NoEtcdEndpoint,
+    #[error("engine URL {0:?} is not http://host:port")]
+    EngineUrl(String),
+    #[error("KV events: {0}")]
+    KvEndpoint(String),
+    #[error("--dp-rank {rank} is not below --engine-dp-size {size}")]
+    DpRank { rank: u32, size: u32 },
+    #[error("{0} must be at least 1")]
+    ZeroDuration(&'static str),
 }
 
 /// How often the load is checked for a change.
@@ -147,6 +246,8 @@ pub struct Settings {
     /// How often the load is checked for a change.
     pub load_poll: Duration,
     pub outbox: OutboxLimits,
+    /// The real engine to connect to; `None` for the simulated engine.
+    pub real_engine: Option<VllmConfig>,
 }
 
 impl Config {
@@ -200,6 +301,7 @@ impl Config {
             return Err(ConfigError::NoEtcdEndpoint);
         }
         let load_interval = Duration::from_millis(self.load_interval_ms);
+        let real_engine = self.real_engine(&worker, &preset)?;
         Ok(Settings {
             worker,
             role: self.role,
@@ -218,7 +320,86 @@ impl Config {
                 max_queued_events: self.kv_queue_events,
                 max_batch_events: self.kv_batch_events,
             },
+            real_engine,
         })
+    }
+
+    fn real_engine(
+        &self,
+        worker: &WorkerId,
+        preset: &Preset,
+    ) -> Result<Option<VllmConfig>, ConfigError> {
+        let kind = match self.engine {
+            EngineChoice::Sim => return Ok(None),
+            EngineChoice::Vllm => EngineKind::Vllm,
+            EngineChoice::Sglang => EngineKind::Sglang,
+        };
+        let url = self.engine_url.trim();
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| ConfigError::EngineUrl(url.to_owned()))?;
+        if rest.is_empty() || rest.starts_with('/') {
+            return Err(ConfigError::EngineUrl(url.to_owned()));
+        }
+        crate::vllm::zmq::check_connect_endpoint(&self.kv_events_endpoint)
+            .map_err(ConfigError::KvEndpoint)?;
+        let replay = self
+            .kv_replay_endpoint
+            .as_deref()
+            .map(str::trim)
+            .filter(|e| !e.is_empty() && *e != "none");
+        if let Some(replay) = replay {
+            crate::vllm::zmq::check_connect_endpoint(replay).map_err(ConfigError::KvEndpoint)?;
+        }
+        for e in std::iter::once(self.kv_events_endpoint.as_str()).chain(replay) {
+            crate::vllm::zmq::offset_endpoint(e, worker.dp_rank())
+                .map_err(ConfigError::KvEndpoint)?;
+        }
+        if self.engine_dp_size > 1 && worker.dp_rank() >= self.engine_dp_size {
+            return Err(ConfigError::DpRank {
+                rank: worker.dp_rank(),
+                size: self.engine_dp_size,
+            });
+        }
+        for (value, name) in [
+            (self.engine_startup_timeout_s, "--engine-startup-timeout-s"),
+            (self.engine_timeout_s, "--engine-timeout-s"),
+            (
+                self.engine_metrics_interval_ms,
+                "--engine-metrics-interval-ms",
+            ),
+            (self.kv_replay_timeout_ms, "--kv-replay-timeout-ms"),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::ZeroDuration(name));
+            }
+        }
+        let replay_total = Duration::from_millis(self.kv_replay_timeout_ms);
+        Ok(Some(VllmConfig {
+            kind,
+            worker: worker.clone(),
+            role: self.role,
+            model: self.model(preset),
+            block_size: self.block_size,
+            api_url: url.trim_end_matches('/').to_owned(),
+            kv_events: self.kv_events_endpoint.clone(),
+            kv_replay: replay.map(str::to_owned),
+            topic: self.kv_events_topic.clone(),
+            dp_size: self.engine_dp_size.max(1),
+            preset: *preset,
+            kv_capacity_blocks: self.kv_capacity_blocks,
+            startup_timeout: Duration::from_secs(self.engine_startup_timeout_s),
+            request_timeout: Duration::from_secs(self.engine_timeout_s),
+            metrics_interval: Duration::from_millis(self.engine_metrics_interval_ms),
+            return_token_ids: self.engine_return_token_ids,
+            replay: ReplayLimits {
+                connect: Duration::from_secs(2).min(replay_total),
+                idle: Duration::from_secs(2).min(replay_total),
+                total: replay_total,
+            },
+            idle_check: (self.kv_idle_check_ms > 0)
+                .then(|| Duration::from_millis(self.kv_idle_check_ms)),
+        }))
     }
 }
 
@@ -287,5 +468,63 @@ mod tests {
         let mut c = config();
         c.block_size = 0;
         assert_eq!(c.validate().unwrap_err(), ConfigError::ZeroBlockSize);
+    }
+
+    #[test]
+    fn real_engine_flags() {
+        use clap::Parser as _;
+        assert!(config().validate().unwrap().real_engine.is_none());
+        let c = Config::parse_from([
+            "worker-agent",
+            "--worker-name",
+            "d0",
+            "--dp-rank",
+            "1",
+            "--engine",
+            "vllm",
+            "--engine-url",
+            "http://engine:8000/",
+            "--kv-events-endpoint",
+            "tcp://engine:5557",
+            "--kv-replay-endpoint",
+            "tcp://engine:5558",
+            "--engine-dp-size",
+            "2",
+            "--model",
+            "m",
+            "--engine-return-token-ids",
+            "false",
+        ]);
+        let real = c.validate().unwrap().real_engine.unwrap();
+        assert_eq!(real.kind, EngineKind::Vllm);
+        assert_eq!(real.api_url, "http://engine:8000");
+        assert_eq!(real.kv_replay.as_deref(), Some("tcp://engine:5558"));
+        assert_eq!(real.worker.to_string(), "d0.1");
+        assert_eq!(real.model, "m");
+        assert!(!real.return_token_ids);
+
+        let mut bad = c.clone();
+        bad.engine_url = "engine:8000".into();
+        assert!(matches!(bad.validate(), Err(ConfigError::EngineUrl(_))));
+        let mut bad = c.clone();
+        bad.kv_events_endpoint = "tcp://*:5557".into();
+        assert!(matches!(bad.validate(), Err(ConfigError::KvEndpoint(_))));
+        let mut bad = c.clone();
+        bad.engine_dp_size = 1;
+        bad.dp_rank = 0;
+        bad.kv_replay_endpoint = Some("none".into());
+        assert!(bad
+            .validate()
+            .unwrap()
+            .real_engine
+            .unwrap()
+            .kv_replay
+            .is_none());
+        let mut bad = c;
+        bad.dp_rank = 2;
+        assert_eq!(
+            bad.validate().unwrap_err(),
+            ConfigError::DpRank { rank: 2, size: 2 }
+        );
     }
 }

@@ -112,4 +112,11 @@ pub trait Engine: Send + Sync + fmt::Debug {
 
     /// Stops serving: in-flight generation streams and the KV stream end.
     fn stop(&self);
+
+    /// Why the engine stopped, when it failed (e.g. a real engine whose
+    /// blocks are not the deployment's size): the agent exits with it
+    /// when the KV stream ends.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }

@@ -27,6 +27,10 @@ pub enum AgentError {
     KvStreamTaken,
     #[error("the engine's KV event stream ended: the engine stopped")]
     EngineStopped,
+    #[error("the engine cannot serve this deployment: {0}")]
+    EngineFailed(String),
+    #[error("the real engine cannot start: {0}")]
+    RealEngine(#[from] crate::vllm::VllmError),
     #[error(transparent)]
     Bus(#[from] BusError),
     #[error(transparent)]

@@ -13,7 +13,10 @@
 //!   numbered [`protocol::GenerateChunk`]s to the reply subject.
 //!
 //! The engine sits behind the [`Engine`] trait; [`SimEngine`] is the
-//! built-in simulated engine (`engine_sim` driven in real time, sped up).
+//! built-in simulated engine (`engine_sim` driven in real time, sped up),
+//! [`vllm::VllmEngine`] a real vLLM or SGLang server (or mock-vllm): KV
+//! events over ZMQ translated to canonical hashes, load from its
+//! metrics, generation over its OpenAI API (`--engine vllm|sglang`).
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), worker_agent::AgentError> {
@@ -31,9 +34,10 @@ pub mod metrics;
 pub mod publisher;
 pub mod service;
 pub mod sim_engine;
+pub mod vllm;
 
 pub use block_set::BlockMirror;
-pub use config::{Config, ConfigError, Settings};
+pub use config::{Config, ConfigError, EngineChoice, Settings};
 pub use engine::{Engine, EngineFacts, EngineLoad, KvUpdate};
 pub use error::AgentError;
 pub use publisher::{KvOutbox, OutboxLimits, Pushed};

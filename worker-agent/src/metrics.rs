@@ -33,6 +33,28 @@ pub const LOAD_REPORTS: &str = "worker_agent_load_reports_total";
 /// (load, chunk, resync_reply).
 pub const PUBLISH_ERRORS: &str = "worker_agent_publish_errors_total";
 
+/// Workers refused because the engine names blocks differently from the
+/// deployment, by `reason` (model, block_size, ...).
+pub const CONTRACT_REFUSALS: &str = "worker_agent_contract_refusals_total";
+/// The real engine's KV event stream, by `what` (batches, gaps,
+/// gaps_recovered, gaps_unrecovered, restarts, replays, replay_failures,
+/// rebuilds, unknown_parents, unknown_removed, duplicates, resyncs, ...).
+pub const ENGINE_KV: &str = "worker_agent_engine_kv_total";
+/// Real-engine input skipped, by `reason` (bad_frames, other_topic,
+/// msgpack, unknown_event, field, bad_chunk, ...).
+pub const ENGINE_KV_SKIPPED: &str = "worker_agent_engine_skipped_total";
+/// New epochs the real engine's stream started, by `reason`
+/// (engine_restart, lost_gap, rebuild).
+pub const ENGINE_KV_NEW_EPOCHS: &str = "worker_agent_engine_new_epochs_total";
+/// Failed scrapes of the real engine's `/metrics`, by `reason`.
+pub const ENGINE_SCRAPE_ERRORS: &str = "worker_agent_engine_scrape_errors_total";
+/// Decode requests without the prefill engine's `kv_transfer_params`
+/// (served as local prefills).
+pub const ENGINE_DECODE_WITHOUT_PARAMS: &str = "worker_agent_engine_decode_without_params_total";
+/// Streamed chunks with text but no token ids (an engine that ignores
+/// `return_token_ids`).
+pub const ENGINE_TEXT_ONLY_CHUNKS: &str = "worker_agent_engine_text_only_chunks_total";
+
 /// Registers the help texts with the installed recorder.
 pub fn describe() {
     describe_counter!(KV_BATCHES_PUBLISHED, "KV batches JetStream acknowledged");
@@ -70,6 +92,31 @@ pub fn describe() {
     describe_counter!(
         PUBLISH_ERRORS,
         "Core NATS publishes that failed or were skipped, by kind"
+    );
+    describe_counter!(
+        CONTRACT_REFUSALS,
+        "Engines refused for naming blocks differently from the deployment, by reason"
+    );
+    describe_counter!(
+        ENGINE_KV,
+        "The real engine's KV event stream, by what happened"
+    );
+    describe_counter!(ENGINE_KV_SKIPPED, "Real-engine input skipped, by reason");
+    describe_counter!(
+        ENGINE_KV_NEW_EPOCHS,
+        "New epochs started by the real engine's stream, by reason"
+    );
+    describe_counter!(
+        ENGINE_SCRAPE_ERRORS,
+        "Failed scrapes of the real engine's metrics, by reason"
+    );
+    describe_counter!(
+        ENGINE_DECODE_WITHOUT_PARAMS,
+        "Decode requests without kv_transfer_params, served as local prefills"
+    );
+    describe_counter!(
+        ENGINE_TEXT_ONLY_CHUNKS,
+        "Streamed chunks with text but no token ids"
     );
 }
 

@@ -28,6 +28,7 @@ use crate::error::AgentError;
 use crate::metrics as m;
 use crate::publisher::{KvOutbox, Pushed};
 use crate::sim_engine::{SimEngine, SimEngineConfig};
+use crate::vllm::{VllmEngine, VllmError};
 
 /// How long in-flight streams get to send their last chunk at shutdown.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -44,16 +45,46 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AgentError> {
     let settings = config.validate()?;
-    let engine = SimEngine::start(SimEngineConfig {
-        worker: settings.worker.clone(),
-        role: settings.role,
-        preset: settings.preset,
-        block_size: settings.contract.block_size,
-        kv_capacity_blocks: settings.kv_capacity_blocks,
-        speedup: settings.speedup,
-        link: settings.link,
-    })?;
-    run_with_engine(config, Arc::new(engine), shutdown).await
+    let engine: Arc<dyn Engine> = match settings.real_engine.clone() {
+        None => Arc::new(SimEngine::start(SimEngineConfig {
+            worker: settings.worker.clone(),
+            role: settings.role,
+            preset: settings.preset,
+            block_size: settings.contract.block_size,
+            kv_capacity_blocks: settings.kv_capacity_blocks,
+            speedup: settings.speedup,
+            link: settings.link,
+        })?),
+        Some(real) => {
+            if config.http_addr.is_some() {
+                // Installed before the engine's first events are counted.
+                let _ = crate::metrics::prometheus();
+            }
+            let span = tracing::info_span!("worker_agent", worker = %settings.worker);
+            let connect = VllmEngine::connect(real).instrument(span);
+            // The engine may take long to come up (its own timeout); an
+            // early shutdown stops the wait.
+            let mut shutdown = std::pin::pin!(shutdown);
+            let engine = tokio::select! {
+                engine = connect => match engine {
+                    Ok(engine) => engine,
+                    Err(VllmError::Contract { configured, source }) => {
+                        counter!(m::CONTRACT_REFUSALS, "reason" => source.label()).increment(1);
+                        error!(
+                            worker = %settings.worker,
+                            error = %source,
+                            "REFUSING the engine: it names blocks differently from the deployment"
+                        );
+                        return Err(AgentError::Contract { configured, source });
+                    }
+                    Err(e) => return Err(e.into()),
+                },
+                () = shutdown.as_mut() => return Ok(()),
+            };
+            return run_with_engine(config, Arc::new(engine), shutdown).await;
+        }
+    };
+    run_with_engine(config, engine, shutdown).await
 }
 
 /// Runs the agent in front of `engine` until `shutdown` completes.
@@ -64,13 +95,18 @@ pub async fn run_with_engine(
 ) -> Result<(), AgentError> {
     let settings = config.validate()?;
     let facts = engine.facts();
-    settings
-        .contract
-        .check(&facts.contract)
-        .map_err(|source| AgentError::Contract {
+    if let Err(source) = settings.contract.check(&facts.contract) {
+        counter!(m::CONTRACT_REFUSALS, "reason" => source.label()).increment(1);
+        error!(
+            worker = %settings.worker,
+            error = %source,
+            "REFUSING the engine: it names blocks differently from the deployment"
+        );
+        return Err(AgentError::Contract {
             configured: settings.contract.clone(),
             source,
-        })?;
+        });
+    }
     let kv_updates = engine.take_kv_updates().ok_or(AgentError::KvStreamTaken)?;
     let span = tracing::info_span!("worker_agent", worker = %settings.worker);
     serve_worker(config, settings, engine, kv_updates, shutdown)
@@ -375,7 +411,12 @@ impl Agent {
 
     fn on_kv(&mut self, update: Option<KvUpdate>) -> Result<(), AgentError> {
         match update {
-            None => return Err(AgentError::EngineStopped),
+            None => {
+                return Err(match self.engine.failure() {
+                    Some(why) => AgentError::EngineFailed(why),
+                    None => AgentError::EngineStopped,
+                })
+            }
             Some(KvUpdate::Events(events)) => match self.outbox.push(events) {
                 Pushed::Queued => self.watch_queue(),
                 Pushed::AwaitingResync => {}

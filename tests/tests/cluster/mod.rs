@@ -2,8 +2,11 @@
 #![allow(dead_code)]
 
 //! A whole Switchyard deployment as processes on loopback: nats-server,
-//! etcd, the kv-indexer, router replicas and worker agents with simulated
-//! engines. Every process stops when the test ends.
+//! etcd, the kv-indexer, router replicas and worker agents, each with the
+//! built-in simulated engine or in front of a `mock-vllm` engine (the
+//! adapter a real vLLM gets: ZMQ KV events with engine-private hashes,
+//! OpenAI HTTP, kv_transfer_params). Every process stops when the test
+//! ends.
 
 use std::time::{Duration, Instant};
 
@@ -14,9 +17,10 @@ use protocol::{KvEventBatch, Message};
 use serde_json::{json, Value};
 use tests::{free_port, EtcdServer, NatsServer, Service};
 
-/// The engines' model (the simulated preset's) and block size: routers
-/// must agree with both.
+/// The engines' model and preset, and the block size: routers, agents and
+/// engines agree on all three.
 pub const MODEL: &str = "Llama-3.3-70B-Instruct-FP8";
+pub const PRESET: &str = "llama70b_fp8_tp2_h100";
 pub const BLOCK_SIZE: u32 = 16;
 const STARTUP: Duration = Duration::from_secs(30);
 
@@ -31,18 +35,57 @@ impl Node {
     }
 }
 
+/// How a worker's engine publishes its KV events (mock-vllm).
+#[derive(Debug, Clone, Copy)]
+pub struct Wire {
+    pub encoding: &'static str,
+    pub hash_flavour: &'static str,
+    pub replay_topic_frame: bool,
+}
+
+/// The engine behind a worker's agent.
+#[derive(Debug, Clone, Copy)]
+pub enum Engine {
+    /// The agent's built-in simulated engine.
+    Simulated,
+    /// A `mock-vllm` process behind `worker-agent --engine vllm`.
+    MockVllm(Wire),
+}
+
+/// One worker: its agent and, with mock-vllm, its engine process.
+pub struct Worker {
+    pub name: String,
+    pub agent: Node,
+    pub engine: Option<Node>,
+    /// The engine id its prefills put in `kv_transfer_params` (mock-vllm).
+    pub engine_id: String,
+}
+
+/// Dropped in field order: workers, routers and the indexer first, NATS
+/// and etcd last (services stop quickly while their servers are up).
 pub struct Cluster {
-    pub nats: NatsServer,
-    pub etcd: EtcdServer,
-    pub indexer: Node,
+    pub workers: Vec<Worker>,
     pub routers: Vec<Node>,
-    pub agents: Vec<Node>,
+    pub indexer: Node,
     pub http: reqwest::Client,
+    pub etcd: EtcdServer,
+    pub nats: NatsServer,
 }
 
 impl Cluster {
-    /// `prefill` and `decode` name the agents; `routers` replicas.
+    /// `prefill` and `decode` name workers with simulated engines;
+    /// `routers` replicas.
     pub async fn start(prefill: &[&str], decode: &[&str], routers: usize) -> Result<Self> {
+        let workers: Vec<(&str, &str, Engine)> = prefill
+            .iter()
+            .map(|n| (*n, "prefill", Engine::Simulated))
+            .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
+            .collect();
+        Self::start_with(&workers, routers).await
+    }
+
+    /// Workers as (name, role, engine); `routers` replicas.
+    pub async fn start_with(workers: &[(&str, &str, Engine)], routers: usize) -> Result<Self> {
         let nats = NatsServer::start()?;
         let etcd = EtcdServer::start()?;
         let indexer = Self::spawn_indexer(&nats, &etcd)?;
@@ -51,14 +94,11 @@ impl Cluster {
             etcd,
             indexer,
             routers: Vec::new(),
-            agents: Vec::new(),
+            workers: Vec::new(),
             http: reqwest::Client::new(),
         };
-        for name in prefill {
-            cluster.start_agent(name, "prefill")?;
-        }
-        for name in decode {
-            cluster.start_agent(name, "decode")?;
+        for (name, role, engine) in workers {
+            cluster.start_worker(name, role, *engine)?;
         }
         for i in 0..routers {
             cluster.start_router(&format!("r{i}"))?;
@@ -85,25 +125,87 @@ impl Cluster {
         Ok(Node { service, port })
     }
 
-    pub fn start_agent(&mut self, name: &str, role: &str) -> Result<()> {
+    pub fn start_worker(&mut self, name: &str, role: &str, engine: Engine) -> Result<()> {
+        let engine_id = format!("engine-{name}");
+        let mut agent_args = vec![
+            format!("--nats-url={}", self.nats.url()),
+            format!("--etcd-endpoints={}", self.etcd.endpoint()),
+            format!("--worker-name={name}"),
+            format!("--role={role}"),
+            format!("--model={MODEL}"),
+            format!("--preset={PRESET}"),
+            format!("--block-size={BLOCK_SIZE}"),
+            "--lease-ttl-s=2".into(),
+        ];
+        let engine_node = match engine {
+            Engine::Simulated => {
+                agent_args.push("--speedup=20".into());
+                None
+            }
+            Engine::MockVllm(wire) => {
+                let (http, events, replay) = (free_port()?, free_port()?, free_port()?);
+                let mut service = Service::start(
+                    "mock-vllm",
+                    &format!("{name}-engine"),
+                    &[
+                        format!("--port={http}"),
+                        "--host=127.0.0.1".into(),
+                        format!("--model={MODEL}"),
+                        format!("--preset={PRESET}"),
+                        format!("--role={role}"),
+                        format!("--block-size={BLOCK_SIZE}"),
+                        format!("--kv-events-endpoint=tcp://*:{events}"),
+                        format!("--kv-replay-endpoint=tcp://*:{replay}"),
+                        format!("--encoding={}", wire.encoding),
+                        format!("--hash-flavour={}", wire.hash_flavour),
+                        format!("--replay-topic-frame={}", wire.replay_topic_frame),
+                        format!("--engine-id={engine_id}"),
+                        "--speedup=20".into(),
+                    ],
+                )?;
+                service.wait_http_ok(http, "/health", STARTUP)?;
+                agent_args.extend([
+                    "--engine=vllm".into(),
+                    format!("--engine-url=http://127.0.0.1:{http}"),
+                    format!("--kv-events-endpoint=tcp://127.0.0.1:{events}"),
+                    format!("--kv-replay-endpoint=tcp://127.0.0.1:{replay}"),
+                    "--engine-timeout-s=20".into(),
+                ]);
+                Some(Node {
+                    service,
+                    port: http,
+                })
+            }
+        };
         let port = free_port()?;
-        let mut service = Service::start(
-            "worker-agent",
-            name,
-            &[
-                format!("--nats-url={}", self.nats.url()),
-                format!("--etcd-endpoints={}", self.etcd.endpoint()),
-                format!("--worker-name={name}"),
-                format!("--role={role}"),
-                format!("--block-size={BLOCK_SIZE}"),
-                "--speedup=20".into(),
-                "--lease-ttl-s=2".into(),
-                format!("--http-addr=127.0.0.1:{port}"),
-            ],
-        )?;
+        agent_args.push(format!("--http-addr=127.0.0.1:{port}"));
+        let mut service = Service::start("worker-agent", name, &agent_args)?;
         service.wait_http_ok(port, "/healthz", STARTUP)?;
-        self.agents.push(Node { service, port });
+        self.workers.push(Worker {
+            name: name.to_owned(),
+            agent: Node { service, port },
+            engine: engine_node,
+            engine_id,
+        });
         Ok(())
+    }
+
+    pub fn worker(&self, name: &str) -> Result<&Worker> {
+        self.workers
+            .iter()
+            .find(|w| w.name == name)
+            .with_context(|| format!("no worker {name}"))
+    }
+
+    /// A mock-vllm engine's `/switchyard/debug`: what it was sent.
+    pub async fn engine_debug(&self, name: &str) -> Result<Value> {
+        let engine = self
+            .worker(name)?
+            .engine
+            .as_ref()
+            .with_context(|| format!("{name} has no mock-vllm engine"))?;
+        self.get_json(format!("{}/switchyard/debug", engine.url()))
+            .await
     }
 
     pub fn start_router(&mut self, replica: &str) -> Result<usize> {
@@ -127,7 +229,7 @@ impl Cluster {
 
     /// Every router ready and knowing every agent.
     pub async fn wait_ready(&mut self) -> Result<()> {
-        let agents = self.agents.len();
+        let agents = self.workers.len();
         for i in 0..self.routers.len() {
             let port = self.routers[i].port;
             self.routers[i]
@@ -181,7 +283,7 @@ impl Cluster {
         }
     }
 
-    async fn get_json(&self, url: String) -> Result<Value> {
+    pub async fn get_json(&self, url: String) -> Result<Value> {
         let response = self
             .http
             .get(&url)
@@ -321,7 +423,11 @@ impl Cluster {
     /// Every process's output, for a failing test's message.
     pub fn logs(&self) -> String {
         let mut out = format!("--- kv-indexer\n{}\n", self.indexer.service.log());
-        for node in self.routers.iter().chain(&self.agents) {
+        let workers = self
+            .workers
+            .iter()
+            .flat_map(|w| std::iter::once(&w.agent).chain(w.engine.as_ref()));
+        for node in self.routers.iter().chain(workers) {
             out.push_str(&format!(
                 "--- {}\n{}\n",
                 node.service.name(),

@@ -1,0 +1,725 @@
+//! vLLM's HTTP interface over the simulated engines: `/v1/completions`
+//! (token-id prompts, streamed or not, `kv_transfer_params` in and out),
+//! `/v1/models`, `/metrics` under vLLM's names, `/health`; and mock-only
+//! `/switchyard/config` (block size, capacity) and `/switchyard/debug`
+//! (what the engine was sent, e.g. the `kv_transfer_params` it received).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures::stream::{self, BoxStream};
+use futures::StreamExt;
+use protocol::{
+    Annotation, DecisionId, FinishReason, GenerateEvent, GenerateRequest, KvTransferParams, Path,
+    Role, Stage, WorkerId,
+};
+use serde_json::{json, Map, Value};
+use tokio::sync::{mpsc, watch};
+use worker_agent::{Engine, SimEngine};
+
+use crate::config::Settings;
+use crate::relabel::Relabeler;
+
+/// One data-parallel rank: an engine, its relabeler, its publisher's count.
+#[derive(Debug)]
+pub struct RankHandle {
+    pub engine: SimEngine,
+    pub relabel: Arc<Mutex<Relabeler>>,
+    pub published: watch::Receiver<u64>,
+    pub stats: Mutex<RankStats>,
+}
+
+/// Counters of one rank.
+#[derive(Debug, Default, Clone)]
+pub struct RankStats {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub generation_tokens: u64,
+}
+
+/// What the engine was asked, for tests (`/switchyard/debug`).
+#[derive(Debug, Default)]
+struct DebugState {
+    local: u64,
+    prefill: u64,
+    decode: u64,
+    kv_transfer_params_received: u64,
+    last_kv_transfer_params: Option<Value>,
+    errors: u64,
+}
+
+/// The server's state.
+#[derive(Debug)]
+pub struct App {
+    pub settings: Settings,
+    pub ranks: Vec<RankHandle>,
+    next_rank: AtomicUsize,
+    next_request: AtomicU64,
+    debug: Mutex<DebugState>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn unix_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl App {
+    pub fn new(settings: Settings, ranks: Vec<RankHandle>) -> Self {
+        Self {
+            settings,
+            ranks,
+            next_rank: AtomicUsize::new(0),
+            next_request: AtomicU64::new(0),
+            debug: Mutex::new(DebugState::default()),
+        }
+    }
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/switchyard/config", get(switchyard_config))
+        .route("/switchyard/debug", get(switchyard_debug))
+        .with_state(app)
+}
+
+/// An OpenAI-style error response.
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let kind = if status.is_server_error() {
+        "InternalServerError"
+    } else if status == StatusCode::NOT_FOUND {
+        "NotFoundError"
+    } else {
+        "BadRequestError"
+    };
+    (
+        status,
+        axum::Json(json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}})),
+    )
+        .into_response()
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    let s = &app.settings;
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model,
+            "object": "model",
+            "created": unix_s(),
+            "owned_by": "mock-vllm",
+            "root": s.model,
+            "parent": null,
+            "max_model_len": 131_072,
+        }],
+    }))
+    .into_response()
+}
+
+async fn switchyard_config(State(app): State<Arc<App>>) -> Response {
+    let s = &app.settings;
+    let capacity = app
+        .ranks
+        .first()
+        .map_or(0, |r| r.engine.facts().kv_capacity_blocks);
+    axum::Json(json!({
+        "model": s.model,
+        "block_size": s.block_size,
+        "kv_capacity_blocks": capacity,
+        "role": s.role.as_str(),
+        "data_parallel_size": app.ranks.len(),
+        "preset": s.preset.name,
+        "encoding": format!("{:?}", s.encoding).to_lowercase(),
+        "hash_flavour": format!("{:?}", s.flavour).to_lowercase(),
+        "engine_id": s.engine_id,
+    }))
+    .into_response()
+}
+
+async fn switchyard_debug(State(app): State<Arc<App>>) -> Response {
+    let d = lock(&app.debug);
+    let published: Vec<u64> = app.ranks.iter().map(|r| *r.published.borrow()).collect();
+    let blocks: Vec<usize> = app.ranks.iter().map(|r| lock(&r.relabel).len()).collect();
+    axum::Json(json!({
+        "requests": {"local": d.local, "prefill": d.prefill, "decode": d.decode},
+        "kv_transfer_params_received": d.kv_transfer_params_received,
+        "last_kv_transfer_params": d.last_kv_transfer_params,
+        "errors": d.errors,
+        "kv_batches_published": published,
+        "blocks_held": blocks,
+    }))
+    .into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let s = &app.settings;
+    let model = &s.model;
+    let mut out = String::new();
+    let usage_name = if s.old_metric_names {
+        "vllm:gpu_cache_usage_perc"
+    } else {
+        "vllm:kv_cache_usage_perc"
+    };
+    let mut family =
+        |name: &str, kind: &str, help: &str, value: &dyn Fn(usize, &RankHandle) -> f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (rank, r) in app.ranks.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{name}{{engine=\"{rank}\",model_name=\"{model}\"}} {:?}",
+                    value(rank, r)
+                );
+            }
+        };
+    family(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        &|_, r| f64::from(r.engine.load().running),
+    );
+    family(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        &|_, r| f64::from(r.engine.load().waiting),
+    );
+    family(
+        usage_name,
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        &|_, r| {
+            let l = r.engine.load();
+            if l.kv_blocks_total == 0 {
+                0.0
+            } else {
+                l.kv_blocks_used as f64 / l.kv_blocks_total as f64
+            }
+        },
+    );
+    family(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &|_, r| lock(&r.stats).prompt_tokens as f64,
+    );
+    family(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        &|_, r| lock(&r.stats).cached_tokens as f64,
+    );
+    family(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        &|_, r| lock(&r.stats).prompt_tokens as f64,
+    );
+    family(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        &|_, r| lock(&r.stats).generation_tokens as f64,
+    );
+    let _ = writeln!(out, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge");
+    for (rank, r) in app.ranks.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"{rank}\",num_gpu_blocks=\"{}\"}} 1.0",
+            s.block_size,
+            r.engine.facts().kv_capacity_blocks
+        );
+    }
+    let _ = writeln!(out, "# HELP mock_vllm_kv_batches_published_total KV event batches published\n# TYPE mock_vllm_kv_batches_published_total counter");
+    for (rank, r) in app.ranks.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "mock_vllm_kv_batches_published_total{{engine=\"{rank}\"}} {}",
+            *r.published.borrow()
+        );
+    }
+    let d = lock(&app.debug);
+    let _ = writeln!(out, "# HELP mock_vllm_kv_transfer_params_received_total Decode requests that came with a prefill engine's kv_transfer_params\n# TYPE mock_vllm_kv_transfer_params_received_total counter\nmock_vllm_kv_transfer_params_received_total {}", d.kv_transfer_params_received);
+    let _ = writeln!(out, "# HELP mock_vllm_requests_total Completion requests by kind\n# TYPE mock_vllm_requests_total counter");
+    for (kind, n) in [
+        ("local", d.local),
+        ("prefill", d.prefill),
+        ("decode", d.decode),
+    ] {
+        let _ = writeln!(out, "mock_vllm_requests_total{{kind=\"{kind}\"}} {n}");
+    }
+    drop(d);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// A parsed completion request.
+#[derive(Debug)]
+struct Completion {
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    stream: bool,
+    include_usage: bool,
+    kv_transfer_params: Option<Map<String, Value>>,
+}
+
+/// A request the engine refuses: its status and message.
+type Refusal = (StatusCode, String);
+
+fn parse_completion(body: &[u8], model: &str) -> Result<Completion, Refusal> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        refusal(
+            StatusCode::BAD_REQUEST,
+            format!("the body is not JSON: {e}"),
+        )
+    })?;
+    let o = v
+        .as_object()
+        .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "the body is not a JSON object"))?;
+    if let Some(m) = o.get("model").and_then(Value::as_str) {
+        if m != model {
+            return Err(refusal(
+                StatusCode::NOT_FOUND,
+                format!("The model `{m}` does not exist."),
+            ));
+        }
+    }
+    let prompt = match o.get("prompt") {
+        Some(Value::Array(items)) => {
+            // A batch of one prompt is accepted too.
+            let items = match &items[..] {
+                [Value::Array(inner)] => inner,
+                _ => items,
+            };
+            items
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| {
+                    refusal(
+                        StatusCode::BAD_REQUEST,
+                        "prompt: token ids must be integers in 0..2^32",
+                    )
+                })?
+        }
+        Some(Value::String(_)) => {
+            return Err(refusal(
+                StatusCode::BAD_REQUEST,
+                "mock-vllm has no tokenizer: send the prompt as token ids",
+            ))
+        }
+        _ => return Err(refusal(StatusCode::BAD_REQUEST, "prompt is required")),
+    };
+    if prompt.is_empty() {
+        return Err(refusal(StatusCode::BAD_REQUEST, "the prompt is empty"));
+    }
+    let max_tokens = match o.get("max_tokens") {
+        None | Some(Value::Null) => 16,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "max_tokens must be at least 1"))?,
+    };
+    let kv_transfer_params = match o.get("kv_transfer_params") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(p)) => Some(p.clone()),
+        Some(_) => {
+            return Err(refusal(
+                StatusCode::BAD_REQUEST,
+                "kv_transfer_params must be an object",
+            ))
+        }
+    };
+    Ok(Completion {
+        prompt,
+        max_tokens,
+        stream: o.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: o
+            .get("stream_options")
+            .and_then(|s| s.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        kv_transfer_params,
+    })
+}
+
+fn refusal(status: StatusCode, message: impl Into<String>) -> Refusal {
+    (status, message.into())
+}
+
+fn flag(params: &Map<String, Value>, key: &str) -> bool {
+    params.get(key).and_then(Value::as_bool).unwrap_or(false)
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    let s = &app.settings;
+    let c = match parse_completion(&body, &s.model) {
+        Ok(c) => c,
+        Err((status, message)) => {
+            lock(&app.debug).errors += 1;
+            return error(status, message);
+        }
+    };
+    let rank = match headers
+        .get("x-data-parallel-rank")
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(r) => match r.parse::<usize>() {
+            Ok(r) if r < app.ranks.len() => r,
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!(
+                        "x-data-parallel-rank {r:?} is not below the data-parallel size {}",
+                        app.ranks.len()
+                    ),
+                )
+            }
+        },
+        None => app.next_rank.fetch_add(1, Ordering::Relaxed) % app.ranks.len(),
+    };
+    let n = app.next_request.fetch_add(1, Ordering::Relaxed);
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map_or_else(|| format!("cmpl-{n}"), str::to_owned);
+    let remote_decode = c
+        .kv_transfer_params
+        .as_ref()
+        .is_some_and(|p| flag(p, "do_remote_decode"));
+    let remote_prefill = c
+        .kv_transfer_params
+        .as_ref()
+        .is_some_and(|p| flag(p, "do_remote_prefill"));
+    let stage = if remote_decode {
+        if s.role == Role::Decode {
+            return error(StatusCode::BAD_REQUEST, "this engine is a decode instance (kv_consumer): it does not prefill for remote decodes");
+        }
+        Stage::Prefill
+    } else if remote_prefill {
+        if s.role == Role::Prefill {
+            return error(StatusCode::BAD_REQUEST, "this engine is a prefill instance (kv_producer): it does not decode remote prefills");
+        }
+        let params = c.kv_transfer_params.clone().unwrap_or_default();
+        if params
+            .get("remote_engine_id")
+            .and_then(Value::as_str)
+            .is_none()
+        {
+            return error(StatusCode::BAD_REQUEST, "kv_transfer_params with do_remote_prefill lack the prefill engine's remote_engine_id");
+        }
+        let mut d = lock(&app.debug);
+        d.kv_transfer_params_received += 1;
+        d.last_kv_transfer_params = Some(Value::Object(params.clone()));
+        drop(d);
+        Stage::Decode {
+            transfer: KvTransferParams {
+                source: WorkerId::new("remote", 0).expect("a valid name"),
+                prompt_tokens: c.prompt.len() as u32,
+                engine: Some(Value::Object(params).to_string()),
+            },
+        }
+    } else {
+        Stage::Local
+    };
+    {
+        let mut d = lock(&app.debug);
+        match &stage {
+            Stage::Local => d.local += 1,
+            Stage::Prefill => d.prefill += 1,
+            Stage::Decode { .. } => d.decode += 1,
+        }
+    }
+    let r = &app.ranks[rank];
+    // The tokens of every block the engine may store for this request.
+    let output = worker_agent::sim_engine::output_tokens(&request_id, c.max_tokens);
+    {
+        let mut all = c.prompt.clone();
+        if !matches!(stage, Stage::Prefill) {
+            all.extend_from_slice(&output);
+        }
+        lock(&r.relabel).register(&all);
+    }
+    let is_prefill = matches!(stage, Stage::Prefill);
+    let worker = WorkerId::new("mock", rank as u32).expect("a valid name");
+    let request = GenerateRequest {
+        request_id: request_id.clone(),
+        annotation: Annotation {
+            decision: DecisionId(n),
+            path: if is_prefill {
+                Path::Remote
+            } else {
+                Path::Bypass
+            },
+            decode: worker.clone(),
+            prefill: None,
+            decode_overlap_tokens: 0,
+            prefill_overlap_tokens: 0,
+        },
+        stage,
+        prompt: c.prompt.clone(),
+        max_tokens: c.max_tokens,
+    };
+    let mut events = r.engine.generate(request);
+    // The first event decides the status.
+    let Some(first) = events.next().await else {
+        lock(&app.debug).errors += 1;
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "the engine stopped");
+    };
+    if let GenerateEvent::Failed {
+        error: e,
+        retryable,
+    } = &first
+    {
+        lock(&app.debug).errors += 1;
+        let status = if *retryable {
+            StatusCode::INTERNAL_SERVER_ERROR
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        return error(status, e.clone());
+    }
+    let meta = Meta {
+        id: format!("cmpl-{request_id}"),
+        created: unix_s(),
+        model: s.model.clone(),
+        prompt_tokens: c.prompt.len() as u32,
+        engine_id: s.engine_id.clone(),
+        host: s.listen.ip().to_string(),
+        port: s.listen.port(),
+        block_size: s.block_size,
+    };
+    let events = stream::once(async move { first }).chain(events).boxed();
+    let app2 = app.clone();
+    if c.stream {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
+        tokio::spawn(async move {
+            stream_events(app2, rank, meta, events, c.include_usage, is_prefill, tx).await;
+        });
+        let body = Body::from_stream(stream::poll_fn(move |cx| rx.poll_recv(cx)));
+        return Response::builder()
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(body)
+            .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "building the response"));
+    }
+    let outcome = collect(events).await;
+    if let Some((e, retryable)) = outcome.failed {
+        lock(&app.debug).errors += 1;
+        return error(
+            if retryable {
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                StatusCode::BAD_REQUEST
+            },
+            e,
+        );
+    }
+    account(&app2, rank, &outcome, meta.prompt_tokens);
+    let mut body = json!({
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [{
+            "index": 0,
+            "text": text_of(&outcome.tokens),
+            "token_ids": outcome.tokens,
+            "logprobs": null,
+            "finish_reason": outcome.finish,
+            "stop_reason": null,
+        }],
+        "usage": usage(meta.prompt_tokens, outcome.tokens.len() as u32, outcome.cached),
+    });
+    if is_prefill {
+        body["kv_transfer_params"] = meta.transfer_params(outcome.cached);
+    }
+    axum::Json(body).into_response()
+}
+
+/// What a response says about itself.
+#[derive(Debug, Clone)]
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: u32,
+    engine_id: String,
+    host: String,
+    port: u16,
+    block_size: u32,
+}
+
+impl Meta {
+    /// Made-up NIXL transfer parameters for a prefill's response.
+    fn transfer_params(&self, cached: u32) -> Value {
+        let blocks = self.prompt_tokens.div_ceil(self.block_size.max(1));
+        json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": (0..blocks).collect::<Vec<u32>>(),
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "mock_prompt_tokens": self.prompt_tokens,
+            "mock_cached_tokens": cached,
+        })
+    }
+}
+
+fn usage(prompt: u32, completion: u32, cached: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// No tokenizer: a token's "text" is its id.
+fn text_of(tokens: &[u32]) -> String {
+    tokens.iter().map(|t| format!(" <{t}>")).collect()
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    tokens: Vec<u32>,
+    cached: u32,
+    finish: Option<&'static str>,
+    failed: Option<(String, bool)>,
+}
+
+fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length | FinishReason::Prefilled => "length",
+    }
+}
+
+fn account(app: &App, rank: usize, outcome: &Outcome, prompt_tokens: u32) {
+    let mut s = lock(&app.ranks[rank].stats);
+    s.prompt_tokens += u64::from(prompt_tokens);
+    s.cached_tokens += u64::from(outcome.cached);
+    s.generation_tokens += outcome.tokens.len() as u64;
+}
+
+async fn collect(mut events: BoxStream<'static, GenerateEvent>) -> Outcome {
+    let mut o = Outcome::default();
+    while let Some(event) = events.next().await {
+        match event {
+            GenerateEvent::Tokens(t) => o.tokens.extend(t),
+            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens,
+            GenerateEvent::Finished {
+                cached_tokens,
+                reason,
+                ..
+            } => {
+                o.cached = cached_tokens;
+                o.finish = Some(finish_reason(reason));
+                break;
+            }
+            GenerateEvent::Failed { error, retryable } => {
+                o.failed = Some((error, retryable));
+                break;
+            }
+        }
+    }
+    if o.finish.is_none() && o.failed.is_none() {
+        o.failed = Some(("the engine stopped".into(), true));
+    }
+    o
+}
+
+async fn stream_events(
+    app: Arc<App>,
+    rank: usize,
+    meta: Meta,
+    mut events: BoxStream<'static, GenerateEvent>,
+    include_usage: bool,
+    is_prefill: bool,
+    tx: mpsc::UnboundedSender<Result<Bytes, std::io::Error>>,
+) {
+    let send = |v: &Value| tx.send(Ok(Bytes::from(format!("data: {v}\n\n")))).is_ok();
+    let chunk = |choice: Value| {
+        json!({
+            "id": meta.id,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": meta.model,
+            "choices": [choice],
+        })
+    };
+    let mut o = Outcome::default();
+    while let Some(event) = events.next().await {
+        match event {
+            GenerateEvent::Tokens(t) => {
+                let c = chunk(
+                    json!({"index": 0, "text": text_of(&t), "token_ids": t, "logprobs": null, "finish_reason": null, "stop_reason": null}),
+                );
+                o.tokens.extend(t);
+                if !send(&c) {
+                    return;
+                }
+            }
+            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens,
+            GenerateEvent::Finished {
+                cached_tokens,
+                reason,
+                ..
+            } => {
+                o.cached = cached_tokens;
+                let mut c = chunk(
+                    json!({"index": 0, "text": "", "token_ids": [], "logprobs": null, "finish_reason": finish_reason(reason), "stop_reason": null}),
+                );
+                if is_prefill {
+                    c["kv_transfer_params"] = meta.transfer_params(o.cached);
+                }
+                send(&c);
+                o.finish = Some(finish_reason(reason));
+                break;
+            }
+            GenerateEvent::Failed { error, .. } => {
+                // Headers are out: an error object in the stream, then the end.
+                send(
+                    &json!({"error": {"message": error, "type": "InternalServerError", "code": 500}}),
+                );
+                lock(&app.debug).errors += 1;
+                return;
+            }
+        }
+    }
+    if o.finish.is_none() {
+        send(
+            &json!({"error": {"message": "the engine stopped", "type": "InternalServerError", "code": 500}}),
+        );
+        return;
+    }
+    account(&app, rank, &o, meta.prompt_tokens);
+    if include_usage {
+        send(&json!({
+            "id": meta.id,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": meta.model,
+            "choices": [],
+            "usage": usage(meta.prompt_tokens, o.tokens.len() as u32, o.cached),
+        }));
+    }
+    let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+}

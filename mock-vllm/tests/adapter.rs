@@ -1,0 +1,375 @@
+//! The agent's vLLM adapter against mock-vllm, in process: every stage of
+//! generation, kv_transfer_params passed through, the KV stream in
+//! canonical hashes, the load, data-parallel ranks, and failures.
+
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Parser as _;
+use engine_sim::Preset;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use protocol::{
+    Annotation, BlockHash, BlockHasher, DecisionId, FinishReason, GenerateEvent, GenerateRequest,
+    HashSalt, KvEvent, KvTransferParams, Path, Role, Stage, WorkerId,
+};
+use serde_json::Value;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use worker_agent::vllm::{EngineKind, ReplayLimits, VllmConfig, VllmEngine};
+use worker_agent::{BlockMirror, Engine, KvUpdate};
+
+const SERVED: &str = "served-model";
+const WAIT: Duration = Duration::from_secs(10);
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+struct Mock {
+    http: u16,
+    events: u16,
+    replay: u16,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), mock_vllm::Error>>,
+}
+
+impl Mock {
+    async fn start(extra: &[&str]) -> Result<Self> {
+        let (http, events, replay) = (free_port()?, free_port()?, free_port()?);
+        let mut args = vec![
+            "mock-vllm".to_owned(),
+            format!("--port={http}"),
+            "--host=127.0.0.1".into(),
+            format!("--model={SERVED}"),
+            "--preset=llama8b_h100".into(),
+            "--block-size=16".into(),
+            "--speedup=50".into(),
+            format!("--kv-events-endpoint=tcp://*:{events}"),
+            format!("--kv-replay-endpoint=tcp://*:{replay}"),
+            "--engine-id=engine-under-test".into(),
+        ];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        let config = mock_vllm::Config::parse_from(args);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(mock_vllm::run(config, async {
+            let _ = stopped.await;
+        }));
+        let mock = Self {
+            http,
+            events,
+            replay,
+            stop: Some(stop),
+            task,
+        };
+        let client = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while client
+            .get(format!("{}/health", mock.url()))
+            .send()
+            .await
+            .is_err()
+        {
+            if mock.task.is_finished() {
+                return match mock.task.await? {
+                    Err(e) => Err(e.into()),
+                    Ok(()) => bail!("mock-vllm stopped"),
+                };
+            }
+            ensure!(
+                tokio::time::Instant::now() < deadline,
+                "mock-vllm did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(mock)
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.http)
+    }
+
+    async fn debug(&self) -> Result<Value> {
+        Ok(reqwest::get(format!("{}/switchyard/debug", self.url()))
+            .await?
+            .json()
+            .await?)
+    }
+
+    async fn stop(mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(WAIT, self.task).await???;
+        Ok(())
+    }
+
+    fn adapter(&self, rank: u32, dp_size: u32) -> VllmConfig {
+        VllmConfig {
+            kind: EngineKind::Vllm,
+            worker: WorkerId::new("w", rank).unwrap(),
+            role: Role::Both,
+            model: SERVED.into(),
+            block_size: 16,
+            api_url: self.url(),
+            kv_events: format!("tcp://127.0.0.1:{}", self.events),
+            kv_replay: Some(format!("tcp://127.0.0.1:{}", self.replay)),
+            topic: String::new(),
+            dp_size,
+            preset: Preset::llama8b_h100(),
+            kv_capacity_blocks: None,
+            startup_timeout: WAIT,
+            request_timeout: Duration::from_secs(5),
+            metrics_interval: Duration::from_millis(50),
+            return_token_ids: true,
+            replay: ReplayLimits {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(1),
+                total: Duration::from_secs(3),
+            },
+            idle_check: Some(Duration::from_millis(200)),
+        }
+    }
+}
+
+fn request(id: &str, stage: Stage, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.into(),
+        annotation: Annotation {
+            decision: DecisionId(1),
+            path: Path::Bypass,
+            decode: WorkerId::new("w", 0).unwrap(),
+            prefill: None,
+            decode_overlap_tokens: 0,
+            prefill_overlap_tokens: 0,
+        },
+        stage,
+        prompt,
+        max_tokens,
+    }
+}
+
+async fn collect(events: BoxStream<'static, GenerateEvent>) -> Result<Vec<GenerateEvent>> {
+    let events: Vec<GenerateEvent> = tokio::time::timeout(WAIT, events.collect())
+        .await
+        .context("the stream did not end")?;
+    ensure!(
+        events.last().is_some_and(GenerateEvent::is_last),
+        "{events:?}"
+    );
+    Ok(events)
+}
+
+fn tokens(events: &[GenerateEvent]) -> Vec<u32> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            GenerateEvent::Tokens(t) => Some(t.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+fn prompt(seed: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| seed * 100_000 + i).collect()
+}
+
+/// The canonical hashes the router computes for a prompt.
+fn canonical(prompt: &[u32]) -> Vec<BlockHash> {
+    BlockHasher::new(16, HashSalt::new(SERVED, None, None))
+        .unwrap()
+        .hash_prompt(prompt)
+}
+
+/// Reads the KV stream until every hash of `want` is held.
+async fn until_holding(
+    kv: &mut BoxStream<'static, KvUpdate>,
+    mirror: &mut BlockMirror,
+    want: &[BlockHash],
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !want.iter().all(|h| mirror.contains(*h)) {
+        let update = tokio::time::timeout_at(deadline, kv.next())
+            .await
+            .context("waiting for KV events")?
+            .context("the KV stream ended")?;
+        match update {
+            KvUpdate::Events(events) => mirror.apply(&events),
+            KvUpdate::BlockSet(set) => {
+                *mirror = BlockMirror::new();
+                mirror.apply(&set);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_stage_through_the_adapter() -> Result<()> {
+    let mock = Mock::start(&[]).await?;
+    let engine = VllmEngine::connect(mock.adapter(0, 1)).await?;
+    let facts = engine.facts();
+    ensure!(facts.contract.model == SERVED && facts.contract.block_size == 16);
+    let mut kv = engine.take_kv_updates().context("the KV stream")?;
+    let mut mirror = BlockMirror::new();
+
+    // Local: the engine's token ids come back, its blocks in canonical
+    // hashes (prompt and output).
+    let p = prompt(1, 70);
+    let events = collect(engine.generate(request("local", Stage::Local, p.clone(), 10))).await?;
+    let out = tokens(&events);
+    ensure!(
+        out == worker_agent::sim_engine::output_tokens("local", 10).to_vec(),
+        "{events:?}"
+    );
+    ensure!(
+        matches!(
+            events.last(),
+            Some(GenerateEvent::Finished {
+                output_tokens: 10,
+                reason: FinishReason::Length,
+                ..
+            })
+        ),
+        "{events:?}"
+    );
+    // (The last output token has no KV yet.)
+    let mut whole = p.clone();
+    whole.extend(&out[..out.len() - 1]);
+    until_holding(&mut kv, &mut mirror, &canonical(&whole)).await?;
+
+    // Prefill: the engine's kv_transfer_params travel in the transfer.
+    let p2 = prompt(2, 100);
+    let events = collect(engine.generate(request("pre", Stage::Prefill, p2.clone(), 8))).await?;
+    let transfer = match &events[..] {
+        [GenerateEvent::Prefilled { transfer, .. }, GenerateEvent::Finished {
+            reason: FinishReason::Prefilled,
+            ..
+        }] => transfer.clone(),
+        other => bail!("{other:?}"),
+    };
+    ensure!(transfer.prompt_tokens == 100 && transfer.source == WorkerId::new("w", 0)?);
+    let params: Value = serde_json::from_str(transfer.engine.as_deref().context("engine params")?)?;
+    ensure!(
+        params["remote_engine_id"] == "engine-under-test",
+        "{params}"
+    );
+
+    // Decode with them: the engine receives them, with do_remote_prefill.
+    let events = collect(engine.generate(request(
+        "dec",
+        Stage::Decode {
+            transfer: transfer.clone(),
+        },
+        p2.clone(),
+        4,
+    )))
+    .await?;
+    ensure!(tokens(&events).len() == 4, "{events:?}");
+    let debug = mock.debug().await?;
+    ensure!(debug["kv_transfer_params_received"] == 1, "{debug}");
+    ensure!(
+        debug["last_kv_transfer_params"]["do_remote_prefill"] == true
+            && debug["last_kv_transfer_params"]["remote_engine_id"] == "engine-under-test",
+        "{debug}"
+    );
+
+    // Parameters the engine refuses: a 400, not retryable.
+    let mut bad = transfer.clone();
+    bad.engine = Some(r#"{"remote_block_ids": [1]}"#.into());
+    let events = collect(engine.generate(request(
+        "bad",
+        Stage::Decode { transfer: bad },
+        p2.clone(),
+        4,
+    )))
+    .await?;
+    ensure!(
+        matches!(&events[..], [GenerateEvent::Failed { retryable: false, error }] if error.contains("HTTP 400") && error.contains("remote_engine_id")),
+        "{events:?}"
+    );
+    // Without engine parameters (a simulated prefill worker): served as a
+    // local prefill.
+    let plain = KvTransferParams {
+        engine: None,
+        ..transfer
+    };
+    let events =
+        collect(engine.generate(request("plain", Stage::Decode { transfer: plain }, p2, 2)))
+            .await?;
+    ensure!(tokens(&events).len() == 2, "{events:?}");
+
+    // The load: capacity from the engine; running requests and usage from
+    // its metrics while a long request decodes.
+    let capacity = facts.kv_capacity_blocks;
+    let long = engine.generate(request("long", Stage::Local, prompt(4, 3000), 3000));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let load = engine.load();
+        if load.kv_blocks_total == capacity && load.running >= 1 && load.kv_blocks_used > 0 {
+            break;
+        }
+        ensure!(tokio::time::Instant::now() < deadline, "{load:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let events = collect(long).await?;
+    ensure!(tokens(&events).len() == 3000);
+
+    // A block set asked for comes in order in the KV stream.
+    engine.request_block_set();
+    let set = loop {
+        match tokio::time::timeout(WAIT, kv.next())
+            .await?
+            .context("KV stream")?
+        {
+            KvUpdate::Events(events) => mirror.apply(&events),
+            KvUpdate::BlockSet(set) => break set,
+        }
+    };
+    ensure!(set == mirror.stored_events());
+    ensure!(set.iter().all(|e| matches!(e, KvEvent::Stored { .. })));
+
+    // The engine goes away: a clear, retryable failure.
+    mock.stop().await?;
+    let events = collect(engine.generate(request("gone", Stage::Local, prompt(3, 20), 2))).await?;
+    ensure!(
+        matches!(&events[..], [GenerateEvent::Failed { retryable: true, error }] if error.contains("the engine at") && error.contains("/v1/completions")),
+        "{events:?}"
+    );
+    engine.stop();
+    Ok(())
+}
+
+/// Two ranks behind one API: each agent is its own worker with its own
+/// publisher (port offset by the rank) and its requests pinned to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_are_separate_workers() -> Result<()> {
+    let mock = Mock::start(&[
+        "--data-parallel-size=2",
+        "--encoding=map",
+        "--hash-flavour=sglang",
+    ])
+    .await?;
+    let rank0 = VllmEngine::connect(mock.adapter(0, 2)).await?;
+    let rank1 = VllmEngine::connect(mock.adapter(1, 2)).await?;
+    let mut kv0 = rank0.take_kv_updates().context("kv0")?;
+    let mut kv1 = rank1.take_kv_updates().context("kv1")?;
+    let p = prompt(9, 64);
+    let events = collect(rank1.generate(request("on-1", Stage::Local, p.clone(), 1))).await?;
+    ensure!(tokens(&events).len() == 1, "{events:?}");
+    let mut m1 = BlockMirror::new();
+    until_holding(&mut kv1, &mut m1, &canonical(&p)).await?;
+    // Rank 0 heard nothing of it.
+    ensure!(
+        tokio::time::timeout(Duration::from_millis(300), kv0.next())
+            .await
+            .is_err(),
+        "rank 0 got rank 1's events"
+    );
+    rank0.stop();
+    rank1.stop();
+    mock.stop().await
+}

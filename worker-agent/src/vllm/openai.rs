@@ -1,0 +1,383 @@
+//! The engine's OpenAI-compatible completions API: request bodies for each
+//! stage, the SSE stream, and the chunks, parsed. Pure; the HTTP calls are
+//! in [`super::engine`].
+//!
+//! - Every request sends the prompt as token ids (`/v1/completions`
+//!   accepts them), so the engine's KV events carry exactly the tokens the
+//!   router hashed.
+//! - Generated token ids: vLLM streams text; newer builds return the ids
+//!   too with `"return_token_ids": true` (`choices[].token_ids`), and
+//!   mock-vllm always does. An engine that ignores the flag streams text
+//!   only: the agent then cannot report token ids (the request still
+//!   finishes, with the count from `usage`), counted as
+//!   `worker_agent_engine_text_only_chunks_total`.
+//! - Remote prefill (vLLM's NIXL connector): the prefill request has
+//!   `max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true}`;
+//!   the response's `kv_transfer_params` travel, as JSON, in
+//!   `KvTransferParams.engine`, and the decode request sends them back
+//!   with `do_remote_prefill: true`.
+
+use serde_json::{json, Map, Value};
+
+/// What a request is for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    /// Aggregated: local prefill and decode (bypass).
+    Local,
+    /// Prefill only, for a remote decode.
+    Prefill,
+    /// Decode of a prompt prefilled elsewhere; the prefill engine's
+    /// `kv_transfer_params`.
+    Decode(Map<String, Value>),
+}
+
+/// The `/v1/completions` body.
+pub fn completion_body(
+    model: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+    kind: &Kind,
+    return_token_ids: bool,
+) -> Value {
+    let mut body = json!({
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+    });
+    let o = body.as_object_mut().expect("an object");
+    match kind {
+        Kind::Local | Kind::Decode(_) => {
+            o.insert("stream".into(), json!(true));
+            o.insert("stream_options".into(), json!({"include_usage": true}));
+        }
+        Kind::Prefill => {
+            o.insert("stream".into(), json!(false));
+            o.insert("max_tokens".into(), json!(1));
+            o.insert(
+                "kv_transfer_params".into(),
+                json!({
+                    "do_remote_decode": true,
+                    "do_remote_prefill": false,
+                    "remote_engine_id": null,
+                    "remote_block_ids": null,
+                    "remote_host": null,
+                    "remote_port": null,
+                }),
+            );
+        }
+    }
+    if let Kind::Decode(params) = kind {
+        let mut params = params.clone();
+        params.insert("do_remote_prefill".into(), json!(true));
+        params.insert("do_remote_decode".into(), json!(false));
+        o.insert("kv_transfer_params".into(), Value::Object(params));
+    }
+    if return_token_ids {
+        o.insert("return_token_ids".into(), json!(true));
+    }
+    body
+}
+
+/// Splits an SSE byte stream into the `data` of its events.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    buf: Vec<u8>,
+    data: Option<String>,
+}
+
+impl SseParser {
+    /// Most bytes of one line kept; a longer line is an error.
+    pub const MAX_LINE: usize = 16 << 20;
+
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feeds bytes; returns the data of every event completed.
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<Vec<String>, SseError> {
+        let mut out = Vec::new();
+        self.buf.extend_from_slice(bytes);
+        let mut start = 0;
+        while let Some(nl) = self.buf[start..].iter().position(|&b| b == b'\n') {
+            let mut line = &self.buf[start..start + nl];
+            start += nl + 1;
+            if line.last() == Some(&b'\r') {
+                line = &line[..line.len() - 1];
+            }
+            let line = std::str::from_utf8(line).map_err(|_| SseError::Utf8)?;
+            if line.is_empty() {
+                if let Some(data) = self.data.take() {
+                    out.push(data);
+                }
+            } else if let Some(value) = line.strip_prefix("data:") {
+                let value = value.strip_prefix(' ').unwrap_or(value);
+                match &mut self.data {
+                    Some(d) => {
+                        d.push('\n');
+                        d.push_str(value);
+                    }
+                    None => self.data = Some(value.to_owned()),
+                }
+            }
+            // Comments (`:`), `event:`, `id:`, `retry:` are not used.
+        }
+        self.buf.drain(..start);
+        if self.buf.len() > Self::MAX_LINE {
+            return Err(SseError::LineTooLong);
+        }
+        Ok(out)
+    }
+
+    /// The stream ended: an event not closed by a blank line.
+    pub fn finish(&mut self) -> Option<String> {
+        let rest = std::mem::take(&mut self.buf);
+        if let Some(value) = std::str::from_utf8(&rest)
+            .ok()
+            .and_then(|l| l.trim_end_matches('\r').strip_prefix("data:"))
+        {
+            let value = value.strip_prefix(' ').unwrap_or(value);
+            match &mut self.data {
+                Some(d) => {
+                    d.push('\n');
+                    d.push_str(value);
+                }
+                None => self.data = Some(value.to_owned()),
+            }
+        }
+        self.data.take()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SseError {
+    #[error("the event stream is not UTF-8")]
+    Utf8,
+    #[error("an event stream line is longer than 16 MiB")]
+    LineTooLong,
+}
+
+/// Token counts of a response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// What one completion chunk (or a whole response) says.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Chunk {
+    /// Generated token ids, when the engine returns them.
+    pub token_ids: Option<Vec<u32>>,
+    /// Generated text (without ids).
+    pub text: Option<String>,
+    pub finish_reason: Option<String>,
+    pub usage: Option<Usage>,
+    pub kv_transfer_params: Option<Value>,
+    /// An error object inside the stream: message and HTTP-like code.
+    pub error: Option<(String, Option<u16>)>,
+}
+
+/// What `data` of an SSE event is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Chunk(Chunk),
+    Done,
+}
+
+/// Parses one SSE `data` (or a whole non-streamed response body).
+pub fn parse_event(data: &str) -> Result<Event, String> {
+    if data.trim() == "[DONE]" {
+        return Ok(Event::Done);
+    }
+    let v: Value = serde_json::from_str(data).map_err(|e| format!("not JSON: {e}"))?;
+    parse_chunk(&v).map(Event::Chunk)
+}
+
+/// Parses a completion object (a chunk or a response).
+pub fn parse_chunk(v: &Value) -> Result<Chunk, String> {
+    let o = v.as_object().ok_or("not a JSON object")?;
+    let mut chunk = Chunk::default();
+    if let Some(e) = o.get("error") {
+        let message = e
+            .get("message")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .unwrap_or_else(|| e.to_string());
+        let code = e
+            .get("code")
+            .and_then(Value::as_u64)
+            .and_then(|c| u16::try_from(c).ok());
+        chunk.error = Some((message, code));
+        return Ok(chunk);
+    }
+    if let Some(choice) = o
+        .get("choices")
+        .and_then(Value::as_array)
+        .and_then(|c| c.first())
+    {
+        if let Some(ids) = choice.get("token_ids").filter(|v| !v.is_null()) {
+            let ids = ids.as_array().ok_or("token_ids is not an array")?;
+            chunk.token_ids = Some(
+                ids.iter()
+                    .map(|t| {
+                        t.as_u64()
+                            .and_then(|t| u32::try_from(t).ok())
+                            .ok_or_else(|| format!("token id {t} is not a u32"))
+                    })
+                    .collect::<Result<_, _>>()?,
+            );
+        }
+        chunk.text = choice
+            .get("text")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned);
+        chunk.finish_reason = choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+    }
+    if let Some(u) = o.get("usage").filter(|u| u.is_object()) {
+        let n = |v: Option<&Value>| {
+            v.and_then(Value::as_u64)
+                .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
+        };
+        chunk.usage = Some(Usage {
+            prompt_tokens: n(u.get("prompt_tokens")),
+            completion_tokens: n(u.get("completion_tokens")),
+            cached_tokens: n(u
+                .get("prompt_tokens_details")
+                .and_then(|d| d.get("cached_tokens"))),
+        });
+    }
+    chunk.kv_transfer_params = o
+        .get("kv_transfer_params")
+        .filter(|p| p.is_object())
+        .cloned();
+    Ok(chunk)
+}
+
+/// Whether an HTTP status is worth retrying elsewhere: 5xx, 408 and 429
+/// are; other 4xx (a request the engine refuses) are not.
+pub fn retryable_status(status: u16) -> bool {
+    status >= 500 || status == 408 || status == 429
+}
+
+/// The message of an error body (OpenAI `{"error": {"message"}}`, FastAPI
+/// `{"detail"}`, or the text itself, shortened).
+pub fn error_message(body: &str) -> String {
+    let from_json = serde_json::from_str::<Value>(body).ok().and_then(|v| {
+        v.get("error")
+            .and_then(|e| e.get("message").or(Some(e)))
+            .or_else(|| v.get("message"))
+            .or_else(|| v.get("detail"))
+            .map(|m| m.as_str().map_or_else(|| m.to_string(), str::to_owned))
+    });
+    let mut m = from_json.unwrap_or_else(|| body.trim().to_owned());
+    if m.len() > 500 {
+        let mut cut = 500;
+        while !m.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        m.truncate(cut);
+        m.push('…');
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_per_stage() {
+        let b = completion_body("m", &[1, 2], 8, &Kind::Local, true);
+        assert_eq!(b["prompt"], json!([1, 2]));
+        assert_eq!(b["stream"], json!(true));
+        assert_eq!(b["return_token_ids"], json!(true));
+        assert!(b.get("kv_transfer_params").is_none());
+
+        let b = completion_body("m", &[1], 8, &Kind::Prefill, false);
+        assert_eq!(b["max_tokens"], json!(1));
+        assert_eq!(b["stream"], json!(false));
+        assert_eq!(b["kv_transfer_params"]["do_remote_decode"], json!(true));
+        assert!(b.get("return_token_ids").is_none());
+
+        let params = json!({"remote_engine_id": "e", "remote_block_ids": [1, 2], "do_remote_prefill": false, "do_remote_decode": true});
+        let b = completion_body(
+            "m",
+            &[1],
+            8,
+            &Kind::Decode(params.as_object().unwrap().clone()),
+            true,
+        );
+        assert_eq!(b["stream"], json!(true));
+        assert_eq!(b["kv_transfer_params"]["remote_block_ids"], json!([1, 2]));
+        assert_eq!(b["kv_transfer_params"]["do_remote_prefill"], json!(true));
+        assert_eq!(b["kv_transfer_params"]["do_remote_decode"], json!(false));
+    }
+
+    #[test]
+    fn sse_events_across_chunk_boundaries() {
+        let mut p = SseParser::new();
+        assert!(p.feed(b"data: {\"a\"").unwrap().is_empty());
+        assert_eq!(
+            p.feed(b":1}\r\n\r\n: comment\n\ndata:x\ndata: y\n\ndata: [DONE]")
+                .unwrap(),
+            vec!["{\"a\":1}".to_owned(), "x\ny".to_owned()]
+        );
+        assert_eq!(p.finish().as_deref(), Some("[DONE]"));
+        assert_eq!(p.finish(), None);
+        assert_eq!(SseParser::new().feed(b"data: \xff\n"), Err(SseError::Utf8));
+    }
+
+    #[test]
+    fn chunks() {
+        let c = parse_event(r#"{"id":"x","choices":[{"index":0,"text":"hi","token_ids":[5,6],"finish_reason":null}]}"#).unwrap();
+        assert_eq!(
+            c,
+            Event::Chunk(Chunk {
+                token_ids: Some(vec![5, 6]),
+                text: Some("hi".into()),
+                ..Chunk::default()
+            })
+        );
+        let Event::Chunk(c) = parse_event(r#"{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":8}}}"#).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            c.usage,
+            Some(Usage {
+                prompt_tokens: 10,
+                completion_tokens: 3,
+                cached_tokens: 8
+            })
+        );
+        let Event::Chunk(c) = parse_event(r#"{"choices":[{"text":"","finish_reason":"length"}],"kv_transfer_params":{"remote_engine_id":"p"}}"#).unwrap() else {
+            panic!()
+        };
+        assert_eq!(c.finish_reason.as_deref(), Some("length"));
+        assert_eq!(c.kv_transfer_params, Some(json!({"remote_engine_id": "p"})));
+        let Event::Chunk(c) = parse_event(r#"{"error":{"message":"boom","code":500}}"#).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(c.error, Some(("boom".into(), Some(500))));
+        assert_eq!(parse_event(" [DONE] "), Ok(Event::Done));
+        assert!(parse_event("{").is_err());
+        assert!(parse_event(r#"{"choices":[{"token_ids":[-1]}]}"#).is_err());
+    }
+
+    #[test]
+    fn errors() {
+        assert!(retryable_status(503) && retryable_status(429) && !retryable_status(400));
+        assert_eq!(
+            error_message(r#"{"error":{"message":"bad prompt"}}"#),
+            "bad prompt"
+        );
+        assert_eq!(error_message(r#"{"detail":"Not Found"}"#), "Not Found");
+        assert_eq!(error_message(" plain "), "plain");
+        assert_eq!(error_message(&"é".repeat(400)).chars().count(), 251);
+    }
+}
