@@ -11,12 +11,14 @@ use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use protocol::{
-    DecisionId, HashingContract, IndexChange, IndexDelta, LoadReport, Role, Tier, WorkerId,
-    WorkerRecord, WorkerSubjects,
+    DecisionId, HashingContract, IndexChange, IndexDelta, IndexSnapshot, LoadReport, Message, Role,
+    Tier, WorkerId, WorkerRecord, WorkerSubjects,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use router::{IslBased, RouterConfig, RouterCore};
+use router::{
+    decision_seed, IslBased, Overrides, Replayer, RouteRequest, RouterConfig, RouterCore,
+};
 
 const DECODE: usize = 64;
 const PREFILL: usize = 8;
@@ -212,6 +214,63 @@ fn main() {
     println!(
         "of which matching alone: {:.2} us",
         start.elapsed().as_secs_f64() * 1e6 / 20_000.0
+    );
+
+    // The decision-log entry of this decision, and how fast it replays.
+    let request = RouteRequest {
+        request_id: "bench-record",
+        isl_tokens: prompt.len() as u32,
+        block_hashes: &hashes,
+        expected_output_tokens: 300,
+    };
+    let seed = decision_seed(0, &request);
+    let (decision, explanation) = core
+        .route_explained(
+            &request,
+            DecisionId(u64::MAX - 1),
+            0,
+            &mut ChaCha8Rng::seed_from_u64(seed),
+        )
+        .unwrap();
+    core.on_finished(decision.id);
+    let record = core.record(&decision, &explanation, &request, seed, &[]);
+    let bytes = record.encode().len();
+    let hash_bytes = protocol::Message::encode(&IndexDelta {
+        seq: 0,
+        changes: vec![IndexChange::Evicted {
+            blocks: hashes.clone(),
+        }],
+        source: None,
+    })
+    .len();
+    println!(
+        "decision-log entry: {bytes} bytes ({} candidates; the {} block hashes take about {hash_bytes})",
+        record.inputs.candidates.len(),
+        hashes.len()
+    );
+    let (workers, runs) = core.replica().index().export();
+    let mut replayer = Replayer::new();
+    replayer
+        .restore(IndexSnapshot {
+            delta_seq: core.replica().applied(),
+            workers,
+            cursors: Vec::new(),
+            runs,
+            digest: core.replica().index().digest(),
+        })
+        .unwrap();
+    let replays = 2_000;
+    let start = Instant::now();
+    for _ in 0..replays {
+        let replayed = replayer.replay(&record, &Overrides::default()).unwrap();
+        assert_eq!(
+            router::difference(&record.decision, &replayed.decision),
+            None
+        );
+    }
+    println!(
+        "replay: {:.0} decisions re-decided per second",
+        replays as f64 / start.elapsed().as_secs_f64()
     );
 
     let mut c = Criterion::default().configure_from_args();
