@@ -235,7 +235,7 @@ fn main() {
     core.on_finished(decision.id);
     let record = core.record(&decision, &explanation, &request, seed, &[]);
     let bytes = record.encode().len();
-    let hash_bytes = protocol::Message::encode(&IndexDelta {
+    let hash_bytes = Message::encode(&IndexDelta {
         seq: 0,
         changes: vec![IndexChange::Evicted {
             blocks: hashes.clone(),
