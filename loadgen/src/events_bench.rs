@@ -11,10 +11,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use bus::{Bus, StreamLimits};
+use bus::{Bus, Registry, StreamLimits};
 use futures::StreamExt;
 use kv_indexer::IndexReplica;
-use protocol::{BlockHash, BlockHasher, KvEvent, KvEventBatch, Tier, WorkerId};
+use protocol::{
+    BlockHash, BlockHasher, HashingContract, KvEvent, KvEventBatch, Role, Tier, WorkerId,
+    WorkerRecord, WorkerSubjects,
+};
 use tokio::sync::Mutex;
 
 use crate::stats::{round3, Samples};
@@ -22,6 +25,8 @@ use crate::stats::{round3, Samples};
 #[derive(Debug, Clone)]
 pub struct EventsBench {
     pub nats: String,
+    /// The simulated workers register here, so that the indexer keeps them.
+    pub etcd: String,
     pub workers: usize,
     pub blocks_per_batch: usize,
     /// Target block events per second over all workers.
@@ -34,6 +39,23 @@ type Key = (WorkerId, u64, u64);
 pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
     let bus = Bus::connect(&bench.nats, "loadgen-events").await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
+    // Registered like real agents (the indexer drops unregistered workers).
+    let registry = Registry::connect(std::slice::from_ref(&bench.etcd)).await?;
+    let mut registrations = Vec::new();
+    for w in 0..bench.workers {
+        let id = WorkerId::new(&format!("bench{w}"), 0)?;
+        let record = WorkerRecord {
+            subjects: WorkerSubjects::for_worker(&id),
+            id,
+            role: Role::Decode,
+            contract: HashingContract::for_model("events-bench", 16),
+            kv_capacity_blocks: 1 << 30,
+            max_batched_tokens: 8192,
+            kv_bytes_per_token: 1,
+            gpus: 1,
+        };
+        registrations.push(registry.register(&record, Duration::from_secs(10)).await?);
+    }
     let published: Arc<Mutex<HashMap<Key, Instant>>> = Arc::default();
     let done = Arc::new(AtomicBool::new(false));
 
@@ -149,6 +171,9 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
             .context(
                 "the pipeline did not deliver every batch within 60 s (is kv-indexer running?)",
             )???;
+    for registration in registrations {
+        registration.revoke().await?;
+    }
     Ok(serde_json::json!({
         "workers": bench.workers,
         "blocks_per_batch": bench.blocks_per_batch,

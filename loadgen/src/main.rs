@@ -79,6 +79,14 @@ enum Command {
             default_value = "nats://127.0.0.1:4222"
         )]
         nats: String,
+        /// The simulated workers register here (the indexer drops workers
+        /// etcd does not list).
+        #[arg(
+            long,
+            env = "SWITCHYARD_ETCD_ENDPOINTS",
+            default_value = "http://127.0.0.1:2379"
+        )]
+        etcd: String,
         #[arg(long, default_value_t = 16)]
         workers: usize,
         #[arg(long, default_value_t = 32)]
@@ -126,9 +134,6 @@ enum Command {
             default_value = "nats://127.0.0.1:4222"
         )]
         nats: String,
-        /// The worker to call directly (e.g. the only decode worker).
-        #[arg(long)]
-        worker: String,
         #[arg(long, default_value_t = 200)]
         requests: usize,
         #[arg(long, default_value_t = 256)]
@@ -197,6 +202,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Events {
             nats,
+            etcd,
             workers,
             blocks_per_batch,
             block_events_per_s,
@@ -204,6 +210,7 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let summary = events_bench::run(events_bench::EventsBench {
                 nats,
+                etcd,
                 workers,
                 blocks_per_batch,
                 block_events_per_s,
@@ -232,7 +239,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Overhead {
             router,
             nats,
-            worker,
             requests,
             prompt_tokens,
             max_tokens,
@@ -240,7 +246,6 @@ async fn main() -> anyhow::Result<()> {
             let summary = overhead::run(overhead::Overhead {
                 router,
                 nats,
-                worker,
                 requests,
                 prompt_tokens,
                 max_tokens,

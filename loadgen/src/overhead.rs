@@ -1,7 +1,9 @@
 //! The router's latency overhead: the same small request sent through
 //! `/v1/completions` (routed, dispatched over NATS, streamed back) and
-//! straight to the worker's agent over NATS (what the router does for
-//! it), one at a time; compares the medians.
+//! straight to the workers' agents over NATS along the same path the
+//! router chose (one local leg for a bypass; prefill leg, then decode leg
+//! with its transfer parameters, for a remote prefill), one at a time;
+//! compares the medians.
 
 use std::time::{Duration, Instant};
 
@@ -18,30 +20,58 @@ use crate::stats::Samples;
 pub struct Overhead {
     pub router: String,
     pub nats: String,
-    /// The decode worker to call directly (the router must route the
-    /// request there too: give it the only decode worker, or check the
-    /// reported paths).
-    pub worker: String,
     pub requests: usize,
     pub prompt_tokens: usize,
     pub max_tokens: u32,
 }
 
-async fn direct(
+/// One leg straight to a worker; returns its `Prefilled` transfer, if any.
+async fn leg(
     client: &async_nats::Client,
     worker: &WorkerId,
+    request: &GenerateRequest,
+) -> anyhow::Result<Option<protocol::KvTransferParams>> {
+    let inbox = client.new_inbox();
+    let mut chunks = client.subscribe(inbox.clone()).await?;
+    client
+        .publish_with_reply(subjects::generate(worker), inbox, request.encode().into())
+        .await?;
+    let mut transfer = None;
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(30), chunks.next())
+            .await
+            .context("the worker did not answer")?
+            .context("the reply subscription ended")?;
+        match GenerateChunk::decode(&message.payload)?.event {
+            GenerateEvent::Prefilled { transfer: t, .. } => transfer = Some(t),
+            GenerateEvent::Finished { .. } => return Ok(transfer),
+            GenerateEvent::Failed { error, .. } => bail!("{worker} failed: {error}"),
+            GenerateEvent::Tokens(_) => {}
+        }
+    }
+}
+
+/// The request the router would have sent, sent directly: `prefill` is
+/// `Some` for the remote path.
+async fn direct(
+    client: &async_nats::Client,
+    decode: &WorkerId,
+    prefill: Option<&WorkerId>,
     prompt: &[u32],
     max_tokens: u32,
     n: u64,
 ) -> anyhow::Result<()> {
-    let decode = worker.clone();
-    let request = GenerateRequest {
+    let mut request = GenerateRequest {
         request_id: format!("direct-{n}"),
         annotation: Annotation {
             decision: DecisionId(n),
-            path: Path::Bypass,
-            decode,
-            prefill: None,
+            path: if prefill.is_some() {
+                Path::Remote
+            } else {
+                Path::Bypass
+            },
+            decode: decode.clone(),
+            prefill: prefill.cloned(),
             decode_overlap_tokens: 0,
             prefill_overlap_tokens: 0,
         },
@@ -49,31 +79,20 @@ async fn direct(
         prompt: prompt.to_vec(),
         max_tokens,
     };
-    let inbox = client.new_inbox();
-    let mut chunks = client.subscribe(inbox.clone()).await?;
-    client
-        .publish_with_reply(subjects::generate(worker), inbox, request.encode().into())
-        .await?;
-    loop {
-        let message = tokio::time::timeout(Duration::from_secs(30), chunks.next())
-            .await
-            .context("the worker did not answer")?
-            .context("the reply subscription ended")?;
-        match GenerateChunk::decode(&message.payload)?.event {
-            GenerateEvent::Finished { .. } => return Ok(()),
-            GenerateEvent::Failed { error, .. } => bail!("the worker failed: {error}"),
-            _ => {}
-        }
+    if let Some(p) = prefill {
+        request.stage = Stage::Prefill;
+        let transfer = leg(client, p, &request)
+            .await?
+            .context("the prefill leg sent no transfer parameters")?;
+        request.stage = Stage::Decode { transfer };
     }
+    leg(client, decode, &request).await?;
+    Ok(())
 }
 
 pub async fn run(o: Overhead) -> anyhow::Result<serde_json::Value> {
     let client = async_nats::connect(&o.nats).await?;
     let http = reqwest::Client::new();
-    let worker: WorkerId = o
-        .worker
-        .parse()
-        .map_err(|e| anyhow::anyhow!("--worker: {e}"))?;
     let (mut routed, mut straight) = (Samples::default(), Samples::default());
     let mut paths = std::collections::BTreeMap::<String, usize>::new();
     for n in 0..o.requests {
@@ -95,21 +114,32 @@ pub async fn run(o: Overhead) -> anyhow::Result<serde_json::Value> {
         }
         let body: serde_json::Value = response.json().await?;
         routed.push(started.elapsed());
-        let decode = body["switchyard"]["decode"]
-            .as_str()
-            .unwrap_or("?")
-            .to_owned();
+        let info = &body["switchyard"];
+        let worker = |key: &str| -> anyhow::Result<Option<WorkerId>> {
+            info[key]
+                .as_str()
+                .map(|w| w.parse().map_err(|e| anyhow::anyhow!("{key} {w:?}: {e}")))
+                .transpose()
+        };
+        let decode = worker("decode")?.context("the response names no decode worker")?;
+        let prefill = worker("prefill")?;
         *paths
-            .entry(format!(
-                "{} on {decode}",
-                body["switchyard"]["path"].as_str().unwrap_or("?")
-            ))
+            .entry(info["path"].as_str().unwrap_or("?").to_owned())
             .or_default() += 1;
 
+        // The same path, straight to the workers, with another fresh prompt.
         let mut prompt = Vec::with_capacity(o.prompt_tokens);
         protocol::trace::extend_block_tokens(8_000_000 + n as u64, o.prompt_tokens, &mut prompt);
         let started = Instant::now();
-        direct(&client, &worker, &prompt, o.max_tokens, n as u64).await?;
+        direct(
+            &client,
+            &decode,
+            prefill.as_ref(),
+            &prompt,
+            o.max_tokens,
+            n as u64,
+        )
+        .await?;
         straight.push(started.elapsed());
     }
     let (r50, d50) = (routed.percentile_ms(0.5), straight.percentile_ms(0.5));

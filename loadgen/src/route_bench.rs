@@ -1,6 +1,8 @@
-//! `/v1/route` at fixed request rates (open loop), from another process:
-//! latency is measured from each request's scheduled send time, so a
-//! stalled router cannot hide its queueing (no coordinated omission).
+//! `/v1/route` at fixed request rates (open loop), from another process.
+//! Two latencies per request: from its actual send (the router's service
+//! time plus the loopback HTTP exchange) and from its scheduled send time
+//! (which also counts the load generator's own timer and scheduling lag,
+//! so that a stall cannot hide queueing: no coordinated omission).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,7 +68,7 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
     }
     let mut out = Vec::new();
     for &rate in &bench.rates {
-        let samples = Arc::new(Mutex::new(Samples::default()));
+        let samples = Arc::new(Mutex::new((Samples::default(), Samples::default())));
         let errors = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let limit = Arc::new(Semaphore::new(bench.max_in_flight));
         let mut shed = 0usize;
@@ -88,6 +90,7 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
             );
             let (samples, errors) = (samples.clone(), errors.clone());
             tasks.spawn(async move {
+                let sent = Instant::now();
                 let result = client
                     .post(url)
                     .header("content-type", "application/json")
@@ -99,7 +102,9 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
                     Err(_) => false,
                 };
                 if ok {
-                    samples.lock().await.push(scheduled.elapsed());
+                    let mut s = samples.lock().await;
+                    s.0.push(sent.elapsed());
+                    s.1.push(scheduled.elapsed());
                 } else {
                     errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
@@ -109,8 +114,8 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
         while tasks.join_next().await.is_some() {}
         let elapsed = start.elapsed().as_secs_f64();
         let mut samples = samples.lock().await;
-        let ok = samples.len();
-        let p99 = samples.percentile_ms(0.99);
+        let ok = samples.0.len();
+        let p99 = samples.0.percentile_ms(0.99);
         out.push(serde_json::json!({
             "target_rps": rate,
             "achieved_rps": round3(ok as f64 / elapsed),
@@ -118,7 +123,8 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
             "errors": errors.load(std::sync::atomic::Ordering::Relaxed),
             "shed_over_max_in_flight": shed,
             "prompt_tokens": bench.prompt_tokens,
-            "latency_ms": samples.summary(),
+            "latency_ms": samples.0.summary(),
+            "latency_from_schedule_ms": samples.1.summary(),
         }));
         if p99 > bench.stop_above_p99_ms {
             break;
