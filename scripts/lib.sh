@@ -3,8 +3,17 @@
 export PATH="$PATH:/usr/sbin"
 pids=()
 
+# Newest first (services before the servers they use); SIGKILL after 5 s.
 stop_all() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  local i
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill "${pids[i]}" 2>/dev/null || continue
+    for _ in $(seq 1 50); do
+      kill -0 "${pids[i]}" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -9 "${pids[i]}" 2>/dev/null || true
+  done
   wait 2>/dev/null || true
 }
 

@@ -1,5 +1,5 @@
-//! How fast a new router replica is ready: writes a snapshot of N blocks
-//! (the peer index benchmark's workload) as the latest index snapshot,
+//! How fast a new router replica is ready: writes a snapshot of N distinct
+//! blocks (the peer index benchmark's workload) as the latest snapshot,
 //! starts a router process and times it from spawn to `/readyz` = 200.
 
 use std::process::{Command, Stdio};
@@ -27,10 +27,12 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
         bail!("the delta stream is not empty: run this against a fresh NATS without a kv-indexer");
     }
     let mut indexer = KvIndexer::new(OwnershipIndex::new());
+    // A quarter of each sequence is shared: submit a third more blocks
+    // than the distinct ones wanted.
     let workload = PrefixGroups {
         depth: 64,
         workers: 16,
-        total_blocks: bench.blocks,
+        total_blocks: bench.blocks * 4 / 3 + 64,
     };
     let mut seqs = [0u64; 16];
     for s in workload.sequences() {

@@ -271,8 +271,11 @@ impl Service {
             _ => {}
         }
         state.tasks.abort_all();
-        if let Err(e) = client.flush().await {
-            tracing::warn!(error = %e, "flushing the NATS connection");
+        // Bounded: with NATS gone, a flush would wait for a reconnection.
+        match tokio::time::timeout(Duration::from_secs(2), client.flush()).await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "flushing the NATS connection"),
+            Err(_) => tracing::warn!("the NATS connection did not flush in time"),
+            Ok(Ok(())) => {}
         }
         match &result {
             Ok(()) => tracing::info!(delta_seq = state.confirmed_seq, "kv-indexer stopped"),
