@@ -13,6 +13,8 @@
 
 mod nats;
 mod registry;
+mod signal;
 
 pub use nats::{Bus, BusError, DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE};
 pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};
+pub use signal::shutdown_signal;

@@ -98,32 +98,6 @@ fn serve(config: Config) -> anyhow::Result<()> {
         .init();
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime
-        .block_on(service::run(config, shutdown_signal()))
+        .block_on(service::run(config, bus::shutdown_signal()))
         .context("kv-indexer failed")
-}
-
-/// Completes on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for Ctrl-C");
-            std::future::pending::<()>().await;
-        }
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
-    tracing::info!("shutting down");
 }

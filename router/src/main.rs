@@ -18,27 +18,8 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.http_addr)
         .await
         .with_context(|| format!("binding the HTTP listener on {}", config.http_addr))?;
-    service::run(config, listener, shutdown_signal())
+    service::run(config, listener, bus::shutdown_signal())
         .await
         .context("the router failed")?;
     Ok(())
-}
-
-/// Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
-    }
 }
