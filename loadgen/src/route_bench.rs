@@ -4,11 +4,12 @@
 //! (which also counts the load generator's own timer and scheduling lag,
 //! so that a stall cannot hide queueing: no coordinated omission).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::Semaphore;
 
 use crate::stats::{round3, Samples};
 
@@ -69,58 +70,68 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut out = Vec::new();
     for &rate in &bench.rates {
         let samples = Arc::new(Mutex::new((Samples::default(), Samples::default())));
-        let errors = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let errors = Arc::new(AtomicUsize::new(0));
         let limit = Arc::new(Semaphore::new(bench.max_in_flight));
-        let mut shed = 0usize;
         let n = (rate * bench.duration.as_secs_f64()) as usize;
         let interval = Duration::from_secs_f64(1.0 / rate);
         let start = Instant::now() + Duration::from_millis(10);
-        let mut tasks = tokio::task::JoinSet::new();
-        for i in 0..n {
-            let scheduled = start + interval.mul_f64(i as f64);
-            tokio::time::sleep_until(scheduled.into()).await;
-            let Ok(permit) = limit.clone().try_acquire_owned() else {
-                shed += 1;
-                continue;
-            };
-            let (client, url, body) = (
-                client.clone(),
-                url.clone(),
-                bodies[i % bodies.len()].clone(),
-            );
+        // The pacer is an OS thread: tokio's timer ticks in milliseconds,
+        // which would send 5 requests at once every millisecond at 5k/s
+        // (a burst the router then queues) and add up to 1 ms to every
+        // latency from the schedule.
+        let runtime = tokio::runtime::Handle::current();
+        let pacer = {
+            let (client, url, bodies) = (client.clone(), url.clone(), bodies.clone());
             let (samples, errors) = (samples.clone(), errors.clone());
-            tasks.spawn(async move {
-                let sent = Instant::now();
-                let result = client
-                    .post(url)
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await;
-                let ok = match result {
-                    Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
-                    Err(_) => false,
-                };
-                if ok {
-                    let mut s = samples.lock().await;
-                    s.0.push(sent.elapsed());
-                    s.1.push(scheduled.elapsed());
-                } else {
-                    errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::task::spawn_blocking(move || {
+                let mut tasks = Vec::with_capacity(n);
+                let mut shed = 0usize;
+                for i in 0..n {
+                    let scheduled = start + interval.mul_f64(i as f64);
+                    if let Some(wait) = scheduled.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
+                    let Ok(permit) = limit.clone().try_acquire_owned() else {
+                        shed += 1;
+                        continue;
+                    };
+                    let request = client
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(bodies[i % bodies.len()].clone());
+                    let (samples, errors) = (samples.clone(), errors.clone());
+                    tasks.push(runtime.spawn(async move {
+                        let sent = Instant::now();
+                        let ok = match request.send().await {
+                            Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
+                            Err(_) => false,
+                        };
+                        if ok {
+                            let mut s = samples.lock().expect("not poisoned");
+                            s.0.push(sent.elapsed());
+                            s.1.push(scheduled.elapsed());
+                        } else {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                        drop(permit);
+                    }));
                 }
-                drop(permit);
-            });
+                (tasks, shed)
+            })
+        };
+        let (tasks, shed) = pacer.await?;
+        for task in tasks {
+            task.await?;
         }
-        while tasks.join_next().await.is_some() {}
         let elapsed = start.elapsed().as_secs_f64();
-        let mut samples = samples.lock().await;
+        let mut samples = samples.lock().expect("not poisoned");
         let ok = samples.0.len();
         let p99 = samples.0.percentile_ms(0.99);
         out.push(serde_json::json!({
             "target_rps": rate,
             "achieved_rps": round3(ok as f64 / elapsed),
             "requests": n,
-            "errors": errors.load(std::sync::atomic::Ordering::Relaxed),
+            "errors": errors.load(Ordering::Relaxed),
             "shed_over_max_in_flight": shed,
             "prompt_tokens": bench.prompt_tokens,
             "latency_ms": samples.0.summary(),

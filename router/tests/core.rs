@@ -163,6 +163,26 @@ fn on_decision_is_idempotent_and_completions_release() {
 }
 
 #[test]
+fn a_forgotten_dry_run_releases_its_charges_and_leaves_nothing() {
+    let mut core = disagg(LedgerConfig::default());
+    let d = core
+        .route_tokens("r", &tokens(1, 1_600), 400, DecisionId(1), 0, &mut rng(0))
+        .unwrap();
+    assert_eq!(core.workers().ledger_charges(&id("d0")).requests, 1);
+    assert!(core.forget(d.id));
+    assert!(!core.forget(d.id));
+    assert_eq!(core.workers().in_flight(), 0);
+    assert_eq!(core.workers().ledger_charges(&id("d0")).requests, 0);
+    assert_eq!(core.workers().ledger_charges(&id("p0")).prefill_tokens, 0);
+    // No tombstone: the id is free again.
+    assert!(!core.workers().knows_decision(d.id));
+    // A finished decision's tombstone is kept.
+    assert!(!core.on_finished(DecisionId(2)));
+    assert!(!core.forget(DecisionId(2)));
+    assert!(core.workers().knows_decision(DecisionId(2)));
+}
+
+#[test]
 fn peer_decisions_for_unknown_workers_count_once_they_register() {
     let mut core = core_with(RouterConfig::new(contract()), Box::new(AlwaysDisagg));
     assert!(core.on_decision(&peer_decision(1, 0)));

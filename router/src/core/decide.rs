@@ -309,6 +309,11 @@ impl RouterCore {
         self.workers.on_finished(id)
     }
 
+    /// See [`Workers::forget`].
+    pub fn forget(&mut self, id: DecisionId) -> bool {
+        self.workers.forget(id)
+    }
+
     /// See [`Workers::expire`].
     pub fn expire(&mut self, now_ms: u64) -> usize {
         self.workers.expire(now_ms)

@@ -428,6 +428,26 @@ impl Workers {
         }
     }
 
+    /// A decision that will not run and that no peer saw (a dry run): its
+    /// charges are released and, unlike [`Workers::on_finished`], it leaves
+    /// no tombstone, since no late copy of it can come. Returns whether an
+    /// in-flight entry was released.
+    pub fn forget(&mut self, id: DecisionId) -> bool {
+        match self.entries.remove(&id) {
+            Some(Entry {
+                live: Some(live), ..
+            }) => {
+                self.release(&live);
+                true
+            }
+            Some(tombstone) => {
+                self.entries.insert(id, tombstone);
+                false
+            }
+            None => false,
+        }
+    }
+
     /// Drops the entries whose TTL ran out by `now_ms` (and old tombstones).
     /// Returns how many in-flight entries expired.
     pub fn expire(&mut self, now_ms: u64) -> usize {

@@ -188,6 +188,19 @@ impl Metrics {
         self.inner.handle.run_upkeep();
     }
 
+    /// Runs [`Metrics::upkeep`] every `period`, forever. A task of its own,
+    /// often: at 5k requests/s a second's samples take milliseconds to fold,
+    /// which the event loop (and every decision waiting on it) should not
+    /// spend.
+    pub async fn upkeep_every(self, period: Duration) {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.upkeep();
+        }
+    }
+
     fn counter(&self, name: &'static str, labels: Vec<Label>) -> Counter {
         self.inner
             .recorder

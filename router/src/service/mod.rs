@@ -38,6 +38,9 @@ use text::{Text, TextError};
 /// Commands queued for the event loop before handlers wait (backpressure).
 const COMMAND_QUEUE: usize = 4096;
 
+/// How often histogram samples are folded (small batches, off the loop).
+const METRICS_UPKEEP: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Why the service could not start or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -89,6 +92,7 @@ pub async fn run(
     let inputs = Inputs::open(&bus, registry).await?;
 
     let metrics = Metrics::new();
+    let upkeep = tokio::spawn(metrics.clone().upkeep_every(METRICS_UPKEEP));
     let (ready_tx, ready_rx) = watch::channel(Readiness::not_ready("starting"));
     let (commands, command_rx) = mpsc::channel(COMMAND_QUEUE);
     let (stop_loop, loop_stopped) = watch::channel(false);
@@ -165,13 +169,14 @@ pub async fn run(
     if !loop_task.is_finished() {
         let _ = loop_task.await;
     }
+    upkeep.abort();
     tracing::info!(replica = %replica, "router stopped");
     outcome
 }
 
-/// A seed from the process's randomly keyed hasher state (no RNG crate
-/// with OS entropy is needed).
-/// A seed for this replica's decision ids (unique per process).
+/// A seed for this replica's decision ids (unique per process), from the
+/// process's randomly keyed hasher state: no RNG crate with OS entropy is
+/// needed.
 fn random_seed() -> u64 {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u128(

@@ -400,9 +400,9 @@ impl RouterLoop {
             )
         });
         if job.dry_run {
-            // Nothing will run: release the reservation at once (the
-            // tombstone it leaves expires with the ledger's tombstone TTL).
-            self.core.on_finished(decision.id);
+            // Nothing will run and no peer hears of it: release the
+            // reservation at once, leaving nothing behind.
+            self.core.forget(decision.id);
         }
         let subject = |id: &WorkerId| {
             self.core
@@ -768,7 +768,6 @@ impl RouterLoop {
         self.metrics.workers_registered(self.core.workers().len());
         self.metrics
             .index_position(self.core.replica().applied(), self.head);
-        self.metrics.upkeep();
         if !self.head_poll {
             self.head_poll = true;
             let bus = self.bus.clone();
