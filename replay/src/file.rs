@@ -1,18 +1,23 @@
 //! The export file: one incident window, taken off the cluster to be
 //! examined anywhere.
 //!
-//! Layout: the magic line `SWITCHYARD-EXPORT v1\n`, then frames of
-//! `[kind: u8][length: u32 little-endian][payload]`, each payload one
-//! protocol message in its wire encoding, and last an end frame holding
+//! Layout: the magic line `SWITCHYARD-EXPORT v2\n`, then frames of
+//! `[kind: u8][length: u32 LE][checksum: u64 LE][payload]`, each payload
+//! one protocol message in its wire encoding, and last an end frame holding
 //! the number of frames before it (so that a file cut at a frame boundary
-//! is still caught). A reader reports a truncated or corrupt file with the
-//! byte offset of the frame at fault.
+//! is still caught). The checksum (xxh3-64 of the payload) catches changed
+//! bytes that would still decode, such as a block hash. A reader reports a
+//! truncated or corrupt file with the byte offset of the frame at fault.
 
 use protocol::{
     DecisionRecord, DecodeError, IndexDelta, IndexSnapshot, IndexStatus, KvEventBatch, Message,
 };
+use xxhash_rust::xxh3::xxh3_64;
 
-pub const MAGIC: &[u8] = b"SWITCHYARD-EXPORT v1\n";
+pub const MAGIC: &[u8] = b"SWITCHYARD-EXPORT v2\n";
+
+/// Kind, length and checksum.
+const HEADER: usize = 1 + 4 + 8;
 
 /// Everything an export holds, in file order.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -48,6 +53,8 @@ pub enum ExportError {
     BadMagic,
     #[error("truncated at byte {offset}: {what}")]
     Truncated { offset: usize, what: &'static str },
+    #[error("byte {offset}: the frame's checksum does not match its bytes (the file is corrupt)")]
+    Checksum { offset: usize },
     #[error("byte {offset}: unknown frame kind {kind}")]
     UnknownKind { offset: usize, kind: u8 },
     #[error("byte {offset}: corrupt {kind} frame: {source}")]
@@ -72,6 +79,7 @@ pub enum ExportError {
 fn frame(out: &mut Vec<u8>, kind: Kind, payload: &[u8]) {
     out.push(kind as u8);
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&xxh3_64(payload).to_le_bytes());
     out.extend_from_slice(payload);
 }
 
@@ -122,7 +130,17 @@ impl Export {
                 .try_into()
                 .expect("4 bytes");
             let len = u32::from_le_bytes(len_bytes) as usize;
-            let payload = rest.get(4..4 + len).ok_or(truncated("frame payload"))?;
+            let checksum: [u8; 8] = rest
+                .get(4..12)
+                .ok_or(truncated("frame checksum"))?
+                .try_into()
+                .expect("8 bytes");
+            let payload = rest
+                .get(HEADER - 1..HEADER - 1 + len)
+                .ok_or(truncated("frame payload"))?;
+            if xxh3_64(payload) != u64::from_le_bytes(checksum) {
+                return Err(ExportError::Checksum { offset });
+            }
             macro_rules! decode {
                 ($ty:ty, $name:literal) => {
                     <$ty>::decode(payload).map_err(|source| ExportError::Corrupt {
@@ -166,9 +184,9 @@ impl Export {
                             found: frames,
                         });
                     }
-                    if rest.len() > 4 + len {
+                    if rest.len() > HEADER - 1 + len {
                         return Err(ExportError::AfterEnd {
-                            offset: offset + 5 + len,
+                            offset: offset + HEADER + len,
                         });
                     }
                     return Ok(export);
@@ -181,8 +199,8 @@ impl Export {
                 }
             }
             frames += 1;
-            at = &rest[4 + len..];
-            offset += 1 + 4 + len;
+            at = &rest[HEADER - 1 + len..];
+            offset += HEADER + len;
         }
     }
 }
@@ -236,7 +254,9 @@ mod tests {
         for cut in MAGIC.len() + 1..bytes.len() {
             let error = Export::from_bytes(&bytes[..cut]).unwrap_err();
             match error {
-                ExportError::Truncated { offset, .. } | ExportError::Corrupt { offset, .. } => {
+                ExportError::Truncated { offset, .. }
+                | ExportError::Corrupt { offset, .. }
+                | ExportError::Checksum { offset } => {
                     assert!(offset >= MAGIC.len() && offset <= cut, "cut {cut}: {error}")
                 }
                 other => panic!("cut {cut}: {other}"),
@@ -249,26 +269,36 @@ mod tests {
     }
 
     #[test]
-    fn corrupt_frames_name_their_offset_and_kind() {
-        let mut bytes = sample().to_bytes();
-        // The second frame's payload: corrupt its version byte.
+    fn corrupt_frames_name_their_offset() {
+        let bytes = sample().to_bytes();
         let first = MAGIC.len();
         let len = u32::from_le_bytes(bytes[first + 1..first + 5].try_into().unwrap()) as usize;
-        let second = first + 5 + len;
-        bytes[second + 6] = 0x7f;
-        let error = Export::from_bytes(&bytes).unwrap_err();
+        let second = first + HEADER + len;
+        // Any changed payload byte, whether or not it would still decode.
+        for at in second + HEADER..second + HEADER + 4 {
+            let mut corrupt = bytes.clone();
+            corrupt[at] ^= 0x01;
+            let error = Export::from_bytes(&corrupt).unwrap_err();
+            assert!(
+                matches!(error, ExportError::Checksum { offset } if offset == second),
+                "{error}"
+            );
+            assert!(error.to_string().starts_with(&format!("byte {second}: ")));
+        }
+        let mut corrupt = bytes.clone();
+        corrupt[second] = 42;
+        assert!(matches!(
+            Export::from_bytes(&corrupt),
+            Err(ExportError::UnknownKind { kind: 42, .. })
+        ));
+        // A payload with a valid checksum that does not decode.
+        let mut forged = bytes[..second].to_vec();
+        frame(&mut forged, Kind::Delta, &[0x7f, 1, 2]);
+        let error = Export::from_bytes(&forged).unwrap_err();
         assert!(
             matches!(error, ExportError::Corrupt { offset, kind: "delta", .. } if offset == second),
             "{error}"
         );
-        assert!(error
-            .to_string()
-            .starts_with(&format!("byte {second}: corrupt delta frame")));
-        bytes[second] = 42;
-        assert!(matches!(
-            Export::from_bytes(&bytes),
-            Err(ExportError::UnknownKind { kind: 42, .. })
-        ));
     }
 
     proptest::proptest! {

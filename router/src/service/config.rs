@@ -179,7 +179,7 @@ pub struct Settings {
     /// Default 10000.
     #[arg(long, env = "SWITCHYARD_DRAIN_TIMEOUT_MS")]
     pub drain_timeout_ms: Option<u64>,
-    /// Period of ledger expiry, metrics upkeep and delta-head polling (ms).
+    /// Period of ledger expiry, gauges and delta-head polling (ms).
     /// Default 1000.
     #[arg(long, env = "SWITCHYARD_TICK_MS")]
     pub tick_ms: Option<u64>,
@@ -286,7 +286,7 @@ pub struct Timeouts {
     pub route: Duration,
     /// Grace for in-flight HTTP requests at shutdown.
     pub drain: Duration,
-    /// Period of ledger expiry, metrics upkeep and delta-head polling.
+    /// Period of ledger expiry, gauges and delta-head polling.
     pub tick: Duration,
 }
 
