@@ -66,6 +66,9 @@ enum Command {
         distinct: usize,
         #[arg(long, default_value_t = 256)]
         max_in_flight: usize,
+        /// Rounds per rate: the figures are the rounds' medians.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         #[arg(long, default_value_t = 5.0)]
         stop_above_p99_ms: f64,
     },
@@ -184,6 +187,7 @@ async fn main() -> anyhow::Result<()> {
             prompt_tokens,
             distinct,
             max_in_flight,
+            rounds,
             stop_above_p99_ms,
         } => {
             let lines = route_bench::run(route_bench::RouteBench {
@@ -193,6 +197,7 @@ async fn main() -> anyhow::Result<()> {
                 prompt_tokens,
                 distinct,
                 max_in_flight,
+                rounds,
                 stop_above_p99_ms,
             })
             .await?;
