@@ -103,6 +103,8 @@ pub struct EngineStats {
     pub finished: u64,
     /// Prefill-only requests done.
     pub prefills_done: u64,
+    /// Requests aborted before their end ([`Engine::abort`]).
+    pub aborted: u64,
     /// Blocks stored in the prefix cache.
     pub blocks_stored: u64,
     /// Cached blocks evicted.
@@ -198,6 +200,19 @@ impl Engine {
         self.in_flight.insert(id);
         self.sched.enqueue(Seq::new(req, prompt_len, output_len));
         Ok(())
+    }
+
+    /// Drops request `id` (its client went away): it leaves the queue or
+    /// the batch at once, and its blocks are released; the full ones stay
+    /// in the prefix cache. Call between steps (after the outputs of the
+    /// last one were applied). Returns whether the request was in flight.
+    pub fn abort(&mut self, id: u64) -> bool {
+        if !self.sched.abort(id, &mut self.cache) {
+            return false;
+        }
+        self.in_flight.remove(&id);
+        self.stats.aborted += 1;
+        true
     }
 
     /// Plans and runs the next step if there is work. The step starts at

@@ -422,6 +422,26 @@ impl Scheduler {
         }
     }
 
+    /// Removes request `id`, running or waiting, and releases its blocks
+    /// (the full ones stay cached, as after a preemption). Call between
+    /// steps. Returns whether it was there.
+    pub(crate) fn abort(&mut self, id: u64, cache: &mut KvCache) -> bool {
+        debug_assert!(self.plan.is_empty(), "abort between steps only");
+        let mut seq = if let Some(k) = self.running.iter().position(|s| s.id == id) {
+            self.running.remove(k)
+        } else if let Some(k) = self.waiting.iter().position(|s| s.id == id) {
+            let seq = self.waiting.remove(k).expect("position is in range");
+            self.waiting_prefill_tokens = self
+                .waiting_prefill_tokens
+                .saturating_sub(u64::from(seq.remaining_prefill()));
+            seq
+        } else {
+            return false;
+        };
+        release_blocks(&mut seq, cache);
+        true
+    }
+
     /// Drops every request (engine restart), in running then waiting order.
     pub(crate) fn drain(&mut self) -> impl Iterator<Item = Seq> + '_ {
         self.plan.clear();

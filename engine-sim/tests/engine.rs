@@ -465,3 +465,36 @@ fn requests_round_trip_through_restart_unchanged() {
     e.step(0).unwrap();
     assert_eq!(e.restart(1).unwrap(), vec![original]);
 }
+
+#[test]
+fn an_aborted_request_leaves_at_once_and_its_full_blocks_stay_cached() {
+    let cfg = small_config(16, 100, 64, 1);
+    let mut e = engine(Role::Both, cfg);
+    // Request 1 runs (the running cap is 1); request 2 waits behind it.
+    e.submit(req(1, &tokens(0, 40), 50, Mode::LocalPrefill))
+        .unwrap();
+    e.submit(req(2, &tokens(500, 200), 10, Mode::LocalPrefill))
+        .unwrap();
+    let s = e.step(0).unwrap();
+    assert_eq!((e.running(), e.waiting()), (1, 1));
+    assert!(e.block_counts().in_use > 0);
+
+    // The waiting one: its queued prefill goes with it.
+    assert!(e.abort(2));
+    assert_eq!(e.waiting(), 0);
+    assert_eq!(e.load_report(s.end_us()).queued_prefill_tokens, 0);
+    // The running one: its blocks are released, the full ones stay cached.
+    assert!(e.abort(1));
+    assert!(!e.abort(1));
+    assert!(e.is_idle());
+    assert_eq!(e.block_counts().in_use, 0);
+    assert_eq!(e.cached_prefix_tokens(&tokens(0, 40)), 32);
+    assert_eq!(e.stats().aborted, 2);
+    e.check_invariants().unwrap();
+    assert!(e.step(s.end_us()).is_none());
+    // The id is free again.
+    e.submit(req(1, &tokens(0, 40), 5, Mode::LocalPrefill))
+        .unwrap();
+    let (outs, _) = run_to_idle(&mut e, s.end_us(), 1_000);
+    assert_eq!(tokens_of(&outs, 1), 5);
+}

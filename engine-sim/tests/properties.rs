@@ -32,6 +32,10 @@ enum Op {
     },
     Step,
     Restart,
+    /// Aborts a request in flight (the `pick`th of those submitted).
+    Abort {
+        pick: usize,
+    },
 }
 
 fn mode() -> impl Strategy<Value = Mode> {
@@ -47,6 +51,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(pick, suffix, outputs, mode)| Op::NextTurn { pick, suffix, outputs, mode }),
         10 => Just(Op::Step),
         1 => Just(Op::Restart),
+        1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
     ]
 }
 
@@ -231,6 +236,23 @@ impl Harness {
         true
     }
 
+    /// An aborted request leaves without another output; a finished one
+    /// cannot be aborted.
+    fn abort(&mut self, pick: usize) {
+        let mut ids: Vec<u64> = self.expect.keys().copied().collect();
+        if ids.is_empty() {
+            return;
+        }
+        ids.sort_unstable();
+        let id = ids[pick % ids.len()];
+        let e = &self.expect[&id];
+        let done = e.finished + e.prefill_done > 0;
+        assert_eq!(self.engine.abort(id), !done, "abort of request {id}");
+        if !done {
+            self.expect.remove(&id);
+        }
+    }
+
     fn restart(&mut self) {
         self.epoch += 1;
         let dropped = self.engine.restart(self.epoch).unwrap();
@@ -298,6 +320,7 @@ impl Harness {
                 self.step();
             }
             Op::Restart => self.restart(),
+            Op::Abort { pick } => self.abort(*pick),
         }
     }
 

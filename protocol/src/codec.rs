@@ -6,7 +6,8 @@ use serde::Serialize;
 use crate::decision::RouteDecision;
 use crate::events::{KvEventBatch, LoadReport};
 use crate::generate::{
-    GenerateChunk, GenerateRequest, OverlapQuery, OverlapReply, RequestProgress, ResyncReply,
+    CancelRequest, GenerateChunk, GenerateRequest, OverlapQuery, OverlapReply, RequestProgress,
+    ResyncReply,
 };
 use crate::index::{IndexDelta, IndexSnapshot};
 use crate::registry::WorkerRecord;
@@ -110,6 +111,7 @@ message! {
     IndexSnapshot => "IndexSnapshot", version 1;
     GenerateRequest => "GenerateRequest", version 1;
     GenerateChunk => "GenerateChunk", version 1;
+    CancelRequest => "CancelRequest", version 1;
     ResyncReply => "ResyncReply", version 1;
     OverlapQuery => "OverlapQuery", version 1;
     OverlapReply => "OverlapReply", version 1;

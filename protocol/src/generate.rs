@@ -198,6 +198,17 @@ impl TryFrom<u8> for Progress {
     }
 }
 
+/// Sent by the router to a worker serving a request nobody waits for any
+/// more (the client went away): the worker stops generating it and frees
+/// its KV. A cancel for a request the worker no longer serves is ignored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelRequest {
+    pub decision: DecisionId,
+    pub request_id: String,
+    /// Why, for the worker's log.
+    pub reason: String,
+}
+
 /// Published by the replica that dispatched a request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestProgress {

@@ -21,8 +21,8 @@ pub use codec::{DecodeError, Message};
 pub use decision::{Annotation, Path, RouteDecision};
 pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
 pub use generate::{
-    FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams, OverlapQuery,
-    OverlapReply, Progress, RequestProgress, ResyncReply, Stage, WorkerOverlap,
+    CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams,
+    OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply, Stage, WorkerOverlap,
 };
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, WorkerId};

@@ -66,6 +66,11 @@ pub fn generate(worker: &WorkerId) -> String {
     format!("sy.worker.{}.generate", worker.subject_tokens())
 }
 
+/// Core NATS: [`crate::CancelRequest`]s for the requests a worker serves.
+pub fn cancel(worker: &WorkerId) -> String {
+    format!("sy.worker.{}.cancel", worker.subject_tokens())
+}
+
 /// Request/reply: ask a worker's agent to publish its full block set again.
 pub fn resync(worker: &WorkerId) -> String {
     format!("sy.worker.{}.resync", worker.subject_tokens())

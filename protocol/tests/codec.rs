@@ -157,6 +157,12 @@ fn every_message_round_trips() {
         let chunk = GenerateChunk { index: 4, event };
         assert_eq!(GenerateChunk::decode(&chunk.encode()).unwrap(), chunk);
     }
+    let cancel = CancelRequest {
+        decision: DecisionId(9),
+        request_id: "r-9".into(),
+        reason: "the client went away".into(),
+    };
+    assert_eq!(CancelRequest::decode(&cancel.encode()).unwrap(), cancel);
 }
 
 #[test]
@@ -237,6 +243,7 @@ proptest! {
         let _ = GenerateRequest::decode(&bytes);
         let _ = GenerateChunk::decode(&bytes);
         let _ = OverlapReply::decode(&bytes);
+        let _ = CancelRequest::decode(&bytes);
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub const RESYNCS: &str = "worker_agent_resyncs_total";
 pub const GENERATE_REQUESTS: &str = "worker_agent_generate_requests_total";
 /// Messages that are not valid requests, by `reason` (decode, no_reply).
 pub const MALFORMED_REQUESTS: &str = "worker_agent_malformed_requests_total";
+/// Cancel requests from routers, by `outcome` (`cancelled`, `already_ended`).
+pub const CANCELS: &str = "worker_agent_cancels_total";
 /// Load reports published.
 pub const LOAD_REPORTS: &str = "worker_agent_load_reports_total";
 /// Core NATS publishes that failed or were skipped (NATS down), by `kind`

@@ -2,6 +2,7 @@
 //! etcd. One loop owns the state; everything that happens to it is one
 //! `Event`, awaited in one `select!` (`Agent::next_event`).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -15,10 +16,10 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use metrics::{counter, gauge};
 use protocol::{
-    subjects, DecisionId, GenerateChunk, GenerateEvent, GenerateRequest, KvEvent, LoadReport,
-    Message, ResyncReply, Role, Stage, WorkerId, WorkerRecord, WorkerSubjects,
+    subjects, CancelRequest, DecisionId, GenerateChunk, GenerateEvent, GenerateRequest, KvEvent,
+    LoadReport, Message, ResyncReply, Role, Stage, WorkerId, WorkerRecord, WorkerSubjects,
 };
-use tokio::task::{JoinError, JoinSet};
+use tokio::task::{AbortHandle, JoinError, JoinSet};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::{debug, error, info, warn, Instrument};
 
@@ -129,6 +130,7 @@ async fn serve_worker(
     let client = bus.client().clone();
     let generate = subscribe(&client, subjects::generate(&worker)).await?;
     let resync = subscribe(&client, subjects::resync(&worker)).await?;
+    let cancel = subscribe(&client, subjects::cancel(&worker)).await?;
 
     let (http_stop, http_task) = match config.http_addr {
         Some(addr) => {
@@ -165,7 +167,12 @@ async fn serve_worker(
     let registry = Registry::connect(&config.etcd_endpoints).await?;
     let registration = registry.register(&record, settings.lease_ttl).await?;
 
-    let mut agent = Agent::new(&settings, engine.clone(), bus, kv_updates, generate, resync);
+    let subscriptions = Subscriptions {
+        generate,
+        resync,
+        cancel,
+    };
+    let mut agent = Agent::new(&settings, engine.clone(), bus, kv_updates, subscriptions);
     info!(
         role = %settings.role,
         epoch = agent.outbox.epoch(),
@@ -230,6 +237,8 @@ enum Event {
     Generate(Option<NatsMessage>),
     /// A message on the resync subject; `None` when the subscription ended.
     Resync(Option<NatsMessage>),
+    /// A message on the cancel subject; `None` when the subscription ended.
+    Cancel(Option<NatsMessage>),
     /// Time to check the load.
     LoadTick,
     /// A stream forwarder or a reply task ended.
@@ -280,6 +289,10 @@ struct Agent {
     kv_updates: BoxStream<'static, KvUpdate>,
     generate: Subscriber,
     resync: Subscriber,
+    cancel: Subscriber,
+    /// The generation streams being forwarded, by decision: a cancel
+    /// aborts the forwarder, which drops the engine's stream.
+    streams: HashMap<DecisionId, AbortHandle>,
     outbox: KvOutbox,
     /// The KV batch publish in flight.
     publishing: Option<BoxFuture<'static, PublishDone>>,
@@ -317,9 +330,13 @@ impl Agent {
         engine: Arc<dyn Engine>,
         bus: Bus,
         kv_updates: BoxStream<'static, KvUpdate>,
-        generate: Subscriber,
-        resync: Subscriber,
+        subscriptions: Subscriptions,
     ) -> Self {
+        let Subscriptions {
+            generate,
+            resync,
+            cancel,
+        } = subscriptions;
         let mut load_tick = tokio::time::interval(settings.load_poll);
         load_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         // A fresh epoch at every start: later than any earlier one.
@@ -334,6 +351,8 @@ impl Agent {
             kv_updates,
             generate,
             resync,
+            cancel,
+            streams: HashMap::new(),
             outbox,
             publishing: None,
             failures: 0,
@@ -368,14 +387,26 @@ impl Agent {
                     })
                 }
                 Event::Resync(Some(message)) => self.on_resync(message),
+                Event::Cancel(Some(message)) => self.on_cancel(&message),
+                Event::Cancel(None) => {
+                    return Err(AgentError::SubscriptionClosed {
+                        subject: subjects::cancel(&self.worker),
+                    })
+                }
                 Event::Resync(None) => {
                     return Err(AgentError::SubscriptionClosed {
                         subject: subjects::resync(&self.worker),
                     })
                 }
                 Event::LoadTick => self.on_load_tick().await,
-                Event::TaskEnded(Ok(())) => {}
-                Event::TaskEnded(Err(e)) => error!(error = %e, "a stream task failed"),
+                Event::TaskEnded(ended) => {
+                    if let Err(e) = ended {
+                        if !e.is_cancelled() {
+                            error!(error = %e, "a stream task failed");
+                        }
+                    }
+                    self.streams.retain(|_, task| !task.is_finished());
+                }
             }
             self.pump_kv();
         }
@@ -390,6 +421,7 @@ impl Agent {
             publishing: publish,
             generate,
             resync,
+            cancel,
             load_tick,
             tasks: task_set,
             ..
@@ -402,6 +434,7 @@ impl Agent {
             }
             message = generate.next() => Event::Generate(message),
             message = resync.next() => Event::Resync(message),
+            message = cancel.next() => Event::Cancel(message),
             _ = load_tick.tick() => Event::LoadTick,
             Some(ended) = task_set.join_next(), if tasks => Event::TaskEnded(ended),
         }
@@ -718,9 +751,48 @@ impl Agent {
             max_tokens = request.max_tokens,
             "generate"
         );
+        let decision = request.annotation.decision;
         let events = self.engine.generate(request);
-        self.tasks.spawn(forward(out, events).in_current_span());
+        let task = self.tasks.spawn(forward(out, events).in_current_span());
+        self.streams.insert(decision, task);
     }
+
+    /// The router gave up on a request (its client went away): stop
+    /// generating it. Late cancels (the stream already ended) are ignored.
+    fn on_cancel(&mut self, message: &NatsMessage) {
+        let cancel = match CancelRequest::decode(&message.payload) {
+            Ok(cancel) => cancel,
+            Err(e) => {
+                counter!(m::MALFORMED_REQUESTS, "reason" => "cancel").increment(1);
+                warn!(bytes = message.payload.len(), error = %e, "malformed cancel request");
+                return;
+            }
+        };
+        let outcome = match self.streams.remove(&cancel.decision) {
+            Some(task) if !task.is_finished() => {
+                task.abort();
+                info!(
+                    request_id = %cancel.request_id,
+                    decision = %cancel.decision,
+                    reason = %cancel.reason,
+                    "generation cancelled"
+                );
+                "cancelled"
+            }
+            _ => {
+                debug!(request_id = %cancel.request_id, decision = %cancel.decision, "cancel for a stream that already ended");
+                "already_ended"
+            }
+        };
+        counter!(m::CANCELS, "outcome" => outcome).increment(1);
+    }
+}
+
+/// The subjects an agent serves.
+struct Subscriptions {
+    generate: Subscriber,
+    resync: Subscriber,
+    cancel: Subscriber,
 }
 
 /// The delay before publishing a batch again after `failures` failures.

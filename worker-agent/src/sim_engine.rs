@@ -268,6 +268,7 @@ impl Driver {
                 DriverEvent::StepEnded => self.end_step(),
                 DriverEvent::TransferDone => self.transfers_done(),
             }
+            self.drop_abandoned();
             self.update_load();
         }
     }
@@ -448,6 +449,24 @@ impl Driver {
             }
             self.mirror.apply(&events);
             let _ = self.kv.send(KvUpdate::Events(events));
+        }
+    }
+
+    /// Aborts the requests whose stream the agent dropped (the router
+    /// cancelled them): they leave the engine and free their KV.
+    fn drop_abandoned(&mut self) {
+        let abandoned: Vec<u64> = self
+            .live
+            .iter()
+            .filter(|(_, live)| live.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in abandoned {
+            if let Some(live) = self.live.remove(&id) {
+                let waiting_for_kv = self.awaiting_kv.remove(&id).is_some();
+                let aborted = self.engine.abort(id);
+                tracing::debug!(request_id = %live.request_id, waiting_for_kv, aborted, "request abandoned");
+            }
         }
     }
 

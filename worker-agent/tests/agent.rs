@@ -7,15 +7,16 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use async_nats::jetstream::consumer;
-use async_nats::Client;
+use async_nats::{Client, Subscriber};
 use bus::{Bus, Registry, StreamLimits, WorkerChange};
 use engine_sim::Preset;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use protocol::{
-    subjects, Annotation, BlockHash, BlockHasher, DecisionId, FinishReason, GenerateChunk,
-    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvEventBatch, KvTransferParams,
-    LoadReport, Message, Path, ResyncReply, Role, Stage, WorkerId, WorkerRecord, WorkerSubjects,
+    subjects, Annotation, BlockHash, BlockHasher, CancelRequest, DecisionId, FinishReason,
+    GenerateChunk, GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvEventBatch,
+    KvTransferParams, LoadReport, Message, Path, ResyncReply, Role, Stage, WorkerId, WorkerRecord,
+    WorkerSubjects,
 };
 use tests::{EtcdServer, NatsServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -799,4 +800,94 @@ async fn a_queue_overflow_resyncs_instead_of_dropping() -> Result<()> {
     let kv = through_an_outage("overflow", 3).await?;
     assert!(kv.epochs.len() >= 2, "no resync: {:?}", kv.epochs);
     Ok(())
+}
+
+// --- 7. Cancellation ------------------------------------------------------
+
+/// A cancelled generation stops: no more chunks come, and the engine drops
+/// the request (its load reports show nothing running). A cancel for a
+/// stream that already ended, and a malformed one, change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_generation_stops_and_leaves_the_engine() -> Result<()> {
+    let servers = Servers::start()?;
+    let client = servers.client().await?;
+    let id = worker("cancel");
+    let mut config = servers.config("cancel", Role::Both);
+    // 2,000 decode steps of ~8.5 ms: ~17 s if not cancelled.
+    config.speedup = 1.0;
+    let agent = Agent::start(config);
+    wait_registered(&servers.registry().await?, &id).await?;
+    let mut reports = client.subscribe(subjects::load(&id)).await?;
+
+    let long = request("long", Stage::Local, prompt(30, 64), 2_000);
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await?;
+    client
+        .publish_with_reply(subjects::generate(&id), inbox, long.encode().into())
+        .await?;
+    for _ in 0..3 {
+        timeout(WAIT, replies.next())
+            .await
+            .context("waiting for a chunk")?
+            .context("replies ended")?;
+    }
+    until_running(&mut reports, true)
+        .await
+        .context("the request never showed as running")?;
+    send_cancel(&client, &id, &long).await?;
+    client
+        .publish(subjects::cancel(&id), b"garbage".to_vec().into())
+        .await?;
+
+    // The engine drops it at once: a report shows nothing running well
+    // before the request could have finished.
+    let idle = until_running(&mut reports, false)
+        .await
+        .context("the cancelled request kept running")?;
+    assert_eq!((idle.waiting, idle.active_decode_blocks), (0, 0));
+    // No chunk comes any more (a few may have been in flight).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    while let Ok(Some(_)) = timeout(Duration::from_millis(10), replies.next()).await {}
+    assert!(
+        timeout(Duration::from_millis(300), replies.next())
+            .await
+            .is_err(),
+        "chunks still come after the cancel"
+    );
+
+    // Serving goes on; a cancel after the end is ignored.
+    let mut short = request("short", Stage::Local, prompt(31, 64), 3);
+    short.annotation.decision = DecisionId(0xd1);
+    let events = generate(&client, &id, &short).await?;
+    assert_eq!(output_tokens(&events).len(), 3);
+    send_cancel(&client, &id, &short).await?;
+    client.flush().await?;
+    agent.shutdown().await?;
+    Ok(())
+}
+
+async fn send_cancel(client: &Client, id: &WorkerId, request: &GenerateRequest) -> Result<()> {
+    let cancel = CancelRequest {
+        decision: request.annotation.decision,
+        request_id: request.request_id.clone(),
+        reason: "test".into(),
+    };
+    client
+        .publish(subjects::cancel(id), cancel.encode().into())
+        .await?;
+    Ok(())
+}
+
+/// The first load report (within 3 s) whose `running > 0` is `running`.
+async fn until_running(reports: &mut Subscriber, running: bool) -> Result<LoadReport> {
+    timeout(Duration::from_secs(3), async {
+        while let Some(message) = reports.next().await {
+            let report = LoadReport::decode(&message.payload)?;
+            if (report.running > 0) == running {
+                return Ok(report);
+            }
+        }
+        anyhow::bail!("reports ended")
+    })
+    .await?
 }

@@ -22,8 +22,9 @@ use std::time::Duration;
 use bus::Bus;
 use futures::StreamExt;
 use protocol::{
-    DecisionId, DecisionRecord, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest,
-    Message, Path, Progress, RequestProgress, RouteDecision, Stage, WorkerId,
+    subjects, CancelRequest, DecisionId, DecisionRecord, FinishReason, GenerateChunk,
+    GenerateEvent, GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Stage,
+    WorkerId,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -207,7 +208,7 @@ impl Dispatcher {
         Self {
             inner: Arc::new(Inner {
                 client: bus.client().clone(),
-                progress_subject: protocol::subjects::progress(&replica),
+                progress_subject: subjects::progress(&replica),
                 bus,
                 replica,
                 commands,
@@ -234,6 +235,31 @@ impl Dispatcher {
             }
             .in_current_span(),
         );
+    }
+
+    /// Asks the decision's workers to stop generating it (only the one
+    /// serving its current leg is; the other ignores the cancel).
+    fn cancel(&self, decision: &RouteDecision, reason: &str) {
+        let payload = CancelRequest {
+            decision: decision.id,
+            request_id: decision.request_id.clone(),
+            reason: reason.to_owned(),
+        }
+        .encode();
+        let client = self.inner.client.clone();
+        let workers: Vec<WorkerId> = std::iter::once(decision.decode.clone())
+            .chain(decision.prefill.clone())
+            .collect();
+        spawn(async move {
+            for worker in workers {
+                if let Err(e) = client
+                    .publish(subjects::cancel(&worker), payload.clone().into())
+                    .await
+                {
+                    tracing::warn!(%worker, error = %e, "publishing a cancel failed");
+                }
+            }
+        });
     }
 
     /// Tells this replica's ledger (through the loop) and the peers'.
@@ -305,8 +331,9 @@ impl Dispatcher {
                     return;
                 }
                 Err(DispatchError::ClientGone) => {
-                    tracing::info!(decision = %routed.decision.id, "the client went away; request abandoned");
+                    tracing::info!(decision = %routed.decision.id, "the client went away; request cancelled");
                     metrics.dispatch("client_gone");
+                    self.cancel(&routed.decision, "the client went away");
                     return;
                 }
                 Err(e) => e,

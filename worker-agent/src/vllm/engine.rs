@@ -494,7 +494,13 @@ impl Engine for VllmEngine {
         let guard = InflightGuard::new(&self.shared, request.prompt.len());
         tokio::spawn(
             async move {
-                ctx.serve(request, &tx, &guard).await;
+                // A dropped stream (the router cancelled the request) drops
+                // the HTTP response, and vLLM aborts a request whose
+                // connection closed.
+                tokio::select! {
+                    () = ctx.serve(request, &tx, &guard) => {}
+                    () = tx.closed() => {}
+                }
             }
             .in_current_span(),
         );
