@@ -125,3 +125,19 @@ async fn a_conversation_on_mock_vllm_engines() -> Result<()> {
     .await;
     result.with_context(|| cluster.logs())
 }
+
+/// A client that leaves mid-stream: the adapter closes the engine's HTTP
+/// stream, which is how vLLM learns to abort a request.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_leaves_cancels_its_request_on_the_engine() -> Result<()> {
+    let cluster = Cluster::start_with(
+        &[
+            ("p0", "prefill", VLLM_ARRAYS),
+            ("d0", "decode", VLLM_ARRAYS),
+        ],
+        1,
+    )
+    .await?;
+    let result = cluster.leave_mid_stream("d0").await;
+    result.with_context(|| cluster.logs())
+}

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use futures::StreamExt;
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{KvEventBatch, Message};
@@ -313,6 +313,53 @@ impl Cluster {
             .await
     }
 
+    /// Starts a long streamed completion that bypasses to `decode` (a short
+    /// prompt; 20,000 tokens would take ~18 s), leaves after three chunks,
+    /// and checks that the worker dropped the request: its load reports
+    /// show nothing running within 5 s, and its agent counted the cancel.
+    pub async fn leave_mid_stream(&self, decode: &str) -> Result<()> {
+        let nats = async_nats::connect(self.nats.url()).await?;
+        let id: protocol::WorkerId = decode.parse()?;
+        let mut reports = nats.subscribe(protocol::subjects::load(&id)).await?;
+        let response = self
+            .http
+            .post(format!("{}/v1/completions", self.routers[0].url()))
+            .json(&json!({
+                "model": MODEL,
+                "prompt": tokens(90, 64),
+                "max_tokens": 20_000,
+                "stream": true,
+            }))
+            .send()
+            .await?;
+        ensure!(response.status().is_success(), "{}", response.status());
+        let mut body = response.bytes_stream();
+        for _ in 0..3 {
+            body.next().await.context("the stream ended")??;
+        }
+        // Reports until the worker shows the request running, then until
+        // it shows nothing running.
+        until_running(&mut reports, true)
+            .await
+            .with_context(|| format!("{decode} never ran the request"))?;
+        drop(body);
+        until_running(&mut reports, false)
+            .await
+            .with_context(|| format!("{decode} kept generating for a client that left"))?;
+        let metrics = self
+            .http
+            .get(format!("{}/metrics", self.worker(decode)?.agent.url()))
+            .send()
+            .await?
+            .text()
+            .await?;
+        ensure!(
+            metrics.contains(r#"worker_agent_cancels_total{outcome="cancelled"} 1"#),
+            "{metrics}"
+        );
+        Ok(())
+    }
+
     /// A non-streamed completion; the response JSON (with `switchyard`).
     pub async fn complete(
         &self,
@@ -509,4 +556,18 @@ pub async fn conversation(
         responses.push(response);
     }
     Ok(responses)
+}
+
+/// Waits (5 s at most) for a load report whose `running > 0` is `running`.
+async fn until_running(reports: &mut async_nats::Subscriber, running: bool) -> Result<()> {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(message) = reports.next().await {
+            let report = protocol::LoadReport::decode(&message.payload)?;
+            if (report.running > 0) == running {
+                return Ok(());
+            }
+        }
+        bail!("load reports ended")
+    })
+    .await?
 }

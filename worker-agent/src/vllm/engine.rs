@@ -496,7 +496,9 @@ impl Engine for VllmEngine {
             async move {
                 // A dropped stream (the router cancelled the request) drops
                 // the HTTP response, and vLLM aborts a request whose
-                // connection closed.
+                // connection closed. The stream also stops at the next
+                // token it cannot pass on; this covers a silent engine
+                // (queued, or in a long prefill).
                 tokio::select! {
                     () = ctx.serve(request, &tx, &guard) => {}
                     () = tx.closed() => {}
