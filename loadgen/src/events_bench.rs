@@ -2,8 +2,10 @@
 //! KV batches to JetStream; a running kv-indexer turns them into deltas; a
 //! replica here follows the deltas exactly as a router does. Reports the
 //! delay from publishing a batch to its delta being applied in the replica
-//! (one clock: both ends are in this process), and the sustained rate of
-//! block events through the whole pipeline.
+//! (one clock: both ends are in this process), the part of it spent before
+//! JetStream acknowledged the batch, and the sustained rate of block events
+//! through the whole pipeline. Publishing starts once the replica has
+//! caught up with the delta stream.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,6 +63,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
 
     // The follower: a router's view of the index, built as a router builds
     // it (the latest snapshot, then the deltas after it).
+    let (caught_up_tx, caught_up_rx) = tokio::sync::oneshot::channel();
     let follower = {
         let mut replica = IndexReplica::new();
         let from = match bus.latest_snapshot().await? {
@@ -73,6 +76,13 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         };
         let mut deltas = bus.deltas_from(from).await?;
         let (published, done) = (published.clone(), done.clone());
+        // Publishing starts once the follower holds every delta there was:
+        // catching up on an earlier history is not a delay to measure.
+        let head = bus.last_delta_seq().await?;
+        let mut caught_up = Some(caught_up_tx);
+        if replica.applied() >= head {
+            let _ = caught_up.take().map(|tx| tx.send(()));
+        }
         tokio::spawn(async move {
             let mut delays = Samples::default();
             let mut blocks = 0u64;
@@ -84,6 +94,9 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
                 replica.apply(&delta)?;
                 let now = Instant::now();
                 applied += 1;
+                if replica.applied() >= head {
+                    let _ = caught_up.take().map(|tx| tx.send(()));
+                }
                 if let Some(source) = &delta.source {
                     let key = (source.worker.clone(), source.epoch, source.last_seq);
                     if let Some(sent) = published.lock().await.remove(&key) {
@@ -109,15 +122,23 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         })
     };
 
+    tokio::time::timeout(Duration::from_secs(60), caught_up_rx)
+        .await
+        .context("the follower did not catch up with the delta stream within 60 s")?
+        .context("the follower stopped before catching up")?;
+
     // The publishers: each a worker extending its own chains.
     let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
     let per_worker_batches_per_s =
         bench.block_events_per_s / bench.blocks_per_batch as f64 / bench.workers as f64;
     let interval = Duration::from_secs_f64(1.0 / per_worker_batches_per_s);
     let batches = (per_worker_batches_per_s * bench.duration.as_secs_f64()).ceil() as u64;
+    // Publish start to JetStream's ack: the part of the delay spent before
+    // the indexer can see the batch.
+    let acks: Arc<std::sync::Mutex<Samples>> = Arc::default();
     let mut publishers = tokio::task::JoinSet::new();
     for w in 0..bench.workers {
-        let (bus, published) = (bus.clone(), published.clone());
+        let (bus, published, acks) = (bus.clone(), published.clone(), acks.clone());
         let worker = WorkerId::new(&format!("bench{w}"), 0)?;
         let blocks_per_batch = bench.blocks_per_batch;
         publishers.spawn(async move {
@@ -150,13 +171,15 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
                     seq,
                     events,
                 };
+                let sent = Instant::now();
                 published
                     .lock()
                     .await
-                    .insert((worker.clone(), epoch, seq), Instant::now());
+                    .insert((worker.clone(), epoch, seq), sent);
                 bus.publish_kv_batch(&batch)
                     .await
                     .context("publishing a batch")?;
+                acks.lock().expect("not poisoned").push(sent.elapsed());
             }
             anyhow::Ok(())
         });
@@ -182,5 +205,6 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         "deltas_applied": applied,
         "block_events_per_s": round3(blocks as f64 / seconds.max(1e-9)),
         "publish_to_router_view_ms": delays.summary(),
+        "publish_to_ack_ms": acks.lock().expect("not poisoned").summary(),
     }))
 }
