@@ -21,6 +21,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
+use axum::serve::ListenerExt;
 use bus::{Bus, BusError, Registry, RegistryError, StreamLimits};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -134,6 +135,13 @@ pub async fn run(
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving HTTP");
     }
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's
+    // algorithm holds each one until the previous is acknowledged.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY on a connection");
+        }
+    });
     let mut http_task = tokio::spawn(async move {
         let mut stopped = http_stopped;
         axum::serve(listener, routes)
