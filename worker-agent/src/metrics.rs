@@ -25,7 +25,8 @@ pub const RESYNCS: &str = "worker_agent_resyncs_total";
 /// Generation requests by `stage` and `outcome` (finished, failed,
 /// interrupted, refused).
 pub const GENERATE_REQUESTS: &str = "worker_agent_generate_requests_total";
-/// Messages that are not valid requests, by `reason` (decode, no_reply).
+/// Messages that are not valid requests, by `reason` (decode, no_reply,
+/// cancel).
 pub const MALFORMED_REQUESTS: &str = "worker_agent_malformed_requests_total";
 /// Cancel requests from routers, by `outcome` (`cancelled`, `already_ended`).
 pub const CANCELS: &str = "worker_agent_cancels_total";

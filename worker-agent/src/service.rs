@@ -387,15 +387,15 @@ impl Agent {
                     })
                 }
                 Event::Resync(Some(message)) => self.on_resync(message),
+                Event::Resync(None) => {
+                    return Err(AgentError::SubscriptionClosed {
+                        subject: subjects::resync(&self.worker),
+                    })
+                }
                 Event::Cancel(Some(message)) => self.on_cancel(&message),
                 Event::Cancel(None) => {
                     return Err(AgentError::SubscriptionClosed {
                         subject: subjects::cancel(&self.worker),
-                    })
-                }
-                Event::Resync(None) => {
-                    return Err(AgentError::SubscriptionClosed {
-                        subject: subjects::resync(&self.worker),
                     })
                 }
                 Event::LoadTick => self.on_load_tick().await,

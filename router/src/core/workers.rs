@@ -433,19 +433,12 @@ impl Workers {
     /// no tombstone, since no late copy of it can come. Returns whether an
     /// in-flight entry was released.
     pub fn forget(&mut self, id: DecisionId) -> bool {
-        match self.entries.remove(&id) {
-            Some(Entry {
-                live: Some(live), ..
-            }) => {
-                self.release(&live);
-                true
-            }
-            Some(tombstone) => {
-                self.entries.insert(id, tombstone);
-                false
-            }
-            None => false,
-        }
+        let Some(live) = self.entries.get(&id).and_then(|e| e.live) else {
+            return false; // unknown, or a tombstone (which stays)
+        };
+        self.entries.remove(&id);
+        self.release(&live);
+        true
     }
 
     /// Drops the entries whose TTL ran out by `now_ms` (and old tombstones).
