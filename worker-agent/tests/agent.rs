@@ -1,6 +1,8 @@
 //! The agent against real nats-server and etcd processes, checked from the
 //! outside with plain clients.
 
+mod common;
+
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -20,10 +22,10 @@ use protocol::{
 };
 use tests::{EtcdServer, NatsServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 use worker_agent::{AgentError, BlockMirror, Config};
+
+use common::Agent;
 
 const PRESET: Preset = Preset::llama8b_h100();
 const BLOCK_SIZE: u32 = 16;
@@ -66,35 +68,6 @@ impl Servers {
 
     async fn registry(&self) -> Result<Registry> {
         Ok(Registry::connect(&[self.etcd.endpoint()]).await?)
-    }
-}
-
-/// An agent running in a task.
-struct Agent {
-    task: JoinHandle<Result<(), AgentError>>,
-    stop: Option<oneshot::Sender<()>>,
-}
-
-impl Agent {
-    fn start(config: Config) -> Self {
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(worker_agent::run(config, async {
-            let _ = stopped.await;
-        }));
-        Self {
-            task,
-            stop: Some(stop),
-        }
-    }
-
-    async fn shutdown(mut self) -> Result<()> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        timeout(WAIT, &mut self.task)
-            .await??
-            .context("the agent failed")?;
-        Ok(())
     }
 }
 
@@ -354,7 +327,7 @@ async fn registers_and_revokes_at_shutdown() -> Result<()> {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(record(&registry, &id).await?.is_some());
 
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     assert_eq!(record(&registry, &id).await?, None, "revoked at shutdown");
     Ok(())
 }
@@ -366,7 +339,7 @@ async fn registration_expires_when_the_agent_dies() -> Result<()> {
     let id = worker("dies");
     let agent = Agent::start(servers.config("dies", Role::Both));
     wait_registered(&registry, &id).await?;
-    agent.task.abort();
+    agent.kill();
     let aborted = Instant::now();
     while record(&registry, &id).await?.is_some() {
         ensure!(
@@ -496,7 +469,7 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
     kv.until_holding(&want).await?;
     assert_eq!(kv.epochs.len(), 1, "one epoch");
 
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     Ok(())
 }
 
@@ -515,13 +488,13 @@ async fn a_restart_starts_a_greater_epoch() -> Result<()> {
         (first.seq, first.events.clone()),
         (0, vec![KvEvent::Cleared])
     );
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
 
     let agent = Agent::start(servers.config("restart", Role::Both));
     let second = kv.next().await?; // the follower checks: greater, seq 0, Cleared
     assert!(second.epoch > first.epoch);
     assert_eq!(kv.epochs, vec![first.epoch, second.epoch]);
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     Ok(())
 }
 
@@ -584,7 +557,7 @@ async fn a_resync_republishes_the_full_block_set() -> Result<()> {
     kv.until_holding(&hasher().hash_prompt(&prompt(12, 32)))
         .await?;
     assert_eq!(kv.epoch, Some(reply.epoch));
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     Ok(())
 }
 
@@ -633,7 +606,7 @@ async fn load_reports_come_at_least_every_100ms_and_on_change() -> Result<()> {
         got.push(LoadReport::decode(&message.payload)?);
     }
     generation.await??;
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
 
     assert!(got.iter().all(|r| r.worker == id));
     assert!(got
@@ -733,7 +706,7 @@ async fn bad_requests_get_a_clear_failure_and_serving_goes_on() -> Result<()> {
     ] {
         assert!(metrics.contains(line), "{line} missing from\n{metrics}");
     }
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     Ok(())
 }
 
@@ -782,7 +755,7 @@ async fn through_an_outage(name: &str, kv_queue_events: usize) -> Result<KvFollo
     let want = hasher().hash_prompt(&chain);
     assert_eq!(want.len(), (64 + 399) / 16);
     kv.until_holding(&want).await?;
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     Ok(kv)
 }
 
@@ -862,7 +835,7 @@ async fn a_cancelled_generation_stops_and_leaves_the_engine() -> Result<()> {
     assert_eq!(output_tokens(&events).len(), 3);
     send_cancel(&client, &id, &short).await?;
     client.flush().await?;
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     Ok(())
 }
 

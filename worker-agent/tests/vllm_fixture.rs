@@ -7,6 +7,8 @@
 //! from scripts/requirements-test.txt and sets it); without it these
 //! tests say so and pass.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -24,9 +26,10 @@ use tests::{free_port, EtcdServer, NatsServer};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 use worker_agent::{AgentError, BlockMirror, Config, EngineChoice};
+
+use common::Agent;
 
 const MODEL: &str = "fixture-model";
 const BLOCK_SIZE: u32 = 4;
@@ -188,34 +191,6 @@ fn agent_config(
     config.engine_startup_timeout_s = 10;
     config.kv_replay_timeout_ms = 2_000;
     config
-}
-
-struct Agent {
-    task: JoinHandle<Result<(), AgentError>>,
-    stop: Option<oneshot::Sender<()>>,
-}
-
-impl Agent {
-    fn start(config: Config) -> Self {
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(worker_agent::run(config, async {
-            let _ = stopped.await;
-        }));
-        Self {
-            task,
-            stop: Some(stop),
-        }
-    }
-
-    async fn shutdown(mut self) -> Result<()> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        timeout(WAIT, &mut self.task)
-            .await??
-            .context("the agent failed")?;
-        Ok(())
-    }
 }
 
 /// Follows one worker's batches on JetStream and mirrors its blocks.
@@ -469,7 +444,7 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     fx.store(&prompt(12, 8), 2).await?;
     follower.until_matches(&mut fx, "cleared").await?;
 
-    agent.shutdown().await?;
+    agent.shutdown(WAIT).await?;
     fx.quit().await;
     let _ = api_stop.send(());
     Ok(())
@@ -529,7 +504,7 @@ async fn another_block_size_is_refused_loudly() -> Result<()> {
     let agent = Agent::start(config);
     fx.cmd(json!({"cmd": "wait_subscribed"})).await?;
     fx.store(&prompt(1, 8), 2).await?;
-    let result = timeout(WAIT, agent.task).await??;
+    let result = agent.outcome(WAIT).await?;
     match result {
         Err(AgentError::EngineFailed(why)) => {
             ensure!(

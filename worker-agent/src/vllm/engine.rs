@@ -788,55 +788,10 @@ impl KvTask {
     fn export_stats(&mut self) {
         let now = self.core.stats().clone();
         let old = &self.exported;
-        let pairs: [(&'static str, u64, u64); 20] = [
-            ("tail_checks", now.tail_checks, old.tail_checks),
-            ("tail_recovered", now.tail_recovered, old.tail_recovered),
-            ("batches", now.batches, old.batches),
-            (
-                "malformed_batches",
-                now.malformed_batches,
-                old.malformed_batches,
-            ),
-            ("unknown_parents", now.unknown_parents, old.unknown_parents),
-            ("unknown_removed", now.unknown_removed, old.unknown_removed),
-            (
-                "token_mismatches",
-                now.token_mismatches,
-                old.token_mismatches,
-            ),
-            ("unknown_media", now.unknown_media, old.unknown_media),
-            ("other_groups", now.other_groups, old.other_groups),
-            ("rank_mismatches", now.rank_mismatches, old.rank_mismatches),
-            ("duplicates", now.duplicates, old.duplicates),
-            ("gaps", now.gaps, old.gaps),
-            ("gaps_recovered", now.gaps_recovered, old.gaps_recovered),
-            (
-                "gaps_unrecovered",
-                now.gaps_unrecovered,
-                old.gaps_unrecovered,
-            ),
-            ("restarts", now.restarts, old.restarts),
-            ("replays", now.replays, old.replays),
-            ("replay_failures", now.replay_failures, old.replay_failures),
-            ("rebuilds", now.rebuilds, old.rebuilds),
-            (
-                "rebuild_failures",
-                now.rebuild_failures,
-                old.rebuild_failures,
-            ),
-            (
-                "partial_histories",
-                now.partial_histories,
-                old.partial_histories,
-            ),
-        ];
-        for (what, new, was) in pairs {
+        for ((what, new), (_, was)) in now.counters().into_iter().zip(old.counters()) {
             if new > was {
                 counter!(m::ENGINE_KV, "what" => what).increment(new - was);
             }
-        }
-        if now.resyncs > old.resyncs {
-            counter!(m::ENGINE_KV, "what" => "resyncs").increment(now.resyncs - old.resyncs);
         }
         for (reason, n) in &now.skipped_events {
             let was = old.skipped_events.get(reason).copied().unwrap_or(0);

@@ -121,6 +121,36 @@ pub struct Stats {
     pub tail_recovered: u64,
 }
 
+impl Stats {
+    /// The plain counters with their metric labels (`skipped_events` has
+    /// its own, by reason).
+    pub fn counters(&self) -> [(&'static str, u64); 21] {
+        [
+            ("batches", self.batches),
+            ("malformed_batches", self.malformed_batches),
+            ("unknown_parents", self.unknown_parents),
+            ("unknown_removed", self.unknown_removed),
+            ("token_mismatches", self.token_mismatches),
+            ("unknown_media", self.unknown_media),
+            ("other_groups", self.other_groups),
+            ("rank_mismatches", self.rank_mismatches),
+            ("duplicates", self.duplicates),
+            ("gaps", self.gaps),
+            ("gaps_recovered", self.gaps_recovered),
+            ("gaps_unrecovered", self.gaps_unrecovered),
+            ("restarts", self.restarts),
+            ("replays", self.replays),
+            ("replay_failures", self.replay_failures),
+            ("rebuilds", self.rebuilds),
+            ("rebuild_failures", self.rebuild_failures),
+            ("partial_histories", self.partial_histories),
+            ("resyncs", self.resyncs),
+            ("tail_checks", self.tail_checks),
+            ("tail_recovered", self.tail_recovered),
+        ]
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Purpose {
     Start,
