@@ -19,22 +19,11 @@ use rand_chacha::ChaCha8Rng;
 use router::{
     decision_seed, IslBased, Overrides, Replayer, RouteRequest, RouterConfig, RouterCore,
 };
+use tests::tokens;
 
 const DECODE: usize = 64;
 const PREFILL: usize = 8;
 const BLOCK: u32 = 16;
-
-fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 150_000) as u32
-        })
-        .collect()
-}
 
 fn record(name: String, role: Role, contract: &HashingContract) -> WorkerRecord {
     let id: WorkerId = name.parse().unwrap();

@@ -20,24 +20,12 @@ use protocol::{
     WorkerSubjects,
 };
 use router::service::{self, Settings};
-use tests::{EtcdServer, NatsServer};
+use tests::{tokens, EtcdServer, NatsServer};
 
 const DECODE: usize = 64;
 const PREFILL: usize = 8;
 const BLOCK: u32 = 16;
 const MODEL: &str = "bench";
-
-fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 150_000) as u32
-        })
-        .collect()
-}
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]

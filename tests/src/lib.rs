@@ -1,9 +1,23 @@
 //! Integration test support: real `nats-server` and `etcd` processes behind
-//! RAII guards ([`servers`]), and Switchyard's own binaries as child
-//! processes ([`services`]).
+//! RAII guards ([`servers`]), Switchyard's own binaries as child processes
+//! ([`services`]), and deterministic prompts ([`tokens`]).
 
 pub mod servers;
 pub mod services;
 
 pub use servers::{free_port, EtcdServer, NatsServer};
 pub use services::{binary, Service};
+
+/// `n` deterministic pseudo-random token ids (xorshift from `seed`, in a
+/// 150k vocabulary): the same seed gives the same prompt.
+pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 150_000) as u32
+        })
+        .collect()
+}

@@ -9,6 +9,7 @@ use protocol::{
     WorkerRecord, WorkerSubjects,
 };
 use router::{ConditionalDisaggPolicy, RouterConfig, RouterCore};
+pub use tests::tokens;
 
 pub const BLOCK: u32 = 16;
 
@@ -49,19 +50,6 @@ pub fn report(worker: &str, active: u64, used: u64, total: u64, at_ms: u64) -> L
         kv_blocks_total: total,
         at_ms,
     }
-}
-
-/// Deterministic pseudo-random tokens.
-pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 150_000) as u32
-        })
-        .collect()
 }
 
 /// The real event pipeline: worker event batches through a `KvIndexer`,

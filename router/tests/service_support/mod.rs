@@ -18,6 +18,7 @@ use protocol::{
     WorkerRecord, WorkerSubjects,
 };
 use router::service::{self, Config, ServiceError, Settings};
+pub use tests::tokens;
 use tests::{EtcdServer, NatsServer};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
@@ -51,19 +52,6 @@ pub fn record(name: &str, role: Role) -> WorkerRecord {
         kv_bytes_per_token: 1024,
         gpus: 1,
     }
-}
-
-/// Deterministic pseudo-random tokens.
-pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 150_000) as u32
-        })
-        .collect()
 }
 
 /// Real servers and clients to them.
