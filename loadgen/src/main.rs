@@ -6,6 +6,7 @@ mod events_bench;
 mod overhead;
 mod ready_bench;
 mod route_bench;
+mod sink;
 mod stats;
 
 use std::time::Duration;
@@ -71,6 +72,13 @@ enum Command {
         rounds: usize,
         #[arg(long, default_value_t = 5.0)]
         stop_above_p99_ms: f64,
+    },
+    /// An HTTP server that reads each `/v1/route` body and answers `{}`:
+    /// run `route` against it for the floor of the route benchmark (the
+    /// load generator, loopback HTTP and the machine, without a router).
+    Sink {
+        #[arg(long, default_value = "127.0.0.1:8090")]
+        http_addr: std::net::SocketAddr,
     },
     /// Publishes KV batches as simulated agents and follows the resulting
     /// deltas as a router does (a kv-indexer must be running); prints the
@@ -205,6 +213,7 @@ async fn main() -> anyhow::Result<()> {
                 println!("{line}");
             }
         }
+        Command::Sink { http_addr } => sink::run(http_addr).await?,
         Command::Events {
             nats,
             etcd,

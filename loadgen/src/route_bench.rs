@@ -81,6 +81,7 @@ pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
         let latency = medians(&rounds, |r| &r.latency);
         let p99 = latency["p99"].as_f64().unwrap_or(0.0);
         out.push(serde_json::json!({
+            "url": url,
             "target_rps": rate,
             "achieved_rps": round3(median(rounds.iter().map(|r| r.achieved_rps))),
             "rounds": rounds.len(),
