@@ -12,14 +12,25 @@ use tokio::io::AsyncReadExt;
 /// How long [`Bus::connect`] keeps trying a server that is not up yet.
 pub const CONNECT_PATIENCE: Duration = Duration::from_secs(30);
 
-/// Retention of the streams.
+/// Retention of the streams. The default caps no stream's bytes: that is
+/// what any service creates when a stream is missing (JetStream reserves a
+/// capped stream's bytes in its store at creation, which fails on a small
+/// disk). The kv-indexer then sets the deployment's caps
+/// ([`Bus::apply_stream_limits`]).
 #[derive(Debug, Clone)]
 pub struct StreamLimits {
     /// KV events are kept this long (the indexer's snapshots and delta log
     /// make older ones unnecessary).
     pub kv_events_max_age: Duration,
+    /// And the KV-event stream keeps at most this many bytes, dropping the
+    /// oldest (`None`: no cap). Events dropped before the indexer read them
+    /// show as gaps, which it mends by resyncing the workers.
+    pub kv_events_max_bytes: Option<u64>,
     /// The decision log is kept this long (for replay and explain).
     pub decisions_max_age: Duration,
+    /// And it keeps at most this many bytes, dropping the oldest (`None`:
+    /// no cap). A dispatched 8k-token request's record is about 8 KB.
+    pub decisions_max_bytes: Option<u64>,
     /// Republished messages within this window are dropped.
     pub duplicate_window: Duration,
 }
@@ -28,7 +39,9 @@ impl Default for StreamLimits {
     fn default() -> Self {
         Self {
             kv_events_max_age: Duration::from_secs(24 * 3600),
+            kv_events_max_bytes: None,
             decisions_max_age: Duration::from_secs(24 * 3600),
+            decisions_max_bytes: None,
             duplicate_window: Duration::from_secs(120),
         }
     }
@@ -60,6 +73,61 @@ pub enum BusError {
     },
     #[error(transparent)]
     Decode(#[from] DecodeError),
+}
+
+/// The streams' configurations, each with its name.
+fn stream_configs(limits: &StreamLimits) -> [(&'static str, stream::Config); 3] {
+    let stream = |name: &'static str, subject: &str, max_age, max_bytes| {
+        let config = stream::Config {
+            name: name.into(),
+            subjects: vec![subject.into()],
+            max_age,
+            max_bytes,
+            duplicate_window: limits.duplicate_window,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        };
+        (name, config)
+    };
+    [
+        stream(
+            subjects::KV_EVENTS_STREAM,
+            subjects::KV_EVENTS_ALL,
+            limits.kv_events_max_age,
+            byte_limit(limits.kv_events_max_bytes),
+        ),
+        // The indexer trims the deltas its snapshots cover.
+        stream(
+            subjects::INDEX_DELTAS_STREAM,
+            subjects::INDEX_DELTAS,
+            Duration::ZERO,
+            UNLIMITED,
+        ),
+        stream(
+            subjects::DECISIONS_STREAM,
+            subjects::DECISIONS_ALL,
+            limits.decisions_max_age,
+            byte_limit(limits.decisions_max_bytes),
+        ),
+    ]
+}
+
+/// JetStream's "no limit" for a stream's bytes.
+const UNLIMITED: i64 = -1;
+
+fn byte_limit(bytes: Option<u64>) -> i64 {
+    bytes.map_or(UNLIMITED, |b| i64::try_from(b).unwrap_or(i64::MAX))
+}
+
+/// A stream's retention limits, "none" spelled one way (the server
+/// answers -1 where a configuration may say 0).
+fn retention(config: &stream::Config) -> (Duration, i64) {
+    let bytes = if config.max_bytes > 0 {
+        config.max_bytes
+    } else {
+        UNLIMITED
+    };
+    (config.max_age, bytes)
 }
 
 fn stream_error(stream: &'static str) -> impl Fn(String) -> BusError {
@@ -198,43 +266,49 @@ impl Bus {
     /// (whoever starts first creates them; the configuration is defined here
     /// only). Only features of nats-server 2.9 are used.
     pub async fn ensure_streams(&self, limits: &StreamLimits) -> Result<(), BusError> {
-        let configs = [
-            stream::Config {
-                name: subjects::KV_EVENTS_STREAM.into(),
-                subjects: vec![subjects::KV_EVENTS_ALL.into()],
-                max_age: limits.kv_events_max_age,
-                duplicate_window: limits.duplicate_window,
-                storage: stream::StorageType::File,
-                ..Default::default()
-            },
-            stream::Config {
-                name: subjects::INDEX_DELTAS_STREAM.into(),
-                subjects: vec![subjects::INDEX_DELTAS.into()],
-                duplicate_window: limits.duplicate_window,
-                storage: stream::StorageType::File,
-                ..Default::default()
-            },
-            stream::Config {
-                name: subjects::DECISIONS_STREAM.into(),
-                subjects: vec![subjects::DECISIONS_ALL.into()],
-                max_age: limits.decisions_max_age,
-                duplicate_window: limits.duplicate_window,
-                storage: stream::StorageType::File,
-                ..Default::default()
-            },
-        ];
-        for config in configs {
-            let name = match config.name.as_str() {
-                subjects::KV_EVENTS_STREAM => subjects::KV_EVENTS_STREAM,
-                subjects::INDEX_DELTAS_STREAM => subjects::INDEX_DELTAS_STREAM,
-                _ => subjects::DECISIONS_STREAM,
-            };
+        for (name, config) in stream_configs(limits) {
             self.js
                 .get_or_create_stream(config)
                 .await
                 .map_err(|e| stream_error(name)(e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// Like [`Bus::ensure_streams`], and sets the retention of streams that
+    /// exist with other limits: the kv-indexer does this at start, so that
+    /// its flags are the deployment's word on retention (other services
+    /// only create what is missing). Returns the streams it changed.
+    pub async fn apply_stream_limits(
+        &self,
+        limits: &StreamLimits,
+    ) -> Result<Vec<&'static str>, BusError> {
+        let mut changed = Vec::new();
+        for (name, wanted) in stream_configs(limits) {
+            let error = stream_error(name);
+            let mut stream = self
+                .js
+                .get_or_create_stream(wanted.clone())
+                .await
+                .map_err(|e| error(e.to_string()))?;
+            let mut config = stream
+                .info()
+                .await
+                .map_err(|e| error(e.to_string()))?
+                .config
+                .clone();
+            if retention(&config) == retention(&wanted) {
+                continue;
+            }
+            config.max_age = wanted.max_age;
+            config.max_bytes = wanted.max_bytes;
+            self.js
+                .update_stream(config)
+                .await
+                .map_err(|e| error(e.to_string()))?;
+            changed.push(name);
+        }
+        Ok(changed)
     }
 
     async fn stream(&self, name: &'static str) -> Result<stream::Stream, BusError> {

@@ -6,8 +6,8 @@ use anyhow::Result;
 use bus::{Bus, BusError, Registry, StreamLimits, WorkerChange};
 use futures::StreamExt;
 use protocol::{
-    BlockHash, HashingContract, IndexChange, IndexDelta, IndexSnapshot, KvEvent, KvEventBatch,
-    Role, Tier, WorkerId, WorkerRecord, WorkerSubjects,
+    subjects, BlockHash, HashingContract, IndexChange, IndexDelta, IndexSnapshot, KvEvent,
+    KvEventBatch, Role, Tier, WorkerId, WorkerRecord, WorkerSubjects,
 };
 use tests::{EtcdServer, NatsServer};
 
@@ -109,6 +109,77 @@ fn record(name: &str) -> WorkerRecord {
         kv_bytes_per_token: 1,
         gpus: 1,
     }
+}
+
+/// A stream's byte cap and age limit, as the server reports them.
+async fn retention(bus: &Bus, name: &str) -> Result<(i64, Duration)> {
+    let mut stream = bus.jetstream().get_stream(name).await?;
+    let config = &stream.info().await?.config;
+    Ok((config.max_bytes, config.max_age))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_retention_is_set_by_the_indexer() -> Result<()> {
+    let server = NatsServer::start()?;
+    let bus = Bus::connect(&server.url(), "bus-test").await?;
+    let defaults = StreamLimits::default();
+    bus.ensure_streams(&defaults).await?;
+    let day = Duration::from_secs(24 * 3600);
+    for name in [subjects::KV_EVENTS_STREAM, subjects::DECISIONS_STREAM] {
+        assert_eq!(retention(&bus, name).await?, (-1, day), "{name}");
+    }
+    assert_eq!(
+        retention(&bus, subjects::INDEX_DELTAS_STREAM).await?,
+        (-1, Duration::ZERO),
+        "the indexer trims the deltas itself"
+    );
+    assert!(
+        bus.apply_stream_limits(&defaults).await?.is_empty(),
+        "the same limits again change nothing"
+    );
+
+    // The indexer's limits replace those of the existing streams...
+    let capped = StreamLimits {
+        kv_events_max_bytes: Some(1 << 30),
+        decisions_max_bytes: Some(64 << 10),
+        decisions_max_age: Duration::from_secs(3600),
+        ..defaults
+    };
+    assert_eq!(
+        bus.apply_stream_limits(&capped).await?,
+        vec![subjects::KV_EVENTS_STREAM, subjects::DECISIONS_STREAM]
+    );
+    assert_eq!(
+        retention(&bus, subjects::KV_EVENTS_STREAM).await?,
+        (1 << 30, day)
+    );
+    assert_eq!(
+        retention(&bus, subjects::DECISIONS_STREAM).await?,
+        (64 << 10, Duration::from_secs(3600))
+    );
+    // ... the other services' creating calls leave them alone...
+    bus.ensure_streams(&defaults).await?;
+    assert!(bus.apply_stream_limits(&capped).await?.is_empty());
+    // ... and the oldest records go once the log is full.
+    let record = vec![7u8; 4096];
+    for _ in 0..64 {
+        bus.jetstream()
+            .publish(subjects::decisions("r0"), record.clone().into())
+            .await?
+            .await?;
+    }
+    let mut stream = bus
+        .jetstream()
+        .get_stream(subjects::DECISIONS_STREAM)
+        .await?;
+    let state = stream.info().await?.state.clone();
+    assert!(state.bytes <= 64 << 10, "{state:?}");
+    assert!(
+        state.first_sequence > 1,
+        "the oldest were dropped: {state:?}"
+    );
+    assert_eq!(state.last_sequence, 64);
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use bus::StreamLimits;
+
 /// Everything `kv-indexer run` can be told.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
@@ -75,6 +77,29 @@ pub struct Config {
     #[arg(long, env = "SWITCHYARD_INDEXER_ACK_WAIT", default_value = "60s", value_parser = parse_duration)]
     pub ack_wait: Duration,
 
+    /// How long the workers' KV events are kept (the snapshots and the
+    /// delta log make older ones unnecessary). The indexer sets the
+    /// streams' retention at start.
+    #[arg(long, env = "SWITCHYARD_KV_EVENTS_MAX_AGE", default_value = "24h", value_parser = parse_duration)]
+    pub kv_events_max_age: Duration,
+
+    /// At most this many bytes of KV events are kept, the oldest dropped
+    /// (e.g. `512MiB`, `2GiB`; `0`: no cap). Events dropped before they
+    /// were read show as gaps, which resyncing the workers mends. JetStream
+    /// reserves the bytes in its store.
+    #[arg(long, env = "SWITCHYARD_KV_EVENTS_MAX_BYTES", default_value = "1GiB", value_parser = parse_bytes)]
+    pub kv_events_max_bytes: u64,
+
+    /// How long the decision log keeps a decision (for replay and explain).
+    #[arg(long, env = "SWITCHYARD_DECISIONS_MAX_AGE", default_value = "24h", value_parser = parse_duration)]
+    pub decisions_max_age: Duration,
+
+    /// At most this many bytes of decision log are kept, the oldest
+    /// dropped (`0`: no cap). A dispatched 8k-token request's record takes
+    /// about 8 KB.
+    #[arg(long, env = "SWITCHYARD_DECISIONS_MAX_BYTES", default_value = "1GiB", value_parser = parse_bytes)]
+    pub decisions_max_bytes: u64,
+
     /// Fault injection for tests: stop abruptly once delta N is confirmed,
     /// before its KV message is acked. Not a command-line flag.
     #[arg(skip)]
@@ -89,6 +114,8 @@ pub const DEFAULT_SNAPSHOT_EVERY_DELTAS: u64 = 200_000;
 pub const DEFAULT_DELTA_MARGIN: u64 = 100_000;
 pub const DEFAULT_FETCH_BATCH: usize = 1024;
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 8192;
+pub const DEFAULT_STREAM_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+pub const DEFAULT_STREAM_MAX_BYTES: u64 = 1 << 30;
 
 impl Config {
     /// The defaults, with the given NATS server and etcd endpoints (what a
@@ -109,9 +136,52 @@ impl Config {
             fetch_batch: DEFAULT_FETCH_BATCH,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             ack_wait: Duration::from_secs(60),
+            kv_events_max_age: DEFAULT_STREAM_MAX_AGE,
+            kv_events_max_bytes: DEFAULT_STREAM_MAX_BYTES,
+            decisions_max_age: DEFAULT_STREAM_MAX_AGE,
+            decisions_max_bytes: DEFAULT_STREAM_MAX_BYTES,
             crash_after_delta: None,
         }
     }
+
+    /// The streams' retention this indexer sets.
+    pub fn stream_limits(&self) -> StreamLimits {
+        let cap = |bytes: u64| (bytes > 0).then_some(bytes);
+        StreamLimits {
+            kv_events_max_age: self.kv_events_max_age,
+            kv_events_max_bytes: cap(self.kv_events_max_bytes),
+            decisions_max_age: self.decisions_max_age,
+            decisions_max_bytes: cap(self.decisions_max_bytes),
+            ..StreamLimits::default()
+        }
+    }
+}
+
+/// `1GiB`, `512MiB`, `64KiB`, `2TiB`; a bare number is bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (like 512MiB, 1GiB)"))?;
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (B, KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    value
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 /// `250ms`, `2s`, `1.5s`, `5m`, `1h`; a bare number is seconds.
@@ -153,6 +223,19 @@ mod tests {
     }
 
     #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("0"), Ok(0));
+        assert!(parse_bytes("1GB").unwrap_err().contains("GiB"));
+        assert!(parse_bytes("MiB").is_err());
+        assert!(parse_bytes("99999999TiB")
+            .unwrap_err()
+            .contains("too large"));
+    }
+
+    #[test]
     fn flags_and_defaults_agree() {
         use clap::Parser;
         #[derive(Debug, Parser)]
@@ -170,5 +253,14 @@ mod tests {
         assert_eq!(parsed.worker_grace, defaults.worker_grace);
         assert_eq!(parsed.http_addr, defaults.http_addr);
         assert_eq!(parsed.ack_wait, defaults.ack_wait);
+        assert_eq!(parsed.kv_events_max_bytes, defaults.kv_events_max_bytes);
+        assert_eq!(parsed.decisions_max_age, defaults.decisions_max_age);
+        let limits = Config {
+            decisions_max_bytes: 0,
+            ..defaults
+        }
+        .stream_limits();
+        assert_eq!(limits.kv_events_max_bytes, Some(DEFAULT_STREAM_MAX_BYTES));
+        assert_eq!(limits.decisions_max_bytes, None, "0 is no cap");
     }
 }

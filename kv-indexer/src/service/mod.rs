@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
 use async_nats::jetstream::message::AckKind;
-use bus::{Bus, BusError, Registry, RegistryError, StreamLimits, WorkerChange};
+use bus::{Bus, BusError, Registry, RegistryError, WorkerChange};
 use futures::StreamExt;
 use protocol::{subjects, IndexDelta, Message, WorkerId};
 use tokio::net::TcpListener;
@@ -142,7 +142,11 @@ impl Service {
             source,
         })?;
         let bus = Bus::connect(&config.nats_url, "kv-indexer").await?;
-        bus.ensure_streams(&StreamLimits::default()).await?;
+        let retention = config.stream_limits();
+        let changed = bus.apply_stream_limits(&retention).await?;
+        if !changed.is_empty() {
+            tracing::info!(streams = ?changed, ?retention, "stream retention set");
+        }
         let registry = Registry::connect(&config.etcd_endpoints).await?;
         let metrics = Arc::new(Metrics::new());
 
