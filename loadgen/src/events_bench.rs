@@ -6,6 +6,13 @@
 //! JetStream acknowledged the batch, and the sustained rate of block events
 //! through the whole pipeline. Publishing starts once the replica has
 //! caught up with the delta stream.
+//!
+//! The delay is also split in three stages, timed by plain NATS
+//! subscriptions to the KV-event and delta subjects (which the server
+//! serves as it takes a message in): publish -> the batch on the bus;
+//! -> its delta on the bus (the indexer's share: JetStream's delivery to
+//! it, applying, publishing); -> applied in the replica (the delta stream's
+//! delivery to a router).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,10 +24,9 @@ use bus::{Bus, Registry, StreamLimits};
 use futures::StreamExt;
 use kv_indexer::IndexReplica;
 use protocol::{
-    BlockHash, BlockHasher, HashingContract, KvEvent, KvEventBatch, Role, Tier, WorkerId,
-    WorkerRecord, WorkerSubjects,
+    subjects, BlockHash, BlockHasher, HashingContract, IndexDelta, KvEvent, KvEventBatch,
+    Message as _, Role, Tier, WorkerId, WorkerRecord, WorkerSubjects,
 };
-use tokio::sync::Mutex;
 
 use crate::stats::{round3, Samples};
 
@@ -37,6 +43,80 @@ pub struct EventsBench {
 }
 
 type Key = (WorkerId, u64, u64);
+
+/// When one published batch reached each point of the pipeline.
+#[derive(Debug, Clone, Copy)]
+struct Timeline {
+    published: Instant,
+    on_bus: Option<Instant>,
+    delta_on_bus: Option<Instant>,
+}
+
+type Timelines = Arc<std::sync::Mutex<HashMap<Key, Timeline>>>;
+
+/// The three stages' delays.
+#[derive(Debug, Default)]
+struct Stages {
+    to_bus: Samples,
+    indexer: Samples,
+    to_view: Samples,
+}
+
+impl Stages {
+    fn push(&mut self, timeline: &Timeline, applied: Instant) {
+        if let (Some(on_bus), Some(delta_on_bus)) = (timeline.on_bus, timeline.delta_on_bus) {
+            self.to_bus.push(on_bus - timeline.published);
+            self.indexer
+                .push(delta_on_bus.saturating_duration_since(on_bus));
+            self.to_view
+                .push(applied.saturating_duration_since(delta_on_bus));
+        }
+    }
+
+    fn summary(&mut self) -> serde_json::Value {
+        serde_json::json!({
+            "publish_to_bus": self.to_bus.summary(),
+            "bus_to_delta_on_bus": self.indexer.summary(),
+            "delta_on_bus_to_view": self.to_view.summary(),
+        })
+    }
+}
+
+/// Notes when each batch and each delta passes on the bus.
+async fn tap(bus: &Bus, timelines: &Timelines) -> anyhow::Result<()> {
+    let client = bus.client();
+    let mut batches = client.subscribe(subjects::KV_EVENTS_ALL).await?;
+    let mut deltas = client.subscribe(subjects::INDEX_DELTAS).await?;
+    client.flush().await?;
+    let seen = timelines.clone();
+    tokio::spawn(async move {
+        while let Some(message) = batches.next().await {
+            let now = Instant::now();
+            if let Ok(b) = KvEventBatch::decode(&message.payload) {
+                let key = (b.worker, b.epoch, b.seq);
+                if let Some(t) = seen.lock().expect("not poisoned").get_mut(&key) {
+                    t.on_bus = Some(now);
+                }
+            }
+        }
+    });
+    let seen = timelines.clone();
+    tokio::spawn(async move {
+        while let Some(message) = deltas.next().await {
+            let now = Instant::now();
+            if let Ok(IndexDelta {
+                source: Some(s), ..
+            }) = IndexDelta::decode(&message.payload)
+            {
+                let key = (s.worker, s.epoch, s.last_seq);
+                if let Some(t) = seen.lock().expect("not poisoned").get_mut(&key) {
+                    t.delta_on_bus = Some(now);
+                }
+            }
+        }
+    });
+    Ok(())
+}
 
 pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
     let bus = Bus::connect(&bench.nats, "loadgen-events").await?;
@@ -58,7 +138,8 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         };
         registrations.push(registry.register(&record, Duration::from_secs(10)).await?);
     }
-    let published: Arc<Mutex<HashMap<Key, Instant>>> = Arc::default();
+    let timelines = Timelines::default();
+    tap(&bus, &timelines).await?;
     let done = Arc::new(AtomicBool::new(false));
 
     // The follower: a router's view of the index, built as a router builds
@@ -75,7 +156,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
             None => 1,
         };
         let mut deltas = bus.deltas_from(from).await?;
-        let (published, done) = (published.clone(), done.clone());
+        let (timelines, done) = (timelines.clone(), done.clone());
         // Publishing starts once the follower holds every delta there was:
         // catching up on an earlier history is not a delay to measure.
         let head = bus.last_delta_seq().await?;
@@ -85,6 +166,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         }
         tokio::spawn(async move {
             let mut delays = Samples::default();
+            let mut stages = Stages::default();
             let mut blocks = 0u64;
             let mut first: Option<Instant> = None;
             let mut last = Instant::now();
@@ -99,9 +181,11 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
                 }
                 if let Some(source) = &delta.source {
                     let key = (source.worker.clone(), source.epoch, source.last_seq);
-                    if let Some(sent) = published.lock().await.remove(&key) {
-                        delays.push(now - sent);
-                        first.get_or_insert(sent);
+                    let timeline = timelines.lock().expect("not poisoned").remove(&key);
+                    if let Some(timeline) = timeline {
+                        delays.push(now - timeline.published);
+                        stages.push(&timeline, now);
+                        first.get_or_insert(timeline.published);
                         last = now;
                         blocks += delta
                             .changes
@@ -113,12 +197,14 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
                             .sum::<u64>();
                     }
                 }
-                if done.load(Ordering::Relaxed) && published.lock().await.is_empty() {
+                if done.load(Ordering::Relaxed)
+                    && timelines.lock().expect("not poisoned").is_empty()
+                {
                     break;
                 }
             }
             let seconds = first.map_or(0.0, |f| (last - f).as_secs_f64());
-            anyhow::Ok((delays, blocks, seconds, applied))
+            anyhow::Ok((delays, stages, blocks, seconds, applied))
         })
     };
 
@@ -138,7 +224,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
     let acks: Arc<std::sync::Mutex<Samples>> = Arc::default();
     let mut publishers = tokio::task::JoinSet::new();
     for w in 0..bench.workers {
-        let (bus, published, acks) = (bus.clone(), published.clone(), acks.clone());
+        let (bus, timelines, acks) = (bus.clone(), timelines.clone(), acks.clone());
         let worker = WorkerId::new(&format!("bench{w}"), 0)?;
         let blocks_per_batch = bench.blocks_per_batch;
         publishers.spawn(async move {
@@ -172,10 +258,15 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
                     events,
                 };
                 let sent = Instant::now();
-                published
+                let timeline = Timeline {
+                    published: sent,
+                    on_bus: None,
+                    delta_on_bus: None,
+                };
+                timelines
                     .lock()
-                    .await
-                    .insert((worker.clone(), epoch, seq), sent);
+                    .expect("not poisoned")
+                    .insert((worker.clone(), epoch, seq), timeline);
                 bus.publish_kv_batch(&batch)
                     .await
                     .context("publishing a batch")?;
@@ -188,7 +279,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         result??;
     }
     done.store(true, Ordering::Relaxed);
-    let (mut delays, blocks, seconds, applied) =
+    let (mut delays, mut stages, blocks, seconds, applied) =
         tokio::time::timeout(Duration::from_secs(60), follower)
             .await
             .context(
@@ -206,5 +297,6 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
         "block_events_per_s": round3(blocks as f64 / seconds.max(1e-9)),
         "publish_to_router_view_ms": delays.summary(),
         "publish_to_ack_ms": acks.lock().expect("not poisoned").summary(),
+        "stages_ms": stages.summary(),
     }))
 }
