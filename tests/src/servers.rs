@@ -80,9 +80,7 @@ exit "$status"
 pub struct NatsServer {
     port: u16,
     name: String,
-    process: Option<Supervised>,
-    // Dropped after `process` is stopped (see `Drop`).
-    dir: TempDir,
+    server: Server,
 }
 
 impl NatsServer {
@@ -100,8 +98,7 @@ impl NatsServer {
         Ok(Self {
             port,
             name,
-            process: Some(process),
-            dir,
+            server: Server::new(process, dir),
         })
     }
 
@@ -123,33 +120,30 @@ impl NatsServer {
 
     /// The guard's temporary directory (store and log); removed on drop.
     pub fn dir(&self) -> &Path {
-        self.dir.path()
+        self.server.dir.path()
     }
 
     /// The JetStream store directory (`-sd`).
     pub fn store_dir(&self) -> PathBuf {
-        self.dir.path().join("store")
+        self.dir().join("store")
     }
 
     /// The server's stdout and stderr so far (across restarts).
     pub fn log(&self) -> String {
-        fs::read_to_string(self.dir.path().join(LOG_FILE)).unwrap_or_default()
+        self.server.log()
     }
 
     /// Whether the server process is running (it has not been stopped and
     /// has not exited on its own).
     pub fn is_running(&mut self) -> bool {
-        self.process.as_mut().is_some_and(Supervised::is_running)
+        self.server.is_running()
     }
 
     /// Stops the server gracefully (SIGTERM, then SIGKILL after
     /// [`STOP_TIMEOUT`]) and waits for it to exit; the port and store are
     /// kept for [`restart`](Self::restart). Does nothing if it is stopped.
     pub fn stop(&mut self) -> Result<()> {
-        match self.process.take() {
-            Some(mut process) => process.stop(),
-            None => Ok(()),
-        }
+        self.server.stop()
     }
 
     /// Stops the server (if running) and starts it again on the same port
@@ -159,17 +153,10 @@ impl NatsServer {
         self.stop()?;
         let program = find_program("nats-server", "SWITCHYARD_NATS_SERVER")?;
         let process =
-            respawn_on_same_ports(|| spawn_nats(&program, self.port, &self.name, self.dir.path()))
+            respawn_on_same_ports(|| spawn_nats(&program, self.port, &self.name, self.dir()))
                 .with_context(|| format!("restarting nats-server on port {}", self.port))?;
-        self.process = Some(process);
+        self.server.process = Some(process);
         Ok(())
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        // Errors cannot be reported from Drop; `stop` escalates to SIGKILL.
-        let _ = self.stop();
     }
 }
 
@@ -186,9 +173,7 @@ pub struct EtcdServer {
     client_port: u16,
     peer_port: u16,
     name: String,
-    process: Option<Supervised>,
-    // Dropped after `process` is stopped (see `Drop`).
-    dir: TempDir,
+    server: Server,
 }
 
 impl EtcdServer {
@@ -213,8 +198,7 @@ impl EtcdServer {
             client_port,
             peer_port,
             name,
-            process: Some(process),
-            dir,
+            server: Server::new(process, dir),
         })
     }
 
@@ -240,32 +224,29 @@ impl EtcdServer {
 
     /// The guard's temporary directory (data dir and log); removed on drop.
     pub fn dir(&self) -> &Path {
-        self.dir.path()
+        self.server.dir.path()
     }
 
     /// The data directory (`--data-dir`).
     pub fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
+        self.dir().join("data")
     }
 
     /// The server's stdout and stderr so far (across restarts).
     pub fn log(&self) -> String {
-        fs::read_to_string(self.dir.path().join(LOG_FILE)).unwrap_or_default()
+        self.server.log()
     }
 
     /// Whether the server process is running.
     pub fn is_running(&mut self) -> bool {
-        self.process.as_mut().is_some_and(Supervised::is_running)
+        self.server.is_running()
     }
 
     /// Stops the member gracefully and waits for it to exit (its ports are
     /// free afterwards); the ports and data are kept for
     /// [`restart`](Self::restart). Does nothing if it is stopped.
     pub fn stop(&mut self) -> Result<()> {
-        match self.process.take() {
-            Some(mut process) => process.stop(),
-            None => Ok(()),
-        }
+        self.server.stop()
     }
 
     /// Stops the member (if running) and starts it again on the same ports
@@ -275,16 +256,49 @@ impl EtcdServer {
         self.stop()?;
         let program = find_program("etcd", "SWITCHYARD_ETCD")?;
         let ports = (self.client_port, self.peer_port);
-        let process =
-            respawn_on_same_ports(|| spawn_etcd(&program, ports, &self.name, self.dir.path()))
-                .with_context(|| format!("restarting etcd on port {}", self.client_port))?;
-        self.process = Some(process);
+        let process = respawn_on_same_ports(|| spawn_etcd(&program, ports, &self.name, self.dir()))
+            .with_context(|| format!("restarting etcd on port {}", self.client_port))?;
+        self.server.process = Some(process);
         Ok(())
     }
 }
 
-impl Drop for EtcdServer {
+/// What both guards hold: the supervised server (while it runs) and its
+/// temporary directory, removed only after the server has stopped.
+#[derive(Debug)]
+struct Server {
+    process: Option<Supervised>,
+    dir: TempDir,
+}
+
+impl Server {
+    fn new(process: Supervised, dir: TempDir) -> Self {
+        Self {
+            process: Some(process),
+            dir,
+        }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(self.dir.path().join(LOG_FILE)).unwrap_or_default()
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.process.as_mut().is_some_and(Supervised::is_running)
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        match self.process.take() {
+            Some(mut process) => process.stop(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Server {
     fn drop(&mut self) {
+        // Errors cannot be reported from Drop; `stop` escalates to SIGKILL.
+        // The directory goes after this, with the fields.
         let _ = self.stop();
     }
 }
