@@ -84,20 +84,8 @@ enum Command {
     /// deltas as a router does (a kv-indexer must be running); prints the
     /// publish-to-router-view delay and the pipeline's throughput.
     Events {
-        #[arg(
-            long,
-            env = "SWITCHYARD_NATS_URL",
-            default_value = "nats://127.0.0.1:4222"
-        )]
-        nats: String,
-        /// The simulated workers register here (the indexer drops workers
-        /// etcd does not list).
-        #[arg(
-            long,
-            env = "SWITCHYARD_ETCD_ENDPOINTS",
-            default_value = "http://127.0.0.1:2379"
-        )]
-        etcd: String,
+        #[command(flatten)]
+        servers: Servers,
         #[arg(long, default_value_t = 16)]
         workers: usize,
         #[arg(long, default_value_t = 32)]
@@ -111,18 +99,8 @@ enum Command {
     /// snapshot of --blocks blocks (run against a fresh NATS without a
     /// kv-indexer).
     Ready {
-        #[arg(
-            long,
-            env = "SWITCHYARD_NATS_URL",
-            default_value = "nats://127.0.0.1:4222"
-        )]
-        nats: String,
-        #[arg(
-            long,
-            env = "SWITCHYARD_ETCD_ENDPOINTS",
-            default_value = "http://127.0.0.1:2379"
-        )]
-        etcd: String,
+        #[command(flatten)]
+        servers: Servers,
         /// The router binary, e.g. target/release/router.
         #[arg(long)]
         router_bin: String,
@@ -152,6 +130,25 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         max_tokens: u32,
     },
+}
+
+/// The NATS server and etcd of the system under test.
+#[derive(Debug, clap::Args)]
+struct Servers {
+    #[arg(
+        long,
+        env = "SWITCHYARD_NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    nats: String,
+    /// Simulated workers register here (the indexer drops workers etcd
+    /// does not list).
+    #[arg(
+        long,
+        env = "SWITCHYARD_ETCD_ENDPOINTS",
+        default_value = "http://127.0.0.1:2379"
+    )]
+    etcd: String,
 }
 
 #[tokio::main]
@@ -215,8 +212,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Sink { http_addr } => sink::run(http_addr).await?,
         Command::Events {
-            nats,
-            etcd,
+            servers: Servers { nats, etcd },
             workers,
             blocks_per_batch,
             block_events_per_s,
@@ -234,8 +230,7 @@ async fn main() -> anyhow::Result<()> {
             println!("{summary}");
         }
         Command::Ready {
-            nats,
-            etcd,
+            servers: Servers { nats, etcd },
             router_bin,
             blocks,
             port,
