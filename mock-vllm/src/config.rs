@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use engine_sim::{KvTransfer, Preset};
 use protocol::Role;
+use worker_agent::{engine_model, EngineModelError};
 
 use crate::wire::{Encoding, Flavour};
 
@@ -120,14 +121,8 @@ pub struct Config {
 /// A configuration that cannot run.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("unknown preset {name:?} (known: {known})")]
-    UnknownPreset { name: String, known: String },
-    #[error("block size must be at least one token")]
-    ZeroBlockSize,
-    #[error("speed-up {0} must be a finite number above 0")]
-    Speedup(f64),
-    #[error("link bandwidth {0} GB/s must be a finite number above 0")]
-    Link(f64),
+    #[error(transparent)]
+    EngineModel(#[from] EngineModelError),
     #[error("data-parallel size must be 1 to 64")]
     DataParallel,
     #[error("{0}")]
@@ -161,19 +156,7 @@ pub struct Settings {
 
 impl Config {
     pub fn validate(&self) -> Result<Settings, ConfigError> {
-        let preset = Preset::by_name(&self.preset).ok_or_else(|| ConfigError::UnknownPreset {
-            name: self.preset.clone(),
-            known: Preset::ALL.map(|p| p.name).join(", "),
-        })?;
-        if self.block_size == 0 {
-            return Err(ConfigError::ZeroBlockSize);
-        }
-        if !(self.speedup.is_finite() && self.speedup > 0.0) {
-            return Err(ConfigError::Speedup(self.speedup));
-        }
-        if !(self.link_gb_s.is_finite() && self.link_gb_s > 0.0) {
-            return Err(ConfigError::Link(self.link_gb_s));
-        }
+        let preset = engine_model(&self.preset, self.block_size, self.speedup, self.link_gb_s)?;
         if !(1..=64).contains(&self.data_parallel_size) {
             return Err(ConfigError::DataParallel);
         }
@@ -271,7 +254,9 @@ mod tests {
         bad.preset = "gpt".into();
         assert!(matches!(
             bad.validate(),
-            Err(ConfigError::UnknownPreset { .. })
+            Err(ConfigError::EngineModel(
+                EngineModelError::UnknownPreset { .. }
+            ))
         ));
         let mut bad = c.clone();
         bad.kv_replay_endpoint = "none".into();

@@ -47,7 +47,7 @@ use futures::StreamExt;
 use protocol::{BlockHasher, Role, WorkerId};
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
-use worker_agent::{Engine, KvUpdate, SimEngine, SimEngineConfig};
+use worker_agent::{Engine, EngineModelError, KvUpdate, SimEngine, SimEngineConfig};
 
 pub use config::{Config, ConfigError, Settings};
 
@@ -108,7 +108,7 @@ pub async fn run(
         let capacity = engine.facts().kv_capacity_blocks as usize;
         let relabel = Arc::new(Mutex::new(Relabeler::new(
             BlockHasher::new(s.block_size, s.preset.salt())
-                .map_err(|_| ConfigError::ZeroBlockSize)?,
+                .map_err(|_| ConfigError::from(EngineModelError::ZeroBlockSize))?,
             s.flavour,
             s.hash_seed.wrapping_add(u64::from(rank)),
             (4 * capacity).max(100_000),

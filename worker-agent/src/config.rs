@@ -198,14 +198,8 @@ pub struct Config {
 pub enum ConfigError {
     #[error("worker name: {0}")]
     WorkerId(#[from] InvalidWorkerId),
-    #[error("unknown preset {name:?} (known: {known})")]
-    UnknownPreset { name: String, known: String },
-    #[error("block size must be at least one token")]
-    ZeroBlockSize,
-    #[error("speed-up {0} must be a finite number above 0")]
-    Speedup(f64),
-    #[error("link bandwidth {0} GB/s must be a finite number above 0")]
-    Link(f64),
+    #[error(transparent)]
+    EngineModel(#[from] EngineModelError),
     #[error("lease TTL must be at least 1 s")]
     LeaseTtl,
     #[error("load interval {0} ms must be between 1 and 100 ms (load reports come at least every 100 ms)")]
@@ -224,6 +218,43 @@ pub enum ConfigError {
     DpRank { rank: u32, size: u32 },
     #[error("{0} must be at least 1")]
     ZeroDuration(&'static str),
+}
+
+/// Values of the simulated engine's flags that cannot run (the agent's
+/// `--engine sim` and mock-vllm take the same ones).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineModelError {
+    #[error("unknown preset {name:?} (known: {known})")]
+    UnknownPreset { name: String, known: String },
+    #[error("block size must be at least one token")]
+    ZeroBlockSize,
+    #[error("speed-up {0} must be a finite number above 0")]
+    Speedup(f64),
+    #[error("link bandwidth {0} GB/s must be a finite number above 0")]
+    Link(f64),
+}
+
+/// Checks the simulated engine's flags; the preset they name.
+pub fn engine_model(
+    preset: &str,
+    block_size: u32,
+    speedup: f64,
+    link_gb_s: f64,
+) -> Result<Preset, EngineModelError> {
+    let preset = Preset::by_name(preset).ok_or_else(|| EngineModelError::UnknownPreset {
+        name: preset.to_owned(),
+        known: Preset::ALL.map(|p| p.name).join(", "),
+    })?;
+    if block_size == 0 {
+        return Err(EngineModelError::ZeroBlockSize);
+    }
+    if !(speedup.is_finite() && speedup > 0.0) {
+        return Err(EngineModelError::Speedup(speedup));
+    }
+    if !(link_gb_s.is_finite() && link_gb_s > 0.0) {
+        return Err(EngineModelError::Link(link_gb_s));
+    }
+    Ok(preset)
 }
 
 /// How often the load is checked for a change.
@@ -272,19 +303,7 @@ impl Config {
     /// Checks every value and converts them.
     pub fn validate(&self) -> Result<Settings, ConfigError> {
         let worker = WorkerId::new(&self.worker_name, self.dp_rank)?;
-        let preset = Preset::by_name(&self.preset).ok_or_else(|| ConfigError::UnknownPreset {
-            name: self.preset.clone(),
-            known: Preset::ALL.map(|p| p.name).join(", "),
-        })?;
-        if self.block_size == 0 {
-            return Err(ConfigError::ZeroBlockSize);
-        }
-        if !(self.speedup.is_finite() && self.speedup > 0.0) {
-            return Err(ConfigError::Speedup(self.speedup));
-        }
-        if !(self.link_gb_s.is_finite() && self.link_gb_s > 0.0) {
-            return Err(ConfigError::Link(self.link_gb_s));
-        }
+        let preset = engine_model(&self.preset, self.block_size, self.speedup, self.link_gb_s)?;
         if self.lease_ttl_s == 0 {
             return Err(ConfigError::LeaseTtl);
         }
@@ -461,13 +480,19 @@ mod tests {
         assert!(err.to_string().contains("llama8b_h100"), "{err}");
         let mut c = config();
         c.speedup = 0.0;
-        assert_eq!(c.validate().unwrap_err(), ConfigError::Speedup(0.0));
+        assert_eq!(
+            c.validate().unwrap_err(),
+            EngineModelError::Speedup(0.0).into()
+        );
         let mut c = config();
         c.load_interval_ms = 250;
         assert_eq!(c.validate().unwrap_err(), ConfigError::LoadInterval(250));
         let mut c = config();
         c.block_size = 0;
-        assert_eq!(c.validate().unwrap_err(), ConfigError::ZeroBlockSize);
+        assert_eq!(
+            c.validate().unwrap_err(),
+            EngineModelError::ZeroBlockSize.into()
+        );
     }
 
     #[test]

@@ -37,7 +37,7 @@ pub mod sim_engine;
 pub mod vllm;
 
 pub use block_set::BlockMirror;
-pub use config::{Config, ConfigError, EngineChoice, Settings};
+pub use config::{engine_model, Config, ConfigError, EngineChoice, EngineModelError, Settings};
 pub use engine::{Engine, EngineFacts, EngineLoad, KvUpdate};
 pub use error::AgentError;
 pub use publisher::{KvOutbox, OutboxLimits, Pushed};
