@@ -15,7 +15,6 @@
 //! delivery to a router).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -85,37 +84,39 @@ impl Stages {
 /// Notes when each batch and each delta passes on the bus.
 async fn tap(bus: &Bus, timelines: &Timelines) -> anyhow::Result<()> {
     let client = bus.client();
-    let mut batches = client.subscribe(subjects::KV_EVENTS_ALL).await?;
-    let mut deltas = client.subscribe(subjects::INDEX_DELTAS).await?;
+    let batches = client.subscribe(subjects::KV_EVENTS_ALL).await?;
+    let deltas = client.subscribe(subjects::INDEX_DELTAS).await?;
     client.flush().await?;
-    let seen = timelines.clone();
-    tokio::spawn(async move {
-        while let Some(message) = batches.next().await {
-            let now = Instant::now();
-            if let Ok(b) = KvEventBatch::decode(&message.payload) {
-                let key = (b.worker, b.epoch, b.seq);
-                if let Some(t) = seen.lock().expect("not poisoned").get_mut(&key) {
-                    t.on_bus = Some(now);
-                }
-            }
-        }
-    });
-    let seen = timelines.clone();
-    tokio::spawn(async move {
-        while let Some(message) = deltas.next().await {
-            let now = Instant::now();
-            if let Ok(IndexDelta {
-                source: Some(s), ..
-            }) = IndexDelta::decode(&message.payload)
-            {
-                let key = (s.worker, s.epoch, s.last_seq);
-                if let Some(t) = seen.lock().expect("not poisoned").get_mut(&key) {
-                    t.delta_on_bus = Some(now);
-                }
-            }
-        }
-    });
+    tokio::spawn(note_passes(batches, timelines.clone(), |payload| {
+        let b = KvEventBatch::decode(payload).ok()?;
+        Some(((b.worker, b.epoch, b.seq), |t: &mut Timeline| &mut t.on_bus))
+    }));
+    tokio::spawn(note_passes(deltas, timelines.clone(), |payload| {
+        let s = IndexDelta::decode(payload).ok()?.source?;
+        Some(((s.worker, s.epoch, s.last_seq), |t: &mut Timeline| {
+            &mut t.delta_on_bus
+        }))
+    }));
     Ok(())
+}
+
+/// Which point of which batch's timeline a message marks.
+type Mark = fn(&mut Timeline) -> &mut Option<Instant>;
+
+/// Sets, for every message, the time it came at the point it marks.
+async fn note_passes(
+    mut messages: async_nats::Subscriber,
+    timelines: Timelines,
+    point: fn(&[u8]) -> Option<(Key, Mark)>,
+) {
+    while let Some(message) = messages.next().await {
+        let now = Instant::now();
+        if let Some((key, mark)) = point(&message.payload) {
+            if let Some(t) = timelines.lock().expect("not poisoned").get_mut(&key) {
+                *mark(t) = Some(now);
+            }
+        }
+    }
 }
 
 pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
@@ -140,7 +141,8 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
     }
     let timelines = Timelines::default();
     tap(&bus, &timelines).await?;
-    let done = Arc::new(AtomicBool::new(false));
+    // Set once every batch is published (and acknowledged).
+    let (done_tx, mut done) = tokio::sync::watch::channel(false);
 
     // The follower: a router's view of the index, built as a router builds
     // it (the latest snapshot, then the deltas after it).
@@ -156,7 +158,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
             None => 1,
         };
         let mut deltas = bus.deltas_from(from).await?;
-        let (timelines, done) = (timelines.clone(), done.clone());
+        let timelines = timelines.clone();
         // Publishing starts once the follower holds every delta there was:
         // catching up on an earlier history is not a delay to measure.
         let head = bus.last_delta_seq().await?;
@@ -171,8 +173,23 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
             let mut first: Option<Instant> = None;
             let mut last = Instant::now();
             let mut applied = 0u64;
-            while let Some(delta) = deltas.next().await {
-                let delta = delta?;
+            loop {
+                // The last delta may come before the publishers are done:
+                // their end is awaited as well as the next delta.
+                if *done.borrow() && timelines.lock().expect("not poisoned").is_empty() {
+                    break;
+                }
+                let delta = tokio::select! {
+                    delta = deltas.next() => match delta {
+                        Some(delta) => delta?,
+                        None => break,
+                    },
+                    // An error: the publishing side is gone.
+                    changed = done.changed() => match changed {
+                        Ok(()) => continue,
+                        Err(_) => break,
+                    },
+                };
                 replica.apply(&delta)?;
                 let now = Instant::now();
                 applied += 1;
@@ -196,11 +213,6 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
                             })
                             .sum::<u64>();
                     }
-                }
-                if done.load(Ordering::Relaxed)
-                    && timelines.lock().expect("not poisoned").is_empty()
-                {
-                    break;
                 }
             }
             let seconds = first.map_or(0.0, |f| (last - f).as_secs_f64());
@@ -278,7 +290,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
     while let Some(result) = publishers.join_next().await {
         result??;
     }
-    done.store(true, Ordering::Relaxed);
+    done_tx.send_replace(true);
     let (mut delays, mut stages, blocks, seconds, applied) =
         tokio::time::timeout(Duration::from_secs(60), follower)
             .await
