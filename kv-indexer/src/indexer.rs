@@ -310,7 +310,8 @@ impl KvIndexer {
         }
     }
 
-    /// Resumes from a snapshot, into `index` (which keeps its memory cap).
+    /// Resumes from a snapshot, into `index` (which keeps its settings:
+    /// memory cap and reservation).
     pub fn restore(
         mut index: OwnershipIndex,
         snapshot: IndexSnapshot,

@@ -14,6 +14,9 @@ pub mod service;
 pub mod trace_bench;
 pub mod workload;
 
-pub use index::{IndexStats, Matches, OwnershipIndex, PrefixDepth, RestoreError, WorkerSlot};
+pub use index::{
+    IndexStats, Matches, OwnershipIndex, PrefixDepth, RestoreError, WorkerSlot,
+    DEFAULT_RESERVE_BLOCKS,
+};
 pub use indexer::{BatchOutcome, BatchStatus, KvIndexer};
 pub use replica::{apply_change, DeltaError, IndexReplica};

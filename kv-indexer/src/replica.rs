@@ -35,9 +35,16 @@ impl IndexReplica {
         self.applied
     }
 
+    /// Sizes the index for `blocks` blocks, also after a restore (see
+    /// [`OwnershipIndex::reserve`]).
+    pub fn reserve(&mut self, blocks: usize) {
+        self.index.reserve(blocks);
+    }
+
     /// Replaces the state with a snapshot's and checks its digest.
     pub fn restore(&mut self, snapshot: IndexSnapshot) -> Result<(), RestoreError> {
         let mut index = OwnershipIndex::new();
+        index.reserve(self.index.reserved());
         index.import(snapshot.workers, snapshot.runs, snapshot.digest)?;
         self.index = index;
         self.applied = snapshot.delta_seq;

@@ -283,12 +283,15 @@ proptest! {
     fn snapshot_restore_keeps_answers_and_digest(ops in proptest::collection::vec(op(), 1..40)) {
         let chains = chains();
         let mut index = OwnershipIndex::new();
+        index.reserve(8); // the stores grow the table past it
         for op in &ops {
             apply_change(&mut index, &to_change(&chains, op));
         }
         let (workers, runs) = index.export();
         let mut restored = OwnershipIndex::new();
+        restored.reserve(1000);
         restored.import(workers, runs, index.digest()).unwrap();
+        prop_assert_eq!(restored.reserved(), 1000, "an import keeps the reservation");
         prop_assert_eq!(restored.digest(), index.digest());
         prop_assert_eq!(restored.stats().blocks, index.stats().blocks);
         for q in queries(&chains) {
@@ -359,6 +362,12 @@ proptest! {
         }
         prop_assert_eq!(replica.index().digest(), indexer.index().digest());
         prop_assert_eq!(replica.applied(), indexer.delta_seq());
+        // A sized replica restored from a snapshot: the same, still sized.
+        let mut restored = IndexReplica::new();
+        restored.reserve(500);
+        restored.restore(indexer.snapshot()).unwrap();
+        prop_assert_eq!(restored.index().reserved(), 500);
+        prop_assert_eq!(restored.index().digest(), indexer.index().digest());
         for q in queries(&chains) {
             prop_assert_eq!(index_matches(replica.index(), q), index_matches(indexer.index(), q));
         }

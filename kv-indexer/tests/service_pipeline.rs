@@ -247,3 +247,34 @@ async fn overlap_queries_give_per_worker_depths() -> Result<()> {
     );
     service.stop().await
 }
+
+/// A stream's byte cap, as the server reports it.
+async fn max_bytes(servers: &Servers, stream: &str) -> Result<i64> {
+    let mut stream = servers.bus.jetstream().get_stream(stream).await?;
+    Ok(stream.info().await?.config.max_bytes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_indexer_sets_the_streams_retention_or_runs_without_it() -> Result<()> {
+    let servers = Servers::start().await?;
+    ensure!(max_bytes(&servers, subjects::DECISIONS_STREAM).await? == -1);
+
+    // Caps the store can reserve are set...
+    let service = Running::start(servers.config()).await?;
+    ensure!(max_bytes(&servers, subjects::KV_EVENTS_STREAM).await? == 64 << 20);
+    ensure!(max_bytes(&servers, subjects::DECISIONS_STREAM).await? == 64 << 20);
+    service.stop().await?;
+
+    // ... caps it cannot are refused by JetStream: the indexer still runs,
+    // and the streams keep the limits they had.
+    let mut config = servers.config();
+    config.kv_events_max_bytes = 1 << 50;
+    config.decisions_max_bytes = 1 << 50;
+    let service = Running::start(config).await?;
+    let (code, body) = http_get(service.http, "/healthz").await?;
+    ensure!(code == 200, "healthz: {code} {body}");
+    ensure!(max_bytes(&servers, subjects::KV_EVENTS_STREAM).await? == 64 << 20);
+    ensure!(max_bytes(&servers, subjects::DECISIONS_STREAM).await? == 64 << 20);
+    service.stop().await?;
+    Ok(())
+}

@@ -149,6 +149,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
     let (caught_up_tx, caught_up_rx) = tokio::sync::oneshot::channel();
     let follower = {
         let mut replica = IndexReplica::new();
+        replica.reserve(kv_indexer::DEFAULT_RESERVE_BLOCKS);
         let from = match bus.latest_snapshot().await? {
             Some(snapshot) => {
                 let seq = snapshot.delta_seq;

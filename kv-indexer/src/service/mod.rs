@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
 use async_nats::jetstream::message::AckKind;
-use bus::{Bus, BusError, Registry, RegistryError, WorkerChange};
+use bus::{Bus, BusError, Registry, RegistryError, StreamLimits, WorkerChange};
 use futures::StreamExt;
 use protocol::{subjects, IndexDelta, Message, WorkerId};
 use tokio::net::TcpListener;
@@ -127,6 +127,28 @@ impl std::fmt::Debug for Service {
     }
 }
 
+/// Sets the streams' retention. JetStream reserves a capped stream's bytes
+/// in its store, and refuses caps it has no room for: then the streams keep
+/// their limits and the refusal is logged as an error (an indexer that
+/// would not start on a small disk helps nobody).
+async fn set_retention(bus: &Bus, retention: &StreamLimits) -> Result<(), ServiceError> {
+    match bus.apply_stream_limits(retention).await {
+        Ok(changed) if changed.is_empty() => {}
+        Ok(changed) => tracing::info!(streams = ?changed, ?retention, "stream retention set"),
+        Err(error) => {
+            tracing::error!(
+                %error,
+                ?retention,
+                "the streams' retention could not be set; they keep their current limits \
+                 (lower --kv-events-max-bytes and --decisions-max-bytes to what JetStream's \
+                 store can reserve, 0 for no cap)"
+            );
+            bus.ensure_streams(&StreamLimits::default()).await?;
+        }
+    }
+    Ok(())
+}
+
 impl Service {
     /// Connects to NATS and etcd, creates the streams, binds the HTTP
     /// address, recovers the state and opens the KV consumer.
@@ -142,19 +164,17 @@ impl Service {
             source,
         })?;
         let bus = Bus::connect(&config.nats_url, "kv-indexer").await?;
-        let retention = config.stream_limits();
-        let changed = bus.apply_stream_limits(&retention).await?;
-        if !changed.is_empty() {
-            tracing::info!(streams = ?changed, ?retention, "stream retention set");
-        }
+        set_retention(&bus, &config.stream_limits()).await?;
         let registry = Registry::connect(&config.etcd_endpoints).await?;
         let metrics = Arc::new(Metrics::new());
 
         let started = Instant::now();
-        let index = match config.max_blocks {
+        let mut index = match config.max_blocks {
             Some(max) => OwnershipIndex::with_max_blocks(max),
             None => OwnershipIndex::new(),
         };
+        let cap = config.max_blocks.map_or(usize::MAX, |m| m as usize);
+        index.reserve(config.reserve_blocks.min(cap));
         let recovered = recovery::recover(&bus, index).await?;
         let indexer = recovered.indexer;
         metrics.recovery_replayed.set(recovered.replayed as f64);

@@ -53,6 +53,9 @@ impl Servers {
         config.http_addr = "127.0.0.1:0".parse().unwrap();
         config.resync_timeout = Duration::from_secs(2);
         config.resync_interval = Duration::from_millis(500);
+        // JetStream reserves capped bytes: small caps for small stores.
+        config.kv_events_max_bytes = 64 << 20;
+        config.decisions_max_bytes = 64 << 20;
         config
     }
 }

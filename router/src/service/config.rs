@@ -187,6 +187,12 @@ pub struct Settings {
     /// Largest accepted request body (bytes). Default 33554432 (32 MiB).
     #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Size the index replica's block table for this many blocks: growing
+    /// it past its size rebuilds it, which stops the event loop (and so
+    /// every decision) for a while, about 20 ms per million blocks on a
+    /// 2-vCPU VM. About 18 bytes per block. Default 1048576.
+    #[arg(long, env = "SWITCHYARD_RESERVE_BLOCKS")]
+    pub reserve_blocks: Option<usize>,
     /// max_tokens of a request that gives none. Default 16 (OpenAI's).
     #[arg(long, env = "SWITCHYARD_DEFAULT_MAX_TOKENS")]
     pub default_max_tokens: Option<u32>,
@@ -214,7 +220,7 @@ impl Settings {
             host_tier_weight, disk_tier_weight, gate_enabled, gate_budget_fraction,
             ledger_ttl_ms, ledger_tombstone_ttl_ms, report_grace_ms, first_chunk_timeout_ms,
             idle_timeout_ms, route_timeout_ms, drain_timeout_ms, tick_ms, max_body_bytes,
-            default_max_tokens, seed,
+            reserve_blocks, default_max_tokens, seed,
         );
         self
     }
@@ -318,6 +324,8 @@ pub struct Config {
     pub router: RouterConfig,
     pub timeouts: Timeouts,
     pub max_body_bytes: usize,
+    /// Blocks the index replica is sized for.
+    pub reserve_blocks: usize,
     pub default_max_tokens: u32,
     /// The deployment's seed of decisions' draws (the same on every replica).
     pub seed: u64,
@@ -488,6 +496,9 @@ impl Config {
             router,
             timeouts,
             max_body_bytes,
+            reserve_blocks: s
+                .reserve_blocks
+                .unwrap_or(kv_indexer::DEFAULT_RESERVE_BLOCKS),
             default_max_tokens,
             seed: s.seed.unwrap_or(0),
         })

@@ -108,6 +108,7 @@ pub async fn run(
         metrics: metrics.clone(),
         readiness: ready_tx,
         tick: config.timeouts.tick,
+        reserve_blocks: config.reserve_blocks,
     });
     let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
 

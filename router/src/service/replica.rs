@@ -45,17 +45,23 @@ impl std::fmt::Debug for LoadedIndex {
     }
 }
 
-/// Loads the latest snapshot (if any) and opens the delta stream after it.
-pub async fn load(bus: &Bus) -> Result<LoadedIndex, LoadError> {
+/// Loads the latest snapshot (if any) into a replica sized for
+/// `reserve_blocks` blocks, and opens the delta stream after it.
+pub async fn load(bus: &Bus, reserve_blocks: usize) -> Result<LoadedIndex, LoadError> {
     let snapshot = bus.latest_snapshot().await?;
     let snapshot_seq = snapshot.as_ref().map(|s| s.delta_seq);
+    let sized = move || {
+        let mut replica = IndexReplica::new();
+        replica.reserve(reserve_blocks);
+        replica
+    };
     let replica = match snapshot {
-        None => IndexReplica::new(),
+        None => sized(),
         Some(snapshot) => {
             let seq = snapshot.delta_seq;
             // Importing a large snapshot takes a while: not on a runtime thread.
             tokio::task::spawn_blocking(move || {
-                let mut replica = IndexReplica::new();
+                let mut replica = sized();
                 replica.restore(snapshot).map(|()| replica)
             })
             .await

@@ -189,6 +189,8 @@ pub struct LoopParts {
     pub metrics: Metrics,
     pub readiness: watch::Sender<Readiness>,
     pub tick: Duration,
+    /// Blocks the index replica is sized for.
+    pub reserve_blocks: usize,
 }
 
 /// The event loop's state.
@@ -204,6 +206,7 @@ pub struct RouterLoop {
     metrics: Metrics,
     readiness: watch::Sender<Readiness>,
     tick: Duration,
+    reserve_blocks: usize,
     index: IndexState,
     deltas: BoxStream<'static, Result<IndexDelta, BusError>>,
     head: u64,
@@ -235,6 +238,7 @@ impl RouterLoop {
             metrics,
             readiness,
             tick,
+            reserve_blocks,
         } = parts;
         Self {
             core,
@@ -247,6 +251,7 @@ impl RouterLoop {
             metrics,
             readiness,
             tick,
+            reserve_blocks,
             index: IndexState::Loading {
                 why: "loading the index snapshot".into(),
             },
@@ -490,11 +495,11 @@ impl RouterLoop {
             _ => Duration::ZERO,
         };
         self.last_load = Some(Instant::now() + delay);
-        let bus = self.bus.clone();
+        let (bus, reserve_blocks) = (self.bus.clone(), self.reserve_blocks);
         let tx = self.side_tx.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            let loaded = replica::load(&bus).await;
+            let loaded = replica::load(&bus, reserve_blocks).await;
             let _ = tx.send(Event::IndexLoaded(loaded));
         });
     }
