@@ -949,7 +949,11 @@ impl OwnershipIndex {
         workers: Vec<WorkerId>,
         runs: Vec<OwnedRun>,
     ) -> Result<(), RestoreError> {
+        // The table's allocation stays: a reserved index imports into it.
+        let mut table = std::mem::take(&mut self.table);
+        table.clear();
         *self = self.emptied();
+        self.table = table;
         for worker in &workers {
             if self.slots.contains_key(worker) {
                 return Err(RestoreError::DuplicateWorker(worker.clone()));
