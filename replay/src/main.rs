@@ -10,7 +10,8 @@ use clap::{Args, Parser, Subcommand};
 use engine_sim::Preset;
 use replay::{explain, flips, live, replay, simulate, Export};
 use router::Overrides;
-use sim::{PolicyKind, Slo};
+use router::Policy;
+use sim::Slo;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -54,14 +55,15 @@ impl Source {
 /// Other settings to re-decide with.
 #[derive(Debug, Args)]
 struct Settings {
-    /// Another policy: always_disagg, never_disagg, isl, load, isl_or_load, sla_dynamic.
+    /// Another policy, by the router's name: always_disagg, never_disagg,
+    /// isl, load, isl_or_load, sla_dynamic.
     #[arg(long)]
     policy: Option<String>,
     /// A policy parameter, e.g. `--param eff_isl_tokens=1024` (repeatable).
-    #[arg(long = "param", value_parser = parse_param)]
+    #[arg(long = "param", value_parser = router::parse_param)]
     params: Vec<(String, f64)>,
     /// A router setting, e.g. `--router-param gate.budget_fraction=0.9`.
-    #[arg(long = "router-param", value_parser = parse_param)]
+    #[arg(long = "router-param", value_parser = router::parse_param)]
     router_params: Vec<(String, f64)>,
 }
 
@@ -73,16 +75,6 @@ impl Settings {
             router_params: self.router_params.clone(),
         }
     }
-}
-
-fn parse_param(text: &str) -> Result<(String, f64), String> {
-    let (name, value) = text
-        .split_once('=')
-        .ok_or_else(|| format!("{text:?} is not NAME=VALUE"))?;
-    let value = value
-        .parse()
-        .map_err(|_| format!("{value:?} is not a number"))?;
-    Ok((name.to_owned(), value))
 }
 
 #[derive(Debug, Subcommand)]
@@ -324,22 +316,27 @@ async fn main() -> anyhow::Result<()> {
                 let preset =
                     Preset::by_name(&preset).with_context(|| format!("unknown preset {preset}"))?;
                 let recorded = export.decisions.first().context("no decision")?;
-                let before = PolicyKind::Named {
-                    name: recorded.decision.policy.clone(),
-                    params: recorded.inputs.policy_params.clone(),
-                };
+                let before = Policy::with_params(
+                    &recorded.decision.policy,
+                    recorded
+                        .inputs
+                        .policy_params
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), *v)),
+                )?;
                 let mut after_params = match &what_if.policy {
                     Some(_) => Vec::new(),
                     None => recorded.inputs.policy_params.clone(),
                 };
                 after_params.extend(what_if.params.iter().cloned());
-                let after = PolicyKind::Named {
-                    name: what_if
-                        .policy
-                        .clone()
-                        .unwrap_or_else(|| recorded.decision.policy.clone()),
-                    params: after_params,
-                };
+                let after_name = what_if
+                    .policy
+                    .as_deref()
+                    .unwrap_or(&recorded.decision.policy);
+                let after = Policy::with_params(
+                    after_name,
+                    after_params.iter().map(|(k, v)| (k.as_str(), *v)),
+                )?;
                 let slo = Slo {
                     ttft_ms: 2_000.0,
                     itl_ms: 60.0,

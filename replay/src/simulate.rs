@@ -6,8 +6,9 @@
 
 use engine_sim::{KvTransfer, Preset};
 use protocol::{DecisionRecord, Role};
+use router::Policy;
 use sim::workload::{pseudo_tokens, Arrival, RequestSpec, Scripted};
-use sim::{simulate, Deployment, PolicyKind, RunSummary, SimConfig, Slo};
+use sim::{simulate, Deployment, RunSummary, SimConfig, Slo};
 
 /// A prompt with the record's prefix structure: each full block's tokens
 /// derive from its chained hash (equal hashes, equal prefixes), the tail
@@ -75,7 +76,7 @@ pub fn shape(decisions: &[DecisionRecord]) -> (u32, u32) {
 pub fn run(
     decisions: &[DecisionRecord],
     preset: Preset,
-    policy: PolicyKind,
+    policy: Policy,
     slo: Slo,
 ) -> Result<RunSummary, sim::SimError> {
     let (prefill, decode) = shape(decisions);

@@ -11,13 +11,14 @@ use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use protocol::{
-    DecisionId, HashingContract, IndexChange, IndexDelta, IndexSnapshot, LoadReport, Message, Role,
-    Tier, WorkerId, WorkerRecord, WorkerSubjects,
+    BlockHash, DecisionId, HashingContract, IndexChange, IndexDelta, IndexSnapshot, LoadReport,
+    Message, Role, RouteDecision, Tier, WorkerId, WorkerRecord, WorkerSubjects,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use router::{
-    decision_seed, IslBased, Overrides, Replayer, RouteRequest, RouterConfig, RouterCore,
+    decision_seed, IslBased, Overrides, Replayer, RouteError, RouteOptions, RouteRequest,
+    RouterConfig, RouterCore,
 };
 use tests::tokens;
 
@@ -46,11 +47,8 @@ fn record(name: String, role: Role, contract: &HashingContract) -> WorkerRecord 
 /// on p1, and the prompt appends 700 new tokens: a bypass on d7.
 fn setup() -> (RouterCore, Vec<u32>) {
     let contract = HashingContract::for_model("bench", BLOCK);
-    let mut core = RouterCore::new(
-        RouterConfig::new(contract.clone()),
-        Box::new(IslBased::default()),
-    )
-    .unwrap();
+    let mut core =
+        RouterCore::new(RouterConfig::new(contract.clone()), IslBased::default()).unwrap();
     let mut names = Vec::new();
     for i in 0..DECODE {
         names.push((format!("d{i}"), Role::Decode));
@@ -137,6 +135,29 @@ fn setup() -> (RouterCore, Vec<u32>) {
 
 /// Routes `n` decisions, timing each; every decision is finished right away
 /// (untimed) so that the ledger stays small and the state steady.
+/// A full decision as the service makes it: the prompt hashed (into a
+/// reused buffer), then routed.
+fn decide(
+    core: &mut RouterCore,
+    prompt: &[u32],
+    hashes: &mut Vec<BlockHash>,
+    id: DecisionId,
+    now_ms: u64,
+    rng: &mut ChaCha8Rng,
+) -> Result<RouteDecision, RouteError> {
+    hashes.clear();
+    core.hasher().extend(None, prompt, hashes);
+    let request = RouteRequest {
+        request_id: "bench",
+        isl_tokens: prompt.len() as u32,
+        block_hashes: hashes,
+        expected_output_tokens: 300,
+    };
+    Ok(core
+        .route(&request, RouteOptions::default(), id, now_ms, rng)?
+        .decision)
+}
+
 fn timed(
     core: &mut RouterCore,
     prompt: &[u32],
@@ -145,11 +166,12 @@ fn timed(
     n: u64,
 ) -> Vec<Duration> {
     let mut out = Vec::with_capacity(n as usize);
+    let mut hashes = Vec::new();
     for _ in 0..n {
         *next += 1;
         let id = DecisionId(*next);
         let start = Instant::now();
-        let decision = core.route_tokens("bench", black_box(prompt), 300, id, *next, rng);
+        let decision = decide(core, black_box(prompt), &mut hashes, id, *next, rng);
         out.push(start.elapsed());
         black_box(&decision);
         core.on_finished(id);
@@ -164,9 +186,15 @@ fn main() {
     let (mut core, prompt) = setup();
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let mut next = 0;
-    let first = core
-        .route_tokens("bench", &prompt, 300, DecisionId(u64::MAX), 0, &mut rng)
-        .unwrap();
+    let first = decide(
+        &mut core,
+        &prompt,
+        &mut Vec::new(),
+        DecisionId(u64::MAX),
+        0,
+        &mut rng,
+    )
+    .unwrap();
     core.on_finished(first.id);
     println!(
         "decision: {} on {} (rule {}): {}",
@@ -213,14 +241,20 @@ fn main() {
         expected_output_tokens: 300,
     };
     let seed = decision_seed(0, &request);
-    let (decision, explanation) = core
-        .route_explained(
+    let explain = RouteOptions {
+        avoid: &[],
+        explain: true,
+    };
+    let routed = core
+        .route(
             &request,
+            explain,
             DecisionId(u64::MAX - 1),
             0,
             &mut ChaCha8Rng::seed_from_u64(seed),
         )
         .unwrap();
+    let (decision, explanation) = (routed.decision, routed.explanation.unwrap());
     core.on_finished(decision.id);
     let record = core.record(&decision, &explanation, &request, seed, &[]);
     let bytes = record.encode().len();

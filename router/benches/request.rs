@@ -5,7 +5,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput};
-use router::service::openai::CompletionRequest;
+use router::service::http::openai::CompletionRequest;
 
 fn body(tokens: usize) -> Vec<u8> {
     let mut prompt = Vec::with_capacity(tokens);

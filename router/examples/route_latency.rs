@@ -19,7 +19,7 @@ use protocol::{
     BlockHasher, HashingContract, KvEvent, KvEventBatch, Role, Tier, WorkerId, WorkerRecord,
     WorkerSubjects,
 };
-use router::service::{self, Settings};
+use router::service::{self, Config};
 use tests::{tokens, EtcdServer, NatsServer};
 
 const DECODE: usize = 64;
@@ -124,16 +124,15 @@ async fn main() -> Result<()> {
     let mut prompt = conversation;
     prompt.extend(tokens(78, 8192 - prompt.len()));
 
-    let config = Settings {
-        nats_url: Some(nats.url()),
-        etcd_endpoints: Some(vec![etcd.endpoint()]),
-        model: Some(MODEL.into()),
-        block_size: Some(BLOCK),
-        replica_id: Some("latency".into()),
-        policy: Some("isl-or-load".into()),
-        ..Settings::default()
+    let config = Config {
+        nats_url: nats.url(),
+        etcd_endpoints: vec![etcd.endpoint()],
+        model: MODEL.into(),
+        block_size: BLOCK,
+        replica_id: "latency".into(),
+        ..Config::default()
     }
-    .load()?;
+    .validate()?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/v1/route", listener.local_addr()?);
     let ready = format!("http://{}/readyz", listener.local_addr()?);

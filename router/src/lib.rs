@@ -11,10 +11,10 @@
 //! ```
 //! use protocol::{DecisionId, HashingContract, Role, WorkerRecord, WorkerSubjects};
 //! use rand::SeedableRng;
-//! use router::{IslBased, RouterConfig, RouterCore};
+//! use router::{IslBased, RouteOptions, RouteRequest, RouterConfig, RouterCore};
 //!
 //! let contract = HashingContract::for_model("m", 16);
-//! let mut core = RouterCore::new(RouterConfig::new(contract.clone()), Box::new(IslBased::default())).unwrap();
+//! let mut core = RouterCore::new(RouterConfig::new(contract.clone()), IslBased::default()).unwrap();
 //! for (name, role) in [("p0", Role::Prefill), ("d0", Role::Decode)] {
 //!     let id = name.parse().unwrap();
 //!     core.register(WorkerRecord {
@@ -31,9 +31,16 @@
 //! }
 //! let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
 //! let prompt: Vec<u32> = (0..4000).collect();
-//! let decision = core.route_tokens("r1", &prompt, 100, DecisionId(1), 0, &mut rng).unwrap();
-//! assert_eq!(decision.rule, "isl.long_prefill");
-//! assert_eq!(decision.prefill.unwrap().to_string(), "p0");
+//! let hashes = core.hasher().hash_prompt(&prompt);
+//! let request = RouteRequest {
+//!     request_id: "r1",
+//!     isl_tokens: prompt.len() as u32,
+//!     block_hashes: &hashes,
+//!     expected_output_tokens: 100,
+//! };
+//! let routed = core.route(&request, RouteOptions::default(), DecisionId(1), 0, &mut rng).unwrap();
+//! assert_eq!(routed.decision.rule, "isl.long_prefill");
+//! assert_eq!(routed.decision.prefill.unwrap().to_string(), "p0");
 //! ```
 
 pub mod core;
@@ -43,10 +50,11 @@ pub mod explain;
 pub mod service;
 
 pub use crate::core::{
-    decision_seed, difference, policy_from_params, rules, AlwaysDisagg, Candidate, CandidateScore,
+    decision_seed, difference, parse_param, rules, AlwaysDisagg, Candidate, CandidateScore,
     Charges, ConditionalDisaggPolicy, ConfigError, CostModel, DecodeSelection, DepthMismatch,
     EffectiveLoad, Explanation, GateCheck, GateConfig, HeldTokens, IslBased, IslOrLoad,
-    LedgerConfig, LoadBased, NeverDisagg, Overrides, ParamError, PolicyInput, PrefillSelection,
-    ReplayError, Replayed, Replayer, RouteError, RouteRequest, RouterConfig, RouterCore,
-    SlaDynamic, SlaPrediction, TierWeights, Verdict, Workers,
+    LedgerConfig, LoadBased, NeverDisagg, Overrides, ParamError, ParamSpec, Policy, PolicyInput,
+    PolicyName, PolicySpec, PrefillSelection, ReplayError, Replayed, Replayer, RouteError,
+    RouteOptions, RouteRequest, Routed, RouterConfig, RouterCore, SlaDynamic, SlaPrediction,
+    TierWeights, Verdict, Workers, POLICIES,
 };

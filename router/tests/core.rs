@@ -9,8 +9,8 @@ use protocol::{
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use router::{
-    rules, AlwaysDisagg, IslBased, LedgerConfig, NeverDisagg, RouteError, RouteRequest,
-    RouterConfig, RouterCore,
+    rules, AlwaysDisagg, IslBased, LedgerConfig, NeverDisagg, RouteError, RouteOptions,
+    RouteRequest, RouterConfig, RouterCore,
 };
 
 fn rng(seed: u64) -> ChaCha8Rng {
@@ -22,7 +22,7 @@ fn disagg(ledger: LedgerConfig) -> RouterCore {
         ledger,
         ..RouterConfig::new(contract())
     };
-    let mut core = core_with(config, Box::new(AlwaysDisagg));
+    let mut core = core_with(config, AlwaysDisagg);
     core.register(record("p0", Role::Prefill, 10_000)).unwrap();
     core.register(record("d0", Role::Decode, 10_000)).unwrap();
     core
@@ -49,7 +49,7 @@ fn peer_decision(id: u64, at_ms: u64) -> RouteDecision {
 
 #[test]
 fn a_contract_mismatch_is_refused_and_the_worker_not_added() {
-    let mut core = core_with(RouterConfig::new(contract()), Box::new(NeverDisagg));
+    let mut core = core_with(RouterConfig::new(contract()), NeverDisagg);
     let mut bad = record("d0", Role::Decode, 1_000);
     bad.contract.block_size = 32;
     assert_eq!(
@@ -62,7 +62,7 @@ fn a_contract_mismatch_is_refused_and_the_worker_not_added() {
     assert!(core.workers().record(&id("d0")).is_none());
     let prompt = tokens(1, 100);
     assert_eq!(
-        core.route_tokens("r", &prompt, 10, DecisionId(1), 0, &mut rng(0)),
+        core.route_prompt("r", &prompt, 10, DecisionId(1), 0, &mut rng(0)),
         Err(RouteError::NoDecodeWorker)
     );
     // A registered worker that comes back under another contract is dropped.
@@ -83,7 +83,7 @@ fn ledger_entries_expire_after_their_ttl() {
     };
     let mut core = disagg(ledger);
     let d = core
-        .route_tokens(
+        .route_prompt(
             "r",
             &tokens(1, 1_600),
             400,
@@ -157,7 +157,7 @@ fn on_decision_is_idempotent_and_completions_release() {
 
     // An id in the ledger cannot be routed again (its charge would be lost).
     assert_eq!(
-        core.route_tokens("r", &tokens(1, 100), 10, DecisionId(7), 0, &mut rng(0)),
+        core.route_prompt("r", &tokens(1, 100), 10, DecisionId(7), 0, &mut rng(0)),
         Err(RouteError::DuplicateDecision(DecisionId(7)))
     );
 }
@@ -166,7 +166,7 @@ fn on_decision_is_idempotent_and_completions_release() {
 fn a_forgotten_dry_run_releases_its_charges_and_leaves_nothing() {
     let mut core = disagg(LedgerConfig::default());
     let d = core
-        .route_tokens("r", &tokens(1, 1_600), 400, DecisionId(1), 0, &mut rng(0))
+        .route_prompt("r", &tokens(1, 1_600), 400, DecisionId(1), 0, &mut rng(0))
         .unwrap();
     assert_eq!(core.workers().ledger_charges(&id("d0")).requests, 1);
     assert!(core.forget(d.id));
@@ -184,7 +184,7 @@ fn a_forgotten_dry_run_releases_its_charges_and_leaves_nothing() {
 
 #[test]
 fn peer_decisions_for_unknown_workers_count_once_they_register() {
-    let mut core = core_with(RouterConfig::new(contract()), Box::new(AlwaysDisagg));
+    let mut core = core_with(RouterConfig::new(contract()), AlwaysDisagg);
     assert!(core.on_decision(&peer_decision(1, 0)));
     core.register(record("d0", Role::Decode, 10_000)).unwrap();
     let load = core.workers().effective_load(&id("d0")).unwrap();
@@ -216,7 +216,7 @@ fn effective_load_is_the_max_of_report_plus_unreported_and_ledger() {
 }
 
 fn cluster(seed_workers: usize) -> RouterCore {
-    let mut core = core_with(RouterConfig::new(contract()), Box::new(IslBased::default()));
+    let mut core = core_with(RouterConfig::new(contract()), IslBased::default());
     core.register(record("p0", Role::Prefill, 10_000)).unwrap();
     core.register(record("p1", Role::Prefill, 10_000)).unwrap();
     for i in 0..seed_workers {
@@ -236,7 +236,7 @@ fn same_seed_same_decisions_and_seeds_only_differ_among_ties() {
         for i in 0..60u64 {
             let prompt = &prompts[(i % 5) as usize];
             let (d, e) = core
-                .route_tokens_explained("r", prompt, 100, DecisionId(i), i, &mut rng)
+                .route_prompt_explained("r", prompt, 100, DecisionId(i), i, &mut rng)
                 .unwrap();
             // The pick is always among the minimum-cost candidates.
             let min = e
@@ -276,7 +276,8 @@ fn bad_requests_are_refused() {
         expected_output_tokens: 10,
     };
     assert_eq!(
-        core.route(&empty, DecisionId(1), 0, &mut r),
+        core.route(&empty, RouteOptions::default(), DecisionId(1), 0, &mut r)
+            .map(|r| r.decision),
         Err(RouteError::EmptyPrompt)
     );
     let hashes = [BlockHash(1), BlockHash(2)];
@@ -286,7 +287,8 @@ fn bad_requests_are_refused() {
         ..empty
     };
     assert!(matches!(
-        core.route(&too_many, DecisionId(1), 0, &mut r),
+        core.route(&too_many, RouteOptions::default(), DecisionId(1), 0, &mut r)
+            .map(|r| r.decision),
         Err(RouteError::TooManyBlocks {
             blocks: 2,
             max: 1,
@@ -298,17 +300,20 @@ fn bad_requests_are_refused() {
         isl_tokens: 64,
         ..too_many
     };
-    assert!(core.route(&prefix, DecisionId(1), 0, &mut r).is_ok());
+    assert!(core
+        .route(&prefix, RouteOptions::default(), DecisionId(1), 0, &mut r)
+        .map(|r| r.decision)
+        .is_ok());
     assert_eq!(core.workers().in_flight(), 1);
 }
 
 #[test]
 fn both_workers_are_aggregated_and_never_get_a_remote_leg() {
-    let mut core = core_with(RouterConfig::new(contract()), Box::new(AlwaysDisagg));
+    let mut core = core_with(RouterConfig::new(contract()), AlwaysDisagg);
     core.register(record("a0", Role::Both, 10_000)).unwrap();
     core.register(record("a1", Role::Both, 10_000)).unwrap();
     let d = core
-        .route_tokens("r", &tokens(1, 9_000), 10, DecisionId(1), 0, &mut rng(0))
+        .route_prompt("r", &tokens(1, 9_000), 10, DecisionId(1), 0, &mut rng(0))
         .unwrap();
     assert_eq!(
         (d.path, d.rule.as_str()),
@@ -318,7 +323,7 @@ fn both_workers_are_aggregated_and_never_get_a_remote_leg() {
     // With a prefill worker, Both workers decode and p0 prefills.
     core.register(record("p0", Role::Prefill, 10_000)).unwrap();
     let d = core
-        .route_tokens("r", &tokens(1, 9_000), 10, DecisionId(2), 0, &mut rng(0))
+        .route_prompt("r", &tokens(1, 9_000), 10, DecisionId(2), 0, &mut rng(0))
         .unwrap();
     assert_eq!((d.path, d.prefill), (Path::Remote, Some(id("p0"))));
     assert!(d.decode.name().starts_with('a'));
@@ -326,7 +331,7 @@ fn both_workers_are_aggregated_and_never_get_a_remote_leg() {
 
 #[test]
 fn offloaded_tiers_count_for_less() {
-    let mut core = core_with(RouterConfig::new(contract()), Box::new(NeverDisagg));
+    let mut core = core_with(RouterConfig::new(contract()), NeverDisagg);
     let mut pipeline = Pipeline::default();
     core.register(record("d0", Role::Decode, 10_000)).unwrap();
     core.register(record("d1", Role::Decode, 10_000)).unwrap();
@@ -336,7 +341,7 @@ fn offloaded_tiers_count_for_less() {
     pipeline.store(&mut core, &id("d0"), &hashes[..60], 0, Tier::Device);
     pipeline.store(&mut core, &id("d1"), &hashes, 0, Tier::Host);
     let (d, e) = core
-        .route_tokens_explained("r", &prompt, 0, DecisionId(1), 0, &mut rng(0))
+        .route_prompt_explained("r", &prompt, 0, DecisionId(1), 0, &mut rng(0))
         .unwrap();
     let overlap: Vec<f64> = e.decode.iter().map(|c| c.overlap_blocks).collect();
     assert_eq!(overlap, [60.0, 50.0]);

@@ -12,14 +12,14 @@ use protocol::{
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use router::{
-    decision_seed, difference, IslBased, Overrides, Replayer, RouteRequest, RouterConfig,
-    RouterCore,
+    decision_seed, difference, IslBased, Overrides, Replayer, RouteOptions, RouteRequest,
+    RouterConfig, RouterCore,
 };
 
 /// Routes a few conversations, keeping every decision's record and every
 /// delta.
 fn history() -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
-    let mut core = core_with(RouterConfig::new(contract()), Box::new(IslBased::default()));
+    let mut core = core_with(RouterConfig::new(contract()), IslBased::default());
     let mut indexer = KvIndexer::new(OwnershipIndex::new());
     let mut deltas = Vec::new();
     let mut seqs = std::collections::HashMap::<WorkerId, u64>::new();
@@ -70,9 +70,14 @@ fn history() -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
             };
             let seed = decision_seed(7, &request);
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            let (decision, explanation) = core
-                .route_explained(&request, DecisionId(n), now, &mut rng)
+            let options = RouteOptions {
+                avoid: &[],
+                explain: true,
+            };
+            let routed = core
+                .route(&request, options, DecisionId(n), now, &mut rng)
                 .unwrap();
+            let (decision, explanation) = (routed.decision, routed.explanation.unwrap());
             records.push(core.record(&decision, &explanation, &request, seed, &[]));
             // Every other request is still in flight at the next decision:
             // the ledger shapes the loads the records must carry.

@@ -60,7 +60,7 @@ proptest! {
     ) {
         let selection = DecodeSelection { overlap_credit: credit, queue_weight, ..DecodeSelection::default() };
         let config = RouterConfig { decode: selection, ..RouterConfig::new(contract()) };
-        let mut core = core_with(config, Box::new(NeverDisagg));
+        let mut core = core_with(config, NeverDisagg);
         let prompt = tokens(seed, 56 * BLOCK as usize + isl_extra as usize);
         let hashes = core.hasher().hash_prompt(&prompt);
         let mut changes = Vec::new();
@@ -94,7 +94,7 @@ proptest! {
 
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let (decision, _) = core
-            .route_tokens_explained("r", &prompt, output, DecisionId(1), 1_000, &mut rng)
+            .route_prompt_explained("r", &prompt, output, DecisionId(1), 1_000, &mut rng)
             .unwrap();
 
         // The cost, computed here from the inputs alone.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use protocol::Role;
-use router::service::{self, Config, ServiceError, Settings};
+use router::service::{self, Args, Config, ServiceError};
 use service_support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,13 +110,12 @@ async fn start_up_errors_are_clear() -> Result<()> {
     assert!(e.to_string().contains("/nonexistent/tokenizer.json"), "{e}");
 
     // Invalid settings name the key.
-    let e = Settings {
-        model: Some(MODEL.into()),
-        gate_budget_fraction: Some(-1.0),
-        ..Settings::default()
-    }
-    .load()
-    .unwrap_err();
-    assert!(e.to_string().contains("gate_budget_fraction"), "{e}");
+    let mut args = Args::from_file(None);
+    args.set("model", MODEL).set("gate.budget_fraction", -1.0);
+    let e = Config::from_args(&args).unwrap_err();
+    assert!(
+        e.to_string().starts_with("gate.budget_fraction = -1"),
+        "{e}"
+    );
     Ok(())
 }

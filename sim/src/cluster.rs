@@ -19,12 +19,12 @@ use std::collections::{BinaryHeap, HashMap};
 use engine_sim::{Engine, EngineRequest, KvTransfer, Mode, Preset, StepOutput};
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
-    DecisionId, HashingContract, KvEventBatch, Path, RouteDecision, WorkerId, WorkerRecord,
-    WorkerSubjects,
+    BlockHash, DecisionId, HashingContract, KvEventBatch, Path, RouteDecision, WorkerId,
+    WorkerRecord, WorkerSubjects,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use router::{rules, RouterConfig, RouterCore};
+use router::{rules, RouteOptions, RouteRequest, RouterConfig, RouterCore};
 
 use crate::deployment::Deployment;
 use crate::metrics::{Counters, RequestRecord, RunSummary, Slo};
@@ -63,8 +63,6 @@ pub enum SimError {
     Registration(#[from] protocol::ContractMismatch),
     #[error("a deployment needs at least one decode-capable worker")]
     NoDecodeWorker,
-    #[error("policy: {0}")]
-    Policy(#[from] router::ParamError),
 }
 
 /// The outcome of a run.
@@ -149,6 +147,8 @@ struct Cluster<'w> {
     router: RouterCore,
     indexer: KvIndexer,
     rng: ChaCha8Rng,
+    /// The prompt's block hashes, reused from request to request.
+    hashes: Vec<BlockHash>,
     in_flight: HashMap<u64, InFlight>,
     records: Vec<RequestRecord>,
     counters: Counters,
@@ -179,7 +179,7 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
 impl<'w> Cluster<'w> {
     fn new(config: SimConfig, workload: &'w mut dyn Workload) -> Result<Self, SimError> {
         let contract = HashingContract::for_model(config.preset.model, config.block_size);
-        let policy = config.deployment.policy(&config.preset, &config.link)?;
+        let policy = config.deployment.policy();
         let mut router = RouterCore::new(RouterConfig::new(contract.clone()), policy)?;
         let engine_config = config.preset.engine_config(config.block_size);
         let mut engines = Vec::new();
@@ -228,6 +228,7 @@ impl<'w> Cluster<'w> {
             router,
             indexer: KvIndexer::new(OwnershipIndex::new()),
             rng,
+            hashes: Vec::new(),
             in_flight: HashMap::new(),
             records: Vec::new(),
             counters: Counters::default(),
@@ -317,15 +318,22 @@ impl<'w> Cluster<'w> {
         let spec = arrival.request;
         let id = DecisionId(spec.id);
         let now_ms = self.now_ms();
-        let decision = match self.router.route_tokens(
-            &spec.id.to_string(),
-            &spec.prompt,
-            self.config.expected_output_tokens,
-            id,
-            now_ms,
-            &mut self.rng,
-        ) {
-            Ok(decision) => decision,
+        self.hashes.clear();
+        self.router
+            .hasher()
+            .extend(None, &spec.prompt, &mut self.hashes);
+        let request_id = spec.id.to_string();
+        let request = RouteRequest {
+            request_id: &request_id,
+            isl_tokens: spec.prompt.len() as u32,
+            block_hashes: &self.hashes,
+            expected_output_tokens: self.config.expected_output_tokens,
+        };
+        let routed =
+            self.router
+                .route(&request, RouteOptions::default(), id, now_ms, &mut self.rng);
+        let decision = match routed {
+            Ok(routed) => routed.decision,
             Err(_) => {
                 self.counters.refused += 1;
                 self.finish_session_turn(&spec);

@@ -2,73 +2,7 @@
 
 use engine_sim::{KvTransfer, Preset};
 use protocol::Role;
-use router::{
-    AlwaysDisagg, ConditionalDisaggPolicy, CostModel, IslBased, IslOrLoad, LoadBased, NeverDisagg,
-    ParamError, SlaDynamic,
-};
-
-/// The per-request decision rule of a C/D deployment.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PolicyKind {
-    /// Bypass short appends on the decode worker that holds the context.
-    Isl { tokens: u32, ratio: f64 },
-    /// Bypass while prefill workers are busy and the decode worker is not.
-    Load { prefill_busy: f64, decode_busy: f64 },
-    /// Either of the two.
-    IslOrLoad,
-    /// Predict TTFT and ITL on both paths against SLA targets.
-    Sla { ttft_ms: f64, itl_ms: f64 },
-    /// Any router policy by name and parameters (see
-    /// [`router::policy_from_params`]), e.g. from a decision log.
-    Named {
-        name: String,
-        params: Vec<(String, f64)>,
-    },
-}
-
-impl PolicyKind {
-    pub fn label(&self) -> &str {
-        match self {
-            PolicyKind::Isl { .. } => "isl",
-            PolicyKind::Load { .. } => "load",
-            PolicyKind::IslOrLoad => "isl-or-load",
-            PolicyKind::Sla { .. } => "sla",
-            PolicyKind::Named { name, .. } => name,
-        }
-    }
-
-    /// The router policy, with cost constants from the engines' preset and
-    /// the KV link.
-    pub fn policy(
-        &self,
-        preset: &Preset,
-        link: &KvTransfer,
-    ) -> Result<Box<dyn ConditionalDisaggPolicy>, ParamError> {
-        Ok(match *self {
-            PolicyKind::Isl { tokens, ratio } => Box::new(IslBased {
-                eff_isl_tokens: tokens,
-                eff_isl_ratio: ratio,
-            }),
-            PolicyKind::Load {
-                prefill_busy,
-                decode_busy,
-            } => Box::new(LoadBased {
-                prefill_busy,
-                decode_busy,
-            }),
-            PolicyKind::IslOrLoad => Box::new(IslOrLoad::default()),
-            PolicyKind::Sla { ttft_ms, itl_ms } => Box::new(SlaDynamic::new(
-                ttft_ms,
-                itl_ms,
-                sla_cost_model(preset, link),
-            )),
-            PolicyKind::Named {
-                ref name,
-                ref params,
-            } => router::policy_from_params(name, params)?,
-        })
-    }
-}
+use router::{AlwaysDisagg, CostModel, NeverDisagg, Policy, SlaDynamic, POLICIES};
 
 /// The SLA policy's cost model, from the preset's constants and the link:
 /// what an operator would calibrate from live metrics.
@@ -97,7 +31,7 @@ pub enum Deployment {
     Conditional {
         prefill: u32,
         decode: u32,
-        policy: PolicyKind,
+        policy: Policy,
     },
 }
 
@@ -111,7 +45,7 @@ impl Deployment {
                 prefill,
                 decode,
                 policy,
-            } => format!("c/d {} {prefill}P+{decode}D", policy.label()),
+            } => format!("c/d {} {prefill}P+{decode}D", policy.name()),
         }
     }
 
@@ -129,23 +63,20 @@ impl Deployment {
             .collect()
     }
 
-    pub fn policy(
-        &self,
-        preset: &Preset,
-        link: &KvTransfer,
-    ) -> Result<Box<dyn ConditionalDisaggPolicy>, ParamError> {
+    /// The router policy: remote always, never, or the C/D policy.
+    pub fn policy(&self) -> Policy {
         match self {
-            Deployment::Disaggregated { .. } => Ok(Box::new(AlwaysDisagg)),
-            Deployment::Aggregated { .. } => Ok(Box::new(NeverDisagg)),
-            Deployment::Conditional { policy, .. } => policy.policy(preset, link),
+            Deployment::Disaggregated { .. } => AlwaysDisagg.into(),
+            Deployment::Aggregated { .. } => NeverDisagg.into(),
+            Deployment::Conditional { policy, .. } => policy.clone(),
         }
     }
 
     /// Every deployment of `workers` workers: aggregated; disaggregated
     /// with `prefill` prefill workers and, as disaggregation needs more
-    /// prefill capacity than C/D, also with half of the workers; each C/D
-    /// policy with `prefill` prefill workers.
-    pub fn all(workers: u32, prefill: u32, slo: (f64, f64)) -> Vec<Deployment> {
+    /// prefill capacity than C/D, also with half of the workers; C/D with
+    /// `prefill` prefill workers and each of `policies`.
+    pub fn all(workers: u32, prefill: u32, policies: &[Policy]) -> Vec<Deployment> {
         let decode = workers - prefill;
         let mut out = vec![
             Deployment::Aggregated { workers },
@@ -158,27 +89,32 @@ impl Deployment {
                 decode: workers - half,
             });
         }
-        for policy in [
-            PolicyKind::Isl {
-                tokens: 2048,
-                ratio: 0.7,
-            },
-            PolicyKind::Load {
-                prefill_busy: LoadBased::default().prefill_busy,
-                decode_busy: LoadBased::default().decode_busy,
-            },
-            PolicyKind::IslOrLoad,
-            PolicyKind::Sla {
-                ttft_ms: slo.0,
-                itl_ms: slo.1,
-            },
-        ] {
+        for policy in policies {
             out.push(Deployment::Conditional {
                 prefill,
                 decode,
-                policy,
+                policy: policy.clone(),
             });
         }
         out
     }
+}
+
+/// The C/D policies a comparison runs: every policy of the registry that
+/// decides per request (not the two fixed ones, which are the aggregated
+/// and disaggregated deployments), with its defaults; the SLA policy with
+/// the comparison's SLO as its targets and its cost model calibrated from
+/// the engines' preset and the link (what an operator would measure).
+pub fn conditional_policies(slo: (f64, f64), preset: &Preset, link: &KvTransfer) -> Vec<Policy> {
+    POLICIES
+        .iter()
+        .map(|spec| spec.default_policy())
+        .filter(|p| !matches!(p, Policy::AlwaysDisagg(_) | Policy::NeverDisagg(_)))
+        .map(|p| match p {
+            Policy::SlaDynamic(_) => {
+                SlaDynamic::new(slo.0, slo.1, sla_cost_model(preset, link)).into()
+            }
+            other => other,
+        })
+        .collect()
 }

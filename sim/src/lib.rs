@@ -10,5 +10,5 @@ pub mod plot;
 pub mod workload;
 
 pub use cluster::{simulate, RunResult, SimConfig, SimError};
-pub use deployment::{Deployment, PolicyKind};
+pub use deployment::{conditional_policies, sla_cost_model, Deployment};
 pub use metrics::{Percentiles, RequestRecord, RunSummary, Slo};

@@ -10,7 +10,7 @@ use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
 use sim::compare::{goodput, sweep, table, write_report, WorkloadSpec};
 use sim::workload::{AgenticConfig, MooncakeConfig, SyntheticConfig};
-use sim::{Deployment, PolicyKind, SimConfig, Slo};
+use sim::{conditional_policies, sla_cost_model, Deployment, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -48,8 +48,14 @@ enum Command {
     Run {
         #[command(flatten)]
         common: Common,
-        #[arg(long, value_enum, default_value_t = DeploymentArg::Isl)]
-        deployment: DeploymentArg,
+        /// `aggregated`, `disaggregated`, or C/D with a router policy:
+        /// `isl`, `load`, `isl_or_load`, `sla_dynamic` (the router's names).
+        #[arg(long, default_value = "isl")]
+        deployment: String,
+        /// A policy parameter over its default, e.g. `--param
+        /// eff_isl_tokens=1024` (repeatable; the router's names).
+        #[arg(long = "param", value_parser = router::parse_param)]
+        params: Vec<(String, f64)>,
         #[arg(long)]
         load: f64,
     },
@@ -60,16 +66,6 @@ enum WorkloadArg {
     Agentic,
     Mooncake,
     Synthetic,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum DeploymentArg {
-    Disagg,
-    Agg,
-    Isl,
-    Load,
-    IslOrLoad,
-    Sla,
 }
 
 #[derive(Debug, Args)]
@@ -190,12 +186,13 @@ impl Common {
         })
     }
 
-    fn deployments(&self) -> Vec<Deployment> {
-        Deployment::all(
-            self.workers,
-            self.prefill_workers,
-            (self.ttft_slo_ms, self.itl_slo_ms),
-        )
+    fn deployments(&self, config: &SimConfig) -> Vec<Deployment> {
+        let policies = conditional_policies(self.slo(), &config.preset, &config.link);
+        Deployment::all(self.workers, self.prefill_workers, &policies)
+    }
+
+    fn slo(&self) -> (f64, f64) {
+        (self.ttft_slo_ms, self.itl_slo_ms)
     }
 
     fn default_loads(&self) -> (f64, f64) {
@@ -233,7 +230,7 @@ fn main() -> anyhow::Result<()> {
                     }
                 })
                 .collect();
-            let deployments = common.deployments();
+            let deployments = common.deployments(&base);
             let threads = threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
             let bar = ProgressBar::new((deployments.len() * points.len()) as u64).with_style(
@@ -285,38 +282,12 @@ fn main() -> anyhow::Result<()> {
         Command::Run {
             common,
             deployment,
+            params,
             load,
         } => {
             let workload = common.workload()?;
             let mut config = common.sim_config()?;
-            let (w, p) = (common.workers, common.prefill_workers);
-            let slo = (common.ttft_slo_ms, common.itl_slo_ms);
-            config.deployment = match deployment {
-                DeploymentArg::Disagg => Deployment::Disaggregated {
-                    prefill: p,
-                    decode: w - p,
-                },
-                DeploymentArg::Agg => Deployment::Aggregated { workers: w },
-                other => Deployment::Conditional {
-                    prefill: p,
-                    decode: w - p,
-                    policy: match other {
-                        DeploymentArg::Isl => PolicyKind::Isl {
-                            tokens: 2048,
-                            ratio: 0.7,
-                        },
-                        DeploymentArg::Load => PolicyKind::Load {
-                            prefill_busy: 2.0,
-                            decode_busy: 0.8,
-                        },
-                        DeploymentArg::IslOrLoad => PolicyKind::IslOrLoad,
-                        _ => PolicyKind::Sla {
-                            ttft_ms: slo.0,
-                            itl_ms: slo.1,
-                        },
-                    },
-                },
-            };
+            config.deployment = deployment_named(&deployment, &params, &common, &config)?;
             let started = Instant::now();
             let results = sweep(
                 &config,
@@ -339,4 +310,55 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--deployment` and `--param`: aggregated, disaggregated, or C/D with a
+/// policy of the router's registry (the SLA policy's targets are the SLO
+/// and its cost model the preset's unless `--param` says otherwise).
+fn deployment_named(
+    name: &str,
+    params: &[(String, f64)],
+    common: &Common,
+    config: &SimConfig,
+) -> anyhow::Result<Deployment> {
+    let (w, p) = (common.workers, common.prefill_workers);
+    let fixed = match name {
+        "aggregated" | "agg" => Some(Deployment::Aggregated { workers: w }),
+        "disaggregated" | "disagg" => Some(Deployment::Disaggregated {
+            prefill: p,
+            decode: w - p,
+        }),
+        _ => None,
+    };
+    if let Some(deployment) = fixed {
+        if !params.is_empty() {
+            bail!("--param is for a C/D deployment's policy, not for {name}");
+        }
+        return Ok(deployment);
+    }
+    let found = router::PolicySpec::find(name)?;
+    if found.deprecated {
+        eprintln!(
+            "note: --deployment {name} is an earlier spelling: use {}",
+            found.spec.name
+        );
+    }
+    let mut policy = match found.spec.default_policy() {
+        router::Policy::SlaDynamic(_) => router::SlaDynamic::new(
+            common.ttft_slo_ms,
+            common.itl_slo_ms,
+            sla_cost_model(&config.preset, &config.link),
+        )
+        .into(),
+        other => other,
+    };
+    for (key, value) in params {
+        policy.set(key, *value)?;
+    }
+    policy.validate()?;
+    Ok(Deployment::Conditional {
+        prefill: p,
+        decode: w - p,
+        policy,
+    })
 }

@@ -4,8 +4,9 @@
 use std::path::Path;
 
 use engine_sim::{KvTransfer, Preset};
+use router::IslBased;
 use sim::workload::{Agentic, AgenticConfig, Mooncake, MooncakeConfig, Workload};
-use sim::{simulate, Deployment, PolicyKind, RunResult, SimConfig, Slo};
+use sim::{simulate, Deployment, RunResult, SimConfig, Slo};
 
 fn config(deployment: Deployment, seed: u64) -> SimConfig {
     SimConfig {
@@ -34,16 +35,11 @@ fn agentic(seed: u64) -> Agentic {
     })
 }
 
-const ISL: PolicyKind = PolicyKind::Isl {
-    tokens: 2048,
-    ratio: 0.7,
-};
-
 fn cd_isl() -> Deployment {
     Deployment::Conditional {
         prefill: 2,
         decode: 6,
-        policy: ISL,
+        policy: IslBased::default().into(),
     }
 }
 

@@ -1,99 +1,20 @@
 //! The decision step: match, select, ask the policy, gate, reserve.
 
 use kv_indexer::{DeltaError, IndexReplica, PrefixDepth, RestoreError};
-use protocol::hash::ZeroBlockSize;
 use protocol::{
-    BlockHash, BlockHasher, ContractMismatch, DecisionId, HashingContract, IndexDelta,
-    IndexSnapshot, LoadReport, Path, RouteDecision, WorkerId,
+    BlockHash, BlockHasher, CandidateInput, CandidateLoad, ContractMismatch, DecisionId,
+    DecisionInputs, DecisionRecord, IndexDelta, IndexSnapshot, LoadReport, Path, RouteDecision,
+    WorkerId,
 };
 use rand::Rng;
 
-use super::gate::{GateCheck, GateConfig};
-use super::policy::{rules, Candidate, ConditionalDisaggPolicy, HeldTokens, PolicyInput, Verdict};
-use super::select::{
-    any_free, pick, score_decode, score_prefill, DecodeSelection, PrefillSelection, Scored, Shape,
+use super::config::{ConfigError, RouterConfig};
+use super::gate::GateCheck;
+use super::policy::{
+    rules, Candidate, ConditionalDisaggPolicy, HeldTokens, Policy, PolicyInput, Verdict,
 };
-use super::workers::{Charge, EffectiveLoad, LedgerConfig, Workers};
-
-/// Everything the router core is configured with.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RouterConfig {
-    /// How blocks are named; workers must register the same contract.
-    pub contract: HashingContract,
-    /// Decode-worker selection.
-    pub decode: DecodeSelection,
-    /// Prefill-worker selection.
-    pub prefill: PrefillSelection,
-    /// The decode gate.
-    pub gate: GateConfig,
-    /// The in-flight ledger's timing.
-    pub ledger: LedgerConfig,
-}
-
-impl RouterConfig {
-    /// The defaults for a contract.
-    pub fn new(contract: HashingContract) -> Self {
-        Self {
-            contract,
-            decode: DecodeSelection::default(),
-            prefill: PrefillSelection::default(),
-            gate: GateConfig::default(),
-            ledger: LedgerConfig::default(),
-        }
-    }
-
-    /// Checks every numeric setting.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let non_negative = [
-            ("decode.overlap_credit", self.decode.overlap_credit),
-            ("decode.tier_weights.host", self.decode.tier_weights.host),
-            ("decode.tier_weights.disk", self.decode.tier_weights.disk),
-            ("decode.queue_weight", self.decode.queue_weight),
-            ("decode.temperature", self.decode.temperature),
-            ("prefill.tier_weights.host", self.prefill.tier_weights.host),
-            ("prefill.tier_weights.disk", self.prefill.tier_weights.disk),
-            ("prefill.temperature", self.prefill.temperature),
-            ("decode.busy_kv_usage", self.decode.busy_kv_usage),
-        ];
-        for (field, value) in non_negative {
-            if !(value.is_finite() && value >= 0.0) {
-                return Err(ConfigError::OutOfRange {
-                    field,
-                    value,
-                    expected: "a finite number >= 0",
-                });
-            }
-        }
-        let budget = self.gate.budget_fraction;
-        if !(budget.is_finite() && budget > 0.0) {
-            return Err(ConfigError::OutOfRange {
-                field: "gate.budget_fraction",
-                value: budget,
-                expected: "a finite number > 0",
-            });
-        }
-        BlockHasher::new(self.contract.block_size, self.contract.salt)?;
-        Ok(())
-    }
-}
-
-/// Why a configuration is refused.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ConfigError {
-    /// The contract's block size is zero.
-    #[error(transparent)]
-    ZeroBlockSize(#[from] ZeroBlockSize),
-    /// A numeric setting is out of range.
-    #[error("{field} = {value} is out of range: expected {expected}")]
-    OutOfRange {
-        /// The setting.
-        field: &'static str,
-        /// Its value.
-        value: f64,
-        /// What it must be.
-        expected: &'static str,
-    },
-}
+use super::select::{any_free, pick, score_decode, score_prefill, Scored, Shape};
+use super::workers::{Charge, EffectiveLoad, Workers};
 
 /// Why a request could not be routed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -123,13 +44,27 @@ pub enum RouteError {
     /// finished): its reservation would be lost.
     #[error("decision {0} is already in flight or recently finished")]
     DuplicateDecision(DecisionId),
-    /// Every decode-capable worker is in the avoid list of
-    /// [`RouterCore::route_avoiding`].
+    /// Every decode-capable worker is in the avoid list of the
+    /// [`RouteOptions`].
     #[error("no other decode-capable worker: all {avoided} registered ones are avoided")]
     NoOtherDecodeWorker {
         /// Registered decode-capable workers that were avoided.
         avoided: usize,
     },
+}
+
+impl RouteError {
+    /// A metrics label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            RouteError::NoDecodeWorker => "no_decode_worker",
+            RouteError::NoOtherDecodeWorker { .. } => "no_other_decode_worker",
+            RouteError::EmptyPrompt => "empty_prompt",
+            RouteError::PromptTooLong(_) => "prompt_too_long",
+            // The HTTP layer checks the prompt; these would be our bugs.
+            RouteError::TooManyBlocks { .. } | RouteError::DuplicateDecision(_) => "internal",
+        }
+    }
 }
 
 /// The seed of the random draws (tie-breaks, softmax sampling) of one
@@ -160,6 +95,24 @@ pub struct RouteRequest<'a> {
     pub expected_output_tokens: u32,
 }
 
+/// How to route one request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteOptions<'a> {
+    /// Workers not to choose for either leg (a retry after one failed).
+    pub avoid: &'a [WorkerId],
+    /// Also return what the decision looked at ([`Routed::explanation`]).
+    pub explain: bool,
+}
+
+/// A decision, and what it looked at when asked to explain.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// The decision (charged to the ledger).
+    pub decision: RouteDecision,
+    /// What it looked at, with [`RouteOptions::explain`].
+    pub explanation: Option<Explanation>,
+}
+
 /// One candidate's numbers, as a selection looked at them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CandidateScore {
@@ -177,8 +130,8 @@ pub struct CandidateScore {
     pub cost: f64,
 }
 
-/// Everything a decision looked at, for explain and replay. Filled only by
-/// [`RouterCore::route_explained`].
+/// Everything a decision looked at, for explain and replay. Filled only
+/// with [`RouteOptions::explain`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Explanation {
     /// Blocks the request occupies on its decode worker.
@@ -206,7 +159,6 @@ struct Scratch {
     depths: Vec<PrefixDepth>,
     decode: Vec<Scored>,
     prefill: Vec<Scored>,
-    hashes: Vec<BlockHash>,
 }
 
 /// The router's sans-IO core: worker view, index replica, policy and the
@@ -215,7 +167,7 @@ struct Scratch {
 pub struct RouterCore {
     config: RouterConfig,
     hasher: BlockHasher,
-    policy: Box<dyn ConditionalDisaggPolicy>,
+    policy: Policy,
     workers: Workers,
     replica: IndexReplica,
     scratch: Scratch,
@@ -223,11 +175,10 @@ pub struct RouterCore {
 
 impl RouterCore {
     /// A core with no worker and an empty index.
-    pub fn new(
-        config: RouterConfig,
-        policy: Box<dyn ConditionalDisaggPolicy>,
-    ) -> Result<Self, ConfigError> {
+    pub fn new(config: RouterConfig, policy: impl Into<Policy>) -> Result<Self, ConfigError> {
         config.validate()?;
+        let policy = policy.into();
+        policy.validate()?;
         let hasher = BlockHasher::new(config.contract.block_size, config.contract.salt)?;
         Ok(Self {
             workers: Workers::new(config.contract.clone(), config.ledger),
@@ -245,8 +196,8 @@ impl RouterCore {
     }
 
     /// The policy.
-    pub fn policy(&self) -> &dyn ConditionalDisaggPolicy {
-        self.policy.as_ref()
+    pub fn policy(&self) -> &Policy {
+        &self.policy
     }
 
     /// The block hasher of the configured contract.
@@ -322,140 +273,87 @@ impl RouterCore {
     /// Routes one request: finds every worker's cached prefix, picks the
     /// decode worker and (if any) the prefill worker, asks the policy,
     /// applies the decode gate, and charges the decision to the ledger.
+    ///
+    /// Workers in `options.avoid` are left out of both selections (to retry
+    /// a request elsewhere after a worker failed it): an avoided prefill
+    /// worker leaves the remote path to the others, or to none, and then
+    /// the request bypasses; [`RouteError::NoOtherDecodeWorker`] when every
+    /// decode-capable worker is avoided. With `options.explain` the result
+    /// also says what the decision looked at (for `explain` and the
+    /// decision record, [`RouterCore::record`]).
     pub fn route<R: Rng + ?Sized>(
         &mut self,
         request: &RouteRequest<'_>,
+        options: RouteOptions<'_>,
         id: DecisionId,
         now_ms: u64,
         rng: &mut R,
-    ) -> Result<RouteDecision, RouteError> {
-        self.decide(request, id, now_ms, rng, None, &[])
-    }
-
-    /// [`RouterCore::route`], never choosing a worker of `avoid` for either
-    /// leg: to retry a request elsewhere after a worker failed it. Avoided
-    /// workers are left out of both selections (an avoided prefill worker
-    /// leaves the remote path to the others, or to none: then the request
-    /// bypasses). [`RouteError::NoOtherDecodeWorker`] when every
-    /// decode-capable worker is avoided.
-    pub fn route_avoiding<R: Rng + ?Sized>(
-        &mut self,
-        request: &RouteRequest<'_>,
-        avoid: &[WorkerId],
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-    ) -> Result<RouteDecision, RouteError> {
-        let slots = self.slots_of(avoid);
-        self.decide(request, id, now_ms, rng, None, &slots)
-    }
-
-    /// [`RouterCore::route_avoiding`], also returning what the decision
-    /// looked at.
-    pub fn route_avoiding_explained<R: Rng + ?Sized>(
-        &mut self,
-        request: &RouteRequest<'_>,
-        avoid: &[WorkerId],
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-    ) -> Result<(RouteDecision, Explanation), RouteError> {
-        let slots = self.slots_of(avoid);
-        let mut explanation = Explanation::default();
-        let decision = self.decide(request, id, now_ms, rng, Some(&mut explanation), &slots)?;
-        Ok((decision, explanation))
-    }
-
-    fn slots_of(&self, workers: &[WorkerId]) -> Vec<u32> {
-        workers
+    ) -> Result<Routed, RouteError> {
+        let avoid: Vec<u32> = options
+            .avoid
             .iter()
             .filter_map(|w| self.workers.slot_index(w))
-            .collect()
+            .collect();
+        let mut explanation = options.explain.then(Explanation::default);
+        let decision = self.decide(request, id, now_ms, rng, explanation.as_mut(), &avoid)?;
+        Ok(Routed {
+            decision,
+            explanation,
+        })
     }
 
-    /// [`RouterCore::route`], also returning what the decision looked at.
-    pub fn route_explained<R: Rng + ?Sized>(
-        &mut self,
+    /// The decision-log entry of a decision made by [`RouterCore::route`]
+    /// with `explain` for `request`, its draws seeded by `seed`: the
+    /// decision and everything it depended on but the index, which replay
+    /// rebuilds from the delta log up to `delta_seq`.
+    pub fn record(
+        &self,
+        decision: &RouteDecision,
+        explanation: &Explanation,
         request: &RouteRequest<'_>,
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-    ) -> Result<(RouteDecision, Explanation), RouteError> {
-        let mut explanation = Explanation::default();
-        let decision = self.decide(request, id, now_ms, rng, Some(&mut explanation), &[])?;
-        Ok((decision, explanation))
-    }
-
-    /// Hashes a prompt with the configured hasher, then routes it.
-    pub fn route_tokens<R: Rng + ?Sized>(
-        &mut self,
-        request_id: &str,
-        tokens: &[u32],
-        expected_output_tokens: u32,
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-    ) -> Result<RouteDecision, RouteError> {
-        self.route_tokens_inner(
-            request_id,
-            tokens,
-            expected_output_tokens,
-            id,
-            now_ms,
-            rng,
-            None,
-        )
-    }
-
-    /// [`RouterCore::route_tokens`], also returning what the decision
-    /// looked at.
-    pub fn route_tokens_explained<R: Rng + ?Sized>(
-        &mut self,
-        request_id: &str,
-        tokens: &[u32],
-        expected_output_tokens: u32,
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-    ) -> Result<(RouteDecision, Explanation), RouteError> {
-        let mut explanation = Explanation::default();
-        let decision = self.route_tokens_inner(
-            request_id,
-            tokens,
-            expected_output_tokens,
-            id,
-            now_ms,
-            rng,
-            Some(&mut explanation),
-        )?;
-        Ok((decision, explanation))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn route_tokens_inner<R: Rng + ?Sized>(
-        &mut self,
-        request_id: &str,
-        tokens: &[u32],
-        expected_output_tokens: u32,
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-        explain: Option<&mut Explanation>,
-    ) -> Result<RouteDecision, RouteError> {
-        let isl_tokens =
-            u32::try_from(tokens.len()).map_err(|_| RouteError::PromptTooLong(tokens.len()))?;
-        let mut hashes = std::mem::take(&mut self.scratch.hashes);
-        hashes.clear();
-        self.hasher.extend(None, tokens, &mut hashes);
-        let request = RouteRequest {
-            request_id,
-            isl_tokens,
-            block_hashes: &hashes,
-            expected_output_tokens,
-        };
-        let result = self.decide(&request, id, now_ms, rng, explain, &[]);
-        self.scratch.hashes = hashes;
-        result
+        seed: u64,
+        avoid: &[WorkerId],
+    ) -> DecisionRecord {
+        let candidates = explanation
+            .decode
+            .iter()
+            .chain(&explanation.prefill)
+            .filter_map(|c| {
+                let record = self.workers().record(&c.worker)?;
+                Some(CandidateInput {
+                    worker: c.worker.clone(),
+                    role: record.role,
+                    kv_capacity_blocks: record.kv_capacity_blocks,
+                    max_batched_tokens: record.max_batched_tokens,
+                    kv_bytes_per_token: record.kv_bytes_per_token,
+                    depth: [c.depth.device, c.depth.host, c.depth.disk],
+                    load: CandidateLoad {
+                        running: c.load.running,
+                        waiting: c.load.waiting,
+                        queued_prefill_tokens: c.load.queued_prefill_tokens,
+                        active_decode_blocks: c.load.active_decode_blocks,
+                        kv_blocks_used: c.load.kv_blocks_used,
+                        reported_kv_blocks_used: c.load.reported_kv_blocks_used,
+                    },
+                })
+            })
+            .collect();
+        let named =
+            |p: Vec<(&'static str, f64)>| p.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        DecisionRecord {
+            decision: decision.clone(),
+            inputs: DecisionInputs {
+                block_hashes: request.block_hashes.to_vec(),
+                block_size: self.hasher().block_size(),
+                expected_output_tokens: request.expected_output_tokens,
+                delta_seq: self.replica().applied(),
+                seed,
+                avoid: avoid.to_vec(),
+                policy_params: named(self.policy().params()),
+                router_params: named(self.config().params()),
+                candidates,
+            },
+        }
     }
 
     fn decide<R: Rng + ?Sized>(

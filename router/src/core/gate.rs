@@ -15,10 +15,13 @@
 //! its decode worker). Without a prefill worker there is no remote path and
 //! nothing to veto.
 
+use serde::{Deserialize, Serialize};
+
 use super::workers::EffectiveLoad;
 
 /// Decode gate settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct GateConfig {
     /// Whether bypasses are checked at all. Default true.
     pub enabled: bool,

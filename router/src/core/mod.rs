@@ -2,30 +2,33 @@
 //!
 //! * [`workers`]: registered workers, load reports and the in-flight ledger;
 //! * [`select`]: decode and prefill selection;
-//! * [`policy`] (and its SLA model): bypass or remote prefill;
+//! * [`policy`]: bypass or remote prefill, and [`policy::registry`], the
+//!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
-//! * [`decide`]: [`RouterCore`], which puts them together.
+//! * [`config`]: [`RouterConfig`], what the core is configured with;
+//! * [`decide`]: [`RouterCore`], which puts them together, and the
+//!   decision record;
+//! * [`replay`]: re-deciding a recorded decision ([`Replayer`]).
 
+pub mod config;
 pub mod decide;
 pub mod gate;
 pub mod policy;
 pub mod replay;
 pub mod select;
-mod sla;
 pub mod workers;
 
+pub use config::{ConfigError, RouterConfig};
 pub use decide::{
-    decision_seed, CandidateScore, ConfigError, Explanation, RouteError, RouteRequest,
-    RouterConfig, RouterCore,
+    decision_seed, CandidateScore, Explanation, RouteError, RouteOptions, RouteRequest, Routed,
+    RouterCore,
 };
 pub use gate::{GateCheck, GateConfig};
 pub use policy::{
-    rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens, IslBased,
-    IslOrLoad, LoadBased, NeverDisagg, PolicyInput, SlaDynamic, SlaPrediction, Verdict,
+    parse_param, rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens,
+    IslBased, IslOrLoad, LoadBased, NeverDisagg, ParamError, ParamSpec, Policy, PolicyInput,
+    PolicyName, PolicySpec, SlaDynamic, SlaPrediction, Verdict, POLICIES,
 };
-pub use replay::{
-    difference, policy_from_params, DepthMismatch, Overrides, ParamError, ReplayError, Replayed,
-    Replayer,
-};
+pub use replay::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 pub use select::{DecodeSelection, PrefillSelection, TierWeights};
 pub use workers::{Charges, EffectiveLoad, LedgerConfig, Workers};

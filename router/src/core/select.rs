@@ -9,13 +9,15 @@
 
 use kv_indexer::PrefixDepth;
 use rand::Rng;
+use serde::{Deserialize, Serialize};
 
 use super::workers::{EffectiveLoad, Workers};
 
 /// How much the offloaded tiers of a cached prefix are worth, relative to a
 /// block on the device (worth 1). A host block must be copied back (cheap,
 /// PCIe), a disk block read (slower); both beat recomputing.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TierWeights {
     /// Weight of a block held in host memory but not on the device.
     /// Default 0.5.
@@ -60,12 +62,15 @@ impl TierWeights {
 /// Workers whose KV usage is at least `busy_kv_usage`, or with at least
 /// `busy_waiting` requests waiting for admission, are skipped unless every
 /// candidate is busy.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct DecodeSelection {
     /// Blocks of cost removed per overlapping block. Default 1.0: a cached
     /// block is a block the worker does not have to add.
     pub overlap_credit: f64,
-    /// Weights of the offloaded tiers.
+    /// Weights of the offloaded tiers (in the service's settings, one
+    /// `tier_weights` section sets both selections').
+    #[serde(skip)]
     pub tier_weights: TierWeights,
     /// Cost per block's worth of queued prefill tokens. Default 1.0.
     pub queue_weight: f64,
@@ -104,9 +109,11 @@ impl Default for DecodeSelection {
 /// role `Both` never get a remote leg: they are decode candidates whose
 /// requests are aggregated (prefilled where they decode); in a deployment
 /// of `Both` workers only there is no remote path.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct PrefillSelection {
-    /// Weights of the offloaded tiers.
+    /// Weights of the offloaded tiers (see [`DecodeSelection::tier_weights`]).
+    #[serde(skip)]
     pub tier_weights: TierWeights,
     /// Softmax temperature; 0 (default) takes the minimum cost.
     pub temperature: f64,

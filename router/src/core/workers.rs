@@ -34,22 +34,27 @@ use protocol::{
     ContractMismatch, DecisionId, HashingContract, LoadReport, RouteDecision, WorkerId,
     WorkerRecord,
 };
+use serde::{Deserialize, Serialize};
 
 /// Timing of the in-flight ledger.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LedgerConfig {
     /// An entry whose completion never arrives is dropped this long after
     /// its decision (ms). Must exceed the longest request (prefill plus a
     /// long decode); a lost completion overstates load for at most this
     /// long. Default 600 000 (10 minutes).
+    #[serde(rename = "ttl", with = "settings::duration_ms")]
     pub ttl_ms: u64,
     /// How long a finished id is remembered so that a late duplicate of its
     /// decision is ignored (ms). Counted from the first [`Workers::expire`]
     /// after the finish. Default 60 000.
+    #[serde(rename = "tombstone_ttl", with = "settings::duration_ms")]
     pub tombstone_ttl_ms: u64,
     /// A load report received at `t` is assumed to include the requests
     /// decided before `t - report_grace_ms` (dispatch and report transit
     /// delays). Later decisions are added on top of the report. Default 50.
+    #[serde(rename = "report_grace", with = "settings::duration_ms")]
     pub report_grace_ms: u64,
 }
 

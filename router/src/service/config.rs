@@ -1,298 +1,69 @@
-//! The router's settings: command-line flags, `SWITCHYARD_*` environment
-//! variables and an optional TOML file, resolved into a validated
-//! [`Config`].
+//! The router's settings: the raw arguments ([`Args`]: flags,
+//! `SWITCHYARD_*` variables, a TOML file) layered into a validated
+//! [`Config`] (see the `settings` crate).
 //!
-//! Every setting has one name in three spellings: the flag `--eff-isl-tokens`,
-//! the variable `SWITCHYARD_EFF_ISL_TOKENS`, the file key `eff_isl_tokens`
-//! (one exception: `--http-addr` is `SWITCHYARD_ROUTER_HTTP_ADDR`).
-//! A flag beats the variable, which beats the file, which beats the
-//! default. Unknown file keys are refused (a typo must not silently keep a
-//! default).
+//! Every setting has one key, one flag and one variable: `[decode]
+//! overlap_credit`, `--decode-overlap-credit`,
+//! `SWITCHYARD_DECODE_OVERLAP_CREDIT`. The file's sections are the core's
+//! own config structs (`[decode]` is [`DecodeSelection`], `[gate]`
+//! [`GateConfig`], `[ledger]` [`LedgerConfig`], `[policy]` the policy with
+//! its parameters from the registry); defaults are their `Default`s, and
+//! `--help` shows them. A flag beats the variable, which beats the file,
+//! which beats the default. Unknown keys and invalid values are refused at
+//! start with the key's name; spellings of the previous release are
+//! accepted and reported for the log.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use protocol::HashingContract;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    AlwaysDisagg, ConditionalDisaggPolicy, CostModel, DecodeSelection, GateConfig, IslBased,
-    IslOrLoad, LedgerConfig, LoadBased, NeverDisagg, PrefillSelection, RouterConfig, SlaDynamic,
-    TierWeights,
+    DecodeSelection, GateConfig, LedgerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig,
+    TierWeights, POLICIES,
 };
+
+pub use settings::Args;
 
 /// Why the settings cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("reading the config file {path}: {error}")]
-    ReadFile {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    #[error("parsing the config file {path}: {error}")]
-    ParseFile {
-        path: PathBuf,
-        error: Box<toml::de::Error>,
-    },
-    #[error("{key} is required: set --{flag}, SWITCHYARD_{env} or `{key}` in the config file")]
-    Missing {
-        key: &'static str,
-        flag: &'static str,
-        env: &'static str,
-    },
+    #[error(transparent)]
+    Settings(#[from] SettingsError),
+    #[error("model is required: set --model, SWITCHYARD_MODEL or `model` in the config file")]
+    NoModel,
     #[error("{key} = {value}: {expected}")]
     Invalid {
         key: &'static str,
         value: String,
         expected: &'static str,
     },
-    #[error("unknown policy {0:?}: expected one of always-disagg, never-disagg (or aggregated), isl, load, isl-or-load, sla")]
-    UnknownPolicy(String),
     #[error(transparent)]
     Core(#[from] crate::core::ConfigError),
 }
 
-/// Every setting, each optional: what one source (flags and environment,
-/// or the file) says. See the module documentation for the names.
-#[derive(Debug, Clone, Default, Deserialize, clap::Parser)]
-#[command(
-    name = "router",
-    version,
-    about = "Switchyard router replica: OpenAI-compatible completions routed to prefill and decode workers"
-)]
-#[serde(default, deny_unknown_fields)]
-pub struct Settings {
-    /// TOML config file (keys are the flags' names with underscores).
-    #[arg(long, env = "SWITCHYARD_CONFIG")]
-    #[serde(skip)]
-    pub config: Option<PathBuf>,
-
-    /// NATS server URL. Default nats://127.0.0.1:4222.
-    #[arg(long, env = "SWITCHYARD_NATS_URL")]
-    pub nats_url: Option<String>,
-    /// etcd endpoints, comma separated. Default http://127.0.0.1:2379.
-    #[arg(long, env = "SWITCHYARD_ETCD_ENDPOINTS", value_delimiter = ',')]
-    pub etcd_endpoints: Option<Vec<String>>,
-    /// HTTP listen address. Default 0.0.0.0:8080. (Its variable names the
-    /// router: the worker agent has an HTTP address too.)
-    #[arg(long, env = "SWITCHYARD_ROUTER_HTTP_ADDR")]
-    pub http_addr: Option<SocketAddr>,
-    /// This replica's id ([A-Za-z0-9_-]; it names its decision and progress
-    /// subjects). Default: hostname-pid.
-    #[arg(long, env = "SWITCHYARD_REPLICA_ID")]
-    pub replica_id: Option<String>,
-
-    /// The served model (required): part of the hashing contract workers
-    /// must meet.
-    #[arg(long, env = "SWITCHYARD_MODEL")]
-    pub model: Option<String>,
-    /// Tokens per KV block (hashing contract). Default 16.
-    #[arg(long, env = "SWITCHYARD_BLOCK_SIZE")]
-    pub block_size: Option<u32>,
-    /// HuggingFace tokenizer.json: enables text prompts and text output.
-    #[arg(long, env = "SWITCHYARD_TOKENIZER")]
-    pub tokenizer: Option<PathBuf>,
-
-    /// Policy: always-disagg, never-disagg (aggregated), isl, load,
-    /// isl-or-load, sla. Default isl-or-load.
-    #[arg(long, env = "SWITCHYARD_POLICY")]
-    pub policy: Option<String>,
-    /// isl: longest uncached append still prefilled locally is one less.
-    /// Default 2048.
-    #[arg(long, env = "SWITCHYARD_EFF_ISL_TOKENS")]
-    pub eff_isl_tokens: Option<u32>,
-    /// isl: largest uncached share of the prompt still prefilled locally.
-    /// Default 0.7.
-    #[arg(long, env = "SWITCHYARD_EFF_ISL_RATIO")]
-    pub eff_isl_ratio: Option<f64>,
-    /// load: queued prefill tokens (in max-size steps) above which a
-    /// prefill worker is busy. Default 2.0.
-    #[arg(long, env = "SWITCHYARD_PREFILL_BUSY")]
-    pub prefill_busy: Option<f64>,
-    /// load: KV usage from which a decode worker is too busy to prefill.
-    /// Default 0.8.
-    #[arg(long, env = "SWITCHYARD_DECODE_BUSY")]
-    pub decode_busy: Option<f64>,
-    /// sla: time-to-first-token target (ms). Default 2000.
-    #[arg(long, env = "SWITCHYARD_TTFT_TARGET_MS")]
-    pub ttft_target_ms: Option<f64>,
-    /// sla: inter-token latency target (ms). Default 60.
-    #[arg(long, env = "SWITCHYARD_ITL_TARGET_MS")]
-    pub itl_target_ms: Option<f64>,
-
-    /// Decode selection: cost removed per cached block. Default 1.0.
-    #[arg(long, env = "SWITCHYARD_DECODE_OVERLAP_CREDIT")]
-    pub decode_overlap_credit: Option<f64>,
-    /// Decode selection: cost per block's worth of queued prefill. Default 1.0.
-    #[arg(long, env = "SWITCHYARD_DECODE_QUEUE_WEIGHT")]
-    pub decode_queue_weight: Option<f64>,
-    /// Decode selection: KV usage from which a worker is skipped. Default 0.9.
-    #[arg(long, env = "SWITCHYARD_DECODE_BUSY_KV_USAGE")]
-    pub decode_busy_kv_usage: Option<f64>,
-    /// Decode selection: waiting requests from which a worker is skipped.
-    /// Default 16.
-    #[arg(long, env = "SWITCHYARD_DECODE_BUSY_WAITING")]
-    pub decode_busy_waiting: Option<u32>,
-    /// Decode selection: softmax temperature (0: the cheapest). Default 0.
-    #[arg(long, env = "SWITCHYARD_DECODE_TEMPERATURE")]
-    pub decode_temperature: Option<f64>,
-    /// Prefill selection: softmax temperature. Default 0.
-    #[arg(long, env = "SWITCHYARD_PREFILL_TEMPERATURE")]
-    pub prefill_temperature: Option<f64>,
-    /// Weight of a block cached in host memory (device = 1). Default 0.5.
-    #[arg(long, env = "SWITCHYARD_HOST_TIER_WEIGHT")]
-    pub host_tier_weight: Option<f64>,
-    /// Weight of a block cached on disk. Default 0.25.
-    #[arg(long, env = "SWITCHYARD_DISK_TIER_WEIGHT")]
-    pub disk_tier_weight: Option<f64>,
-
-    /// Decode gate on or off. Default true.
-    #[arg(long, env = "SWITCHYARD_GATE_ENABLED")]
-    pub gate_enabled: Option<bool>,
-    /// Decode gate: share of the KV capacity a bypass may fill. Default 0.95.
-    #[arg(long, env = "SWITCHYARD_GATE_BUDGET_FRACTION")]
-    pub gate_budget_fraction: Option<f64>,
-
-    /// Ledger: an entry whose completion never arrives is dropped after
-    /// this long (ms). Default 600000.
-    #[arg(long, env = "SWITCHYARD_LEDGER_TTL_MS")]
-    pub ledger_ttl_ms: Option<u64>,
-    /// Ledger: how long a finished id is remembered (ms). Default 60000.
-    #[arg(long, env = "SWITCHYARD_LEDGER_TOMBSTONE_TTL_MS")]
-    pub ledger_tombstone_ttl_ms: Option<u64>,
-    /// Ledger: delay a load report is assumed to lag decisions by (ms).
-    /// Default 50.
-    #[arg(long, env = "SWITCHYARD_REPORT_GRACE_MS")]
-    pub report_grace_ms: Option<u64>,
-
-    /// Dispatch: longest wait for a worker's first chunk (ms). Default 30000.
-    #[arg(long, env = "SWITCHYARD_FIRST_CHUNK_TIMEOUT_MS")]
-    pub first_chunk_timeout_ms: Option<u64>,
-    /// Dispatch: longest wait between two chunks (ms). Default 30000.
-    #[arg(long, env = "SWITCHYARD_IDLE_TIMEOUT_MS")]
-    pub idle_timeout_ms: Option<u64>,
-    /// Longest wait for the event loop's decision (ms). Default 2000.
-    #[arg(long, env = "SWITCHYARD_ROUTE_TIMEOUT_MS")]
-    pub route_timeout_ms: Option<u64>,
-    /// On shutdown, in-flight HTTP requests get this long to finish (ms).
-    /// Default 10000.
-    #[arg(long, env = "SWITCHYARD_DRAIN_TIMEOUT_MS")]
-    pub drain_timeout_ms: Option<u64>,
-    /// Period of ledger expiry, gauges and delta-head polling (ms).
-    /// Default 1000.
-    #[arg(long, env = "SWITCHYARD_TICK_MS")]
-    pub tick_ms: Option<u64>,
-
-    /// Largest accepted request body (bytes). Default 33554432 (32 MiB).
-    #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
-    pub max_body_bytes: Option<usize>,
-    /// Size the index replica's block table for this many blocks: growing
-    /// it past its size rebuilds it, which stops the event loop (and so
-    /// every decision) for a while, about 20 ms per million blocks on a
-    /// 2-vCPU VM. About 18 bytes per block. Default 1048576.
-    #[arg(long, env = "SWITCHYARD_RESERVE_BLOCKS")]
-    pub reserve_blocks: Option<usize>,
-    /// max_tokens of a request that gives none. Default 16 (OpenAI's).
-    #[arg(long, env = "SWITCHYARD_DEFAULT_MAX_TOKENS")]
-    pub default_max_tokens: Option<u32>,
-    /// Seed of the decisions' random draws (tie breaks, softmax picks);
-    /// with the request, it fixes them, so every replica of a deployment
-    /// must use the same one. Default 0.
-    #[arg(long, env = "SWITCHYARD_SEED")]
-    pub seed: Option<u64>,
-}
-
-macro_rules! merge_fields {
-    ($high:expr, $low:expr; $($field:ident),* $(,)?) => {
-        $( if $high.$field.is_none() { $high.$field = $low.$field; } )*
-    };
-}
-
-impl Settings {
-    /// These settings, completed by `lower` where they say nothing.
-    pub fn or(mut self, lower: Settings) -> Settings {
-        merge_fields!(self, lower;
-            config, nats_url, etcd_endpoints, http_addr, replica_id, model, block_size,
-            tokenizer, policy, eff_isl_tokens, eff_isl_ratio, prefill_busy, decode_busy,
-            ttft_target_ms, itl_target_ms, decode_overlap_credit, decode_queue_weight,
-            decode_busy_kv_usage, decode_busy_waiting, decode_temperature, prefill_temperature,
-            host_tier_weight, disk_tier_weight, gate_enabled, gate_budget_fraction,
-            ledger_ttl_ms, ledger_tombstone_ttl_ms, report_grace_ms, first_chunk_timeout_ms,
-            idle_timeout_ms, route_timeout_ms, drain_timeout_ms, tick_ms, max_body_bytes,
-            reserve_blocks, default_max_tokens, seed,
-        );
-        self
-    }
-
-    /// Reads a TOML config file.
-    pub fn from_file(path: &Path) -> Result<Settings, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::ReadFile {
-            path: path.to_owned(),
-            error,
-        })?;
-        Self::from_toml(&text).map_err(|error| ConfigError::ParseFile {
-            path: path.to_owned(),
-            error: Box::new(error),
-        })
-    }
-
-    /// Parses TOML config text.
-    pub fn from_toml(text: &str) -> Result<Settings, toml::de::Error> {
-        toml::from_str(text)
-    }
-
-    /// Flags and environment completed by the config file they name (if
-    /// any), resolved and validated.
-    pub fn load(self) -> Result<Config, ConfigError> {
-        let merged = match &self.config {
-            Some(path) => {
-                let file = Self::from_file(path)?;
-                self.or(file)
-            }
-            None => self,
-        };
-        Config::from_settings(merged)
-    }
-}
-
-/// The bypass-or-remote policy and its parameters.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PolicyConfig {
-    AlwaysDisagg,
-    NeverDisagg,
-    Isl(IslBased),
-    Load(LoadBased),
-    IslOrLoad(IslOrLoad),
-    Sla(SlaDynamic),
-}
-
-impl PolicyConfig {
-    /// The policy, for the core.
-    pub fn build(&self) -> Box<dyn ConditionalDisaggPolicy> {
-        match self {
-            PolicyConfig::AlwaysDisagg => Box::new(AlwaysDisagg),
-            PolicyConfig::NeverDisagg => Box::new(NeverDisagg),
-            PolicyConfig::Isl(p) => Box::new(*p),
-            PolicyConfig::Load(p) => Box::new(*p),
-            PolicyConfig::IslOrLoad(p) => Box::new(*p),
-            PolicyConfig::Sla(p) => Box::new(*p),
-        }
-    }
-}
-
 /// Dispatch and service timing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Timeouts {
-    /// Longest wait for a worker's first chunk of a leg.
+    /// Longest wait for a worker's first chunk of a leg. Default 30 s.
+    #[serde(with = "settings::duration")]
     pub first_chunk: Duration,
-    /// Longest wait between two chunks.
+    /// Longest wait between two chunks. Default 30 s.
+    #[serde(with = "settings::duration")]
     pub idle: Duration,
     /// Longest wait for the event loop's answer to a route request.
+    /// Default 2 s.
+    #[serde(with = "settings::duration")]
     pub route: Duration,
-    /// Grace for in-flight HTTP requests at shutdown.
+    /// Grace for in-flight HTTP requests at shutdown. Default 10 s.
+    #[serde(with = "settings::duration")]
     pub drain: Duration,
-    /// Period of ledger expiry, gauges and delta-head polling.
+    /// Period of ledger expiry, gauges and delta-head polling. Default 1 s.
+    #[serde(with = "settings::duration")]
     pub tick: Duration,
 }
 
@@ -308,200 +79,411 @@ impl Default for Timeouts {
     }
 }
 
-/// The resolved, validated configuration of a router replica.
-#[derive(Debug, Clone)]
+/// The configuration of a router replica: deserialized from the layered
+/// settings, then [`Config::validate`]d.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
     /// Where `main` binds the HTTP listener (`run` takes the listener).
     pub http_addr: SocketAddr,
+    /// `[A-Za-z0-9_-]`; names the replica's decision and progress subjects.
+    /// Empty: `hostname-pid`, filled in by [`Config::validate`].
     pub replica_id: String,
-    /// The served model (also the hashing contract's).
+    /// The served model (also the hashing contract's). Required.
     pub model: String,
+    /// Tokens per KV block (hashing contract).
+    pub block_size: u32,
+    /// HuggingFace `tokenizer.json`: text prompts and text output.
     pub tokenizer: Option<PathBuf>,
-    pub policy: PolicyConfig,
-    /// The core's configuration (contract, selection, gate, ledger).
-    pub router: RouterConfig,
-    pub timeouts: Timeouts,
-    pub max_body_bytes: usize,
-    /// Blocks the index replica is sized for.
-    pub reserve_blocks: usize,
-    pub default_max_tokens: u32,
     /// The deployment's seed of decisions' draws (the same on every replica).
     pub seed: u64,
+    /// Blocks the index replica is sized for.
+    pub reserve_blocks: usize,
+    /// Largest request body.
+    #[serde(with = "settings::bytes")]
+    pub max_body_bytes: u64,
+    /// `max_tokens` of a request that does not say.
+    pub default_max_tokens: u32,
+    /// The bypass-or-remote policy, with its parameters.
+    #[serde(skip_serializing)]
+    pub policy: Policy,
+    pub decode: DecodeSelection,
+    pub prefill: PrefillSelection,
+    /// Weights of offloaded tiers, for both selections.
+    pub tier_weights: TierWeights,
+    pub gate: GateConfig,
+    pub ledger: LedgerConfig,
+    pub timeouts: Timeouts,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            nats_url: "nats://127.0.0.1:4222".into(),
+            etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            replica_id: String::new(),
+            model: String::new(),
+            block_size: 16,
+            tokenizer: None,
+            seed: 0,
+            reserve_blocks: kv_indexer::DEFAULT_RESERVE_BLOCKS,
+            max_body_bytes: 32 << 20,
+            default_max_tokens: 16,
+            policy: Policy::default(),
+            decode: DecodeSelection::default(),
+            prefill: PrefillSelection::default(),
+            tier_weights: TierWeights::default(),
+            gate: GateConfig::default(),
+            ledger: LedgerConfig::default(),
+            timeouts: Timeouts::default(),
+        }
+    }
+}
+
+/// The flags of every setting but the policy's parameters (those come from
+/// the registry: [`flags`]).
+fn fixed_flags() -> Vec<Flag> {
+    vec![
+    Flag::new("nats_url", Kind::Text, "NATS server URL"),
+    Flag::new("etcd_endpoints", Kind::List, "etcd endpoints, comma separated"),
+    Flag::new("http_addr", Kind::Text, "HTTP listen address")
+        // The worker agent has an HTTP address too.
+        .env("SWITCHYARD_ROUTER_HTTP_ADDR"),
+    Flag::new(
+        "replica_id",
+        Kind::Text,
+        "This replica's id ([A-Za-z0-9_-]; it names its decision and progress subjects) [default: hostname-pid]",
+    ),
+    Flag::new(
+        "model",
+        Kind::Text,
+        "The served model (required): part of the hashing contract workers must meet",
+    ),
+    Flag::new("block_size", Kind::Number, "Tokens per KV block (hashing contract)"),
+    Flag::new(
+        "tokenizer",
+        Kind::Text,
+        "HuggingFace tokenizer.json: enables text prompts and text output",
+    ),
+    Flag::new(
+        "seed",
+        Kind::Number,
+        "Seed of the decisions' random draws (tie-breaks, sampling): the same on every replica",
+    ),
+    Flag::new(
+        "reserve_blocks",
+        Kind::Number,
+        "Blocks the index replica's table is sized for at start (growing it stalls routing)",
+    ),
+    Flag::new("max_body_bytes", Kind::Bytes, "Largest request body"),
+    Flag::new(
+        "default_max_tokens",
+        Kind::Number,
+        "max_tokens of a request that gives none (also its expected output)",
+    ),
+    Flag::new("policy.name", Kind::Text, "")
+        .long("policy")
+        .env("SWITCHYARD_POLICY"),
+    Flag::new(
+        "decode.overlap_credit",
+        Kind::Number,
+        "Decode selection: cost removed per cached block",
+    ),
+    Flag::new(
+        "decode.queue_weight",
+        Kind::Number,
+        "Decode selection: cost per block's worth of queued prefill",
+    ),
+    Flag::new(
+        "decode.busy_kv_usage",
+        Kind::Number,
+        "Decode selection: KV usage from which a worker is skipped",
+    ),
+    Flag::new(
+        "decode.busy_waiting",
+        Kind::Number,
+        "Decode selection: waiting requests from which a worker is skipped",
+    ),
+    Flag::new(
+        "decode.temperature",
+        Kind::Number,
+        "Decode selection: softmax temperature (0: the cheapest)",
+    ),
+    Flag::new(
+        "prefill.temperature",
+        Kind::Number,
+        "Prefill selection: softmax temperature (0: the cheapest)",
+    ),
+    Flag::new(
+        "tier_weights.host",
+        Kind::Number,
+        "Weight of a block cached in host memory (device = 1), both selections",
+    )
+    .long("host-tier-weight"),
+    Flag::new(
+        "tier_weights.disk",
+        Kind::Number,
+        "Weight of a block cached on disk, both selections",
+    )
+    .long("disk-tier-weight"),
+    Flag::new("gate.enabled", Kind::Switch, "Decode gate on or off"),
+    Flag::new(
+        "gate.budget_fraction",
+        Kind::Number,
+        "Decode gate: share of the KV capacity a bypass may fill",
+    ),
+    Flag::new(
+        "ledger.ttl",
+        Kind::Duration,
+        "Ledger: an entry whose completion never arrives is dropped after this long",
+    )
+    .long("ledger-ttl")
+    .legacy(Legacy::millis("ledger-ttl-ms")),
+    Flag::new(
+        "ledger.tombstone_ttl",
+        Kind::Duration,
+        "Ledger: how long a finished id is remembered",
+    )
+    .legacy(Legacy::millis("ledger-tombstone-ttl-ms")),
+    Flag::new(
+        "ledger.report_grace",
+        Kind::Duration,
+        "Ledger: delay a load report is assumed to lag decisions by",
+    )
+    .long("report-grace")
+    .legacy(Legacy::millis("report-grace-ms")),
+    Flag::new(
+        "timeouts.first_chunk",
+        Kind::Duration,
+        "Dispatch: longest wait for a worker's first chunk",
+    )
+    .long("first-chunk-timeout")
+    .legacy(Legacy::millis("first-chunk-timeout-ms")),
+    Flag::new(
+        "timeouts.idle",
+        Kind::Duration,
+        "Dispatch: longest wait between two chunks",
+    )
+    .long("idle-timeout")
+    .legacy(Legacy::millis("idle-timeout-ms")),
+    Flag::new(
+        "timeouts.route",
+        Kind::Duration,
+        "Longest wait for the event loop's decision",
+    )
+    .long("route-timeout")
+    .legacy(Legacy::millis("route-timeout-ms")),
+    Flag::new(
+        "timeouts.drain",
+        Kind::Duration,
+        "On shutdown, in-flight HTTP requests get this long to finish",
+    )
+    .long("drain-timeout")
+    .legacy(Legacy::millis("drain-timeout-ms")),
+    Flag::new(
+        "timeouts.tick",
+        Kind::Duration,
+        "Period of ledger expiry, gauges and delta-head polling",
+    )
+    .long("tick")
+    .legacy(Legacy::millis("tick-ms")),
+    ]
+}
+
+/// Every flag: the fixed ones, the policy's (with the registry's list in its
+/// help), and one per policy parameter of the registry (`--eff-isl-tokens`
+/// is `[policy] eff_isl_tokens`), its help naming the policies that take it
+/// and their defaults.
+pub fn flags() -> Vec<Flag> {
+    let mut flags = fixed_flags();
+    for flag in &mut flags {
+        if flag.path == "policy.name" {
+            let list = POLICIES
+                .iter()
+                .map(|p| format!("{} ({})", p.name, p.about))
+                .collect::<Vec<_>>()
+                .join("; ");
+            flag.help =
+                format!("The policy: {list} [default: {}]", Policy::default().name()).into();
+        }
+    }
+    let mut seen: Vec<&str> = Vec::new();
+    for spec in &POLICIES {
+        for param in spec.params {
+            if seen.contains(&param.name) {
+                continue;
+            }
+            seen.push(param.name);
+            let defaults = POLICIES
+                .iter()
+                .filter(|s| s.param(param.name).is_some())
+                .map(|s| {
+                    let value = s
+                        .default_policy()
+                        .params()
+                        .into_iter()
+                        .find(|(n, _)| *n == param.name)
+                        .map_or(0.0, |(_, v)| v);
+                    format!("{value} for {}", s.name)
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            flags.push(
+                Flag::owned(
+                    format!("policy.{}", param.name),
+                    Kind::Number,
+                    format!("{} [default: {defaults}]", param.help),
+                )
+                .long(param.name.replace('_', "-")),
+            );
+        }
+    }
+    flags
+}
+
+/// The command line's name, version and description.
+pub fn command() -> clap::Command {
+    clap::Command::new("router")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("Switchyard router replica: OpenAI-compatible completions routed to prefill and decode workers")
+}
+
+/// The process's arguments (`--help` and bad flags exit here).
+pub fn args() -> Args {
+    Args::parse(command(), &flags(), &Config::default())
+}
+
+/// A configuration, and the spellings of an earlier release it used (to
+/// log once tracing is up).
+#[derive(Debug)]
+pub struct Loaded {
+    pub config: Config,
+    pub deprecations: Vec<Deprecation>,
 }
 
 impl Config {
     /// Defaults for a model, talking to the given servers (what tests and
-    /// embedders start from).
+    /// embedders start from), validated.
     pub fn new(
         nats_url: &str,
         etcd_endpoints: &[String],
         model: &str,
     ) -> Result<Self, ConfigError> {
-        Config::from_settings(Settings {
-            nats_url: Some(nats_url.to_owned()),
-            etcd_endpoints: Some(etcd_endpoints.to_vec()),
-            model: Some(model.to_owned()),
-            ..Settings::default()
+        let config = Config {
+            nats_url: nats_url.to_owned(),
+            etcd_endpoints: etcd_endpoints.to_vec(),
+            model: model.to_owned(),
+            ..Config::default()
+        };
+        config.validate()
+    }
+
+    /// The raw arguments layered (file, variables, flags), deserialized and
+    /// validated.
+    pub fn from_args(args: &Args) -> Result<Loaded, ConfigError> {
+        let flags = flags();
+        let (table, mut deprecations) = args.layered(&flags)?;
+        let name = table
+            .get("policy")
+            .and_then(|p| p.get("name"))
+            .and_then(|n| n.as_str());
+        if let Some(name) = name {
+            if let Ok(found) = PolicySpec::find(name) {
+                if found.deprecated {
+                    deprecations.push(Deprecation {
+                        old: format!("the policy name {name:?}"),
+                        new: found.spec.name.to_owned(),
+                    });
+                }
+            }
+        }
+        let config: Config = settings::deserialize(table)?;
+        Ok(Loaded {
+            config: config.validate()?,
+            deprecations,
         })
     }
 
-    /// Applies the defaults and checks every value.
-    pub fn from_settings(s: Settings) -> Result<Config, ConfigError> {
-        let policy = policy(&s)?;
-        let model = s.model.ok_or(ConfigError::Missing {
-            key: "model",
-            flag: "model",
-            env: "MODEL",
-        })?;
-        if model.trim().is_empty() {
-            return Err(invalid("model", "\"\"", "must not be empty"));
+    /// Checks every value and fills in the derived defaults (the replica
+    /// id).
+    pub fn validate(mut self) -> Result<Config, ConfigError> {
+        if self.model.trim().is_empty() {
+            return Err(ConfigError::NoModel);
         }
-        let block_size = s.block_size.unwrap_or(16);
-        if block_size == 0 {
+        if self.block_size == 0 {
             return Err(invalid("block_size", 0, "must be at least 1"));
         }
-        let replica_id = match s.replica_id {
-            Some(id) => {
-                if !valid_token(&id) {
-                    return Err(invalid(
-                        "replica_id",
-                        format!("{id:?}"),
-                        "must be 1 to 128 characters of [A-Za-z0-9_-] (it is a NATS subject token)",
-                    ));
-                }
-                id
-            }
-            None => default_replica_id(),
-        };
-        let etcd_endpoints = s
-            .etcd_endpoints
-            .unwrap_or_else(|| vec!["http://127.0.0.1:2379".into()]);
-        if etcd_endpoints.is_empty() || etcd_endpoints.iter().any(|e| e.trim().is_empty()) {
+        if self.replica_id.is_empty() {
+            self.replica_id = default_replica_id();
+        } else if !valid_token(&self.replica_id) {
+            return Err(invalid(
+                "replica_id",
+                format!("{:?}", self.replica_id),
+                "must be 1 to 128 characters of [A-Za-z0-9_-] (it is a NATS subject token)",
+            ));
+        }
+        if self.etcd_endpoints.is_empty() || self.etcd_endpoints.iter().any(|e| e.trim().is_empty())
+        {
             return Err(invalid(
                 "etcd_endpoints",
-                format!("{etcd_endpoints:?}"),
+                format!("{:?}", self.etcd_endpoints),
                 "needs at least one non-empty endpoint",
             ));
         }
-
-        let non_negative = |key: &'static str, v: Option<f64>, default: f64| match v {
-            Some(v) if !(v.is_finite() && v >= 0.0) => {
-                Err(invalid(key, v, "must be a finite number >= 0"))
-            }
-            v => Ok(v.unwrap_or(default)),
-        };
-        let weights = TierWeights {
-            host: non_negative("host_tier_weight", s.host_tier_weight, 0.5)?,
-            disk: non_negative("disk_tier_weight", s.disk_tier_weight, 0.25)?,
-        };
-        let d = DecodeSelection::default();
-        let decode = DecodeSelection {
-            overlap_credit: non_negative(
-                "decode_overlap_credit",
-                s.decode_overlap_credit,
-                d.overlap_credit,
-            )?,
-            tier_weights: weights,
-            queue_weight: non_negative(
-                "decode_queue_weight",
-                s.decode_queue_weight,
-                d.queue_weight,
-            )?,
-            busy_kv_usage: non_negative(
-                "decode_busy_kv_usage",
-                s.decode_busy_kv_usage,
-                d.busy_kv_usage,
-            )?,
-            busy_waiting: s.decode_busy_waiting.unwrap_or(d.busy_waiting),
-            temperature: non_negative("decode_temperature", s.decode_temperature, d.temperature)?,
-        };
-        let prefill = PrefillSelection {
-            tier_weights: weights,
-            temperature: non_negative(
-                "prefill_temperature",
-                s.prefill_temperature,
-                PrefillSelection::default().temperature,
-            )?,
-        };
-        let g = GateConfig::default();
-        let gate = GateConfig {
-            enabled: s.gate_enabled.unwrap_or(g.enabled),
-            budget_fraction: match s.gate_budget_fraction {
-                Some(v) if !(v.is_finite() && v > 0.0) => {
-                    return Err(invalid(
-                        "gate_budget_fraction",
-                        v,
-                        "must be a finite number > 0",
-                    ))
-                }
-                v => v.unwrap_or(g.budget_fraction),
-            },
-            count_reservations: true,
-        };
-        let l = LedgerConfig::default();
-        let ledger = LedgerConfig {
-            ttl_ms: positive_u64("ledger_ttl_ms", s.ledger_ttl_ms, l.ttl_ms)?,
-            tombstone_ttl_ms: s.ledger_tombstone_ttl_ms.unwrap_or(l.tombstone_ttl_ms),
-            report_grace_ms: s.report_grace_ms.unwrap_or(l.report_grace_ms),
-        };
-        let router = RouterConfig {
-            contract: HashingContract::for_model(&model, block_size),
-            decode,
-            prefill,
-            gate,
-            ledger,
-        };
-        router.validate()?;
-
-        let t = Timeouts::default();
-        let ms = |key, v: Option<u64>, default: Duration| {
-            positive_u64(key, v, default.as_millis() as u64).map(Duration::from_millis)
-        };
-        let timeouts = Timeouts {
-            first_chunk: ms(
-                "first_chunk_timeout_ms",
-                s.first_chunk_timeout_ms,
-                t.first_chunk,
-            )?,
-            idle: ms("idle_timeout_ms", s.idle_timeout_ms, t.idle)?,
-            route: ms("route_timeout_ms", s.route_timeout_ms, t.route)?,
-            drain: Duration::from_millis(s.drain_timeout_ms.unwrap_or(t.drain.as_millis() as u64)),
-            tick: ms("tick_ms", s.tick_ms, t.tick)?,
-        };
-        let max_body_bytes = s.max_body_bytes.unwrap_or(32 << 20);
-        if max_body_bytes < 1024 {
+        if self.max_body_bytes < 1024 {
             return Err(invalid(
                 "max_body_bytes",
-                max_body_bytes,
-                "must be at least 1024",
+                self.max_body_bytes,
+                "must be at least 1KiB",
             ));
         }
-        let default_max_tokens = s.default_max_tokens.unwrap_or(16);
-        if default_max_tokens == 0 {
+        if self.default_max_tokens == 0 {
             return Err(invalid("default_max_tokens", 0, "must be at least 1"));
         }
+        let t = &self.timeouts;
+        for (key, value) in [
+            ("timeouts.first_chunk", t.first_chunk),
+            ("timeouts.idle", t.idle),
+            ("timeouts.route", t.route),
+            ("timeouts.tick", t.tick),
+        ] {
+            if value.is_zero() {
+                return Err(invalid(key, "0s", "must be longer than 0"));
+            }
+        }
+        if self.ledger.ttl_ms == 0 {
+            return Err(invalid("ledger.ttl", "0s", "must be longer than 0"));
+        }
+        self.router().validate()?;
+        self.policy
+            .validate()
+            .map_err(crate::core::ConfigError::from)?;
+        Ok(self)
+    }
 
-        Ok(Config {
-            nats_url: s.nats_url.unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
-            etcd_endpoints,
-            http_addr: s
-                .http_addr
-                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 8080))),
-            replica_id,
-            model,
-            tokenizer: s.tokenizer,
-            policy,
-            router,
-            timeouts,
-            max_body_bytes,
-            reserve_blocks: s
-                .reserve_blocks
-                .unwrap_or(kv_indexer::DEFAULT_RESERVE_BLOCKS),
-            default_max_tokens,
-            seed: s.seed.unwrap_or(0),
-        })
+    /// The core's configuration (contract, selection, gate, ledger).
+    pub fn router(&self) -> RouterConfig {
+        RouterConfig {
+            contract: HashingContract::for_model(&self.model, self.block_size),
+            decode: DecodeSelection {
+                tier_weights: self.tier_weights,
+                ..self.decode
+            },
+            prefill: PrefillSelection {
+                tier_weights: self.tier_weights,
+                ..self.prefill
+            },
+            gate: self.gate,
+            ledger: self.ledger,
+        }
+    }
+
+    /// The largest request body, for the HTTP layer.
+    pub fn max_body(&self) -> usize {
+        usize::try_from(self.max_body_bytes).unwrap_or(usize::MAX)
     }
 }
 
@@ -511,54 +493,6 @@ fn invalid(key: &'static str, value: impl ToString, expected: &'static str) -> C
         value: value.to_string(),
         expected,
     }
-}
-
-fn positive_u64(key: &'static str, v: Option<u64>, default: u64) -> Result<u64, ConfigError> {
-    match v {
-        Some(0) => Err(invalid(key, 0, "must be at least 1")),
-        v => Ok(v.unwrap_or(default)),
-    }
-}
-
-fn policy(s: &Settings) -> Result<PolicyConfig, ConfigError> {
-    let ratio = |key: &'static str, v: Option<f64>, default: f64| match v {
-        Some(v) if !(v.is_finite() && v >= 0.0) => {
-            Err(invalid(key, v, "must be a finite number >= 0"))
-        }
-        v => Ok(v.unwrap_or(default)),
-    };
-    let target = |key: &'static str, v: Option<f64>, default: f64| match v {
-        Some(v) if !(v.is_finite() && v > 0.0) => {
-            Err(invalid(key, v, "must be a finite number > 0"))
-        }
-        v => Ok(v.unwrap_or(default)),
-    };
-    let di = IslBased::default();
-    let isl = IslBased {
-        eff_isl_tokens: s.eff_isl_tokens.unwrap_or(di.eff_isl_tokens),
-        eff_isl_ratio: ratio("eff_isl_ratio", s.eff_isl_ratio, di.eff_isl_ratio)?,
-    };
-    let dl = LoadBased::default();
-    let load = LoadBased {
-        prefill_busy: ratio("prefill_busy", s.prefill_busy, dl.prefill_busy)?,
-        decode_busy: ratio("decode_busy", s.decode_busy, dl.decode_busy)?,
-    };
-    let name = s.policy.as_deref().unwrap_or("isl-or-load");
-    Ok(
-        match name.trim().to_ascii_lowercase().replace('_', "-").as_str() {
-            "always-disagg" | "disagg" | "disaggregated" => PolicyConfig::AlwaysDisagg,
-            "never-disagg" | "aggregated" | "agg" => PolicyConfig::NeverDisagg,
-            "isl" => PolicyConfig::Isl(isl),
-            "load" => PolicyConfig::Load(load),
-            "isl-or-load" => PolicyConfig::IslOrLoad(IslOrLoad { isl, load }),
-            "sla" => PolicyConfig::Sla(SlaDynamic::new(
-                target("ttft_target_ms", s.ttft_target_ms, 2000.0)?,
-                target("itl_target_ms", s.itl_target_ms, 60.0)?,
-                CostModel::default(),
-            )),
-            _ => return Err(ConfigError::UnknownPolicy(name.to_owned())),
-        },
-    )
 }
 
 fn valid_token(s: &str) -> bool {
@@ -595,160 +529,4 @@ fn default_replica_id() -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn base() -> Settings {
-        Settings {
-            model: Some("m".into()),
-            ..Settings::default()
-        }
-    }
-
-    #[test]
-    fn defaults_resolve() {
-        let c = Config::from_settings(base()).unwrap();
-        assert_eq!(c.router.contract, HashingContract::for_model("m", 16));
-        assert!(matches!(c.policy, PolicyConfig::IslOrLoad(_)));
-        assert!(valid_token(&c.replica_id), "{}", c.replica_id);
-        assert_eq!(c.timeouts, Timeouts::default());
-    }
-
-    #[test]
-    fn the_model_is_required() {
-        let e = Config::from_settings(Settings::default()).unwrap_err();
-        assert!(e.to_string().contains("SWITCHYARD_MODEL"), "{e}");
-    }
-
-    #[test]
-    fn bad_values_are_named() {
-        for (settings, key) in [
-            (
-                Settings {
-                    block_size: Some(0),
-                    ..base()
-                },
-                "block_size",
-            ),
-            (
-                Settings {
-                    replica_id: Some("a.b".into()),
-                    ..base()
-                },
-                "replica_id",
-            ),
-            (
-                Settings {
-                    eff_isl_ratio: Some(f64::NAN),
-                    policy: Some("isl".into()),
-                    ..base()
-                },
-                "eff_isl_ratio",
-            ),
-            (
-                Settings {
-                    gate_budget_fraction: Some(0.0),
-                    ..base()
-                },
-                "gate_budget_fraction",
-            ),
-            (
-                Settings {
-                    first_chunk_timeout_ms: Some(0),
-                    ..base()
-                },
-                "first_chunk_timeout_ms",
-            ),
-            (
-                Settings {
-                    decode_temperature: Some(-1.0),
-                    ..base()
-                },
-                "decode_temperature",
-            ),
-        ] {
-            let e = Config::from_settings(settings).unwrap_err().to_string();
-            assert!(e.starts_with(key), "{e}");
-        }
-        let e = Config::from_settings(Settings {
-            policy: Some("fastest".into()),
-            ..base()
-        })
-        .unwrap_err();
-        assert!(matches!(e, ConfigError::UnknownPolicy(_)), "{e}");
-    }
-
-    #[test]
-    fn policies_by_name() {
-        for (name, expected) in [
-            ("always-disagg", "always_disagg"),
-            ("never_disagg", "never_disagg"),
-            ("aggregated", "never_disagg"),
-            ("isl", "isl"),
-            ("load", "load"),
-            ("ISL-or-load", "isl_or_load"),
-            ("sla", "sla_dynamic"),
-        ] {
-            let c = Config::from_settings(Settings {
-                policy: Some(name.into()),
-                ..base()
-            })
-            .unwrap();
-            let got = c.policy.build();
-            assert!(
-                got.name().starts_with(expected.split('_').next().unwrap()),
-                "{name}: {}",
-                got.name()
-            );
-        }
-    }
-
-    #[test]
-    fn flags_beat_the_file_and_unknown_keys_are_refused() {
-        let file = Settings::from_toml(
-            "model = \"from-file\"\nblock_size = 32\npolicy = \"isl\"\neff_isl_tokens = 512\n",
-        )
-        .unwrap();
-        let flags = Settings {
-            block_size: Some(64),
-            ..Settings::default()
-        };
-        let c = Config::from_settings(flags.or(file)).unwrap();
-        assert_eq!(c.model, "from-file");
-        assert_eq!(c.router.contract.block_size, 64);
-        assert_eq!(
-            c.policy,
-            PolicyConfig::Isl(IslBased {
-                eff_isl_tokens: 512,
-                ..IslBased::default()
-            })
-        );
-        let e = Settings::from_toml("modle = \"x\"")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("modle"), "{e}");
-    }
-
-    #[test]
-    fn flags_and_environment_parse() {
-        use clap::Parser;
-        let s = Settings::try_parse_from([
-            "router",
-            "--model",
-            "m",
-            "--etcd-endpoints",
-            "http://a:1,http://b:2",
-            "--policy",
-            "sla",
-            "--ttft-target-ms",
-            "500",
-        ])
-        .unwrap();
-        let c = s.load().unwrap();
-        assert_eq!(c.etcd_endpoints, vec!["http://a:1", "http://b:2"]);
-        match c.policy {
-            PolicyConfig::Sla(p) => assert_eq!(p.ttft_target_ms, 500.0),
-            other => panic!("{other:?}"),
-        }
-    }
-}
+mod tests;

@@ -1,5 +1,10 @@
-//! Dispatch over NATS: a routed request's legs to its workers, the chunks
-//! streamed back, the decision log and progress notices.
+//! Dispatch over NATS: a prepared request from its first decision to its
+//! end — the legs to its workers, the chunks streamed back, a retry, the
+//! decision log and progress notices.
+//!
+//! [`Dispatcher::decide`] is the one way a request is decided: the first
+//! decision, a retry's, and a dry run's (`POST /v1/route`). It asks the
+//! event loop and logs the decision.
 //!
 //! A leg is one `GenerateRequest` published to the worker's generate
 //! subject with a fresh inbox as the reply subject; the worker streams
@@ -17,12 +22,12 @@
 //! that failed.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bus::Bus;
 use futures::StreamExt;
 use protocol::{
-    subjects, CancelRequest, DecisionId, DecisionRecord, FinishReason, GenerateChunk,
+    subjects, BlockHash, CancelRequest, DecisionId, DecisionRecord, FinishReason, GenerateChunk,
     GenerateEvent, GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Stage,
     WorkerId,
 };
@@ -31,8 +36,8 @@ use tokio::sync::mpsc::error::TrySendError;
 use tracing::Instrument;
 
 use super::config::Timeouts;
+use super::event_loop::{ask_route, now_ms, AskError, Assignment, Command, RouteJob};
 use super::metrics::Metrics;
-use super::state::{ask_route, now_ms, AskError, Command, RouteJob, Routed};
 
 /// Why a dispatch failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -139,13 +144,17 @@ impl DispatchError {
     }
 }
 
-/// What the dispatcher tells the HTTP handler, in order.
+/// What the dispatcher tells the HTTP handler, in order: `Refused`, or
+/// `Decided` (again for a retry), then tokens and the end.
 #[derive(Debug)]
 pub enum Out {
-    /// The first attempt failed before any token; this decision retries it.
-    Rerouted {
+    /// No decision could be made; nothing was dispatched.
+    Refused(AskError),
+    /// The request's decision; with `retry_of`, the decision that retries
+    /// a first attempt that failed before any token.
+    Decided {
         decision: RouteDecision,
-        retry_of: DecisionId,
+        retry_of: Option<DecisionId>,
     },
     /// Output tokens, in order.
     Tokens(Vec<u32>),
@@ -163,14 +172,25 @@ pub enum Out {
     },
 }
 
-/// One request to dispatch.
-#[derive(Debug)]
-pub struct Job {
+/// What every decision of a request is made from: the request id, the
+/// prompt's length and block hashes, the output asked for.
+#[derive(Debug, Clone)]
+pub struct Prepared {
     pub request_id: String,
-    pub prompt: Vec<u32>,
+    pub isl_tokens: u32,
+    pub hashes: Arc<[BlockHash]>,
+    /// Also the decisions' expected output.
     pub max_tokens: u32,
-    /// For a retry's new decision.
-    pub hashes: Arc<[protocol::BlockHash]>,
+}
+
+/// What a decision is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// To be dispatched: reserved in the ledger, logged for replay.
+    Dispatch,
+    /// `POST /v1/route`: released at once; with `explain`, what the
+    /// decision looked at.
+    DryRun { explain: bool },
 }
 
 struct Inner {
@@ -292,35 +312,97 @@ impl Dispatcher {
         });
     }
 
-    /// Runs a routed request to its end, sending what happens to `out`.
-    /// Stops early when `out` is closed (the client went away).
-    pub async fn serve(self, mut routed: Routed, job: Job, out: mpsc::Sender<Out>) {
-        let Job {
-            request_id,
-            prompt,
-            max_tokens,
-            hashes,
-        } = job;
-        let isl_tokens = prompt.len() as u32;
-        let mut request = GenerateRequest {
-            request_id: request_id.clone(),
-            annotation: routed.decision.annotation(),
+    /// Decides `request`, avoiding `avoid` (the workers a failed attempt
+    /// used): the first decision, a retry's and a dry run's. Logs it.
+    pub async fn decide(
+        &self,
+        request: &Prepared,
+        avoid: Vec<WorkerId>,
+        purpose: Purpose,
+        retry_of: Option<DecisionId>,
+    ) -> Result<Assignment, AskError> {
+        let inner = &self.inner;
+        let started = Instant::now();
+        let (dry_run, explain) = match purpose {
+            Purpose::Dispatch => (false, false),
+            Purpose::DryRun { explain } => (true, explain),
+        };
+        let job = RouteJob {
+            request_id: request.request_id.clone(),
+            isl_tokens: request.isl_tokens,
+            hashes: request.hashes.clone(),
+            expected_output_tokens: request.max_tokens,
+            avoid,
+            dry_run,
+            explain,
+        };
+        let assignment = ask_route(&inner.commands, job, inner.timeouts.route)
+            .await
+            .inspect_err(|e| inner.metrics.route_error(e.label()))?;
+        inner.metrics.route_latency(started.elapsed());
+        let d = &assignment.decision;
+        let prefill = d.prefill.as_ref().map(|p| p.to_string());
+        if dry_run {
+            tracing::debug!(decision = %d.id, path = %d.path, decode = %d.decode, ?prefill, rule = %d.rule, "routed (dry run)");
+        } else {
+            tracing::info!(
+                decision = %d.id,
+                retry_of = ?retry_of.map(|r| r.to_string()),
+                path = %d.path,
+                decode = %d.decode,
+                ?prefill,
+                decode_overlap_tokens = d.decode_overlap_tokens,
+                isl_tokens = d.isl_tokens,
+                rule = %d.rule,
+                "routed"
+            );
+        }
+        Ok(assignment)
+    }
+
+    /// Runs a request (`prompt` is its token ids) from its decision to its
+    /// end, sending what happens to `out`. Stops early when `out` is closed
+    /// (the client went away).
+    pub async fn serve(self, request: Prepared, prompt: Vec<u32>, out: mpsc::Sender<Out>) {
+        let mut assignment = match self
+            .decide(&request, Vec::new(), Purpose::Dispatch, None)
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = out.send(Out::Refused(e)).await;
+                return;
+            }
+        };
+        let decided = Out::Decided {
+            decision: assignment.decision.clone(),
+            retry_of: None,
+        };
+        if out.send(decided).await.is_err() {
+            // The client left before anything ran.
+            self.progress(assignment.decision.id, Progress::Finished);
+            self.inner.metrics.dispatch("client_gone");
+            return;
+        }
+        let mut generate = GenerateRequest {
+            request_id: request.request_id.clone(),
+            annotation: assignment.decision.annotation(),
             stage: Stage::Local,
             prompt,
-            max_tokens,
+            max_tokens: request.max_tokens,
         };
         let mut retried = false;
         loop {
-            self.log_decision(routed.record.as_ref());
-            request.annotation = routed.decision.annotation();
+            self.log_decision(assignment.record.as_ref());
+            generate.annotation = assignment.decision.annotation();
             let mut ticket = Ticket {
                 dispatcher: self.clone(),
-                decision: routed.decision.id,
+                decision: assignment.decision.id,
                 finished: false,
             };
             let mut streamed = false;
             let result = tokio::select! {
-                r = self.legs(&routed, &mut request, &mut ticket, &out, &mut streamed) => r,
+                r = self.legs(&assignment, &mut generate, &mut ticket, &out, &mut streamed) => r,
                 _ = out.closed() => Err(DispatchError::ClientGone),
             };
             ticket.finish();
@@ -331,61 +413,42 @@ impl Dispatcher {
                     return;
                 }
                 Err(DispatchError::ClientGone) => {
-                    tracing::info!(decision = %routed.decision.id, "the client went away; request cancelled");
+                    tracing::info!(decision = %assignment.decision.id, "the client went away; request cancelled");
                     metrics.dispatch("client_gone");
-                    self.cancel(&routed.decision, "the client went away");
+                    self.cancel(&assignment.decision, "the client went away");
                     return;
                 }
                 Err(e) => e,
             };
             let mut no_retry = None;
             if !retried && !streamed && error.retryable() {
+                let failed = assignment.decision.id;
+                tracing::warn!(decision = %failed, %error, "dispatch failed before any token; retrying on another worker");
                 let avoid: Vec<WorkerId> = error.worker().cloned().into_iter().collect();
-                tracing::warn!(decision = %routed.decision.id, %error, "dispatch failed before any token; retrying on another worker");
-                let job = RouteJob {
-                    request_id: request_id.clone(),
-                    isl_tokens,
-                    hashes: hashes.clone(),
-                    expected_output_tokens: max_tokens,
-                    avoid,
-                    dry_run: false,
-                    explain: false,
-                };
-                let inner = &self.inner;
-                match ask_route(&inner.commands, job, inner.timeouts.route).await {
+                match self
+                    .decide(&request, avoid, Purpose::Dispatch, Some(failed))
+                    .await
+                {
                     Ok(next) => {
                         metrics.dispatch("retried");
-                        tracing::info!(
-                            decision = %next.decision.id,
-                            retry_of = %routed.decision.id,
-                            path = %next.decision.path,
-                            decode = %next.decision.decode,
-                            rule = %next.decision.rule,
-                            "retrying"
-                        );
-                        let rerouted = Out::Rerouted {
+                        let decided = Out::Decided {
                             decision: next.decision.clone(),
-                            retry_of: routed.decision.id,
+                            retry_of: Some(failed),
                         };
-                        if out.send(rerouted).await.is_err() {
+                        if out.send(decided).await.is_err() {
                             // The client left: the retry never runs.
                             self.progress(next.decision.id, Progress::Finished);
                             metrics.dispatch("client_gone");
                             return;
                         }
-                        routed = next;
+                        assignment = next;
                         retried = true;
                         continue;
                     }
-                    Err(e) => {
-                        no_retry = Some(match e {
-                            AskError::Route(e) => format!("no retry: {e}"),
-                            other => format!("no retry: {other}"),
-                        });
-                    }
+                    Err(e) => no_retry = Some(format!("no retry: {e}")),
                 }
             }
-            tracing::warn!(decision = %routed.decision.id, %error, streamed, "dispatch failed");
+            tracing::warn!(decision = %assignment.decision.id, %error, streamed, "dispatch failed");
             metrics.dispatch(error.outcome());
             let _ = out.send(Out::Failed { error, no_retry }).await;
             return;
@@ -394,7 +457,7 @@ impl Dispatcher {
 
     async fn legs(
         &self,
-        routed: &Routed,
+        routed: &Assignment,
         request: &mut GenerateRequest,
         ticket: &mut Ticket,
         out: &mpsc::Sender<Out>,

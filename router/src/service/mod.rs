@@ -2,18 +2,17 @@
 //!
 //! [`run`] connects to NATS and etcd, opens the inputs (load reports,
 //! progress notices, the decision log, the worker registry), starts the
-//! event loop that owns the core ([`state`]) and serves the HTTP API
+//! event loop that owns the core ([`event_loop`]) and serves the HTTP API
 //! ([`http`]) until `shutdown` resolves. See the crate's README section in
 //! `router/README.md` for the API and the settings.
 
 pub mod config;
 pub mod dispatch;
+pub mod event_loop;
 pub mod http;
 pub mod inputs;
 pub mod metrics;
-pub mod openai;
 pub mod replica;
-pub mod state;
 pub mod text;
 
 use std::future::Future;
@@ -26,14 +25,14 @@ use bus::{Bus, BusError, Registry, RegistryError, StreamLimits};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
-pub use config::{Config, ConfigError, PolicyConfig, Settings, Timeouts};
+pub use config::{Args, Config, ConfigError, Loaded, Timeouts};
 pub use http::{DECISION_HEADER, REQUEST_ID_HEADER};
 
 use crate::core::RouterCore;
 use dispatch::Dispatcher;
+use event_loop::{LoopParts, Readiness, RouterLoop};
 use inputs::{InputError, Inputs};
 use metrics::Metrics;
-use state::{LoopParts, Readiness, RouterLoop};
 use text::{Text, TextError};
 
 /// Commands queued for the event loop before handlers wait (backpressure).
@@ -72,14 +71,14 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServiceError> {
     let text = config.tokenizer.as_deref().map(Text::load).transpose()?;
-    let core = RouterCore::new(config.router.clone(), config.policy.build())?;
+    let core = RouterCore::new(config.router(), config.policy.clone())?;
     let hasher = *core.hasher();
     let seed = config.seed;
     let replica: Arc<str> = config.replica_id.as_str().into();
     tracing::info!(
         replica = %replica,
         model = %config.model,
-        block_size = config.router.contract.block_size,
+        block_size = config.block_size,
         policy = core.policy().name(),
         params = ?core.policy().params(),
         seed,
@@ -132,7 +131,7 @@ pub async fn run(
         default_max_tokens: config.default_max_tokens,
         next_request: AtomicU64::new(0),
     });
-    let routes = http::router(app, config.max_body_bytes);
+    let routes = http::router(app, config.max_body());
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving HTTP");
     }

@@ -5,10 +5,13 @@ use std::collections::HashMap;
 
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
-    BlockHash, HashingContract, KvEvent, KvEventBatch, LoadReport, Role, Tier, WorkerId,
-    WorkerRecord, WorkerSubjects,
+    BlockHash, DecisionId, HashingContract, KvEvent, KvEventBatch, LoadReport, Role, RouteDecision,
+    Tier, WorkerId, WorkerRecord, WorkerSubjects,
 };
-use router::{ConditionalDisaggPolicy, RouterConfig, RouterCore};
+use rand::Rng;
+use router::{
+    Explanation, Policy, RouteError, RouteOptions, RouteRequest, RouterConfig, RouterCore,
+};
 pub use tests::tokens;
 
 pub const BLOCK: u32 = 16;
@@ -35,8 +38,79 @@ pub fn record(name: &str, role: Role, capacity: u64) -> WorkerRecord {
     }
 }
 
-pub fn core_with(config: RouterConfig, policy: Box<dyn ConditionalDisaggPolicy>) -> RouterCore {
+pub fn core_with(config: RouterConfig, policy: impl Into<Policy>) -> RouterCore {
     RouterCore::new(config, policy).unwrap()
+}
+
+/// Routing a prompt of token ids: hashed with the core's hasher, then
+/// [`RouterCore::route`].
+pub trait RoutePrompt {
+    fn route_prompt<R: Rng>(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<RouteDecision, RouteError>;
+
+    fn route_prompt_explained<R: Rng>(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<(RouteDecision, Explanation), RouteError>;
+}
+
+impl RoutePrompt for RouterCore {
+    fn route_prompt<R: Rng>(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<RouteDecision, RouteError> {
+        let hashes = self.hasher().hash_prompt(prompt);
+        let request = RouteRequest {
+            request_id,
+            isl_tokens: prompt.len() as u32,
+            block_hashes: &hashes,
+            expected_output_tokens,
+        };
+        Ok(self
+            .route(&request, RouteOptions::default(), id, now_ms, rng)?
+            .decision)
+    }
+
+    fn route_prompt_explained<R: Rng>(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+    ) -> Result<(RouteDecision, Explanation), RouteError> {
+        let hashes = self.hasher().hash_prompt(prompt);
+        let request = RouteRequest {
+            request_id,
+            isl_tokens: prompt.len() as u32,
+            block_hashes: &hashes,
+            expected_output_tokens,
+        };
+        let options = RouteOptions {
+            avoid: &[],
+            explain: true,
+        };
+        let routed = self.route(&request, options, id, now_ms, rng)?;
+        Ok((routed.decision, routed.explanation.unwrap_or_default()))
+    }
 }
 
 pub fn report(worker: &str, active: u64, used: u64, total: u64, at_ms: u64) -> LoadReport {

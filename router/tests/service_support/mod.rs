@@ -17,7 +17,8 @@ use protocol::{
     IndexSnapshot, KvEvent, KvEventBatch, KvTransferParams, Message, Role, Stage, Tier, WorkerId,
     WorkerRecord, WorkerSubjects,
 };
-use router::service::{self, Config, ServiceError, Settings};
+use router::service::{self, Config, ServiceError, Timeouts};
+use router::IslBased;
 pub use tests::tokens;
 use tests::{EtcdServer, NatsServer};
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -81,21 +82,24 @@ impl Cluster {
 
     /// A router config for these servers, with short timeouts.
     pub fn config(&self, replica: &str) -> Config {
-        Settings {
-            nats_url: Some(self.nats.url()),
-            etcd_endpoints: Some(vec![self.etcd.endpoint()]),
-            model: Some(MODEL.into()),
-            block_size: Some(BLOCK),
-            replica_id: Some(replica.into()),
-            policy: Some("isl".into()),
-            first_chunk_timeout_ms: Some(1_000),
-            idle_timeout_ms: Some(1_000),
-            tick_ms: Some(100),
-            drain_timeout_ms: Some(1_000),
-            seed: Some(7),
-            ..Settings::default()
+        Config {
+            nats_url: self.nats.url(),
+            etcd_endpoints: vec![self.etcd.endpoint()],
+            model: MODEL.into(),
+            block_size: BLOCK,
+            replica_id: replica.into(),
+            policy: IslBased::default().into(),
+            timeouts: Timeouts {
+                first_chunk: Duration::from_secs(1),
+                idle: Duration::from_secs(1),
+                tick: Duration::from_millis(100),
+                drain: Duration::from_secs(1),
+                ..Timeouts::default()
+            },
+            seed: 7,
+            ..Config::default()
         }
-        .load()
+        .validate()
         .unwrap()
     }
 }

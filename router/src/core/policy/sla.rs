@@ -2,15 +2,17 @@
 //! the inter-token latency a local prefill inflicts on the decode worker.
 
 use protocol::Path;
+use serde::{Deserialize, Serialize};
 
-use super::policy::{rules, ConditionalDisaggPolicy, PolicyInput, Verdict};
+use super::{positive, rules, ConditionalDisaggPolicy, ParamError, PolicyInput, Verdict};
 
 /// Engine timing constants, in milliseconds. The defaults fit Llama-3.3-70B
 /// FP8, TP2 on 2 × H100 (see `engine-timing.md` in the project reference):
 /// TTFT 48 ms for 500 tokens and 407 ms for 5 000; ITL 18.6 / 38.8 /
 /// 59.7 ms at 1 / 25 / 50 running requests of about 5k tokens of context;
 /// KV moved at 87 GB/s.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct CostModel {
     /// Fixed cost of a prefill step (launch, weights pass). Default 15.
     pub prefill_c0_ms: f64,
@@ -131,14 +133,22 @@ pub struct SlaPrediction {
 /// TTFT excess plus the ITL excess it adds beyond what the decode worker
 /// already has; the remote path's is its TTFT excess (it adds no prefill to
 /// the decode worker's steps). Equal violations go remote.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct SlaDynamic {
-    /// Time-to-first-token target (ms).
+    /// Time-to-first-token target (ms). Default 2000.
     pub ttft_target_ms: f64,
-    /// Inter-token latency target (ms).
+    /// Inter-token latency target (ms). Default 60.
     pub itl_target_ms: f64,
     /// Engine timing.
+    #[serde(flatten)]
     pub cost: CostModel,
+}
+
+impl Default for SlaDynamic {
+    fn default() -> Self {
+        Self::new(2_000.0, 60.0, CostModel::default())
+    }
 }
 
 impl SlaDynamic {
@@ -149,6 +159,14 @@ impl SlaDynamic {
             itl_target_ms,
             cost,
         }
+    }
+
+    /// Checks what the registry's generic check (every parameter finite and
+    /// `>= 0`) does not: the targets and the bandwidth are `> 0`.
+    pub fn validate(&self) -> Result<(), ParamError> {
+        positive("ttft_target_ms", self.ttft_target_ms)?;
+        positive("itl_target_ms", self.itl_target_ms)?;
+        positive("transfer_bytes_per_ms", self.cost.transfer_bytes_per_ms)
     }
 
     /// The numbers the policy decides on.
@@ -212,26 +230,6 @@ impl SlaDynamic {
 }
 
 impl ConditionalDisaggPolicy for SlaDynamic {
-    fn name(&self) -> &'static str {
-        "sla_dynamic"
-    }
-
-    fn params(&self) -> Vec<(&'static str, f64)> {
-        let c = &self.cost;
-        vec![
-            ("ttft_target_ms", self.ttft_target_ms),
-            ("itl_target_ms", self.itl_target_ms),
-            ("prefill_c0_ms", c.prefill_c0_ms),
-            ("prefill_c1_ms", c.prefill_c1_ms),
-            ("prefill_c2_ms", c.prefill_c2_ms),
-            ("decode_t0_ms", c.decode_t0_ms),
-            ("decode_per_seq_ms", c.decode_per_seq_ms),
-            ("decode_per_ctx_token_ms", c.decode_per_ctx_token_ms),
-            ("transfer_setup_ms", c.transfer_setup_ms),
-            ("transfer_bytes_per_ms", c.transfer_bytes_per_ms),
-        ]
-    }
-
     fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
         let s = self.predict(input);
         let (tt, it) = (self.ttft_target_ms, self.itl_target_ms);
@@ -384,6 +382,6 @@ mod tests {
             EffectiveLoad::default(),
         ));
         assert_eq!(v.rule, rules::SLA_LOCAL_MEETS_TARGETS, "{}", v.reason);
-        assert_eq!(policy.params().len(), 10);
+        assert_eq!(crate::core::Policy::from(policy).params().len(), 10);
     }
 }

@@ -1,4 +1,4 @@
-//! The event loop: the one task that owns the [`RouterCore`].
+//! The router's event loop: the one task that owns the [`RouterCore`].
 //!
 //! Everything that changes the core arrives as an [`Event`] and is handled
 //! in one `select!`: HTTP handlers' commands (routing, their requests'
@@ -27,9 +27,11 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
-use super::openai::{LedgerBody, LedgerWorker};
 use super::replica::{self, LoadError, LoadedIndex};
-use crate::core::{decision_seed, Explanation, RouteError, RouteRequest, RouterCore};
+use crate::core::{
+    decision_seed, Charges, EffectiveLoad, Explanation, RouteError, RouteOptions, RouteRequest,
+    RouterCore,
+};
 
 /// The router clock: milliseconds since the Unix epoch (decisions carry it
 /// to peers, whose ledgers expire entries against their own clock).
@@ -56,7 +58,7 @@ pub struct RouteJob {
 
 /// A decision and where to send its legs.
 #[derive(Debug, Clone)]
-pub struct Routed {
+pub struct Assignment {
     pub decision: RouteDecision,
     /// Its decision-log entry (dispatched decisions only).
     pub record: Option<Arc<DecisionRecord>>,
@@ -68,12 +70,36 @@ pub struct Routed {
     pub prefill_subject: Option<String>,
 }
 
+/// This replica's ledger and index position, for `/debug/ledger`.
+#[derive(Debug, Clone)]
+pub struct LedgerView {
+    pub in_flight: usize,
+    pub applied_delta: u64,
+    /// Equal on replicas and the indexer at the same delta.
+    pub index_digest: u64,
+    pub index_blocks: u64,
+    /// Every registered worker, in id order.
+    pub workers: Vec<WorkerLedger>,
+    /// Whether the ledger holds the decision asked about (in flight or
+    /// recently finished).
+    pub knows_decision: Option<bool>,
+}
+
+/// One worker in a [`LedgerView`].
+#[derive(Debug, Clone)]
+pub struct WorkerLedger {
+    pub worker: WorkerId,
+    pub role: Role,
+    pub charges: Charges,
+    pub load: Option<EffectiveLoad>,
+}
+
 /// What HTTP handlers ask the loop.
 #[derive(Debug)]
 pub enum Command {
     Route {
         job: RouteJob,
-        reply: oneshot::Sender<Result<Routed, RouteError>>,
+        reply: oneshot::Sender<Result<Assignment, RouteError>>,
     },
     /// A request this replica dispatched progressed (also published for
     /// the peers by the dispatcher).
@@ -83,7 +109,7 @@ pub enum Command {
     },
     Ledger {
         decision: Option<DecisionId>,
-        reply: oneshot::Sender<LedgerBody>,
+        reply: oneshot::Sender<LedgerView>,
     },
 }
 
@@ -98,13 +124,24 @@ pub enum AskError {
     Timeout(Duration),
 }
 
+impl AskError {
+    /// A metrics label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            AskError::Route(e) => e.label(),
+            AskError::Stopped => "stopping",
+            AskError::Timeout(_) => "overloaded",
+        }
+    }
+}
+
 /// Asks the loop for a decision, waiting at most `timeout` (queueing
 /// included).
 pub async fn ask_route(
     commands: &mpsc::Sender<Command>,
     job: RouteJob,
     timeout: Duration,
-) -> Result<Routed, AskError> {
+) -> Result<Assignment, AskError> {
     let (reply, answer) = oneshot::channel();
     let ask = async {
         commands
@@ -368,7 +405,7 @@ impl RouterLoop {
         }
     }
 
-    fn route(&mut self, job: RouteJob) -> Result<Routed, RouteError> {
+    fn route(&mut self, job: RouteJob) -> Result<Assignment, RouteError> {
         let now = now_ms();
         let request = RouteRequest {
             request_id: &job.request_id,
@@ -377,98 +414,72 @@ impl RouterLoop {
             expected_output_tokens: job.expected_output_tokens,
         };
         let started = Instant::now();
-        let mut attempts = 0;
         // Draws depend on the request only: replicas at the same state
         // decide alike, and a logged decision replays exactly.
         let seed = decision_seed(self.seed, &request);
-        let (decision, explanation) = loop {
+        // The explanation is the record's (candidates' loads and depths).
+        let options = RouteOptions {
+            avoid: &job.avoid,
+            explain: true,
+        };
+        let mut attempts = 0;
+        let routed = loop {
             let id = DecisionId(self.ids.random());
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            let result = if job.avoid.is_empty() {
-                self.core.route_explained(&request, id, now, &mut rng)
-            } else {
-                self.core
-                    .route_avoiding_explained(&request, &job.avoid, id, now, &mut rng)
-            };
-            match result {
+            match self.core.route(&request, options, id, now, &mut rng) {
                 // A random 64-bit id met a live one: draw another.
                 Err(RouteError::DuplicateDecision(_)) if attempts < 3 => attempts += 1,
                 other => break other?,
             }
         };
+        let decision = routed.decision;
+        let explanation = routed.explanation.unwrap_or_default();
         self.metrics.decision(&decision, started.elapsed());
-        // Dispatched decisions go to the decision log with their inputs.
-        let record = (!job.dry_run).then(|| {
-            Arc::new(
-                self.core
-                    .record(&decision, &explanation, &request, seed, &job.avoid),
-            )
-        });
-        if job.dry_run {
+        let record = if job.dry_run {
             // Nothing will run and no peer hears of it: release the
             // reservation at once, leaving nothing behind.
             self.core.forget(decision.id);
-        }
+            None
+        } else {
+            // Dispatched decisions go to the decision log with their inputs.
+            let record = self
+                .core
+                .record(&decision, &explanation, &request, seed, &job.avoid);
+            Some(Arc::new(record))
+        };
         let subject = |id: &WorkerId| {
             self.core
                 .workers()
                 .record(id)
-                .map(|r| r.subjects.generate.clone())
+                .map_or_else(|| subjects::generate(id), |r| r.subjects.generate.clone())
         };
-        let decode_subject =
-            subject(&decision.decode).unwrap_or_else(|| subjects::generate(&decision.decode));
-        let prefill_subject = decision
-            .prefill
-            .as_ref()
-            .map(|p| subject(p).unwrap_or_else(|| subjects::generate(p)));
-        tracing::debug!(
-            request_id = %decision.request_id,
-            decision = %decision.id,
-            path = %decision.path,
-            decode = %decision.decode,
-            prefill = ?decision.prefill.as_ref().map(|p| p.to_string()),
-            rule = %decision.rule,
-            dry_run = job.dry_run,
-            "routed"
-        );
-        Ok(Routed {
+        Ok(Assignment {
+            decode_subject: subject(&decision.decode),
+            prefill_subject: decision.prefill.as_ref().map(subject),
             decision,
             record,
             explanation: job.explain.then_some(explanation),
-            decode_subject,
-            prefill_subject,
         })
     }
 
-    fn ledger(&self, decision: Option<DecisionId>) -> LedgerBody {
+    fn ledger(&self, decision: Option<DecisionId>) -> LedgerView {
         let workers = self.core.workers();
-        let mut list: Vec<LedgerWorker> = workers
+        let mut list: Vec<WorkerLedger> = workers
             .records()
-            .map(|r| {
-                let charges = workers.ledger_charges(&r.id);
-                let load = workers.effective_load(&r.id);
-                LedgerWorker {
-                    worker: r.id.to_string(),
-                    role: match r.role {
-                        Role::Prefill => "prefill",
-                        Role::Decode => "decode",
-                        Role::Both => "both",
-                    },
-                    charged_prefill_tokens: charges.prefill_tokens,
-                    charged_decode_blocks: charges.decode_blocks,
-                    charged_requests: charges.requests,
-                    effective_kv_blocks_used: load.map(|l| l.kv_blocks_used),
-                    effective_queued_prefill_tokens: load.map(|l| l.queued_prefill_tokens),
-                }
+            .map(|r| WorkerLedger {
+                worker: r.id.clone(),
+                role: r.role,
+                charges: workers.ledger_charges(&r.id),
+                load: workers.effective_load(&r.id),
             })
             .collect();
         list.sort_by(|a, b| a.worker.cmp(&b.worker));
-        LedgerBody {
-            replica: self.replica.to_string(),
+        let index = self.core.replica().index();
+        LedgerView {
             in_flight: workers.in_flight(),
             applied_delta: self.core.replica().applied(),
-            index_digest: format!("{:016x}", self.core.replica().index().digest()),
-            index_blocks: self.core.replica().index().stats().blocks,
+            index_digest: index.digest(),
+            index_blocks: index.stats().blocks,
             workers: list,
             knows_decision: decision.map(|d| workers.knows_decision(d)),
         }

@@ -1,0 +1,130 @@
+//! The router core's configuration: the hashing contract, selection, the
+//! decode gate and the ledger's timing, with their defaults (`Default`) and
+//! range checks; and the settings recorded with every decision.
+
+use protocol::hash::ZeroBlockSize;
+use protocol::{BlockHasher, HashingContract};
+
+use super::gate::GateConfig;
+use super::policy::ParamError;
+use super::select::{DecodeSelection, PrefillSelection};
+use super::workers::LedgerConfig;
+
+/// Everything the router core is configured with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterConfig {
+    /// How blocks are named; workers must register the same contract.
+    pub contract: HashingContract,
+    /// Decode-worker selection.
+    pub decode: DecodeSelection,
+    /// Prefill-worker selection.
+    pub prefill: PrefillSelection,
+    /// The decode gate.
+    pub gate: GateConfig,
+    /// The in-flight ledger's timing.
+    pub ledger: LedgerConfig,
+}
+
+impl RouterConfig {
+    /// The defaults for a contract.
+    pub fn new(contract: HashingContract) -> Self {
+        Self {
+            contract,
+            decode: DecodeSelection::default(),
+            prefill: PrefillSelection::default(),
+            gate: GateConfig::default(),
+            ledger: LedgerConfig::default(),
+        }
+    }
+
+    /// Checks every setting: each recorded one is a finite number `>= 0`,
+    /// the gate's budget `> 0`, the block size `> 0`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let out_of_range = |field, value, expected| ConfigError::OutOfRange {
+            field,
+            value,
+            expected,
+        };
+        for (field, value) in self.params() {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(out_of_range(field, value, "a finite number >= 0"));
+            }
+        }
+        let budget = self.gate.budget_fraction;
+        if budget <= 0.0 {
+            return Err(out_of_range(
+                "gate.budget_fraction",
+                budget,
+                "a finite number > 0",
+            ));
+        }
+        BlockHasher::new(self.contract.block_size, self.contract.salt)?;
+        Ok(())
+    }
+
+    /// The selection and gate settings, by name (recorded with every
+    /// decision; the contract and ledger timing are not decision inputs).
+    pub fn params(&self) -> Vec<(&'static str, f64)> {
+        let bool_f = |b: bool| if b { 1.0 } else { 0.0 };
+        vec![
+            ("decode.overlap_credit", self.decode.overlap_credit),
+            ("decode.host_weight", self.decode.tier_weights.host),
+            ("decode.disk_weight", self.decode.tier_weights.disk),
+            ("decode.queue_weight", self.decode.queue_weight),
+            ("decode.busy_kv_usage", self.decode.busy_kv_usage),
+            ("decode.busy_waiting", f64::from(self.decode.busy_waiting)),
+            ("decode.temperature", self.decode.temperature),
+            ("prefill.host_weight", self.prefill.tier_weights.host),
+            ("prefill.disk_weight", self.prefill.tier_weights.disk),
+            ("prefill.temperature", self.prefill.temperature),
+            ("gate.enabled", bool_f(self.gate.enabled)),
+            ("gate.budget_fraction", self.gate.budget_fraction),
+            (
+                "gate.count_reservations",
+                bool_f(self.gate.count_reservations),
+            ),
+        ]
+    }
+
+    /// Sets one of [`RouterConfig::params`].
+    pub fn set_param(&mut self, name: &str, value: f64) -> Result<(), ParamError> {
+        match name {
+            "decode.overlap_credit" => self.decode.overlap_credit = value,
+            "decode.host_weight" => self.decode.tier_weights.host = value,
+            "decode.disk_weight" => self.decode.tier_weights.disk = value,
+            "decode.queue_weight" => self.decode.queue_weight = value,
+            "decode.busy_kv_usage" => self.decode.busy_kv_usage = value,
+            "decode.busy_waiting" => self.decode.busy_waiting = value as u32,
+            "decode.temperature" => self.decode.temperature = value,
+            "prefill.host_weight" => self.prefill.tier_weights.host = value,
+            "prefill.disk_weight" => self.prefill.tier_weights.disk = value,
+            "prefill.temperature" => self.prefill.temperature = value,
+            "gate.enabled" => self.gate.enabled = value != 0.0,
+            "gate.budget_fraction" => self.gate.budget_fraction = value,
+            "gate.count_reservations" => self.gate.count_reservations = value != 0.0,
+            other => return Err(ParamError::UnknownRouterParam(other.to_owned())),
+        }
+        Ok(())
+    }
+}
+
+/// Why a configuration is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// The contract's block size is zero.
+    #[error(transparent)]
+    ZeroBlockSize(#[from] ZeroBlockSize),
+    /// The policy's parameters are out of range.
+    #[error(transparent)]
+    Policy(#[from] ParamError),
+    /// A numeric setting is out of range.
+    #[error("{field} = {value} is out of range: expected {expected}")]
+    OutOfRange {
+        /// The setting.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// What it must be.
+        expected: &'static str,
+    },
+}

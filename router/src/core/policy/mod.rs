@@ -1,0 +1,227 @@
+//! Conditional-disaggregation policies: given the chosen decode worker and
+//! the best prefill worker, bypass (prefill locally on the decode worker) or
+//! prefill remotely.
+//!
+//! A policy is asked only when a prefill worker exists; without one the
+//! router bypasses with rule [`rules::NO_PREFILL_WORKER`]. Its verdict may
+//! still be vetoed by the decode gate ([`super::gate`]).
+//!
+//! Each policy is a plain struct with its parameters and their defaults
+//! (its `Default` impl); [`registry`] is the one place that names them, lists
+//! their parameters and builds them from flags, files and decision records.
+
+mod fixed;
+mod isl;
+mod isl_or_load;
+mod load;
+pub mod registry;
+mod sla;
+
+use protocol::{Path, WorkerId, WorkerRecord};
+
+use super::workers::EffectiveLoad;
+
+pub use fixed::{AlwaysDisagg, NeverDisagg};
+pub use isl::IslBased;
+pub use isl_or_load::IslOrLoad;
+pub use load::LoadBased;
+pub use registry::{parse_param, ParamError, ParamSpec, Policy, PolicyName, PolicySpec, POLICIES};
+pub use sla::{CostModel, SlaDynamic, SlaPrediction};
+
+/// The `rule` labels of verdicts and decisions (low cardinality: metrics
+/// labels).
+pub mod rules {
+    /// No prefill worker is registered: aggregated on the decode worker.
+    pub const NO_PREFILL_WORKER: &str = "no_prefill_worker";
+    /// [`super::AlwaysDisagg`]: remote.
+    pub const ALWAYS_REMOTE: &str = "always.remote";
+    /// [`super::NeverDisagg`]: bypass.
+    pub const NEVER_BYPASS: &str = "never.bypass";
+    /// ISL rule: the append is short and small against the prompt: bypass.
+    pub const ISL_SHORT_APPEND: &str = "isl.short_append";
+    /// ISL rule: the uncached part is at least the token threshold: remote.
+    pub const ISL_LONG_PREFILL: &str = "isl.long_prefill";
+    /// ISL rule: short, but too large a share of the prompt: remote.
+    pub const ISL_LOW_REUSE: &str = "isl.low_reuse";
+    /// Load rule: prefill side busy, decode side not: bypass.
+    pub const LOAD_PREFILL_BUSY: &str = "load.prefill_busy";
+    /// Load rule: the prefill side is not busy: remote.
+    pub const LOAD_PREFILL_FREE: &str = "load.prefill_free";
+    /// Load rule: both sides busy: remote (spare the decodes).
+    pub const LOAD_DECODE_BUSY: &str = "load.decode_busy";
+    /// SLA rule: the local prefill meets the TTFT and ITL targets: bypass.
+    pub const SLA_LOCAL_MEETS_TARGETS: &str = "sla.local_meets_targets";
+    /// SLA rule: local misses a target, remote meets TTFT: remote.
+    pub const SLA_REMOTE_MEETS_TARGETS: &str = "sla.remote_meets_targets";
+    /// SLA rule: both miss; local misses by less: bypass.
+    pub const SLA_LOCAL_SMALLER_VIOLATION: &str = "sla.local_smaller_violation";
+    /// SLA rule: both miss; remote misses by less (or as much): remote.
+    pub const SLA_REMOTE_SMALLER_VIOLATION: &str = "sla.remote_smaller_violation";
+    /// The decode gate vetoed a bypass over the decode worker's KV budget.
+    pub const GATE_KV_BUDGET: &str = "gate.kv_budget";
+}
+
+/// Leading prompt tokens a worker holds, per tier; cumulative like
+/// [`kv_indexer::PrefixDepth`] (`device <= host <= disk`), capped at the
+/// prompt length.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldTokens {
+    /// Held on the device.
+    pub device: u32,
+    /// Held on the device or in host memory.
+    pub host: u32,
+    /// Held anywhere (device, host or disk).
+    pub disk: u32,
+}
+
+impl HeldTokens {
+    /// Tokens held in any tier: what the worker does not have to compute
+    /// (offloaded blocks are loaded, not recomputed).
+    pub fn any(&self) -> u32 {
+        self.disk
+    }
+}
+
+/// One worker as a policy sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate<'a> {
+    /// The worker.
+    pub id: &'a WorkerId,
+    /// Its registration (capacity, step size, KV bytes per token).
+    pub record: &'a WorkerRecord,
+    /// Its effective load (report and ledger).
+    pub load: EffectiveLoad,
+    /// How much of the prompt it holds.
+    pub held: HeldTokens,
+}
+
+/// What a policy decides on.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyInput<'a> {
+    /// Prompt length in tokens (at least 1).
+    pub isl_tokens: u32,
+    /// Output tokens the request is expected to produce.
+    pub expected_output_tokens: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// The chosen decode worker (where a bypass would prefill).
+    pub decode: Candidate<'a>,
+    /// The chosen prefill worker (where a remote prefill would run).
+    pub prefill: Candidate<'a>,
+}
+
+impl PolicyInput<'_> {
+    /// Prompt tokens the decode worker would have to prefill on a bypass.
+    pub fn decode_append_tokens(&self) -> u32 {
+        self.isl_tokens
+            .saturating_sub(self.decode.held.any().min(self.isl_tokens))
+    }
+}
+
+/// A policy's decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// Bypass or remote.
+    pub path: Path,
+    /// A short label of the rule that decided (see [`rules`]).
+    pub rule: &'static str,
+    /// The rule with the numbers that decided it, for people.
+    pub reason: String,
+}
+
+/// Decides per request between bypass and remote prefill. Every policy the
+/// router runs is a variant of the closed [`Policy`] enum, which also names
+/// it and lists its parameters.
+pub trait ConditionalDisaggPolicy {
+    /// Bypass or remote for one request.
+    fn decide(&self, input: &PolicyInput<'_>) -> Verdict;
+}
+
+/// `value` is a finite number `> 0`, or the error naming parameter `name`.
+pub(crate) fn positive(name: &'static str, value: f64) -> Result<(), ParamError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(ParamError::OutOfRange {
+            name: name.to_owned(),
+            value,
+            expected: "a finite number > 0",
+        })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use protocol::{HashingContract, Role, WorkerSubjects};
+
+    pub(crate) fn record(name: &str, role: Role) -> WorkerRecord {
+        let id: WorkerId = name.parse().unwrap();
+        WorkerRecord {
+            subjects: WorkerSubjects::for_worker(&id),
+            id,
+            role,
+            contract: HashingContract::for_model("m", 16),
+            kv_capacity_blocks: 10_000,
+            max_batched_tokens: 8192,
+            kv_bytes_per_token: 163_840,
+            gpus: 2,
+        }
+    }
+
+    /// A fixture: decode worker `d0`, prefill worker `p0`.
+    pub(crate) struct Fixture {
+        pub(crate) d: WorkerRecord,
+        pub(crate) p: WorkerRecord,
+    }
+
+    impl Fixture {
+        pub(crate) fn new() -> Self {
+            Self {
+                d: record("d0", Role::Decode),
+                p: record("p0", Role::Prefill),
+            }
+        }
+
+        pub(crate) fn input(
+            &self,
+            isl: u32,
+            decode_hit: u32,
+            d_load: EffectiveLoad,
+            p_load: EffectiveLoad,
+        ) -> PolicyInput<'_> {
+            let held = HeldTokens {
+                device: decode_hit,
+                host: decode_hit,
+                disk: decode_hit,
+            };
+            PolicyInput {
+                isl_tokens: isl,
+                expected_output_tokens: 200,
+                block_size: 16,
+                decode: Candidate {
+                    id: &self.d.id,
+                    record: &self.d,
+                    load: d_load,
+                    held,
+                },
+                prefill: Candidate {
+                    id: &self.p.id,
+                    record: &self.p,
+                    load: p_load,
+                    held: HeldTokens::default(),
+                },
+            }
+        }
+    }
+
+    /// A load of `queued` prefill tokens and `used` of 10 000 KV blocks.
+    pub(crate) fn load(queued: u64, used: u64) -> EffectiveLoad {
+        EffectiveLoad {
+            queued_prefill_tokens: queued,
+            kv_blocks_used: used,
+            kv_capacity_blocks: 10_000,
+            ..EffectiveLoad::default()
+        }
+    }
+}

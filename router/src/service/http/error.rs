@@ -1,0 +1,106 @@
+//! Error responses: OpenAI's `{"error": {"message", "type", "code"}}`, plus
+//! the `switchyard` annotation once a decision was made.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+use super::openai::{ErrorBody, ErrorDetail, SwitchyardInfo};
+use super::{json_response, set_header, DECISION_HEADER, REQUEST_ID_HEADER};
+use crate::core::RouteError;
+use crate::service::dispatch::DispatchError;
+use crate::service::event_loop::AskError;
+
+/// An error response.
+#[derive(Debug)]
+pub struct ApiError {
+    pub(super) status: StatusCode,
+    kind: &'static str,
+    pub(super) message: String,
+    request_id: String,
+    info: Option<Box<SwitchyardInfo>>,
+}
+
+/// OpenAI's error `type` of a status.
+pub(super) fn kind_of(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        404 => "not_found_error",
+        400..=499 => "invalid_request_error",
+        503 => "service_unavailable",
+        504 => "timeout_error",
+        _ => "server_error",
+    }
+}
+
+impl ApiError {
+    pub(super) fn new(status: StatusCode, request_id: &str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind: kind_of(status),
+            message: message.into(),
+            request_id: request_id.to_owned(),
+            info: None,
+        }
+    }
+
+    pub(super) fn bad_request(request_id: &str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, request_id, message)
+    }
+
+    /// No decision could be made.
+    pub(super) fn refused(error: &AskError, request_id: &str) -> Self {
+        let status = match error {
+            AskError::Route(RouteError::EmptyPrompt | RouteError::PromptTooLong(_)) => {
+                StatusCode::BAD_REQUEST
+            }
+            AskError::Route(
+                RouteError::NoDecodeWorker | RouteError::NoOtherDecodeWorker { .. },
+            )
+            | AskError::Stopped
+            | AskError::Timeout(_) => StatusCode::SERVICE_UNAVAILABLE,
+            AskError::Route(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        let message = match status {
+            StatusCode::SERVICE_UNAVAILABLE => format!("no worker can serve this request: {error}"),
+            _ => error.to_string(),
+        };
+        Self::new(status, request_id, message)
+    }
+
+    /// The dispatch failed before any header was sent.
+    pub(super) fn dispatch(error: &DispatchError, request_id: &str, message: String) -> Self {
+        Self::new(dispatch_status(error), request_id, message)
+    }
+
+    pub(super) fn with_info(mut self, info: SwitchyardInfo) -> Self {
+        self.info = Some(Box::new(info));
+        self
+    }
+}
+
+/// 504 for a worker that timed out, else 502.
+pub(super) fn dispatch_status(error: &DispatchError) -> StatusCode {
+    if error.is_timeout() {
+        StatusCode::GATEWAY_TIMEOUT
+    } else {
+        StatusCode::BAD_GATEWAY
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: &self.message,
+                kind: self.kind,
+                code: self.status.as_u16(),
+            },
+            switchyard: self.info.as_deref(),
+        };
+        let mut response = json_response(self.status, &body);
+        set_header(&mut response, REQUEST_ID_HEADER, &self.request_id);
+        if let Some(info) = &self.info {
+            set_header(&mut response, DECISION_HEADER, &info.decision);
+        }
+        response
+    }
+}
