@@ -312,7 +312,7 @@ pub fn flags() -> Vec<Flag> {
     }
     let mut seen: Vec<&str> = Vec::new();
     for spec in &POLICIES {
-        for param in spec.params {
+        for param in spec.params() {
             if seen.contains(&param.name) {
                 continue;
             }

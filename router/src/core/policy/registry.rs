@@ -37,8 +37,10 @@ pub struct PolicySpec {
     pub name: &'static str,
     /// One line on what it decides.
     pub about: &'static str,
-    /// Its parameters, in the order they are shown and recorded.
-    pub params: &'static [ParamSpec],
+    /// Its parameters in groups (a rule's parameters are one group, which
+    /// a policy combining rules shares), in the order they are shown and
+    /// recorded.
+    params: &'static [&'static [ParamSpec]],
     /// Other names earlier releases accepted (besides the name with `-` for
     /// `_` or in another case): still accepted, with a deprecation warning.
     pub aliases: &'static [&'static str],
@@ -67,9 +69,6 @@ const LOAD_PARAMS: [ParamSpec; 2] = [
         help: "Load rule: a decode worker at this KV usage or more is too busy to prefill",
     },
 ];
-
-const ISL_OR_LOAD_PARAMS: [ParamSpec; 4] =
-    [ISL_PARAMS[0], ISL_PARAMS[1], LOAD_PARAMS[0], LOAD_PARAMS[1]];
 
 const SLA_PARAMS: [ParamSpec; 10] = [
     ParamSpec {
@@ -135,7 +134,7 @@ pub static POLICIES: [PolicySpec; 6] = [
     PolicySpec {
         name: "isl",
         about: "bypass short appends that are a small share of the prompt",
-        params: &ISL_PARAMS,
+        params: &[&ISL_PARAMS],
         aliases: &[],
         default: || Policy::Isl(IslBased::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::Isl),
@@ -143,7 +142,7 @@ pub static POLICIES: [PolicySpec; 6] = [
     PolicySpec {
         name: "load",
         about: "bypass while the prefill worker is busy and the decode worker is not",
-        params: &LOAD_PARAMS,
+        params: &[&LOAD_PARAMS],
         aliases: &[],
         default: || Policy::Load(LoadBased::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::Load),
@@ -151,7 +150,7 @@ pub static POLICIES: [PolicySpec; 6] = [
     PolicySpec {
         name: "isl_or_load",
         about: "bypass when the ISL rule or the load rule does (the default)",
-        params: &ISL_OR_LOAD_PARAMS,
+        params: &[&ISL_PARAMS, &LOAD_PARAMS],
         aliases: &[],
         default: || Policy::IslOrLoad(IslOrLoad::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::IslOrLoad),
@@ -159,7 +158,7 @@ pub static POLICIES: [PolicySpec; 6] = [
     PolicySpec {
         name: "sla_dynamic",
         about: "predict TTFT and ITL of both paths against SLA targets; take the smaller violation",
-        params: &SLA_PARAMS,
+        params: &[&SLA_PARAMS],
         aliases: &["sla"],
         default: || Policy::SlaDynamic(SlaDynamic::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::SlaDynamic),
@@ -231,23 +230,23 @@ impl PolicySpec {
         (self.default)()
     }
 
+    /// Its parameters, in the order they are shown and recorded.
+    pub fn params(&self) -> impl Iterator<Item = &'static ParamSpec> {
+        self.params.iter().flat_map(|group| group.iter())
+    }
+
     /// The parameter `name`, if the policy has it.
     pub fn param(&self, name: &str) -> Option<&'static ParamSpec> {
-        self.params.iter().find(|p| p.name == name)
+        self.params().find(|p| p.name == name)
     }
 
     fn unknown_param(&'static self, name: &str) -> ParamError {
         ParamError::UnknownParam {
             policy: self.name,
             name: name.to_owned(),
-            known: if self.params.is_empty() {
-                "none".to_owned()
-            } else {
-                self.params
-                    .iter()
-                    .map(|p| p.name)
-                    .collect::<Vec<_>>()
-                    .join(", ")
+            known: match self.params().map(|p| p.name).collect::<Vec<_>>() {
+                names if names.is_empty() => "none".to_owned(),
+                names => names.join(", "),
             },
         }
     }
@@ -326,8 +325,7 @@ impl Policy {
     pub fn params(&self) -> Vec<(&'static str, f64)> {
         let value = self.to_value();
         self.spec()
-            .params
-            .iter()
+            .params()
             .map(|p| {
                 let v = value[p.name]
                     .as_f64()
@@ -466,10 +464,10 @@ mod tests {
                 other => panic!("{}: {other}", spec.name),
             };
             fields.sort();
-            let mut listed: Vec<String> = spec.params.iter().map(|p| p.name.to_owned()).collect();
+            let mut listed: Vec<String> = spec.params().map(|p| p.name.to_owned()).collect();
             listed.sort();
             assert_eq!(fields, listed, "{}", spec.name);
-            assert_eq!(policy.params().len(), spec.params.len());
+            assert_eq!(policy.params().len(), spec.params().count());
             policy.validate().unwrap();
         }
     }
