@@ -8,7 +8,8 @@ use super::{rules, ConditionalDisaggPolicy, PolicyInput, Verdict};
 /// Bypass iff `ISL - decode_hit < eff_isl_tokens` and
 /// `(ISL - decode_hit) / ISL < eff_isl_ratio`, where `decode_hit` is the
 /// tokens the chosen decode worker holds (any tier). Both comparisons are
-/// strict: at a threshold the request goes remote.
+/// strict: at a threshold the request goes remote. A prompt shorter than
+/// `min_remote_isl` bypasses whatever it reuses.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct IslBased {
@@ -19,6 +20,11 @@ pub struct IslBased {
     /// Largest uncached share of the prompt still prefilled locally (strict).
     /// Default 0.7.
     pub eff_isl_ratio: f64,
+    /// Prompts shorter than this are prefilled on the decode worker however
+    /// little of them it holds: a short cold prompt costs less there than a
+    /// remote prefill and a KV transfer (llm-d's `promptTokens`). Default 0:
+    /// the rule above alone, as Dynamo's `isl_bounding`.
+    pub min_remote_isl: u32,
 }
 
 impl Default for IslBased {
@@ -26,6 +32,7 @@ impl Default for IslBased {
         Self {
             eff_isl_tokens: 2048,
             eff_isl_ratio: 0.7,
+            min_remote_isl: 0,
         }
     }
 }
@@ -34,8 +41,17 @@ impl Default for IslBased {
 pub(super) struct IslCheck {
     append: u32,
     ratio: f64,
-    pub(super) short: bool,
-    pub(super) small: bool,
+    short: bool,
+    small: bool,
+    /// The whole prompt is below `min_remote_isl`.
+    tiny: bool,
+}
+
+impl IslCheck {
+    /// Whether the rule bypasses.
+    pub(super) fn bypass(&self) -> bool {
+        self.tiny || (self.short && self.small)
+    }
 }
 
 impl IslBased {
@@ -47,6 +63,7 @@ impl IslBased {
             ratio,
             short: append < self.eff_isl_tokens,
             small: ratio < self.eff_isl_ratio,
+            tiny: input.isl_tokens < self.min_remote_isl,
         }
     }
 
@@ -59,7 +76,13 @@ impl IslBased {
             input.isl_tokens,
             input.decode.held.any().min(input.isl_tokens),
         );
-        if c.short && c.small {
+        if c.tiny {
+            let text = format!(
+                "prompt of {isl} tokens < {}: bypass on {} (local prefill of {} tokens)",
+                self.min_remote_isl, input.decode.id, c.append
+            );
+            (Path::Bypass, rules::ISL_SHORT_PROMPT, text)
+        } else if c.short && c.small {
             let text = format!(
                 "append of {} uncached tokens < {} and {}/{} = {:.2} < {:.2}: bypass on {} which holds {} tokens",
                 c.append, self.eff_isl_tokens, c.append, isl, c.ratio, self.eff_isl_ratio, input.decode.id, hit
@@ -132,6 +155,18 @@ mod tests {
                 "isl {isl} hit {hit}: {}",
                 v.reason
             );
+        }
+        // A short prompt bypasses whatever it reuses, when asked to.
+        let tiny = IslBased {
+            min_remote_isl: 256,
+            ..IslBased::default()
+        };
+        for (isl, path, rule) in [
+            (255, Path::Bypass, rules::ISL_SHORT_PROMPT),
+            (256, Path::Remote, rules::ISL_LOW_REUSE),
+        ] {
+            let v = tiny.decide(&f.input(isl, 0, idle, idle));
+            assert_eq!((v.path, v.rule), (path, rule), "{}", v.reason);
         }
         let v = policy.decide(&f.input(8_500, 8_188, idle, idle));
         assert_eq!(

@@ -21,7 +21,7 @@ pub struct IslOrLoad {
 impl ConditionalDisaggPolicy for IslOrLoad {
     fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
         let isl = self.isl.check(input);
-        if isl.short && isl.small {
+        if isl.bypass() {
             let (path, rule, reason) = self.isl.clause(&isl, input);
             return Verdict { path, rule, reason };
         }
@@ -68,6 +68,6 @@ mod tests {
         // long cold prompt, prefill idle: remote
         let v = policy.decide(&f.input(10_000, 0, idle, idle));
         assert_eq!((v.path, v.rule), (Path::Remote, rules::ISL_LONG_PREFILL));
-        assert_eq!(crate::core::Policy::from(policy).params().len(), 4);
+        assert_eq!(crate::core::Policy::from(policy).params().len(), 5);
     }
 }

@@ -43,6 +43,8 @@ pub mod rules {
     pub const ISL_LONG_PREFILL: &str = "isl.long_prefill";
     /// ISL rule: short, but too large a share of the prompt: remote.
     pub const ISL_LOW_REUSE: &str = "isl.low_reuse";
+    /// ISL rule: the whole prompt is below `min_remote_isl`: bypass.
+    pub const ISL_SHORT_PROMPT: &str = "isl.short_prompt";
     /// Load rule: prefill side busy, decode side not: bypass.
     pub const LOAD_PREFILL_BUSY: &str = "load.prefill_busy";
     /// Load rule: the prefill side is not busy: remote.

@@ -48,7 +48,7 @@ pub struct PolicySpec {
     from_value: fn(Value) -> Result<Policy, serde_json::Error>,
 }
 
-const ISL_PARAMS: [ParamSpec; 2] = [
+const ISL_PARAMS: [ParamSpec; 3] = [
     ParamSpec {
         name: "eff_isl_tokens",
         help: "ISL rule: an append of fewer uncached tokens than this may be prefilled on the decode worker (strict <)",
@@ -56,6 +56,10 @@ const ISL_PARAMS: [ParamSpec; 2] = [
     ParamSpec {
         name: "eff_isl_ratio",
         help: "ISL rule: ... if the uncached share of the prompt is also below this (strict <)",
+    },
+    ParamSpec {
+        name: "min_remote_isl",
+        help: "ISL rule: a prompt shorter than this is prefilled on the decode worker whatever it reuses (0: never)",
     },
 ];
 
