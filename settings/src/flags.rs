@@ -252,7 +252,7 @@ pub(crate) fn command(command: Command, flags: &[Flag], defaults: &Table) -> Com
             .env("SWITCHYARD_CONFIG")
             .value_name("FILE")
             .value_parser(clap::value_parser!(PathBuf))
-            .help("TOML config file: sections and keys as the flags' names say (--decode-overlap-credit is [decode] overlap_credit); flags beat variables, which beat the file"),
+            .help("TOML config file of the settings (a key per flag: --a-b is `a_b`, or `b` in section `[a]` where the service has sections); flags beat variables, which beat the file"),
     );
     for flag in flags {
         let default = crate::layers::lookup(defaults, &flag.path)

@@ -27,8 +27,21 @@ pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
     })
 }
 
-/// The canonical text of a duration (`10m`, `1s 500ms`).
+/// The text of a duration in the largest unit that divides it (`24h`,
+/// `10m`, `1500ms`), as `--help` shows defaults.
 pub fn format_duration(duration: Duration) -> String {
+    const UNITS: [(u128, &str); 4] = [
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+    ];
+    let nanos = duration.as_nanos();
+    for (unit, name) in UNITS {
+        if nanos != 0 && nanos % unit == 0 {
+            return format!("{}{name}", nanos / unit);
+        }
+    }
     humantime::format_duration(duration).to_string()
 }
 
@@ -133,7 +146,12 @@ mod tests {
         assert!(e.starts_with("\"2\" is not a duration (like 500ms"), "{e}");
         assert!(parse_duration("5 parsecs").is_err());
         assert_eq!(format_duration(Duration::from_secs(600)), "10m");
+        assert_eq!(format_duration(Duration::from_secs(86_400)), "24h");
+        assert_eq!(format_duration(Duration::from_millis(1_500)), "1500ms");
         assert_eq!(format_duration(Duration::from_millis(50)), "50ms");
+        for d in [Duration::ZERO, Duration::from_micros(1_500), Duration::from_secs(90)] {
+            assert_eq!(parse_duration(&format_duration(d)), Ok(d), "{d:?}");
+        }
     }
 
     #[test]

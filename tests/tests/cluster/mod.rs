@@ -113,7 +113,6 @@ impl Cluster {
             "kv-indexer",
             "kv-indexer",
             &[
-                "run".into(),
                 format!("--nats-url={}", nats.url()),
                 format!("--etcd-endpoints={}", etcd.endpoint()),
                 format!("--http-addr=127.0.0.1:{port}"),
