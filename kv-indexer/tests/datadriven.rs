@@ -1,7 +1,6 @@
 //! Data-driven tests of the indexer core: event sequences in
 //! `tests/data/*.txt`, each command followed by `----` and its expected
-//! output. Run with `UPDATE_EXPECT=1` to rewrite the expectations after a
-//! deliberate change (and review the diff).
+//! output (see `tests::datadriven`; `UPDATE_EXPECT=1` rewrites them).
 //!
 //! Commands:
 //! - `batch WORKER epoch=E seq=S`, then indented events: `stored [parent=B]
@@ -19,6 +18,7 @@ use std::path::Path;
 
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{BlockHash, BlockHasher, KvEvent, KvEventBatch, Tier, WorkerId};
+use tests::datadriven::{option, options, run_scenarios};
 
 /// Block names and their hashes.
 #[derive(Default)]
@@ -52,21 +52,6 @@ fn tier(name: &str) -> Tier {
         "disk" => Tier::Disk,
         other => panic!("unknown tier {other}"),
     }
-}
-
-/// Splits `key=value` options from plain words.
-fn options<'a>(words: impl Iterator<Item = &'a str>) -> (Vec<(&'a str, &'a str)>, Vec<&'a str>) {
-    let (opts, plain): (Vec<_>, Vec<_>) = words.partition(|w| w.contains('='));
-    (
-        opts.into_iter()
-            .map(|o| o.split_once('=').unwrap())
-            .collect(),
-        plain,
-    )
-}
-
-fn option<'a>(opts: &[(&str, &'a str)], key: &str) -> Option<&'a str> {
-    opts.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
 }
 
 fn event(names: &mut Names, line: &str) -> KvEvent {
@@ -174,70 +159,19 @@ fn run(indexer: &mut KvIndexer, names: &mut Names, command: &[&str]) -> String {
     out
 }
 
-fn check_file(path: &Path) {
-    let text = std::fs::read_to_string(path).unwrap();
-    let cap = text
-        .lines()
-        .find_map(|l| l.strip_prefix("# max_blocks="))
-        .map(|v| v.trim().parse().unwrap());
-    let mut indexer =
-        KvIndexer::new(cap.map_or_else(OwnershipIndex::new, OwnershipIndex::with_max_blocks));
-    let mut names = Names::default();
-    let mut rewritten = String::new();
-    let mut failures = Vec::new();
-    let mut lines = text.lines().peekable();
-    while let Some(line) = lines.next() {
-        if line.trim().is_empty() || line.starts_with('#') {
-            rewritten.push_str(line);
-            rewritten.push('\n');
-            continue;
-        }
-        let mut command = vec![line];
-        while let Some(next) = lines.next_if(|l| l.starts_with(' ')) {
-            command.push(next.trim());
-        }
-        for l in &command {
-            if !l.starts_with(' ') && *l != line {
-                rewritten.push_str("  ");
-            }
-            rewritten.push_str(l);
-            rewritten.push('\n');
-        }
-        assert_eq!(
-            lines.next(),
-            Some("----"),
-            "{}: `----` after {line:?}",
-            path.display()
-        );
-        let mut expected = String::new();
-        while let Some(l) = lines.next_if(|l| !l.trim().is_empty()) {
-            expected.push_str(l);
-            expected.push('\n');
-        }
-        let got = run(&mut indexer, &mut names, &command);
-        if got != expected {
-            failures.push(format!("{line}\n--- expected\n{expected}--- got\n{got}"));
-        }
-        rewritten.push_str("----\n");
-        rewritten.push_str(&got);
-    }
-    if std::env::var_os("UPDATE_EXPECT").is_some() {
-        std::fs::write(path, rewritten).unwrap();
-    } else if !failures.is_empty() {
-        panic!("{}:\n{}", path.display(), failures.join("\n"));
-    }
-}
-
 #[test]
 fn data_driven() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    assert!(!files.is_empty());
-    for file in files {
-        check_file(&file);
-    }
+    run_scenarios(
+        &dir,
+        |text| {
+            let cap = text
+                .lines()
+                .find_map(|l| l.strip_prefix("# max_blocks="))
+                .map(|v| v.trim().parse().unwrap());
+            let index = cap.map_or_else(OwnershipIndex::new, OwnershipIndex::with_max_blocks);
+            (KvIndexer::new(index), Names::default())
+        },
+        |(indexer, names), command| run(indexer, names, command),
+    );
 }

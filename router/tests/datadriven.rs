@@ -1,8 +1,7 @@
 //! Data-driven tests of the router core's decisions: scenarios in
 //! `tests/data/*.txt` (workers, what their caches hold, their loads, the
-//! requests), each command followed by `----` and its expected output. Run
-//! with `UPDATE_EXPECT=1` to rewrite the expectations after a deliberate
-//! change (and review the diff).
+//! requests), each command followed by `----` and its output (see
+//! `tests::datadriven`; `UPDATE_EXPECT=1` rewrites them).
 //!
 //! Commands (`key=value` options in any order):
 //! - `core [policy=NAME] [PARAM=VALUE ...]`: a new core; a parameter is the
@@ -39,6 +38,7 @@ use router::{
     decision_seed, Explanation, Policy, PolicySpec, RouteOptions, RouteRequest, Routed,
     RouterConfig, RouterCore,
 };
+use tests::datadriven::{option, options, run_scenarios};
 
 const BLOCK: u32 = 16;
 
@@ -67,21 +67,6 @@ impl Scenario {
 
 fn contract() -> HashingContract {
     HashingContract::for_model("test-model", BLOCK)
-}
-
-/// Splits `key=value` options from plain words.
-fn options<'a>(words: impl Iterator<Item = &'a str>) -> (Vec<(&'a str, &'a str)>, Vec<&'a str>) {
-    let (opts, plain): (Vec<_>, Vec<_>) = words.partition(|w| w.contains('='));
-    (
-        opts.into_iter()
-            .map(|o| o.split_once('=').unwrap())
-            .collect(),
-        plain,
-    )
-}
-
-fn option<'a>(opts: &[(&str, &'a str)], key: &str) -> Option<&'a str> {
-    opts.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
 }
 
 fn number<T: std::str::FromStr>(opts: &[(&str, &str)], key: &str, default: T) -> T
@@ -358,79 +343,12 @@ fn ledger(s: &Scenario, out: &mut String) {
     writeln!(out, "in flight: {}", workers.in_flight()).unwrap();
 }
 
-/// Runs a data file; returns it with the outputs as they are now.
-fn run_file(text: &str) -> String {
-    let mut scenario = None;
-    let mut out = String::new();
-    let mut lines = text.lines().peekable();
-    while let Some(line) = lines.next() {
-        if line.trim().is_empty() || line.starts_with('#') {
-            out.push_str(line);
-            out.push('\n');
-            continue;
-        }
-        out.push_str(line);
-        out.push('\n');
-        let result = run(&mut scenario, line);
-        // Skip the recorded output, if any.
-        if lines.peek() == Some(&"----") {
-            lines.next();
-            while lines.peek().is_some_and(|l| !l.trim().is_empty()) {
-                lines.next();
-            }
-        }
-        if !result.is_empty() {
-            out.push_str("----\n");
-            out.push_str(&result);
-            // An output ends at a blank line.
-            if lines.peek().is_some_and(|l| !l.trim().is_empty()) {
-                out.push('\n');
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn scenarios() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
-    let update = std::env::var_os("UPDATE_EXPECT").is_some();
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "txt"))
-        .collect();
-    files.sort();
-    assert!(!files.is_empty(), "no scenarios in {}", dir.display());
-    let mut failed = Vec::new();
-    for path in files {
-        let text = std::fs::read_to_string(&path).unwrap();
-        let got = run_file(&text);
-        if got != text {
-            if update {
-                std::fs::write(&path, &got).unwrap();
-            } else {
-                let diff = first_difference(&text, &got);
-                failed.push(format!("{}: {diff}", path.display()));
-            }
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "scenarios differ (UPDATE_EXPECT=1 rewrites them):\n{}",
-        failed.join("\n")
+    run_scenarios(
+        &dir,
+        |_| None,
+        |scenario, command| run(scenario, command[0]),
     );
-}
-
-fn first_difference(want: &str, got: &str) -> String {
-    for (i, (a, b)) in want.lines().zip(got.lines()).enumerate() {
-        if a != b {
-            return format!("line {}:\n  want: {a}\n  got:  {b}", i + 1);
-        }
-    }
-    format!(
-        "lengths differ: {} lines recorded, {} now",
-        want.lines().count(),
-        got.lines().count()
-    )
 }

@@ -149,7 +149,11 @@ mod tests {
         assert_eq!(format_duration(Duration::from_secs(86_400)), "24h");
         assert_eq!(format_duration(Duration::from_millis(1_500)), "1500ms");
         assert_eq!(format_duration(Duration::from_millis(50)), "50ms");
-        for d in [Duration::ZERO, Duration::from_micros(1_500), Duration::from_secs(90)] {
+        for d in [
+            Duration::ZERO,
+            Duration::from_micros(1_500),
+            Duration::from_secs(90),
+        ] {
             assert_eq!(parse_duration(&format_duration(d)), Ok(d), "{d:?}");
         }
     }

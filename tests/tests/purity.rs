@@ -66,7 +66,10 @@ fn the_cores_name_no_runtime_bus_or_clock() {
     let mut files = Vec::new();
     for core in CORES {
         let path = root.join(core);
-        assert!(path.exists(), "{core} is listed as a core but does not exist");
+        assert!(
+            path.exists(),
+            "{core} is listed as a core but does not exist"
+        );
         rust_files(&path, &mut files);
     }
     assert!(files.len() > 10, "only {} files found", files.len());
@@ -74,7 +77,10 @@ fn the_cores_name_no_runtime_bus_or_clock() {
     for file in files {
         let source = std::fs::read_to_string(&file).unwrap();
         for v in violations(&source) {
-            found.push(format!("{}:{v}", file.strip_prefix(&root).unwrap().display()));
+            found.push(format!(
+                "{}:{v}",
+                file.strip_prefix(&root).unwrap().display()
+            ));
         }
     }
     assert!(

@@ -10,7 +10,7 @@ use protocol::{
 };
 use rand::Rng;
 use router::{
-    Explanation, Policy, RouteError, RouteOptions, RouteRequest, RouterConfig, RouterCore,
+    Explanation, Policy, RouteError, RouteOptions, RouteRequest, Routed, RouterConfig, RouterCore,
 };
 pub use tests::tokens;
 
@@ -45,7 +45,8 @@ pub fn core_with(config: RouterConfig, policy: impl Into<Policy>) -> RouterCore 
 /// Routing a prompt of token ids: hashed with the core's hasher, then
 /// [`RouterCore::route`].
 pub trait RoutePrompt {
-    fn route_prompt<R: Rng>(
+    #[allow(clippy::too_many_arguments)]
+    fn route_prompt_with<R: Rng>(
         &mut self,
         request_id: &str,
         prompt: &[u32],
@@ -53,20 +54,9 @@ pub trait RoutePrompt {
         id: DecisionId,
         now_ms: u64,
         rng: &mut R,
-    ) -> Result<RouteDecision, RouteError>;
+        explain: bool,
+    ) -> Result<Routed, RouteError>;
 
-    fn route_prompt_explained<R: Rng>(
-        &mut self,
-        request_id: &str,
-        prompt: &[u32],
-        expected_output_tokens: u32,
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-    ) -> Result<(RouteDecision, Explanation), RouteError>;
-}
-
-impl RoutePrompt for RouterCore {
     fn route_prompt<R: Rng>(
         &mut self,
         request_id: &str,
@@ -76,16 +66,16 @@ impl RoutePrompt for RouterCore {
         now_ms: u64,
         rng: &mut R,
     ) -> Result<RouteDecision, RouteError> {
-        let hashes = self.hasher().hash_prompt(prompt);
-        let request = RouteRequest {
+        let routed = self.route_prompt_with(
             request_id,
-            isl_tokens: prompt.len() as u32,
-            block_hashes: &hashes,
+            prompt,
             expected_output_tokens,
-        };
-        Ok(self
-            .route(&request, RouteOptions::default(), id, now_ms, rng)?
-            .decision)
+            id,
+            now_ms,
+            rng,
+            false,
+        )?;
+        Ok(routed.decision)
     }
 
     fn route_prompt_explained<R: Rng>(
@@ -97,6 +87,30 @@ impl RoutePrompt for RouterCore {
         now_ms: u64,
         rng: &mut R,
     ) -> Result<(RouteDecision, Explanation), RouteError> {
+        let routed = self.route_prompt_with(
+            request_id,
+            prompt,
+            expected_output_tokens,
+            id,
+            now_ms,
+            rng,
+            true,
+        )?;
+        Ok((routed.decision, routed.explanation.unwrap_or_default()))
+    }
+}
+
+impl RoutePrompt for RouterCore {
+    fn route_prompt_with<R: Rng>(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        expected_output_tokens: u32,
+        id: DecisionId,
+        now_ms: u64,
+        rng: &mut R,
+        explain: bool,
+    ) -> Result<Routed, RouteError> {
         let hashes = self.hasher().hash_prompt(prompt);
         let request = RouteRequest {
             request_id,
@@ -106,10 +120,9 @@ impl RoutePrompt for RouterCore {
         };
         let options = RouteOptions {
             avoid: &[],
-            explain: true,
+            explain,
         };
-        let routed = self.route(&request, options, id, now_ms, rng)?;
-        Ok((routed.decision, routed.explanation.unwrap_or_default()))
+        self.route(&request, options, id, now_ms, rng)
     }
 }
 
