@@ -10,7 +10,7 @@ use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
 use sim::compare::{goodput, sweep, table, write_report, WorkloadSpec};
 use sim::workload::{AgenticConfig, MooncakeConfig, SyntheticConfig};
-use sim::{Deployment, PolicyKind, SimConfig, Slo};
+use sim::{Deployment, OutboxLimits, PolicyKind, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -179,6 +179,7 @@ impl Common {
                 ..KvTransfer::default()
             },
             index_delay_us: (self.index_delay_ms * 1e3) as u64,
+            kv_outbox: OutboxLimits::default(),
             load_interval_us: 100_000,
             expected_output_tokens: 256,
             slo: Slo {

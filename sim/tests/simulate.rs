@@ -5,7 +5,7 @@ use std::path::Path;
 
 use engine_sim::{KvTransfer, Preset};
 use sim::workload::{Agentic, AgenticConfig, Mooncake, MooncakeConfig, Workload};
-use sim::{simulate, Deployment, PolicyKind, RunResult, SimConfig, Slo};
+use sim::{simulate, Deployment, OutboxLimits, PolicyKind, RunResult, SimConfig, Slo};
 
 fn config(deployment: Deployment, seed: u64) -> SimConfig {
     SimConfig {
@@ -14,6 +14,7 @@ fn config(deployment: Deployment, seed: u64) -> SimConfig {
         deployment,
         link: KvTransfer::default(),
         index_delay_us: 5_000,
+        kv_outbox: OutboxLimits::default(),
         load_interval_us: 100_000,
         expected_output_tokens: 256,
         slo: Slo {

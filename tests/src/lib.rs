@@ -1,7 +1,9 @@
 //! Integration test support: real `nats-server` and `etcd` processes behind
 //! RAII guards ([`servers`]), Switchyard's own binaries as child processes
-//! ([`services`]), and deterministic prompts ([`tokens`]).
+//! ([`services`]), deterministic prompts ([`tokens`]), and the protocol
+//! fixtures and KV-stream tap the crates' tests share ([`fixtures`]).
 
+pub mod fixtures;
 pub mod servers;
 pub mod services;
 
