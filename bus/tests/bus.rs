@@ -6,14 +6,10 @@ use anyhow::Result;
 use bus::{Bus, BusError, Registry, StreamLimits, WorkerChange};
 use futures::StreamExt;
 use protocol::{
-    subjects, BlockHash, HashingContract, IndexChange, IndexDelta, IndexSnapshot, KvEvent,
-    KvEventBatch, Role, Tier, WorkerId, WorkerRecord, WorkerSubjects,
+    subjects, BlockHash, IndexChange, IndexDelta, IndexSnapshot, KvEvent, KvEventBatch, Tier,
 };
+use tests::fixtures::{worker, worker_record as record};
 use tests::{EtcdServer, NatsServer};
-
-fn worker(name: &str) -> WorkerId {
-    WorkerId::new(name, 0).unwrap()
-}
 
 fn delta(seq: u64) -> IndexDelta {
     IndexDelta {
@@ -95,20 +91,6 @@ async fn streams_dedup_fencing_and_snapshots() -> Result<()> {
     bus.put_snapshot(&snapshot).await?;
     assert_eq!(bus.latest_snapshot().await?, Some(snapshot));
     Ok(())
-}
-
-fn record(name: &str) -> WorkerRecord {
-    let id = worker(name);
-    WorkerRecord {
-        subjects: WorkerSubjects::for_worker(&id),
-        id,
-        role: Role::Decode,
-        contract: HashingContract::for_model("m", 16),
-        kv_capacity_blocks: 100,
-        max_batched_tokens: 8192,
-        kv_bytes_per_token: 1,
-        gpus: 1,
-    }
 }
 
 /// A stream's byte cap and age limit, as the server reports them.

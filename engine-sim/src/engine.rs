@@ -2,10 +2,10 @@
 
 use std::collections::HashSet;
 
-use protocol::{BlockHash, BlockHasher, KvEventBatch, LoadReport, Role, WorkerId};
+use protocol::{BlockHash, BlockHasher, KvEvent, LoadReport, Role, WorkerId};
 
 use crate::config::EngineConfig;
-use crate::error::{ConfigError, EpochNotIncreasing, SubmitError};
+use crate::error::{ConfigError, SubmitError};
 use crate::kv_cache::{BlockCounts, KvCache, Mix};
 use crate::request::{EngineRequest, Seq};
 use crate::scheduler::{Env, Scheduler};
@@ -118,8 +118,6 @@ pub struct Engine {
     role: Role,
     config: EngineConfig,
     hasher: BlockHasher,
-    epoch: u64,
-    next_seq: u64,
     busy_until_us: u64,
     cache: KvCache,
     sched: Scheduler,
@@ -130,27 +128,18 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An idle engine with an empty cache. Its first event batch (seq 0 of
-    /// `epoch`) starts with [`protocol::KvEvent::Cleared`].
-    pub fn new(
-        worker: WorkerId,
-        role: Role,
-        config: EngineConfig,
-        epoch: u64,
-    ) -> Result<Self, ConfigError> {
+    /// An idle engine with an empty cache (and no event yet: nothing was
+    /// lost).
+    pub fn new(worker: WorkerId, role: Role, config: EngineConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let hasher = config.hasher()?;
-        let mut cache = KvCache::new(config.kv_capacity_blocks);
-        cache.clear();
         Ok(Self {
             worker,
             role,
             config,
             hasher,
-            epoch,
-            next_seq: 0,
             busy_until_us: 0,
-            cache,
+            cache: KvCache::new(config.kv_capacity_blocks),
             sched: Scheduler::default(),
             in_flight: HashSet::default(),
             stats: EngineStats::default(),
@@ -260,20 +249,11 @@ impl Engine {
         })
     }
 
-    /// The KV events since the last call, as the next batch of this epoch
-    /// (`seq` from 0 without gaps). `None` when nothing happened.
-    pub fn take_kv_events(&mut self) -> Option<KvEventBatch> {
-        if !self.cache.has_events() {
-            return None;
-        }
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        Some(KvEventBatch {
-            worker: self.worker.clone(),
-            epoch: self.epoch,
-            seq,
-            events: self.cache.take_events(),
-        })
+    /// The KV events since the last call, in order (empty when nothing
+    /// happened). Plain events: whoever publishes them numbers them (the
+    /// worker agent's `KvCore`).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.cache.take_events()
     }
 
     /// The worker's load now. `queued_prefill_tokens` counts the prompt
@@ -306,24 +286,15 @@ impl Engine {
     }
 
     /// Engine restart: every request is dropped (returned, running ones
-    /// first, as submitted), the cache is emptied, and the event stream
-    /// starts over in `new_epoch` (seq 0, first event
-    /// [`protocol::KvEvent::Cleared`]; events not yet taken are lost, as
+    /// first, as submitted), the cache is emptied, and the next events
+    /// start with [`KvEvent::Cleared`] (events not yet taken are lost, as
     /// they would be with a real engine). The stats keep counting.
-    pub fn restart(&mut self, new_epoch: u64) -> Result<Vec<EngineRequest>, EpochNotIncreasing> {
-        if new_epoch <= self.epoch {
-            return Err(EpochNotIncreasing {
-                current: self.epoch,
-                requested: new_epoch,
-            });
-        }
+    pub fn restart(&mut self) -> Vec<EngineRequest> {
         let dropped: Vec<EngineRequest> = self.sched.drain().map(|s| s.to_request()).collect();
         self.in_flight.clear();
         self.cache.clear();
         self.outputs.clear();
-        self.epoch = new_epoch;
-        self.next_seq = 0;
-        Ok(dropped)
+        dropped
     }
 
     /// How many leading tokens of `prompt` are cached here right now, in
@@ -347,6 +318,14 @@ impl Engine {
     /// particular order.
     pub fn cached_blocks(&self) -> impl Iterator<Item = BlockHash> + '_ {
         self.cache.cached_hashes()
+    }
+
+    /// Every block hash currently cached with its parent's (`None` for a
+    /// chain's first block), in no particular order. The cache is
+    /// prefix-closed: every parent is cached too. What a block-set listing
+    /// for a resync is built from.
+    pub fn cached_block_links(&self) -> impl Iterator<Item = (BlockHash, Option<BlockHash>)> + '_ {
+        self.cache.cached_links()
     }
 
     /// Number of blocks currently cached under a hash.
@@ -392,11 +371,6 @@ impl Engine {
     /// The worker's role.
     pub fn role(&self) -> Role {
         self.role
-    }
-
-    /// The event stream's current epoch.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
     }
 
     /// When the last step planned ends.

@@ -67,13 +67,3 @@ pub enum SubmitError {
         capacity_blocks: u32,
     },
 }
-
-/// Why [`crate::Engine::restart`] refused a new epoch.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("new epoch {requested} must be greater than the current epoch {current}")]
-pub struct EpochNotIncreasing {
-    /// The engine's epoch.
-    pub current: u64,
-    /// The epoch asked for.
-    pub requested: u64,
-}

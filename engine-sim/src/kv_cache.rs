@@ -52,6 +52,8 @@ pub(crate) type Mix = BuildHasherDefault<MixHasher>;
 struct Block {
     /// Meaningful only when `registered`.
     hash: BlockHash,
+    /// The block before it in its chain; meaningful only when `registered`.
+    parent: Option<BlockHash>,
     registered: bool,
     refs: u32,
     /// LRU links; meaningful only while evictable.
@@ -62,6 +64,7 @@ struct Block {
 impl Block {
     const EMPTY: Block = Block {
         hash: BlockHash(0),
+        parent: None,
         registered: false,
         refs: 0,
         prev: NIL,
@@ -162,6 +165,14 @@ impl KvCache {
         self.by_hash.keys().copied()
     }
 
+    /// Every hash currently cached, with its parent's (in no particular
+    /// order; the cache is prefix-closed, so every parent is cached too).
+    pub(crate) fn cached_links(&self) -> impl Iterator<Item = (BlockHash, Option<BlockHash>)> + '_ {
+        self.by_hash
+            .iter()
+            .map(|(&hash, &block)| (hash, self.blocks[block as usize].parent))
+    }
+
     /// Number of cached (registered) blocks.
     pub(crate) fn cached_len(&self) -> usize {
         self.by_hash.len()
@@ -243,6 +254,7 @@ impl KvCache {
         }
         let b = &mut self.blocks[block as usize];
         b.hash = hash;
+        b.parent = parent;
         b.registered = true;
         self.by_hash.insert(hash, block);
         self.stored_blocks += 1;
@@ -251,7 +263,8 @@ impl KvCache {
     }
 
     /// Empties the cache (engine restart): every block free, no event
-    /// pending but [`KvEvent::Cleared`].
+    /// pending but [`KvEvent::Cleared`] (the events not yet taken are lost,
+    /// as they would be with a real engine).
     pub(crate) fn clear(&mut self) {
         self.blocks.fill(Block::EMPTY);
         self.reset_free_list();
@@ -267,10 +280,6 @@ impl KvCache {
     /// Events since the last take.
     pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)
-    }
-
-    pub(crate) fn has_events(&self) -> bool {
-        !self.events.is_empty()
     }
 
     /// Appends to the previous Stored event when the block continues its

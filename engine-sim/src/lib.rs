@@ -12,8 +12,9 @@
 //! - a **paged KV cache with prefix caching**: full blocks are named by the
 //!   canonical chained hash ([`protocol::BlockHasher`]), finished requests'
 //!   blocks stay cached until evicted least-recently-used, and storing and
-//!   evicting emit the [`protocol::KvEventBatch`]es a real engine would
-//!   publish (module `kv_cache`);
+//!   evicting emit the [`protocol::KvEvent`]s a real engine would report
+//!   (module `kv_cache`), plain: the worker agent numbers them into
+//!   batches;
 //! - **step time** from a cost model calibrated on public figures
 //!   ([`cost`], [`preset`]);
 //! - **roles**: prefill-only requests leave after their prefill, requests
@@ -26,11 +27,11 @@
 //! ```
 //! use std::sync::Arc;
 //! use engine_sim::{Engine, EngineRequest, Mode, Preset, StepOutput};
-//! use protocol::{Role, WorkerId};
+//! use protocol::{KvEvent, Role, WorkerId};
 //!
 //! let config = Preset::llama8b_h100().engine_config(16);
 //! let worker = WorkerId::new("decode-0", 0).unwrap();
-//! let mut engine = Engine::new(worker, Role::Both, config, 1).unwrap();
+//! let mut engine = Engine::new(worker, Role::Both, config).unwrap();
 //! engine
 //!     .submit(EngineRequest {
 //!         id: 7,
@@ -48,9 +49,9 @@
 //!             tokens += 1;
 //!         }
 //!     }
-//!     while let Some(batch) = engine.take_kv_events() {
-//!         // publish `batch` to the indexer
-//!         assert_eq!(batch.epoch, 1);
+//!     for event in engine.take_kv_events() {
+//!         // hand `event` to the worker agent's KV core
+//!         assert!(matches!(event, KvEvent::Stored { .. }));
 //!     }
 //! }
 //! assert_eq!(tokens, 3);
@@ -60,7 +61,7 @@
 //!
 //! # API
 //!
-//! - [`Engine::new`]`(worker, role, config, epoch)`; configurations come
+//! - [`Engine::new`]`(worker, role, config)`; configurations come
 //!   from a [`Preset`] ([`Preset::engine_config`]`(block_size)`).
 //! - [`Engine::submit`]`(request)` queues an [`EngineRequest`]; a mode the
 //!   role does not serve, a duplicate id, an empty prompt or output, or a
@@ -69,13 +70,14 @@
 //!   [`Step`] (duration, [`StepOutput`]s) or `None` when idle. The driver
 //!   applies the outputs at [`Step::end_us`] and calls `step` again no
 //!   earlier.
-//! - [`Engine::take_kv_events`] returns the events since the last call as
-//!   one batch: `seq` counts from 0 without gaps per epoch, and the first
-//!   batch of an epoch starts with [`protocol::KvEvent::Cleared`].
-//!   [`Engine::restart`]`(new_epoch)` empties the cache, returns the dropped
-//!   requests and starts a new epoch.
+//! - [`Engine::take_kv_events`] returns the events since the last call,
+//!   unnumbered (no worker, epoch or seq: the agent's `KvCore` numbers
+//!   them, in production and in the simulator alike).
+//!   [`Engine::restart`] empties the cache, returns the dropped requests,
+//!   and the next events start with [`protocol::KvEvent::Cleared`].
 //! - [`Engine::load_report`]`(now_us)`, [`Engine::cached_prefix_tokens`],
-//!   [`Engine::cached_blocks`], [`Engine::block_counts`],
+//!   [`Engine::cached_blocks`], [`Engine::cached_block_links`],
+//!   [`Engine::block_counts`],
 //!   [`Engine::stats`], [`Engine::is_idle`].
 //!
 //! # Request lifecycle
@@ -106,7 +108,7 @@ pub mod transfer;
 pub use config::EngineConfig;
 pub use cost::{CostModel, StepWork};
 pub use engine::{Engine, EngineStats, Step, StepOutput};
-pub use error::{ConfigError, EpochNotIncreasing, SubmitError};
+pub use error::{ConfigError, SubmitError};
 pub use kv_cache::BlockCounts;
 pub use preset::{Preset, DEFAULT_BLOCK_SIZE};
 pub use request::{EngineRequest, Mode};

@@ -384,7 +384,7 @@ mod tests {
     ) -> (f64, f64) {
         let worker = WorkerId::new("bench", 0).unwrap();
         let cfg = preset.engine_config(DEFAULT_BLOCK_SIZE);
-        let mut engine = Engine::new(worker, Role::Both, cfg, 0).unwrap();
+        let mut engine = Engine::new(worker, Role::Both, cfg).unwrap();
         let mut state = 0x1234_5678_9abc_def0u64;
         let mut next_token = move || {
             // splitmix64

@@ -4,9 +4,7 @@
 mod common;
 
 use common::*;
-use engine_sim::{
-    ConfigError, Engine, EngineRequest, EpochNotIncreasing, Mode, Preset, StepOutput, SubmitError,
-};
+use engine_sim::{ConfigError, Engine, EngineRequest, Mode, Preset, StepOutput, SubmitError};
 use protocol::{KvEvent, Role, Tier};
 
 #[test]
@@ -193,9 +191,8 @@ fn kv_received_requests_compute_no_prefill_and_store_their_blocks() {
         }]
     );
     // The prompt's full blocks are stored on admission, as one chain.
-    let batch = e.take_kv_events().unwrap();
-    assert_eq!(batch.events[0], KvEvent::Cleared);
-    match &batch.events[1] {
+    let events = e.take_kv_events();
+    match &events[0] {
         KvEvent::Stored {
             parent: None,
             blocks,
@@ -322,16 +319,12 @@ fn load_report_counts_blocks_and_prefill_work() {
 }
 
 #[test]
-fn event_seq_is_gap_free_and_a_restart_starts_a_new_epoch() {
+fn a_restart_empties_the_cache_and_its_events_start_cleared() {
     let cfg = small_config(4, 32, 64, 8);
-    let mut e = Engine::new(worker(), Role::Both, cfg, 5).unwrap();
-    let first = e.take_kv_events().unwrap();
-    assert_eq!((first.epoch, first.seq), (5, 0));
-    assert_eq!(first.events, vec![KvEvent::Cleared]);
-    assert!(e.take_kv_events().is_none());
+    let mut e = Engine::new(worker(), Role::Both, cfg).unwrap();
+    assert!(e.take_kv_events().is_empty(), "a new engine lost nothing");
 
     let mut replay = Replay::default();
-    replay.apply(&first);
     e.submit(req(1, &tokens(0, 20), 5, Mode::LocalPrefill))
         .unwrap();
     e.submit(req(2, &tokens(100, 40), 50, Mode::LocalPrefill))
@@ -343,28 +336,20 @@ fn event_seq_is_gap_free_and_a_restart_starts_a_new_epoch() {
     }
     assert!(!replay.blocks.is_empty());
 
-    assert_eq!(
-        e.restart(5),
-        Err(EpochNotIncreasing {
-            current: 5,
-            requested: 5
-        })
-    );
-    let dropped = e.restart(6).unwrap();
+    let dropped = e.restart();
     assert_eq!(dropped.iter().map(|r| r.id).collect::<Vec<_>>(), vec![2]);
     assert_eq!(dropped[0].mode, Mode::LocalPrefill);
     assert!(e.is_idle());
     assert_eq!(e.cached_blocks().count(), 0);
     assert_eq!(e.block_counts().free, 32);
-    let batch = e.take_kv_events().unwrap();
-    assert_eq!((batch.epoch, batch.seq), (6, 0));
-    assert_eq!(batch.events, vec![KvEvent::Cleared]);
-    replay.apply(&batch);
+    let events = e.take_kv_events();
+    assert_eq!(events, vec![KvEvent::Cleared]);
+    replay.apply(&events);
     // The dropped request can come back.
     e.submit(dropped[0].clone()).unwrap();
     run_to_idle(&mut e, now, 1000);
     replay.sync(&mut e);
-    assert_eq!(e.take_kv_events(), None);
+    assert!(e.take_kv_events().is_empty());
 }
 
 #[test]
@@ -417,7 +402,7 @@ fn caller_mistakes_are_typed_errors() {
     let bad = |f: fn(&mut engine_sim::EngineConfig)| {
         let mut cfg = small_config(4, 8, 64, 8);
         f(&mut cfg);
-        Engine::new(worker(), Role::Both, cfg, 0).unwrap_err()
+        Engine::new(worker(), Role::Both, cfg).unwrap_err()
     };
     assert_eq!(bad(|c| c.block_size = 0), ConfigError::ZeroBlockSize);
     assert_eq!(bad(|c| c.kv_capacity_blocks = 0), ConfigError::ZeroCapacity);
@@ -463,7 +448,7 @@ fn requests_round_trip_through_restart_unchanged() {
     let original: EngineRequest = req(9, &tokens(0, 10), 4, Mode::KvReceived);
     e.submit(original.clone()).unwrap();
     e.step(0).unwrap();
-    assert_eq!(e.restart(1).unwrap(), vec![original]);
+    assert_eq!(e.restart(), vec![original]);
 }
 
 #[test]

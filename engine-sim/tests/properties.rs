@@ -105,7 +105,6 @@ struct Harness {
     next_id: u64,
     next_unique: u32,
     now: u64,
-    epoch: u64,
 }
 
 impl Harness {
@@ -117,7 +116,7 @@ impl Harness {
             setup.max_running,
         );
         Self {
-            engine: Engine::new(worker(), setup.role, cfg, 0).unwrap(),
+            engine: Engine::new(worker(), setup.role, cfg).unwrap(),
             setup,
             replay: Replay::default(),
             hasher: cfg.hasher().unwrap(),
@@ -126,7 +125,6 @@ impl Harness {
             next_id: 0,
             next_unique: 1_000_000,
             now: 0,
-            epoch: 0,
         }
     }
 
@@ -254,8 +252,7 @@ impl Harness {
     }
 
     fn restart(&mut self) {
-        self.epoch += 1;
-        let dropped = self.engine.restart(self.epoch).unwrap();
+        let dropped = self.engine.restart();
         for r in dropped {
             let e = self
                 .expect
@@ -350,8 +347,8 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Blocks are conserved, the event stream replays to exactly the
-    /// cache's content (gap-free, prefix-closed, Cleared on every new
-    /// epoch), and every accepted request completes exactly once.
+    /// cache's content and parents (prefix-closed, Cleared after every
+    /// restart), and every accepted request completes exactly once.
     #[test]
     fn random_workloads_keep_every_invariant(
         setup in setup(),

@@ -11,10 +11,8 @@ use anyhow::{ensure, Context, Result};
 use bus::Registry;
 use common::*;
 use futures::StreamExt;
-use protocol::{
-    subjects, HashingContract, KvEventBatch, Message, ResyncReply, Role, WorkerRecord,
-    WorkerSubjects,
-};
+use protocol::{subjects, KvEventBatch, Message, ResyncReply};
+use tests::fixtures::worker_record as record;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_triggers_a_resync_request() -> Result<()> {
@@ -77,20 +75,6 @@ async fn a_gap_triggers_a_resync_request() -> Result<()> {
     local.apply(resynced);
     ensure!(status["digest"] == digest_hex(local.index().digest()));
     service.stop().await
-}
-
-fn record(name: &str) -> WorkerRecord {
-    let id = worker(name);
-    WorkerRecord {
-        subjects: WorkerSubjects::for_worker(&id),
-        id,
-        role: Role::Decode,
-        contract: HashingContract::for_model("m", 16),
-        kv_capacity_blocks: 1000,
-        max_batched_tokens: 8192,
-        kv_bytes_per_token: 1,
-        gpus: 1,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,10 +10,12 @@ use engine_sim::Preset;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use protocol::{
-    Annotation, BlockHash, BlockHasher, DecisionId, FinishReason, GenerateEvent, GenerateRequest,
-    HashSalt, KvEvent, KvTransferParams, Path, Role, Stage, WorkerId,
+    BlockHash, BlockHasher, FinishReason, GenerateEvent, HashSalt, KvEvent, KvTransferParams, Role,
+    Stage, WorkerId,
 };
 use serde_json::Value;
+use tests::fixtures::{generate_request as request, output_tokens as tokens};
+use tests::free_port;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use worker_agent::vllm::{EngineKind, ReplayLimits, VllmConfig, VllmEngine};
@@ -21,12 +23,6 @@ use worker_agent::{BlockMirror, Engine, KvUpdate};
 
 const SERVED: &str = "served-model";
 const WAIT: Duration = Duration::from_secs(10);
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
 
 struct Mock {
     http: u16,
@@ -134,23 +130,6 @@ impl Mock {
     }
 }
 
-fn request(id: &str, stage: Stage, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.into(),
-        annotation: Annotation {
-            decision: DecisionId(1),
-            path: Path::Bypass,
-            decode: WorkerId::new("w", 0).unwrap(),
-            prefill: None,
-            decode_overlap_tokens: 0,
-            prefill_overlap_tokens: 0,
-        },
-        stage,
-        prompt,
-        max_tokens,
-    }
-}
-
 async fn collect(events: BoxStream<'static, GenerateEvent>) -> Result<Vec<GenerateEvent>> {
     let events: Vec<GenerateEvent> = tokio::time::timeout(WAIT, events.collect())
         .await
@@ -160,17 +139,6 @@ async fn collect(events: BoxStream<'static, GenerateEvent>) -> Result<Vec<Genera
         "{events:?}"
     );
     Ok(events)
-}
-
-fn tokens(events: &[GenerateEvent]) -> Vec<u32> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            GenerateEvent::Tokens(t) => Some(t.clone()),
-            _ => None,
-        })
-        .flatten()
-        .collect()
 }
 
 fn prompt(seed: u32, n: u32) -> Vec<u32> {

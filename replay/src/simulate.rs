@@ -8,7 +8,7 @@ use engine_sim::{KvTransfer, Preset};
 use protocol::{DecisionRecord, Role};
 use router::Policy;
 use sim::workload::{pseudo_tokens, Arrival, RequestSpec, Scripted};
-use sim::{simulate, Deployment, RunSummary, SimConfig, Slo};
+use sim::{simulate, Deployment, OutboxLimits, RunSummary, SimConfig, Slo};
 
 /// A prompt with the record's prefix structure: each full block's tokens
 /// derive from its chained hash (equal hashes, equal prefixes), the tail
@@ -91,6 +91,7 @@ pub fn run(
         },
         link: KvTransfer::default(),
         index_delay_us: 5_000,
+        kv_outbox: OutboxLimits::default(),
         load_interval_us: 100_000,
         expected_output_tokens: 256,
         slo,

@@ -5,26 +5,33 @@
 //! - an arrival is routed by [`RouterCore`] and submitted to its prefill
 //!   worker (remote) or its decode worker (bypass);
 //! - an engine step ends: its outputs take effect (first tokens, prefills
-//!   done, finished requests), its KV events leave for the indexer, and the
-//!   engine starts its next step;
-//! - KV events reach the [`KvIndexer`] after a propagation delay; its delta
-//!   goes to the router's index replica;
+//!   done, finished requests), its KV events go to the worker's agent core
+//!   ([`KvCore`], the one the agent runs) which numbers them into batches,
+//!   and the engine starts its next step;
+//! - a batch the core publishes reaches the [`KvIndexer`] after a
+//!   propagation delay (JetStream acknowledges it at once: the simulated
+//!   bus never fails), and its delta goes to the router's index replica;
 //! - a prefill's KV transfer ends: the request is submitted to its decode
 //!   worker;
 //! - every load interval each engine's load report reaches the router.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::convert::Infallible;
+use std::time::Duration;
 
 use engine_sim::{Engine, EngineRequest, KvTransfer, Mode, Preset, StepOutput};
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
-    BlockHash, DecisionId, HashingContract, KvEventBatch, Path, RouteDecision, WorkerId,
+    BlockHash, DecisionId, HashingContract, KvEvent, KvEventBatch, Path, RouteDecision, Tier,
+    WorkerId,
     WorkerRecord, WorkerSubjects,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use router::{rules, RouteOptions, RouteRequest, RouterConfig, RouterCore};
+use worker_agent::core::{Backoff, Effect, Input, KvCore, OutboxLimits};
+use worker_agent::BlockMirror;
 
 use crate::deployment::Deployment;
 use crate::metrics::{Counters, RequestRecord, RunSummary, Slo};
@@ -40,6 +47,8 @@ pub struct SimConfig {
     pub link: KvTransfer,
     /// Engine KV event -> indexer -> router replica.
     pub index_delay_us: u64,
+    /// Each worker agent's KV outbox bounds.
+    pub kv_outbox: OutboxLimits,
     /// Load reports reach the router this often.
     pub load_interval_us: u64,
     /// Output length the router assumes when it reserves KV.
@@ -142,6 +151,9 @@ struct Cluster<'w> {
     /// Events other than load ticks waiting in the queue.
     pending: usize,
     engines: Vec<Engine>,
+    /// Each worker agent's KV core (no resync requests here: nobody to
+    /// answer).
+    kv: Vec<KvCore<Infallible>>,
     busy: Vec<bool>,
     worker_index: HashMap<WorkerId, usize>,
     router: RouterCore,
@@ -153,6 +165,14 @@ struct Cluster<'w> {
     records: Vec<RequestRecord>,
     counters: Counters,
     window: (u64, u64),
+}
+
+/// The first KV epoch of every worker.
+const FIRST_EPOCH: u64 = 1;
+
+/// An engine's block set, as its agent lists it for a resync.
+fn block_set(engine: &Engine) -> Vec<KvEvent> {
+    BlockMirror::from_links(engine.cached_block_links(), Tier::Device).stored_events()
 }
 
 /// Runs one deployment on one workload to the end and summarises it.
@@ -183,6 +203,7 @@ impl<'w> Cluster<'w> {
         let mut router = RouterCore::new(RouterConfig::new(contract.clone()), policy)?;
         let engine_config = config.preset.engine_config(config.block_size);
         let mut engines = Vec::new();
+        let mut kv = Vec::new();
         let mut worker_index = HashMap::new();
         for (i, role) in config.deployment.roles().into_iter().enumerate() {
             let prefix = match role {
@@ -206,7 +227,13 @@ impl<'w> Cluster<'w> {
                 gpus: engine_config.gpus,
             })?;
             worker_index.insert(id.clone(), i);
-            engines.push(Engine::new(id, role, engine_config, 1)?);
+            engines.push(Engine::new(id.clone(), role, engine_config)?);
+            kv.push(KvCore::new(
+                id,
+                FIRST_EPOCH,
+                config.kv_outbox,
+                Backoff::AGENT,
+            ));
         }
         if !engines.iter().any(|e| e.role().decodes()) {
             return Err(SimError::NoDecodeWorker);
@@ -223,6 +250,7 @@ impl<'w> Cluster<'w> {
             seq: 0,
             pending: 0,
             engines,
+            kv,
             busy,
             worker_index,
             router,
@@ -251,6 +279,10 @@ impl<'w> Cluster<'w> {
     fn run(&mut self) {
         self.pull_arrival();
         self.schedule(0, Event::LoadTick);
+        // Each agent publishes its first epoch's `Cleared` at start.
+        for worker in 0..self.kv.len() {
+            self.kv_step(worker, Input::Tick);
+        }
         while let Some(Scheduled { at_us, event, .. }) = self.queue.pop() {
             self.now_us = at_us;
             match event {
@@ -437,10 +469,41 @@ impl<'w> Cluster<'w> {
                 StepOutput::Preempted { .. } => {}
             }
         }
-        while let Some(batch) = self.engines[worker].take_kv_events() {
-            self.schedule(now + self.config.index_delay_us, Event::KvEvents(batch));
+        let events = self.engines[worker].take_kv_events();
+        if !events.is_empty() {
+            self.kv_step(worker, Input::EngineEvents(events));
         }
         self.start_step(worker);
+    }
+
+    /// Feeds `worker`'s KV core and carries out its effects at once: a
+    /// published batch reaches the indexer after the propagation delay and
+    /// is acknowledged now; a block set is the engine's now (every event
+    /// it emitted was fed before).
+    fn kv_step(&mut self, worker: usize, input: Input<Infallible>) {
+        let now = Duration::from_micros(self.now_us);
+        let mut inputs = VecDeque::from([input]);
+        while let Some(input) = inputs.pop_front() {
+            for effect in self.kv[worker].step(input, now) {
+                match effect {
+                    Effect::Publish { batch, .. } => {
+                        inputs.push_back(Input::Acked {
+                            epoch: batch.epoch,
+                            seq: batch.seq,
+                            duplicate: false,
+                        });
+                        let at = self.now_us + self.config.index_delay_us;
+                        self.schedule(at, Event::KvEvents(batch));
+                    }
+                    Effect::RequestBlockSet => {
+                        inputs.push_back(Input::BlockSet(block_set(&self.engines[worker])));
+                    }
+                    Effect::Reply { to, .. } => match to {},
+                    // Publishes never fail nor stay in flight here.
+                    Effect::CancelPublish | Effect::RetryAt(_) | Effect::Note(_) => {}
+                }
+            }
+        }
     }
 
     /// A remote prefill is done: move what the decode worker lacks.
@@ -500,6 +563,95 @@ impl<'w> Cluster<'w> {
                     pulled: false,
                 },
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::deployment::Deployment;
+    use crate::metrics::Slo;
+    use crate::workload::{Agentic, AgenticConfig};
+
+    fn config(kv_outbox: OutboxLimits) -> SimConfig {
+        SimConfig {
+            preset: Preset::llama8b_h100(),
+            block_size: 16,
+            deployment: Deployment::Conditional {
+                prefill: 1,
+                decode: 2,
+                policy: router::IslBased::default().into(),
+            },
+            link: KvTransfer::default(),
+            index_delay_us: 5_000,
+            kv_outbox,
+            load_interval_us: 100_000,
+            expected_output_tokens: 256,
+            slo: Slo {
+                ttft_ms: 2_000.0,
+                itl_ms: 60.0,
+            },
+            seed: 1,
+            warmup_fraction: 0.0,
+        }
+    }
+
+    /// The index the engines' own block sets make.
+    fn engines_index(engines: &[Engine]) -> OwnershipIndex {
+        let mut index = OwnershipIndex::new();
+        for engine in engines {
+            for event in block_set(engine) {
+                if let KvEvent::Stored {
+                    parent,
+                    blocks,
+                    tier,
+                } = event
+                {
+                    index.store(engine.worker(), parent, &blocks, tier);
+                }
+            }
+        }
+        index
+    }
+
+    /// The agents' cores number the batches: the indexer ends holding
+    /// exactly the engines' blocks, also when outboxes too small for a
+    /// step's events overflow and resynchronise from the block sets.
+    #[test]
+    fn the_index_ends_as_the_engines_are_through_resyncs() {
+        for (limits, resyncs) in [
+            (OutboxLimits::default(), false),
+            (
+                OutboxLimits {
+                    max_queued_events: 1,
+                    max_batch_events: 1,
+                },
+                true,
+            ),
+        ] {
+            let mut workload = Agentic::new(AgenticConfig {
+                sessions_per_s: 0.5,
+                duration_s: 10.0,
+                seed: 1,
+                ..AgenticConfig::default()
+            });
+            let mut cluster = Cluster::new(config(limits), &mut workload).unwrap();
+            cluster.run();
+            assert!(
+                cluster.records.len() > 10,
+                "{} requests",
+                cluster.records.len()
+            );
+            let held: usize = cluster.engines.iter().map(Engine::cached_block_count).sum();
+            assert!(held > 0);
+            assert_eq!(
+                cluster.indexer.index().digest(),
+                engines_index(&cluster.engines).digest(),
+                "{limits:?}"
+            );
+            let new_epochs = cluster.kv.iter().any(|kv| kv.epoch() > FIRST_EPOCH);
+            assert_eq!(new_epochs, resyncs, "{limits:?}");
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The cluster simulator: runs a whole conditional-disaggregation cluster
-//! in virtual time through the real router and index cores and the engine
-//! model, and compares deployments and policies on a workload.
+//! in virtual time through the real router, index and agent (KV batch)
+//! cores and the engine model, and compares deployments and policies on a
+//! workload.
 
 pub mod cluster;
 pub mod compare;
@@ -12,3 +13,4 @@ pub mod workload;
 pub use cluster::{simulate, RunResult, SimConfig, SimError};
 pub use deployment::{conditional_policies, sla_cost_model, Deployment};
 pub use metrics::{Percentiles, RequestRecord, RunSummary, Slo};
+pub use worker_agent::core::OutboxLimits;

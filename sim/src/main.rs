@@ -10,7 +10,7 @@ use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
 use sim::compare::{goodput, sweep, table, write_report, WorkloadSpec};
 use sim::workload::{AgenticConfig, MooncakeConfig, SyntheticConfig};
-use sim::{conditional_policies, sla_cost_model, Deployment, SimConfig, Slo};
+use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -175,6 +175,7 @@ impl Common {
                 ..KvTransfer::default()
             },
             index_delay_us: (self.index_delay_ms * 1e3) as u64,
+            kv_outbox: OutboxLimits::default(),
             load_interval_us: 100_000,
             expected_output_tokens: 256,
             slo: Slo {

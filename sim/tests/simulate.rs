@@ -6,7 +6,7 @@ use std::path::Path;
 use engine_sim::{KvTransfer, Preset};
 use router::IslBased;
 use sim::workload::{Agentic, AgenticConfig, Mooncake, MooncakeConfig, Workload};
-use sim::{simulate, Deployment, RunResult, SimConfig, Slo};
+use sim::{simulate, Deployment, OutboxLimits, RunResult, SimConfig, Slo};
 
 fn config(deployment: Deployment, seed: u64) -> SimConfig {
     SimConfig {
@@ -15,6 +15,7 @@ fn config(deployment: Deployment, seed: u64) -> SimConfig {
         deployment,
         link: KvTransfer::default(),
         index_delay_us: 5_000,
+        kv_outbox: OutboxLimits::default(),
         load_interval_us: 100_000,
         expected_output_tokens: 256,
         slo: Slo {

@@ -1,9 +1,11 @@
 //! Integration test support: real `nats-server` and `etcd` processes behind
 //! RAII guards ([`servers`]), Switchyard's own binaries as child processes
-//! ([`services`]), deterministic prompts ([`tokens`]), and the runner of
-//! data-driven scenarios ([`datadriven`]).
+//! ([`services`]), deterministic prompts ([`tokens`]), the protocol
+//! fixtures and KV-stream tap the crates' tests share ([`fixtures`]), and
+//! the runner of data-driven scenarios ([`datadriven`]).
 
 pub mod datadriven;
+pub mod fixtures;
 pub mod servers;
 pub mod services;
 

@@ -23,8 +23,31 @@ pub struct BlockMirror {
 }
 
 impl BlockMirror {
+    /// An empty mirror.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The blocks of an engine that lists them with their parents (in any
+    /// order; engine-sim's `Engine::cached_block_links`), all in `tier`.
+    pub fn from_links(
+        links: impl IntoIterator<Item = (BlockHash, Option<BlockHash>)>,
+        tier: Tier,
+    ) -> Self {
+        let mut mirror = Self::new();
+        for (hash, parent) in links {
+            mirror.store(hash, parent, tier);
+        }
+        mirror
+    }
+
+    fn store(&mut self, hash: BlockHash, parent: Option<BlockHash>, tier: Tier) {
+        let entry = self.blocks.entry(hash).or_insert(Entry {
+            parent,
+            tiers: TierSet::EMPTY,
+        });
+        entry.parent = parent;
+        entry.tiers = entry.tiers.with(tier);
     }
 
     /// Applies events in order.
@@ -38,12 +61,7 @@ impl BlockMirror {
                 } => {
                     let mut parent = *parent;
                     for &hash in blocks {
-                        let entry = self.blocks.entry(hash).or_insert(Entry {
-                            parent,
-                            tiers: TierSet::EMPTY,
-                        });
-                        entry.parent = parent;
-                        entry.tiers = entry.tiers.with(*tier);
+                        self.store(hash, parent, *tier);
                         parent = Some(hash);
                     }
                 }
@@ -67,10 +85,12 @@ impl BlockMirror {
         self.blocks.len()
     }
 
+    /// Whether no block is held.
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
 
+    /// Whether `hash` is held in any tier.
     pub fn contains(&self, hash: BlockHash) -> bool {
         self.blocks.contains_key(&hash)
     }
@@ -218,7 +238,7 @@ mod tests {
         let mut config = Preset::llama8b_h100().engine_config(4);
         config.kv_capacity_blocks = 40;
         let worker = WorkerId::new("w", 0).unwrap();
-        let mut engine = Engine::new(worker, Role::Both, config, 1).unwrap();
+        let mut engine = Engine::new(worker, Role::Both, config).unwrap();
         let mut mirror = BlockMirror::new();
         let mut now = 0;
         for id in 0..12u64 {
@@ -235,9 +255,7 @@ mod tests {
                 .unwrap();
             while let Some(step) = engine.step(now) {
                 now = step.end_us();
-                while let Some(batch) = engine.take_kv_events() {
-                    mirror.apply(&batch.events);
-                }
+                mirror.apply(&engine.take_kv_events());
             }
         }
         assert!(engine.stats().blocks_evicted > 0, "the test must evict");
@@ -260,5 +278,9 @@ mod tests {
         again.apply(&listing);
         assert_eq!(again.blocks.keys().copied().collect::<HashSet<_>>(), want);
         assert_eq!(again.stored_events(), listing);
+        // The engine's own listing of its blocks and parents gives the
+        // same block set.
+        let links = BlockMirror::from_links(engine.cached_block_links(), Tier::Device);
+        assert_eq!(links.stored_events(), listing);
     }
 }

@@ -8,7 +8,7 @@ use engine_sim::{KvTransfer, Preset};
 use protocol::ids::InvalidWorkerId;
 use protocol::{HashingContract, Role, WorkerId};
 
-use crate::publisher::OutboxLimits;
+use crate::core::OutboxLimits;
 use crate::vllm::{EngineKind, ReplayLimits, VllmConfig};
 
 /// The engine behind the agent.

@@ -5,7 +5,7 @@
 //! - publishes the engine's KV events as [`protocol::KvEventBatch`]es to
 //!   JetStream: a fresh epoch at every start whose first batch starts with
 //!   `Cleared`, `seq` gap-free from 0, each batch retried with the same
-//!   message id until acknowledged ([`publisher`]);
+//!   message id until acknowledged ([`core`]);
 //! - publishes [`protocol::LoadReport`]s at least every 100 ms and on
 //!   change;
 //! - answers resync requests with a new epoch holding the full block set;
@@ -18,7 +18,13 @@
 //! events over ZMQ translated to canonical hashes, load from its
 //! metrics, generation over its OpenAI API (`--engine vllm|sglang`).
 //!
+//! What the agent decides about KV batches is a pure core ([`core`]:
+//! numbering, retries, resyncs, owed replies) that the service drives and
+//! the cluster simulator drives too. Without the default `service` feature
+//! the crate is only that core and [`BlockMirror`] (no tokio, no NATS).
+//!
 //! ```no_run
+//! # #[cfg(feature = "service")]
 //! # async fn example() -> Result<(), worker_agent::AgentError> {
 //! let config = worker_agent::Config::new("decode-0", "nats://127.0.0.1:4222", &["http://127.0.0.1:2379".into()]);
 //! worker_agent::run(config, async { let _ = tokio::signal::ctrl_c().await; }).await
@@ -26,20 +32,33 @@
 //! ```
 
 pub mod block_set;
+#[cfg(feature = "service")]
 pub mod config;
+pub mod core;
+#[cfg(feature = "service")]
 pub mod engine;
+#[cfg(feature = "service")]
 pub mod error;
+#[cfg(feature = "service")]
 pub mod http;
+#[cfg(feature = "service")]
 pub mod metrics;
-pub mod publisher;
+#[cfg(feature = "service")]
 pub mod service;
+#[cfg(feature = "service")]
 pub mod sim_engine;
+#[cfg(feature = "service")]
 pub mod vllm;
 
+pub use crate::core::{Backoff, KvCore, KvOutbox, OutboxLimits, Pushed};
 pub use block_set::BlockMirror;
+#[cfg(feature = "service")]
 pub use config::{engine_model, Config, ConfigError, EngineChoice, EngineModelError, Settings};
+#[cfg(feature = "service")]
 pub use engine::{Engine, EngineFacts, EngineLoad, KvUpdate};
+#[cfg(feature = "service")]
 pub use error::AgentError;
-pub use publisher::{KvOutbox, OutboxLimits, Pushed};
+#[cfg(feature = "service")]
 pub use service::{run, run_with_engine};
+#[cfg(feature = "service")]
 pub use sim_engine::{SimEngine, SimEngineConfig};

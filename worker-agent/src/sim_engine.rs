@@ -8,9 +8,9 @@
 //! from the request id and the position, so that the same request gives
 //! the same tokens. Steps shorter than the timer's granularity (1 ms)
 //! are applied in bursts, on a virtual timeline that stays exact. The KV
-//! events the engine emits are forwarded as
-//! canonical event lists (engine-sim's own epoch and seq are dropped: the
-//! agent numbers batches), and mirrored to answer block-set requests.
+//! events the engine emits (plain, unnumbered: the agent numbers batches)
+//! are forwarded as canonical event lists, and mirrored to answer
+//! block-set requests.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -21,8 +21,8 @@ use engine_sim::{EngineRequest, KvTransfer, Mode, Preset, StepOutput};
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use protocol::{
-    FinishReason, GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvTransferParams, Role,
-    Stage, WorkerId, HASH_SCHEME,
+    FinishReason, GenerateEvent, GenerateRequest, HashingContract, KvTransferParams, Role, Stage,
+    WorkerId, HASH_SCHEME,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -72,7 +72,7 @@ impl SimEngine {
         if let Some(blocks) = config.kv_capacity_blocks {
             engine_config.kv_capacity_blocks = blocks;
         }
-        let engine = engine_sim::Engine::new(config.worker.clone(), config.role, engine_config, 1)?;
+        let engine = engine_sim::Engine::new(config.worker.clone(), config.role, engine_config)?;
         let facts = EngineFacts {
             contract: HashingContract {
                 model: config.preset.model.to_owned(),
@@ -437,19 +437,12 @@ impl Driver {
 
     /// Sends the engine's new KV events on, and mirrors them.
     fn forward_kv_events(&mut self) {
-        while let Some(batch) = self.engine.take_kv_events() {
-            let mut events = batch.events;
-            // engine-sim opens its own epoch with `Cleared`; the agent opens
-            // its epochs itself.
-            if batch.seq == 0 && events.first() == Some(&KvEvent::Cleared) {
-                events.remove(0);
-            }
-            if events.is_empty() {
-                continue;
-            }
-            self.mirror.apply(&events);
-            let _ = self.kv.send(KvUpdate::Events(events));
+        let events = self.engine.take_kv_events();
+        if events.is_empty() {
+            return;
         }
+        self.mirror.apply(&events);
+        let _ = self.kv.send(KvUpdate::Events(events));
     }
 
     /// Aborts the requests whose stream the agent dropped (the router
@@ -486,7 +479,8 @@ impl Driver {
 mod tests {
     use std::time::Duration;
 
-    use protocol::{Annotation, BlockHasher, DecisionId, Path};
+    use ::tests::fixtures::{generate_request as request, output_tokens as tokens_of};
+    use protocol::{BlockHasher, KvEvent};
 
     use super::*;
 
@@ -510,23 +504,6 @@ mod tests {
         .unwrap()
     }
 
-    fn request(id: &str, stage: Stage, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
-        GenerateRequest {
-            request_id: id.into(),
-            annotation: Annotation {
-                decision: DecisionId(1),
-                path: Path::Bypass,
-                decode: worker(),
-                prefill: None,
-                decode_overlap_tokens: 0,
-                prefill_overlap_tokens: 0,
-            },
-            stage,
-            prompt,
-            max_tokens,
-        }
-    }
-
     async fn collect(s: BoxStream<'static, GenerateEvent>) -> Vec<GenerateEvent> {
         tokio::time::timeout(Duration::from_secs(10), s.collect())
             .await
@@ -541,15 +518,7 @@ mod tests {
         let prompt: Vec<u32> = (0..64).collect();
 
         let events = collect(engine.generate(request("a", Stage::Local, prompt.clone(), 3))).await;
-        let tokens: Vec<u32> = events
-            .iter()
-            .filter_map(|e| match e {
-                GenerateEvent::Tokens(t) => Some(t.clone()),
-                _ => None,
-            })
-            .flatten()
-            .collect();
-        assert_eq!(tokens, output_tokens("a", 3).to_vec());
+        assert_eq!(tokens_of(&events), output_tokens("a", 3).to_vec());
         assert_eq!(
             events.last(),
             Some(&GenerateEvent::Finished {

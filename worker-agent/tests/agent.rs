@@ -8,24 +8,22 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
-use async_nats::jetstream::consumer;
 use async_nats::{Client, Subscriber};
-use bus::{Bus, Registry, StreamLimits, WorkerChange};
+use bus::{Bus, Registry, WorkerChange};
 use engine_sim::Preset;
-use futures::stream::BoxStream;
 use futures::StreamExt;
 use protocol::{
-    subjects, Annotation, BlockHash, BlockHasher, CancelRequest, DecisionId, FinishReason,
-    GenerateChunk, GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvEventBatch,
-    KvTransferParams, LoadReport, Message, Path, ResyncReply, Role, Stage, WorkerId, WorkerRecord,
-    WorkerSubjects,
+    subjects, BlockHash, BlockHasher, CancelRequest, DecisionId, FinishReason, GenerateChunk,
+    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvTransferParams, LoadReport,
+    Message, ResyncReply, Role, Stage, WorkerId, WorkerRecord, WorkerSubjects,
 };
+use tests::fixtures::{generate_request as request, output_tokens, worker};
 use tests::{EtcdServer, NatsServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{timeout, Instant};
-use worker_agent::{AgentError, BlockMirror, Config};
+use worker_agent::{AgentError, Config};
 
-use common::Agent;
+use common::{Agent, KvFollower};
 
 const PRESET: Preset = Preset::llama8b_h100();
 const BLOCK_SIZE: u32 = 16;
@@ -71,10 +69,6 @@ impl Servers {
     }
 }
 
-fn worker(name: &str) -> WorkerId {
-    WorkerId::new(name, 0).unwrap()
-}
-
 fn contract() -> HashingContract {
     HashingContract::for_model(PRESET.model, BLOCK_SIZE)
 }
@@ -87,23 +81,6 @@ fn prompt(seed: u64, len: usize) -> Vec<u32> {
     let mut tokens = Vec::new();
     protocol::trace::extend_block_tokens(seed, len, &mut tokens);
     tokens
-}
-
-fn request(id: &str, stage: Stage, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.into(),
-        annotation: Annotation {
-            decision: DecisionId(0xd0),
-            path: Path::Bypass,
-            decode: worker("d"),
-            prefill: None,
-            decode_overlap_tokens: 0,
-            prefill_overlap_tokens: 0,
-        },
-        stage,
-        prompt,
-        max_tokens,
-    }
 }
 
 /// The worker's record in etcd, if registered.
@@ -166,121 +143,6 @@ async fn generate(
 ) -> Result<Vec<GenerateEvent>> {
     let chunks = generate_raw(client, id, request.encode()).await?;
     Ok(chunks.into_iter().map(|c| c.event).collect())
-}
-
-fn output_tokens(events: &[GenerateEvent]) -> Vec<u32> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            GenerateEvent::Tokens(t) => Some(t.clone()),
-            _ => None,
-        })
-        .flatten()
-        .collect()
-}
-
-/// The worker's KV batches in the stream, from the first.
-async fn kv_batches(bus: &Bus, id: &WorkerId) -> Result<BoxStream<'static, Result<KvEventBatch>>> {
-    bus.ensure_streams(&StreamLimits::default()).await?;
-    let stream = bus
-        .jetstream()
-        .get_stream(subjects::KV_EVENTS_STREAM)
-        .await?;
-    let consumer = stream
-        .create_consumer(consumer::push::OrderedConfig {
-            deliver_subject: bus.client().new_inbox(),
-            filter_subject: subjects::kv_events(id),
-            ..Default::default()
-        })
-        .await?;
-    let messages = consumer.messages().await?;
-    Ok(messages
-        .map(|m| Ok(KvEventBatch::decode(&m?.payload)?))
-        .boxed())
-}
-
-async fn next_batch(
-    batches: &mut BoxStream<'static, Result<KvEventBatch>>,
-) -> Result<KvEventBatch> {
-    timeout(WAIT, batches.next())
-        .await
-        .context("waiting for a KV batch")?
-        .context("KV batch stream ended")?
-}
-
-/// Follows one worker's batches: checks that they are gap-free within
-/// their epoch, that each epoch starts at seq 0 with `Cleared`, and that
-/// every `Stored` parent is held; mirrors the blocks.
-struct KvFollower {
-    batches: BoxStream<'static, Result<KvEventBatch>>,
-    epoch: Option<u64>,
-    next_seq: u64,
-    mirror: BlockMirror,
-    epochs: Vec<u64>,
-}
-
-impl KvFollower {
-    async fn new(bus: &Bus, id: &WorkerId) -> Result<Self> {
-        Ok(Self {
-            batches: kv_batches(bus, id).await?,
-            epoch: None,
-            next_seq: 0,
-            mirror: BlockMirror::new(),
-            epochs: Vec::new(),
-        })
-    }
-
-    async fn next(&mut self) -> Result<KvEventBatch> {
-        let batch = next_batch(&mut self.batches).await?;
-        if Some(batch.epoch) != self.epoch {
-            if let Some(old) = self.epoch {
-                ensure!(batch.epoch > old, "epoch {} after {old}", batch.epoch);
-            }
-            ensure!(
-                batch.seq == 0,
-                "epoch {} starts at seq {}",
-                batch.epoch,
-                batch.seq
-            );
-            ensure!(
-                batch.events.first() == Some(&KvEvent::Cleared),
-                "epoch {} starts with {:?}",
-                batch.epoch,
-                batch.events.first()
-            );
-            self.epoch = Some(batch.epoch);
-            self.epochs.push(batch.epoch);
-            self.next_seq = 0;
-        }
-        ensure!(
-            batch.seq == self.next_seq,
-            "seq {} where {} was due",
-            batch.seq,
-            self.next_seq
-        );
-        self.next_seq += 1;
-        for event in &batch.events {
-            self.mirror.apply(std::slice::from_ref(event));
-            if let KvEvent::Stored {
-                parent: Some(p), ..
-            } = event
-            {
-                ensure!(
-                    self.mirror.contains(*p),
-                    "stored under an unknown parent {p:?}"
-                );
-            }
-        }
-        Ok(batch)
-    }
-
-    /// Reads batches until every block of `want` is held.
-    async fn until_holding(&mut self, want: &[BlockHash]) -> Result<()> {
-        while !want.iter().all(|h| self.mirror.contains(*h)) {
-            self.next().await?;
-        }
-        Ok(())
-    }
 }
 
 fn free_addr() -> Result<SocketAddr> {
@@ -370,7 +232,7 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
     let client = servers.client().await?;
     let bus = Bus::from_client(client.clone());
     let id = worker("stages");
-    let mut kv = KvFollower::new(&bus, &id).await?;
+    let mut kv = KvFollower::new(&bus, &id, WAIT).await?;
     let agent = Agent::start(servers.config("stages", Role::Both));
     wait_registered(&servers.registry().await?, &id).await?;
 
@@ -480,7 +342,7 @@ async fn a_restart_starts_a_greater_epoch() -> Result<()> {
     let servers = Servers::start()?;
     let bus = Bus::from_client(servers.client().await?);
     let id = worker("restart");
-    let mut kv = KvFollower::new(&bus, &id).await?;
+    let mut kv = KvFollower::new(&bus, &id, WAIT).await?;
 
     let agent = Agent::start(servers.config("restart", Role::Both));
     let first = kv.next().await?;
@@ -506,7 +368,7 @@ async fn a_resync_republishes_the_full_block_set() -> Result<()> {
     let client = servers.client().await?;
     let bus = Bus::from_client(client.clone());
     let id = worker("resync");
-    let mut kv = KvFollower::new(&bus, &id).await?;
+    let mut kv = KvFollower::new(&bus, &id, WAIT).await?;
     let agent = Agent::start(servers.config("resync", Role::Both));
     wait_registered(&servers.registry().await?, &id).await?;
 
@@ -745,7 +607,7 @@ async fn through_an_outage(name: &str, kv_queue_events: usize) -> Result<KvFollo
     tokio::task::block_in_place(|| servers.nats.restart())?;
 
     let bus = Bus::from_client(servers.client().await?);
-    let mut kv = KvFollower::new(&bus, &id).await?;
+    let mut kv = KvFollower::new(&bus, &id, WAIT).await?;
     let mut chain = p.clone();
     chain.extend(
         worker_agent::sim_engine::output_tokens(name, max_tokens)

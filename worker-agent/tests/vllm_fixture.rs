@@ -15,21 +15,19 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
-use async_nats::jetstream::consumer;
 use axum::routing::get;
-use bus::{Bus, StreamLimits};
-use futures::stream::BoxStream;
+use bus::Bus;
 use futures::StreamExt;
-use protocol::{subjects, BlockHash, KvEvent, KvEventBatch, LoadReport, Message, WorkerId};
+use protocol::{subjects, BlockHash, KvEvent, LoadReport, Message, WorkerId};
 use serde_json::{json, Value};
 use tests::{free_port, EtcdServer, NatsServer};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
 use tokio::time::{timeout, Instant};
-use worker_agent::{AgentError, BlockMirror, Config, EngineChoice};
+use worker_agent::{AgentError, Config, EngineChoice};
 
-use common::Agent;
+use common::{Agent, KvFollower};
 
 const MODEL: &str = "fixture-model";
 const BLOCK_SIZE: u32 = 4;
@@ -193,137 +191,67 @@ fn agent_config(
     config
 }
 
-/// Follows one worker's batches on JetStream and mirrors its blocks.
-struct Follower {
-    batches: BoxStream<'static, Result<KvEventBatch>>,
-    epoch: Option<u64>,
-    next_seq: u64,
-    mirror: BlockMirror,
-    epochs: usize,
+/// The blocks the follower holds, with their tiers.
+fn held(follower: &KvFollower) -> BTreeSet<(u64, u8)> {
+    follower
+        .mirror
+        .stored_events()
+        .into_iter()
+        .flat_map(|e| match e {
+            KvEvent::Stored { blocks, tier, .. } => blocks
+                .into_iter()
+                .map(|BlockHash(h)| (h, tier as u8))
+                .collect::<Vec<_>>(),
+            _ => Vec::new(),
+        })
+        .collect()
 }
 
-impl Follower {
-    async fn new(nats: &NatsServer, worker: &WorkerId) -> Result<Self> {
-        let bus = Bus::connect(&nats.url(), "fixture-test").await?;
-        bus.ensure_streams(&StreamLimits::default()).await?;
-        let stream = bus
-            .jetstream()
-            .get_stream(subjects::KV_EVENTS_STREAM)
-            .await?;
-        let consumer = stream
-            .create_consumer(consumer::push::OrderedConfig {
-                deliver_subject: bus.client().new_inbox(),
-                filter_subject: subjects::kv_events(worker),
-                ..Default::default()
-            })
-            .await?;
-        let messages = consumer.messages().await?;
-        Ok(Self {
-            batches: messages
-                .map(|m| Ok(KvEventBatch::decode(&m?.payload)?))
-                .boxed(),
-            epoch: None,
-            next_seq: 0,
-            mirror: BlockMirror::new(),
-            epochs: 0,
-        })
-    }
+/// How long the follower waits for a batch before looking again.
+const POLL: Duration = Duration::from_millis(200);
 
-    fn held(&self) -> BTreeSet<(u64, u8)> {
-        self.mirror
-            .stored_events()
-            .into_iter()
-            .flat_map(|e| match e {
-                KvEvent::Stored { blocks, tier, .. } => blocks
-                    .into_iter()
-                    .map(|BlockHash(h)| (h, tier as u8))
-                    .collect::<Vec<_>>(),
-                _ => Vec::new(),
-            })
-            .collect()
-    }
-
-    async fn next(&mut self) -> Result<()> {
-        let batch = timeout(Duration::from_millis(200), self.batches.next())
-            .await
-            .map_err(|_| anyhow::anyhow!("no batch yet"))?
-            .context("the batch stream ended")??;
-        if Some(batch.epoch) != self.epoch {
-            ensure!(
-                batch.seq == 0 && batch.events.first() == Some(&KvEvent::Cleared),
-                "a new epoch starts at seq 0 with Cleared: {batch:?}"
-            );
-            self.epoch = Some(batch.epoch);
-            self.epochs += 1;
-            self.next_seq = 0;
-        }
+/// Reads batches until `n` epochs were seen.
+async fn until_epochs(follower: &mut KvFollower, n: usize, step: &str) -> Result<()> {
+    let deadline = Instant::now() + WAIT;
+    while follower.epochs.len() < n {
         ensure!(
-            batch.seq == self.next_seq,
-            "seq {} where {} was due",
-            batch.seq,
-            self.next_seq
-        );
-        self.next_seq += 1;
-        for event in &batch.events {
-            if let KvEvent::Stored {
-                parent: Some(p), ..
-            } = event
-            {
-                ensure!(
-                    self.mirror.contains(*p),
-                    "stored under an unknown parent {p:?}"
-                );
-            }
-            self.mirror.apply(std::slice::from_ref(event));
-        }
-        Ok(())
-    }
-
-    /// Reads batches until `n` epochs were seen.
-    async fn until_epochs(&mut self, n: usize, step: &str) -> Result<()> {
-        let deadline = Instant::now() + WAIT;
-        while self.epochs < n {
-            ensure!(
-                Instant::now() < deadline,
-                "{step}: {} epochs, {n} expected",
-                self.epochs
-            );
-            match self.next().await {
-                Ok(()) => {}
-                Err(e) if e.to_string() == "no batch yet" => {}
-                Err(e) => return Err(e.context(step.to_owned())),
-            }
-        }
-        ensure!(
-            self.epochs == n,
+            Instant::now() < deadline,
             "{step}: {} epochs, {n} expected",
-            self.epochs
+            follower.epochs.len()
         );
-        Ok(())
+        follower
+            .next_within(POLL)
+            .await
+            .with_context(|| step.to_owned())?;
     }
+    ensure!(
+        follower.epochs.len() == n,
+        "{step}: {} epochs, {n} expected",
+        follower.epochs.len()
+    );
+    Ok(())
+}
 
-    /// Reads batches until the agent's blocks are the engine's.
-    async fn until_matches(&mut self, fixture: &mut Fixture, step: &str) -> Result<()> {
-        let want = fixture.expected().await?;
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if self.held() == want {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                let got = self.held();
-                bail!(
-                    "{step}: the agent's blocks differ from the engine's:\n  missing {:?}\n  extra {:?}",
-                    want.difference(&got).collect::<Vec<_>>(),
-                    got.difference(&want).collect::<Vec<_>>()
-                );
-            }
-            match self.next().await {
-                Ok(()) => {}
-                Err(e) if e.to_string() == "no batch yet" => {}
-                Err(e) => return Err(e.context(step.to_owned())),
-            }
+/// Reads batches until the agent's blocks are the engine's.
+async fn until_matches(follower: &mut KvFollower, fixture: &mut Fixture, step: &str) -> Result<()> {
+    let want = fixture.expected().await?;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if held(follower) == want {
+            return Ok(());
         }
+        if Instant::now() > deadline {
+            let got = held(follower);
+            bail!(
+                "{step}: the agent's blocks differ from the engine's:\n  missing {:?}\n  extra {:?}",
+                want.difference(&got).collect::<Vec<_>>(),
+                got.difference(&want).collect::<Vec<_>>()
+            );
+        }
+        follower
+            .next_within(POLL)
+            .await
+            .with_context(|| step.to_owned())?;
     }
 }
 
@@ -343,7 +271,8 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     let mut fx = Fixture::start(&python, &args).await?;
     let (api, api_stop) = engine_api(METRICS).await?;
     let worker = WorkerId::new(name, 0)?;
-    let mut follower = Follower::new(&servers.0, &worker).await?;
+    let bus = Bus::connect(&servers.0.url(), "fixture-test").await?;
+    let mut follower = KvFollower::new(&bus, &worker, WAIT).await?;
     let client = async_nats::connect(servers.0.url()).await?;
     let mut loads = client.subscribe(subjects::load(&worker)).await?;
 
@@ -359,8 +288,8 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
         subscribed["subscribed"] == json!(true),
         "the agent never subscribed"
     );
-    follower.until_matches(&mut fx, "history").await?;
-    follower.until_epochs(1, "history").await?;
+    until_matches(&mut follower, &mut fx, "history").await?;
+    until_epochs(&mut follower, 1, "history").await?;
 
     // The load comes from the engine's metrics.
     let report = timeout(WAIT, async {
@@ -390,7 +319,7 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
         .await?;
     fx.cmd(json!({"cmd": "store", "prompt": a, "blocks": 2, "medium": "CPU"}))
         .await?;
-    follower.until_matches(&mut fx, "live").await?;
+    until_matches(&mut follower, &mut fx, "live").await?;
 
     // 3. A gap the replay covers: no new epoch.
     fx.cmd(json!({"cmd": "store", "prompt": prompt(4, 8), "blocks": 2, "drop": true}))
@@ -398,13 +327,13 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     fx.cmd(json!({"cmd": "remove", "prompt": b, "block": 3, "drop": true}))
         .await?;
     fx.store(&prompt(5, 4), 1).await?;
-    follower.until_matches(&mut fx, "gap replayed").await?;
+    until_matches(&mut follower, &mut fx, "gap replayed").await?;
 
     // 4. Garbage: a batch that is not msgpack (it takes a seq) and a
     // message with two frames; both skipped, the stream goes on.
     fx.cmd(json!({"cmd": "garbage"})).await?;
     fx.store(&prompt(6, 8), 2).await?;
-    follower.until_matches(&mut fx, "after garbage").await?;
+    until_matches(&mut follower, &mut fx, "after garbage").await?;
     // (The epoch count at step 5 shows that neither the covered gap nor
     // the garbage started one.)
 
@@ -413,8 +342,8 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     fx.cmd(json!({"cmd": "orphan", "tokens": prompt(7, 4)}))
         .await?;
     fx.store(&prompt(8, 4), 1).await?;
-    follower.until_epochs(2, "rebuild after an orphan").await?;
-    follower.until_matches(&mut fx, "after an orphan").await?;
+    until_epochs(&mut follower, 2, "rebuild after an orphan").await?;
+    until_matches(&mut follower, &mut fx, "after an orphan").await?;
 
     // 6. A gap the replay cannot cover (evicted): the worker is
     // resynchronised from what the agent knows, in a new epoch.
@@ -423,26 +352,24 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
         .await?;
     fx.cmd(json!({"cmd": "forget_replay"})).await?;
     fx.store(&prompt(10, 4), 1).await?;
-    follower.until_epochs(3, "lost gap").await?;
+    until_epochs(&mut follower, 3, "lost gap").await?;
     // The engine evicts the blocks the agent never heard of.
     fx.cmd(json!({"cmd": "remove", "prompt": lost, "block": 1}))
         .await?;
     fx.cmd(json!({"cmd": "remove", "prompt": lost, "block": 0}))
         .await?;
-    follower
-        .until_matches(&mut fx, "lost gap resynchronised")
-        .await?;
+    until_matches(&mut follower, &mut fx, "lost gap resynchronised").await?;
 
     // 7. The engine restarts: seq back to 0, cache empty, a new epoch.
     fx.cmd(json!({"cmd": "restart"})).await?;
     fx.store(&prompt(11, 8), 2).await?;
-    follower.until_epochs(4, "restart").await?;
-    follower.until_matches(&mut fx, "restart").await?;
+    until_epochs(&mut follower, 4, "restart").await?;
+    until_matches(&mut follower, &mut fx, "restart").await?;
 
     // 8. AllBlocksCleared, then more blocks.
     fx.cmd(json!({"cmd": "clear"})).await?;
     fx.store(&prompt(12, 8), 2).await?;
-    follower.until_matches(&mut fx, "cleared").await?;
+    until_matches(&mut follower, &mut fx, "cleared").await?;
 
     agent.shutdown(WAIT).await?;
     fx.quit().await;

@@ -11,11 +11,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use engine_sim::Preset;
 use futures::StreamExt;
-use protocol::{
-    Annotation, DecisionId, FinishReason, GenerateEvent, GenerateRequest, Path, Role, Stage,
-    WorkerId,
-};
+use protocol::{FinishReason, GenerateEvent, GenerateRequest, Role, Stage, WorkerId};
 use serde_json::{json, Value};
+use tests::fixtures::generate_request;
 use tokio::time::Instant;
 use worker_agent::vllm::{EngineKind, ReplayLimits, VllmConfig, VllmEngine};
 use worker_agent::Engine;
@@ -78,21 +76,9 @@ async fn completions(axum::Json(body): axum::Json<Value>) -> Response {
     }
 }
 
+/// Request `r{first}` of three tokens (`first, 0, 0`), four to generate.
 fn request(first: u32, stage: Stage) -> GenerateRequest {
-    GenerateRequest {
-        request_id: format!("r{first}"),
-        annotation: Annotation {
-            decision: DecisionId(1),
-            path: Path::Bypass,
-            decode: WorkerId::new("w", 0).unwrap(),
-            prefill: None,
-            decode_overlap_tokens: 0,
-            prefill_overlap_tokens: 0,
-        },
-        stage,
-        prompt: vec![first, 0, 0],
-        max_tokens: 4,
-    }
+    generate_request(&format!("r{first}"), stage, vec![first, 0, 0], 4)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,11 +1,11 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use engine_sim::{Engine, EngineConfig, EngineRequest, Mode, Preset, StepOutput};
-use protocol::{BlockHash, KvEvent, KvEventBatch, Role, WorkerId};
+use protocol::{BlockHash, KvEvent, Role, WorkerId};
 
 /// The 8B preset's cost model on a small cache.
 pub fn small_config(
@@ -26,7 +26,7 @@ pub fn worker() -> WorkerId {
 }
 
 pub fn engine(role: Role, cfg: EngineConfig) -> Engine {
-    Engine::new(worker(), role, cfg, 0).unwrap()
+    Engine::new(worker(), role, cfg).unwrap()
 }
 
 /// A request whose outputs are `1_000_000 + id * 1000 + k`.
@@ -64,38 +64,24 @@ pub fn run_to_idle(
     panic!("engine not idle after {max_steps} steps");
 }
 
-/// Rebuilds a worker's cache content from its event batches, checking the
+/// Rebuilds a worker's cache content from its events, checking the
 /// stream's contract on the way.
 #[derive(Debug, Default)]
 pub struct Replay {
     pub blocks: HashSet<BlockHash>,
-    epoch: Option<u64>,
-    next_seq: u64,
+    /// Each block's parent, as the events said.
+    parents: HashMap<BlockHash, Option<BlockHash>>,
 }
 
 impl Replay {
-    /// Applies one batch; panics on a contract violation.
-    pub fn apply(&mut self, batch: &KvEventBatch) {
-        if self.epoch != Some(batch.epoch) {
-            assert!(
-                self.epoch.is_none_or(|e| batch.epoch > e),
-                "epoch went backwards"
-            );
-            assert_eq!(batch.seq, 0, "a new epoch starts at seq 0");
-            assert_eq!(
-                batch.events.first(),
-                Some(&KvEvent::Cleared),
-                "a new epoch starts with Cleared"
-            );
-            self.epoch = Some(batch.epoch);
-            self.next_seq = 0;
-        }
-        assert_eq!(batch.seq, self.next_seq, "seq gap");
-        self.next_seq += 1;
-        assert!(!batch.events.is_empty(), "empty batch");
-        for ev in &batch.events {
+    /// Applies events in order; panics on a contract violation.
+    pub fn apply(&mut self, events: &[KvEvent]) {
+        for ev in events {
             match ev {
-                KvEvent::Cleared => self.blocks.clear(),
+                KvEvent::Cleared => {
+                    self.blocks.clear();
+                    self.parents.clear();
+                }
                 KvEvent::Stored {
                     parent,
                     blocks,
@@ -106,14 +92,18 @@ impl Replay {
                     if let Some(p) = parent {
                         assert!(self.blocks.contains(p), "stored under an unknown parent");
                     }
+                    let mut parent = *parent;
                     for b in blocks {
                         assert!(self.blocks.insert(*b), "block stored twice");
+                        self.parents.insert(*b, parent);
+                        parent = Some(*b);
                     }
                 }
                 KvEvent::Removed { blocks, tier } => {
                     assert_eq!(*tier, protocol::Tier::Device);
                     for b in blocks {
                         assert!(self.blocks.remove(b), "removed an unknown block");
+                        self.parents.remove(b);
                     }
                 }
             }
@@ -121,13 +111,16 @@ impl Replay {
     }
 
     /// Takes the engine's pending events and checks the replay matches its
-    /// cache.
+    /// cache, parents included.
     pub fn sync(&mut self, engine: &mut Engine) {
-        while let Some(batch) = engine.take_kv_events() {
-            self.apply(&batch);
-        }
+        self.apply(&engine.take_kv_events());
         let cached: HashSet<BlockHash> = engine.cached_blocks().collect();
         assert_eq!(self.blocks, cached, "replayed events differ from the cache");
+        let links: HashMap<BlockHash, Option<BlockHash>> = engine.cached_block_links().collect();
+        assert_eq!(
+            self.parents, links,
+            "the cache's parents differ from the events'"
+        );
     }
 }
 

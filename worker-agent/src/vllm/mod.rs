@@ -79,9 +79,13 @@
 //! server cannot prefill locally, so bypass needs an aggregated-capable
 //! decode server; and its page size must be the deployment's block size.
 
+mod connect;
 pub mod engine;
+mod kv_task;
+mod load;
 pub mod openai;
 pub mod prom;
+mod proxy;
 pub mod sequence;
 pub mod translate;
 pub mod wire;

@@ -1,6 +1,6 @@
-//! The KV batch pipeline's core: numbers the engine's events into
-//! [`KvEventBatch`]es and holds them until JetStream acknowledges them.
-//! Pure: no IO, no clock (the service drives it and owns the retries).
+//! The KV outbox: numbers the engine's events into [`KvEventBatch`]es and
+//! holds them until JetStream acknowledges them. Pure: no IO, no clock
+//! ([`super::KvCore`] drives it: publishing, retries, resyncs).
 //!
 //! - Within an epoch, `seq` counts from 0 without gaps. A batch, once
 //!   formed, is published again unchanged until acknowledged (the same
@@ -29,9 +29,20 @@ pub struct OutboxLimits {
     pub max_batch_events: usize,
 }
 
+impl Default for OutboxLimits {
+    /// The agent's defaults (`--kv-queue-events`, `--kv-batch-events`).
+    fn default() -> Self {
+        Self {
+            max_queued_events: 65_536,
+            max_batch_events: 256,
+        }
+    }
+}
+
 /// What became of events given to [`KvOutbox::push`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pushed {
+    /// Held for publishing.
     Queued,
     /// The queue overflowed just now: everything held was dropped; start a
     /// new epoch from the engine's block set.
@@ -45,7 +56,9 @@ pub enum Pushed {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("new epoch {requested} is not greater than the current epoch {current}")]
 pub struct StaleEpoch {
+    /// The outbox's epoch.
     pub current: u64,
+    /// The epoch asked for.
     pub requested: u64,
 }
 
@@ -77,6 +90,12 @@ impl KvOutbox {
         }
     }
 
+    /// The worker whose batches these are.
+    pub fn worker(&self) -> &WorkerId {
+        &self.worker
+    }
+
+    /// The current epoch.
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
@@ -116,6 +135,20 @@ impl KvOutbox {
                 requested: epoch,
             });
         }
+        self.begin_epoch(epoch, block_set);
+        Ok(())
+    }
+
+    /// Starts the epoch `not_before`, or the one after the current epoch if
+    /// that is later, from the engine's block set (as
+    /// [`KvOutbox::start_epoch`]); returns it.
+    pub fn start_next_epoch(&mut self, not_before: u64, block_set: Vec<KvEvent>) -> u64 {
+        let epoch = not_before.max(self.epoch + 1);
+        self.begin_epoch(epoch, block_set);
+        epoch
+    }
+
+    fn begin_epoch(&mut self, epoch: u64, block_set: Vec<KvEvent>) {
         let mut events = Vec::with_capacity(block_set.len() + 1);
         events.push(KvEvent::Cleared);
         events.extend(block_set);
@@ -129,7 +162,6 @@ impl KvOutbox {
             events,
         });
         self.next_seq = 1;
-        Ok(())
     }
 
     /// The batch to publish now: the unacknowledged one, else a new one

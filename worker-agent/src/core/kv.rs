@@ -1,0 +1,713 @@
+//! [`KvCore`]: one worker's KV batches from the engine's events to
+//! acknowledged JetStream messages, without IO. The shell feeds it
+//! [`Input`]s with the time ([`KvCore::step`]) and carries out the
+//! [`Effect`]s it returns, in order.
+//!
+//! - Batches are formed and numbered by the [`KvOutbox`]: `seq` gap-free
+//!   from 0 within an epoch, every epoch's first batch starting with
+//!   `Cleared`, a resync's first batch holding the whole block set.
+//! - One publish is in flight at a time. An unacknowledged batch is
+//!   published again unchanged (the same message id) after a backoff
+//!   ([`Backoff`]), until acknowledged or superseded by a new epoch.
+//! - A resync (asked for on the resync subject, or forced by a queue
+//!   overflow) asks the engine for its block set once, however many ask
+//!   meanwhile; the block set starts a new epoch, and whoever asked gets a
+//!   [`ResyncReply`] once that epoch's first batch is acknowledged.
+//!
+//! The shell's clock is a parameter: `now` is the time since the shell's
+//! origin, and the first epoch is the shell's wall clock (ms) at that
+//! origin, so that a later epoch (the first epoch plus `now`, or one more
+//! than the current epoch) is also later than any epoch of an earlier
+//! run of the agent.
+
+use std::mem;
+use std::time::Duration;
+
+use protocol::{subjects, KvEvent, KvEventBatch, ResyncReply, WorkerId};
+
+use super::backoff::Backoff;
+use super::outbox::{KvOutbox, OutboxLimits, Pushed};
+
+/// What happens to the KV pipeline. `R` names where a resync reply goes
+/// (the shell's reply subject).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input<R> {
+    /// The engine's canonical KV events, in its order.
+    EngineEvents(Vec<KvEvent>),
+    /// The engine's whole block set (`Stored` events only, each parent
+    /// before its children), asked for with [`Effect::RequestBlockSet`] or
+    /// not: a new epoch starts from it.
+    BlockSet(Vec<KvEvent>),
+    /// JetStream acknowledged batch `(epoch, seq)`; `duplicate`: it had
+    /// stored it already (a publish again after a lost acknowledgement).
+    Acked {
+        /// The batch's epoch.
+        epoch: u64,
+        /// The batch's seq.
+        seq: u64,
+        /// JetStream had the message id already.
+        duplicate: bool,
+    },
+    /// Publishing batch `(epoch, seq)` failed.
+    PublishFailed {
+        /// The batch's epoch.
+        epoch: u64,
+        /// The batch's seq.
+        seq: u64,
+        /// Why, for the log.
+        error: String,
+    },
+    /// Someone asked for a resync; `reply`: where to answer.
+    ResyncRequested {
+        /// Where the [`ResyncReply`] goes, if anywhere.
+        reply: Option<R>,
+    },
+    /// Time passed: a retry asked for with [`Effect::RetryAt`] may be due.
+    Tick,
+}
+
+/// What the shell does for the core, in the order given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect<R> {
+    /// Publish `batch` under `message_id` (JetStream drops a second message
+    /// with the same id) and report [`Input::Acked`] or
+    /// [`Input::PublishFailed`]. Never given while another publish is in
+    /// flight (one ended, or [`Effect::CancelPublish`] came first).
+    Publish {
+        /// The batch, numbered.
+        batch: KvEventBatch,
+        /// Its JetStream message id ([`subjects::kv_batch_msg_id`]).
+        message_id: String,
+    },
+    /// Drop the publish in flight: a new epoch or an overflow superseded
+    /// its batch, and its outcome no longer matters.
+    CancelPublish,
+    /// Step the core ([`Input::Tick`]) at this time: a retry is due then.
+    RetryAt(Duration),
+    /// Ask the engine for its block set ([`Input::BlockSet`] when it comes).
+    RequestBlockSet,
+    /// Send `reply` to `to`: the resync it asked for is in the stream.
+    Reply {
+        /// Who asked.
+        to: R,
+        /// The new epoch and the size of its block set.
+        reply: ResyncReply,
+    },
+    /// Something to count and log.
+    Note(Note),
+}
+
+/// What the shell counts and logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Note {
+    /// A batch was acknowledged.
+    Published {
+        /// The batch's epoch.
+        epoch: u64,
+        /// The batch's seq.
+        seq: u64,
+        /// Events in the batch.
+        events: usize,
+        /// Block events in it ([`KvEventBatch::block_events`]).
+        blocks: u64,
+        /// JetStream had stored it already.
+        duplicate: bool,
+        /// Failed publishes before this one (0: the first try).
+        after_failures: u32,
+    },
+    /// A publish failed: the same batch goes again after a backoff.
+    PublishFailed {
+        /// The batch's epoch.
+        epoch: u64,
+        /// The batch's seq.
+        seq: u64,
+        /// Failures in a row, this one included.
+        failures: u32,
+        /// Events held for publishing.
+        held_events: usize,
+        /// Why.
+        error: String,
+    },
+    /// The queue passed half of its bound (noted once until it drains).
+    QueueFilling {
+        /// Events held for publishing.
+        held_events: usize,
+        /// The bound.
+        max_queued_events: usize,
+        /// Failures in a row of the batch in flight.
+        failures: u32,
+    },
+    /// The queue is below a quarter of its bound again.
+    QueueDrained {
+        /// Events held for publishing.
+        held_events: usize,
+    },
+    /// The queue overflowed and was dropped; a resync follows.
+    Overflowed {
+        /// The epoch whose events were dropped.
+        epoch: u64,
+        /// Failures in a row of the batch that was in flight.
+        failures: u32,
+    },
+    /// A new epoch started from the engine's block set.
+    NewEpoch {
+        /// The new epoch.
+        epoch: u64,
+        /// Blocks in the block set.
+        blocks: u64,
+        /// Why.
+        reason: ResyncReason,
+    },
+}
+
+/// Why a new epoch started from the engine's block set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncReason {
+    /// Someone asked on the resync subject.
+    Request,
+    /// The queue overflowed while NATS did not acknowledge.
+    Overflow,
+    /// The engine sent its block set unasked (its own new epoch).
+    Engine,
+}
+
+impl ResyncReason {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResyncReason::Request => "request",
+            ResyncReason::Overflow => "overflow",
+            ResyncReason::Engine => "engine",
+        }
+    }
+}
+
+/// Where the batch being published is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sending {
+    /// Nothing in flight: the next batch goes at once.
+    Idle,
+    /// Batch `(epoch, seq)` is being published.
+    InFlight { epoch: u64, seq: u64 },
+    /// The last publish failed: the batch goes again at this time.
+    RetryAt(Duration),
+}
+
+/// The resync replies owed for `epoch`, sent once its first batch (the
+/// block set) is acknowledged.
+#[derive(Debug)]
+struct Owed<R> {
+    epoch: u64,
+    blocks: u64,
+    to: Vec<R>,
+}
+
+/// One worker's KV pipeline. See the module documentation.
+#[derive(Debug)]
+pub struct KvCore<R> {
+    outbox: KvOutbox,
+    limits: OutboxLimits,
+    first_epoch: u64,
+    backoff: Backoff,
+    sending: Sending,
+    /// Failed publishes in a row of the current batch.
+    failures: u32,
+    /// A block set was asked of the engine, for this reason.
+    resync_requested: Option<ResyncReason>,
+    /// Who asked for a resync whose block set has not come yet.
+    waiting: Vec<R>,
+    owed: Option<Owed<R>>,
+    /// The queue passed half of its bound (noted once).
+    queue_filling: bool,
+    effects: Vec<Effect<R>>,
+}
+
+impl<R> KvCore<R> {
+    /// A pipeline starting `first_epoch` (the shell's wall clock in ms at
+    /// its time origin); its first batch starts with `Cleared` and goes at
+    /// the first step.
+    pub fn new(worker: WorkerId, first_epoch: u64, limits: OutboxLimits, backoff: Backoff) -> Self {
+        Self {
+            outbox: KvOutbox::new(worker, first_epoch, limits),
+            limits,
+            first_epoch,
+            backoff,
+            sending: Sending::Idle,
+            failures: 0,
+            resync_requested: None,
+            waiting: Vec::new(),
+            owed: None,
+            queue_filling: false,
+            effects: Vec::new(),
+        }
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.outbox.epoch()
+    }
+
+    /// Events held for publishing (queued and in the batch in flight).
+    pub fn held_events(&self) -> usize {
+        self.outbox.held_events()
+    }
+
+    /// Failed publishes in a row of the current batch.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+
+    /// Takes `input` at time `now` (since the shell's origin, never going
+    /// back) and returns what to do, in order.
+    pub fn step(&mut self, input: Input<R>, now: Duration) -> Vec<Effect<R>> {
+        match input {
+            Input::EngineEvents(events) => self.on_events(events),
+            Input::BlockSet(set) => self.on_block_set(set, now),
+            Input::Acked {
+                epoch,
+                seq,
+                duplicate,
+            } => self.on_acked(epoch, seq, duplicate),
+            Input::PublishFailed { epoch, seq, error } => self.on_failed(epoch, seq, error, now),
+            Input::ResyncRequested { reply } => {
+                self.waiting.extend(reply);
+                self.request_resync(ResyncReason::Request);
+            }
+            Input::Tick => {}
+        }
+        self.pump(now);
+        mem::take(&mut self.effects)
+    }
+
+    fn note(&mut self, note: Note) {
+        self.effects.push(Effect::Note(note));
+    }
+
+    fn on_events(&mut self, events: Vec<KvEvent>) {
+        match self.outbox.push(events) {
+            Pushed::Queued => self.watch_queue(),
+            Pushed::AwaitingResync => {}
+            Pushed::Overflowed => {
+                self.note(Note::Overflowed {
+                    epoch: self.outbox.epoch(),
+                    failures: self.failures,
+                });
+                self.drop_publish();
+                self.queue_filling = false;
+                self.request_resync(ResyncReason::Overflow);
+            }
+        }
+    }
+
+    /// Notes once when the queue fills past half of its bound.
+    fn watch_queue(&mut self) {
+        let held = self.outbox.held_events();
+        let max = self.limits.max_queued_events;
+        if !self.queue_filling && held >= max / 2 {
+            self.queue_filling = true;
+            self.note(Note::QueueFilling {
+                held_events: held,
+                max_queued_events: max,
+                failures: self.failures,
+            });
+        }
+    }
+
+    fn request_resync(&mut self, reason: ResyncReason) {
+        if self.resync_requested.is_none() {
+            self.resync_requested = Some(reason);
+            self.effects.push(Effect::RequestBlockSet);
+        }
+    }
+
+    /// The batch in flight, or waiting for its retry, is superseded.
+    fn drop_publish(&mut self) {
+        if matches!(self.sending, Sending::InFlight { .. }) {
+            self.effects.push(Effect::CancelPublish);
+        }
+        self.sending = Sending::Idle;
+    }
+
+    /// The engine's block set came: a new epoch starts from it, and it
+    /// answers every resync asked for until now.
+    fn on_block_set(&mut self, set: Vec<KvEvent>, now: Duration) {
+        let reason = self.resync_requested.take().unwrap_or(ResyncReason::Engine);
+        let blocks = stored_blocks(&set);
+        let now_ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
+        let epoch = self
+            .outbox
+            .start_next_epoch(self.first_epoch.saturating_add(now_ms), set);
+        self.drop_publish();
+        self.failures = 0;
+        self.note(Note::NewEpoch {
+            epoch,
+            blocks,
+            reason,
+        });
+        // Replies owed for an older epoch are answered by this one.
+        let mut to = mem::take(&mut self.waiting);
+        if let Some(older) = self.owed.take() {
+            to.extend(older.to);
+        }
+        self.owed = Some(Owed { epoch, blocks, to });
+    }
+
+    fn on_acked(&mut self, epoch: u64, seq: u64, duplicate: bool) {
+        if self.sending != (Sending::InFlight { epoch, seq }) {
+            // A superseded publish: its batch is gone.
+            return;
+        }
+        self.sending = Sending::Idle;
+        let Some(batch) = self.outbox.acked(epoch, seq) else {
+            return;
+        };
+        let after_failures = mem::take(&mut self.failures);
+        self.note(Note::Published {
+            epoch,
+            seq,
+            events: batch.events.len(),
+            blocks: batch.block_events() as u64,
+            duplicate,
+            after_failures,
+        });
+        let held = self.outbox.held_events();
+        if self.queue_filling && held < self.limits.max_queued_events / 4 {
+            self.queue_filling = false;
+            self.note(Note::QueueDrained { held_events: held });
+        }
+        if seq == 0 {
+            self.send_owed_replies(epoch);
+        }
+    }
+
+    fn on_failed(&mut self, epoch: u64, seq: u64, error: String, now: Duration) {
+        if self.sending != (Sending::InFlight { epoch, seq }) {
+            return;
+        }
+        self.failures += 1;
+        let at = now.saturating_add(self.backoff.delay(self.failures));
+        self.sending = Sending::RetryAt(at);
+        self.note(Note::PublishFailed {
+            epoch,
+            seq,
+            failures: self.failures,
+            held_events: self.outbox.held_events(),
+            error,
+        });
+        self.effects.push(Effect::RetryAt(at));
+    }
+
+    /// The first batch of `epoch` is in the stream: answer who asked.
+    fn send_owed_replies(&mut self, epoch: u64) {
+        let Some(owed) = self.owed.take_if(|o| o.epoch == epoch) else {
+            return;
+        };
+        for to in owed.to {
+            let reply = ResyncReply {
+                worker: self.outbox.worker().clone(),
+                epoch,
+                blocks: owed.blocks,
+            };
+            self.effects.push(Effect::Reply { to, reply });
+        }
+    }
+
+    /// Publishes the next batch if nothing is in flight and no retry is
+    /// still waiting.
+    fn pump(&mut self, now: Duration) {
+        match self.sending {
+            Sending::InFlight { .. } => return,
+            Sending::RetryAt(at) if now < at => return,
+            Sending::RetryAt(_) | Sending::Idle => {}
+        }
+        let Some(batch) = self.outbox.next_batch() else {
+            self.sending = Sending::Idle;
+            return;
+        };
+        let batch = batch.clone();
+        self.sending = Sending::InFlight {
+            epoch: batch.epoch,
+            seq: batch.seq,
+        };
+        let message_id = subjects::kv_batch_msg_id(&batch.worker, batch.epoch, batch.seq);
+        self.effects.push(Effect::Publish { batch, message_id });
+    }
+}
+
+/// Blocks in a block set's `Stored` events.
+fn stored_blocks(set: &[KvEvent]) -> u64 {
+    set.iter()
+        .map(|e| match e {
+            KvEvent::Stored { blocks, .. } => blocks.len() as u64,
+            _ => 0,
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use protocol::{BlockHash, Tier};
+
+    use super::*;
+
+    const LIMITS: OutboxLimits = OutboxLimits {
+        max_queued_events: 100,
+        max_batch_events: 8,
+    };
+
+    fn worker() -> WorkerId {
+        WorkerId::new("w", 0).unwrap()
+    }
+
+    fn core(first_epoch: u64, limits: OutboxLimits) -> KvCore<&'static str> {
+        KvCore::new(worker(), first_epoch, limits, Backoff::AGENT)
+    }
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    fn stored(v: u64) -> KvEvent {
+        KvEvent::Stored {
+            parent: None,
+            blocks: vec![BlockHash(v)],
+            tier: Tier::Device,
+        }
+    }
+
+    fn publish(epoch: u64, seq: u64, events: Vec<KvEvent>) -> Effect<&'static str> {
+        Effect::Publish {
+            batch: KvEventBatch {
+                worker: worker(),
+                epoch,
+                seq,
+                events,
+            },
+            message_id: subjects::kv_batch_msg_id(&worker(), epoch, seq),
+        }
+    }
+
+    fn acked(epoch: u64, seq: u64) -> Input<&'static str> {
+        Input::Acked {
+            epoch,
+            seq,
+            duplicate: false,
+        }
+    }
+
+    fn published(effects: &[Effect<&'static str>]) -> Vec<(u64, u64)> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Publish { batch, .. } => Some((batch.epoch, batch.seq)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batches_go_one_at_a_time_numbered_from_the_cleared_one() {
+        let mut c = core(7, LIMITS);
+        assert_eq!(
+            c.step(Input::Tick, ms(0)),
+            vec![publish(7, 0, vec![KvEvent::Cleared])]
+        );
+        // In flight: the events wait.
+        assert_eq!(
+            c.step(Input::EngineEvents(vec![stored(1), stored(2)]), ms(1)),
+            vec![]
+        );
+        assert_eq!(c.held_events(), 3);
+        let effects = c.step(acked(7, 0), ms(2));
+        assert_eq!(
+            effects,
+            vec![
+                Effect::Note(Note::Published {
+                    epoch: 7,
+                    seq: 0,
+                    events: 1,
+                    blocks: 0,
+                    duplicate: false,
+                    after_failures: 0,
+                }),
+                publish(7, 1, vec![stored(1), stored(2)]),
+            ]
+        );
+        assert_eq!(published(&c.step(acked(7, 1), ms(3))), vec![]);
+        assert_eq!(c.held_events(), 0);
+    }
+
+    #[test]
+    fn a_failed_batch_goes_again_unchanged_after_its_backoff() {
+        let mut c = core(7, LIMITS);
+        let first = c.step(Input::EngineEvents(vec![stored(1)]), ms(0));
+        assert_eq!(
+            first,
+            vec![publish(7, 0, vec![KvEvent::Cleared, stored(1)])]
+        );
+        let failed = c.step(
+            Input::PublishFailed {
+                epoch: 7,
+                seq: 0,
+                error: "timed out".into(),
+            },
+            ms(10),
+        );
+        assert_eq!(
+            failed,
+            vec![
+                Effect::Note(Note::PublishFailed {
+                    epoch: 7,
+                    seq: 0,
+                    failures: 1,
+                    held_events: 2,
+                    error: "timed out".into(),
+                }),
+                Effect::RetryAt(ms(60)),
+            ]
+        );
+        // Not before its time, whatever else happens.
+        assert_eq!(c.step(Input::EngineEvents(vec![stored(2)]), ms(59)), vec![]);
+        assert_eq!(
+            c.step(Input::Tick, ms(60)),
+            first,
+            "the same batch, the same id"
+        );
+        let again = c.step(
+            Input::PublishFailed {
+                epoch: 7,
+                seq: 0,
+                error: "timed out".into(),
+            },
+            ms(70),
+        );
+        assert_eq!(again.last(), Some(&Effect::RetryAt(ms(170))), "doubled");
+        assert_eq!(published(&c.step(Input::Tick, ms(170))), vec![(7, 0)]);
+        let effects = c.step(acked(7, 0), ms(171));
+        assert!(matches!(
+            effects[0],
+            Effect::Note(Note::Published {
+                after_failures: 2,
+                ..
+            })
+        ));
+        assert_eq!(published(&effects), vec![(7, 1)]);
+        assert_eq!(c.failures(), 0);
+    }
+
+    #[test]
+    fn resyncs_share_one_block_set_and_are_answered_after_its_first_batch() {
+        let mut c = core(1_000, LIMITS);
+        c.step(Input::EngineEvents(vec![stored(1)]), ms(0));
+        assert_eq!(
+            c.step(Input::ResyncRequested { reply: Some("a") }, ms(1)),
+            vec![Effect::RequestBlockSet]
+        );
+        assert_eq!(
+            c.step(Input::ResyncRequested { reply: Some("b") }, ms(2)),
+            vec![],
+            "asked once"
+        );
+        c.step(Input::ResyncRequested { reply: None }, ms(3));
+        let set = vec![stored(1), stored(2)];
+        let effects = c.step(Input::BlockSet(set.clone()), ms(5));
+        assert_eq!(
+            effects,
+            vec![
+                Effect::CancelPublish,
+                Effect::Note(Note::NewEpoch {
+                    epoch: 1_005,
+                    blocks: 2,
+                    reason: ResyncReason::Request,
+                }),
+                publish(1_005, 0, vec![KvEvent::Cleared, stored(1), stored(2)]),
+            ]
+        );
+        // The old epoch's acknowledgement comes late: ignored.
+        assert_eq!(c.step(acked(1_000, 0), ms(6)), vec![]);
+        c.step(Input::EngineEvents(vec![stored(3)]), ms(7));
+        let effects = c.step(acked(1_005, 0), ms(8));
+        let replies: Vec<_> = effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Reply { to, reply } => Some((*to, reply.epoch, reply.blocks)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(replies, vec![("a", 1_005, 2), ("b", 1_005, 2)]);
+        assert_eq!(published(&effects), vec![(1_005, 1)]);
+        let later = c.step(acked(1_005, 1), ms(9));
+        assert!(
+            !later.iter().any(|e| matches!(e, Effect::Reply { .. })),
+            "answered once"
+        );
+    }
+
+    #[test]
+    fn an_overflow_drops_the_queue_and_resyncs_from_the_block_set() {
+        let mut c = core(
+            1_000,
+            OutboxLimits {
+                max_queued_events: 2,
+                max_batch_events: 8,
+            },
+        );
+        c.step(Input::Tick, ms(0));
+        let effects = c.step(
+            Input::EngineEvents(vec![stored(1), stored(2), stored(3)]),
+            ms(1),
+        );
+        assert_eq!(
+            effects,
+            vec![
+                Effect::Note(Note::Overflowed {
+                    epoch: 1_000,
+                    failures: 0,
+                }),
+                Effect::CancelPublish,
+                Effect::RequestBlockSet,
+            ]
+        );
+        assert_eq!(c.held_events(), 0);
+        // Covered by the block set to come.
+        assert_eq!(c.step(Input::EngineEvents(vec![stored(4)]), ms(2)), vec![]);
+        assert_eq!(
+            c.step(Input::ResyncRequested { reply: None }, ms(2)),
+            vec![]
+        );
+        let set: Vec<KvEvent> = (1..=4).map(stored).collect();
+        let effects = c.step(Input::BlockSet(set), ms(3));
+        assert_eq!(
+            effects[0],
+            Effect::Note(Note::NewEpoch {
+                epoch: 1_003,
+                blocks: 4,
+                reason: ResyncReason::Overflow,
+            })
+        );
+        assert_eq!(published(&effects), vec![(1_003, 0)]);
+    }
+
+    #[test]
+    fn a_new_epoch_is_the_clock_or_one_more_than_the_last() {
+        let mut c = core(1_000, LIMITS);
+        let epochs: Vec<u64> = [ms(0), ms(0), ms(40)]
+            .into_iter()
+            .map(|now| {
+                c.step(Input::BlockSet(vec![]), now);
+                c.epoch()
+            })
+            .collect();
+        assert_eq!(epochs, vec![1_001, 1_002, 1_040]);
+        // The first batch of the last epoch was in flight.
+        let effects = c.step(Input::BlockSet(vec![]), ms(41));
+        assert_eq!(effects[0], Effect::CancelPublish);
+        assert!(matches!(
+            effects[1],
+            Effect::Note(Note::NewEpoch {
+                reason: ResyncReason::Engine,
+                ..
+            })
+        ));
+    }
+}

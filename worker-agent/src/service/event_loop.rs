@@ -1,0 +1,323 @@
+//! The agent's loop: one owner of the state; everything that happens to
+//! it is one [`Event`], awaited in one `select!` ([`Agent::next_event`]).
+//! KV batches are the [`KvCore`]'s business (`kv.rs` carries out its
+//! effects), generation is `generate.rs`'s; load reports are here.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::connection::State;
+use async_nats::{Client, Message as NatsMessage, Subject, Subscriber};
+use bus::Bus;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use metrics::{counter, gauge};
+use protocol::{subjects, DecisionId, LoadReport, Message, Role, WorkerId};
+use tokio::task::{AbortHandle, JoinError, JoinSet};
+use tokio::time::{Instant, Interval, MissedTickBehavior};
+use tracing::{debug, error, info, warn};
+
+use super::kv::PublishDone;
+use crate::config::Settings;
+use crate::core::{Backoff, Input, KvCore};
+use crate::engine::{Engine, EngineLoad, KvUpdate};
+use crate::error::AgentError;
+use crate::metrics as m;
+
+/// How long in-flight streams get to send their last chunk at shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// A core NATS publish from the loop waits at most this long.
+const LOAD_PUBLISH_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Everything that happens to the agent.
+#[derive(Debug)]
+enum Event {
+    Shutdown,
+    /// From the engine's KV stream; `None` when it ended.
+    Kv(Option<KvUpdate>),
+    /// A KV batch publish finished.
+    Published(PublishDone),
+    /// The retry the KV core asked for is due.
+    RetryDue,
+    /// A message on the generate subject; `None` when the subscription ended.
+    Generate(Option<NatsMessage>),
+    /// A message on the resync subject; `None` when the subscription ended.
+    Resync(Option<NatsMessage>),
+    /// A message on the cancel subject; `None` when the subscription ended.
+    Cancel(Option<NatsMessage>),
+    /// Time to check the load.
+    LoadTick,
+    /// A stream forwarder or a reply task ended.
+    TaskEnded(Result<(), JoinError>),
+}
+
+/// The subjects an agent serves.
+pub(super) struct Subscriptions {
+    pub(super) generate: Subscriber,
+    pub(super) resync: Subscriber,
+    pub(super) cancel: Subscriber,
+}
+
+/// The agent's state, owned by its loop.
+pub(super) struct Agent {
+    pub(super) worker: WorkerId,
+    pub(super) role: Role,
+    pub(super) engine: Arc<dyn Engine>,
+    pub(super) bus: Bus,
+    pub(super) client: Client,
+    kv_updates: BoxStream<'static, KvUpdate>,
+    generate: Subscriber,
+    resync: Subscriber,
+    cancel: Subscriber,
+    /// The generation streams being forwarded, by decision: a cancel
+    /// aborts the forwarder, which drops the engine's stream.
+    pub(super) streams: HashMap<DecisionId, AbortHandle>,
+    /// Numbering, retries, resyncs and owed replies of the KV batches.
+    pub(super) kv: KvCore<Subject>,
+    /// The KV core's time origin.
+    pub(super) origin: Instant,
+    /// The KV batch publish in flight.
+    pub(super) publishing: Option<BoxFuture<'static, PublishDone>>,
+    /// When the KV core wants to be stepped again (a retry).
+    pub(super) retry_at: Option<Instant>,
+    load_tick: Interval,
+    load_interval: Duration,
+    load_poll: Duration,
+    /// The last load checked for publishing, and when.
+    last_load: Option<(EngineLoad, Instant)>,
+    /// Stream forwarders and reply senders.
+    pub(super) tasks: JoinSet<()>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("worker", &self.worker)
+            .field("epoch", &self.kv.epoch())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    pub(super) fn new(
+        settings: &Settings,
+        engine: Arc<dyn Engine>,
+        bus: Bus,
+        kv_updates: BoxStream<'static, KvUpdate>,
+        subscriptions: Subscriptions,
+    ) -> Self {
+        let Subscriptions {
+            generate,
+            resync,
+            cancel,
+        } = subscriptions;
+        let mut load_tick = tokio::time::interval(settings.load_poll);
+        load_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // A fresh epoch at every start: later than any earlier one.
+        let kv = KvCore::new(
+            settings.worker.clone(),
+            unix_ms(),
+            settings.outbox,
+            Backoff::AGENT,
+        );
+        gauge!(m::KV_EPOCH).set(kv.epoch() as f64);
+        Self {
+            worker: settings.worker.clone(),
+            role: settings.role,
+            engine,
+            client: bus.client().clone(),
+            bus,
+            kv_updates,
+            generate,
+            resync,
+            cancel,
+            streams: HashMap::new(),
+            kv,
+            origin: Instant::now(),
+            publishing: None,
+            retry_at: None,
+            load_tick,
+            load_interval: settings.load_interval,
+            load_poll: settings.load_poll,
+            last_load: None,
+            tasks: JoinSet::new(),
+        }
+    }
+
+    /// The current KV epoch.
+    pub(super) fn epoch(&self) -> u64 {
+        self.kv.epoch()
+    }
+
+    pub(super) async fn serve(
+        &mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), AgentError> {
+        let mut shutdown = std::pin::pin!(shutdown);
+        // The first batch (`Cleared`) goes at once.
+        self.kv_step(Input::Tick);
+        loop {
+            match self.next_event(shutdown.as_mut()).await {
+                Event::Shutdown => {
+                    info!("shutting down");
+                    return Ok(());
+                }
+                Event::Kv(None) => {
+                    return Err(match self.engine.failure() {
+                        Some(why) => AgentError::EngineFailed(why),
+                        None => AgentError::EngineStopped,
+                    })
+                }
+                Event::Kv(Some(KvUpdate::Events(events))) => {
+                    self.kv_step(Input::EngineEvents(events))
+                }
+                Event::Kv(Some(KvUpdate::BlockSet(set))) => self.kv_step(Input::BlockSet(set)),
+                Event::Published(done) => self.on_published(done),
+                Event::RetryDue => {
+                    self.retry_at = None;
+                    self.kv_step(Input::Tick);
+                }
+                Event::Generate(Some(message)) => self.on_generate(message),
+                Event::Generate(None) => {
+                    return Err(AgentError::SubscriptionClosed {
+                        subject: subjects::generate(&self.worker),
+                    })
+                }
+                Event::Resync(Some(message)) => {
+                    info!(has_reply = message.reply.is_some(), "resync requested");
+                    self.kv_step(Input::ResyncRequested {
+                        reply: message.reply,
+                    });
+                }
+                Event::Resync(None) => {
+                    return Err(AgentError::SubscriptionClosed {
+                        subject: subjects::resync(&self.worker),
+                    })
+                }
+                Event::Cancel(Some(message)) => self.on_cancel(&message),
+                Event::Cancel(None) => {
+                    return Err(AgentError::SubscriptionClosed {
+                        subject: subjects::cancel(&self.worker),
+                    })
+                }
+                Event::LoadTick => self.on_load_tick().await,
+                Event::TaskEnded(ended) => {
+                    if let Err(e) = ended {
+                        if !e.is_cancelled() {
+                            error!(error = %e, "a stream task failed");
+                        }
+                    }
+                    self.streams.retain(|_, task| !task.is_finished());
+                }
+            }
+        }
+    }
+
+    /// The one place the loop waits.
+    async fn next_event(&mut self, shutdown: Pin<&mut impl Future<Output = ()>>) -> Event {
+        let publishing = self.publishing.is_some();
+        let tasks = !self.tasks.is_empty();
+        let retry_at = self.retry_at;
+        let Self {
+            kv_updates,
+            publishing: publish,
+            generate,
+            resync,
+            cancel,
+            load_tick,
+            tasks: task_set,
+            ..
+        } = self;
+        tokio::select! {
+            () = shutdown => Event::Shutdown,
+            update = kv_updates.next() => Event::Kv(update),
+            done = async { publish.as_mut().expect("guarded by the precondition").await }, if publishing => {
+                Event::Published(done)
+            }
+            () = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if retry_at.is_some() => {
+                Event::RetryDue
+            }
+            message = generate.next() => Event::Generate(message),
+            message = resync.next() => Event::Resync(message),
+            message = cancel.next() => Event::Cancel(message),
+            _ = load_tick.tick() => Event::LoadTick,
+            Some(ended) = task_set.join_next(), if tasks => Event::TaskEnded(ended),
+        }
+    }
+
+    /// After the loop: stops taking requests, stops the engine, gives the
+    /// open streams their last chunk (within a grace period) and flushes
+    /// NATS. Returns the KV events left unpublished.
+    pub(super) async fn wind_down(self) -> usize {
+        let Self {
+            generate,
+            resync,
+            engine,
+            mut tasks,
+            client,
+            kv,
+            ..
+        } = self;
+        drop(generate);
+        drop(resync);
+        engine.stop();
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            warn!("in-flight streams did not end in time");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), client.flush()).await;
+        kv.held_events()
+    }
+
+    // --- Load ------------------------------------------------------------
+
+    /// Publishes the load when it changed, or when the last report is
+    /// about to be `load_interval` old.
+    async fn on_load_tick(&mut self) {
+        let load = self.engine.load();
+        let now = Instant::now();
+        let due = match self.last_load {
+            None => true,
+            Some((last, at)) => {
+                last != load || now.duration_since(at) + self.load_poll >= self.load_interval
+            }
+        };
+        if !due {
+            return;
+        }
+        self.last_load = Some((load, now));
+        if self.client.connection_state() != State::Connected {
+            counter!(m::PUBLISH_ERRORS, "kind" => "load").increment(1);
+            return;
+        }
+        let report: LoadReport = load.report(self.worker.clone(), unix_ms());
+        let publish = self
+            .client
+            .publish(subjects::load(&self.worker), report.encode().into());
+        match tokio::time::timeout(LOAD_PUBLISH_TIMEOUT, publish).await {
+            Ok(Ok(())) => counter!(m::LOAD_REPORTS).increment(1),
+            Ok(Err(e)) => {
+                counter!(m::PUBLISH_ERRORS, "kind" => "load").increment(1);
+                debug!(error = %e, "load report not published");
+            }
+            Err(_) => {
+                counter!(m::PUBLISH_ERRORS, "kind" => "load").increment(1);
+                debug!("load report not published in time");
+            }
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Start-up and stop: the engine (simulated, or a real one connected to),
+//! its contract checked, NATS and etcd connected, the worker registered,
+//! the loop run until shutdown, then the orderly stop.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::{Client, Subscriber};
+use bus::{Bus, Registry, StreamLimits};
+use futures::stream::BoxStream;
+use metrics::counter;
+use protocol::{
+    subjects, ContractMismatch, HashingContract, WorkerId, WorkerRecord, WorkerSubjects,
+};
+use tracing::{error, info, Instrument};
+
+use super::event_loop::{Agent, Subscriptions};
+use crate::config::{Config, Settings};
+use crate::engine::{Engine, KvUpdate};
+use crate::error::AgentError;
+use crate::metrics as m;
+use crate::sim_engine::{SimEngine, SimEngineConfig};
+use crate::vllm::{VllmEngine, VllmError};
+
+/// Runs the agent with the configured engine (the built-in simulated one,
+/// or a real one it connects to) until `shutdown` completes, then revokes
+/// the registration and stops.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AgentError> {
+    let settings = config.validate()?;
+    let mut shutdown = std::pin::pin!(shutdown);
+    let engine: Arc<dyn Engine> = match settings.real_engine.clone() {
+        None => Arc::new(SimEngine::start(SimEngineConfig {
+            worker: settings.worker.clone(),
+            role: settings.role,
+            preset: settings.preset,
+            block_size: settings.contract.block_size,
+            kv_capacity_blocks: settings.kv_capacity_blocks,
+            speedup: settings.speedup,
+            link: settings.link,
+        })?),
+        Some(real) => {
+            if config.http_addr.is_some() {
+                // Installed before the engine's first events are counted.
+                let _ = crate::metrics::prometheus();
+            }
+            let span = tracing::info_span!("worker_agent", worker = %settings.worker);
+            let connect = VllmEngine::connect(real).instrument(span);
+            // The engine may take long to come up (its own timeout); an
+            // early shutdown stops the wait.
+            tokio::select! {
+                engine = connect => match engine {
+                    Ok(engine) => Arc::new(engine),
+                    Err(VllmError::Contract { configured, source }) => {
+                        return Err(refuse_engine(&settings.worker, configured, source));
+                    }
+                    Err(e) => return Err(e.into()),
+                },
+                () = shutdown.as_mut() => return Ok(()),
+            }
+        }
+    };
+    run_with_engine(config, engine, shutdown).await
+}
+
+/// Runs the agent in front of `engine` until `shutdown` completes.
+pub async fn run_with_engine(
+    config: Config,
+    engine: Arc<dyn Engine>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AgentError> {
+    let settings = config.validate()?;
+    let facts = engine.facts();
+    if let Err(source) = settings.contract.check(&facts.contract) {
+        return Err(refuse_engine(
+            &settings.worker,
+            settings.contract.clone(),
+            source,
+        ));
+    }
+    let kv_updates = engine.take_kv_updates().ok_or(AgentError::KvStreamTaken)?;
+    let span = tracing::info_span!("worker_agent", worker = %settings.worker);
+    serve_worker(config, settings, engine, kv_updates, shutdown)
+        .instrument(span)
+        .await
+}
+
+/// The engine names blocks differently from the deployment: it is refused
+/// (logged, counted), never registered.
+fn refuse_engine(
+    worker: &WorkerId,
+    configured: HashingContract,
+    source: ContractMismatch,
+) -> AgentError {
+    counter!(m::CONTRACT_REFUSALS, "reason" => source.label()).increment(1);
+    error!(
+        worker = %worker,
+        error = %source,
+        "REFUSING the engine: it names blocks differently from the deployment"
+    );
+    AgentError::Contract { configured, source }
+}
+
+/// Connects, registers, serves until `shutdown`, then stops.
+async fn serve_worker(
+    config: Config,
+    settings: Settings,
+    engine: Arc<dyn Engine>,
+    kv_updates: BoxStream<'static, KvUpdate>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AgentError> {
+    let facts = engine.facts();
+    let worker = settings.worker.clone();
+    let bus = Bus::connect(&config.nats_url, &format!("worker-agent {worker}")).await?;
+    bus.ensure_streams(&StreamLimits::default()).await?;
+    let client = bus.client().clone();
+    let subscriptions = Subscriptions {
+        generate: subscribe(&client, subjects::generate(&worker)).await?,
+        resync: subscribe(&client, subjects::resync(&worker)).await?,
+        cancel: subscribe(&client, subjects::cancel(&worker)).await?,
+    };
+
+    let (http_stop, http_task) = match config.http_addr {
+        Some(addr) => {
+            // Installed before anything is counted.
+            let metrics = crate::metrics::prometheus();
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| AgentError::Http { addr, source })?;
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(crate::http::serve(
+                listener,
+                metrics,
+                client.clone(),
+                async {
+                    let _ = stopped.await;
+                },
+            ));
+            info!(%addr, "serving /metrics and /healthz");
+            (Some(stop), Some(task))
+        }
+        None => (None, None),
+    };
+
+    let record = WorkerRecord {
+        id: worker.clone(),
+        role: settings.role,
+        contract: settings.contract.clone(),
+        kv_capacity_blocks: facts.kv_capacity_blocks,
+        max_batched_tokens: facts.max_batched_tokens,
+        kv_bytes_per_token: facts.kv_bytes_per_token,
+        gpus: facts.gpus,
+        subjects: WorkerSubjects::for_worker(&worker),
+    };
+    let registry = Registry::connect(&config.etcd_endpoints).await?;
+    let registration = registry.register(&record, settings.lease_ttl).await?;
+
+    let mut agent = Agent::new(&settings, engine, bus, kv_updates, subscriptions);
+    info!(
+        role = %settings.role,
+        epoch = agent.epoch(),
+        lease = registration.lease(),
+        model = %settings.contract.model,
+        "worker registered; serving"
+    );
+    let result = agent.serve(shutdown).await;
+
+    // Stop: leave the registry first (no new requests are routed here),
+    // then end what is in flight; each open stream gets its last chunk.
+    let revoked = registration.revoke().await;
+    let unpublished = agent.wind_down().await;
+    if let Some(stop) = http_stop {
+        let _ = stop.send(());
+    }
+    if let Some(task) = http_task {
+        let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
+    }
+    info!(unpublished_events = unpublished, "stopped");
+    result?;
+    revoked?;
+    Ok(())
+}
+
+async fn subscribe(client: &Client, subject: String) -> Result<Subscriber, AgentError> {
+    client
+        .subscribe(subject.clone())
+        .await
+        .map_err(|e| AgentError::Subscribe {
+            subject,
+            message: e.to_string(),
+        })
+}

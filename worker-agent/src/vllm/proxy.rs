@@ -1,0 +1,321 @@
+//! Generation requests: each one a call to the engine's
+//! `/v1/completions` ([`super::openai`]): local requests streamed, a
+//! prefill's `kv_transfer_params` passed on, a decode's sent back; every
+//! failure ends as a clear `Failed`.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use metrics::counter;
+use protocol::{FinishReason, GenerateEvent, GenerateRequest, KvTransferParams, Stage, WorkerId};
+use serde_json::Value;
+use tokio::sync::{mpsc, watch};
+use tracing::warn;
+
+use super::engine::EngineKind;
+use super::load::InflightGuard;
+use super::openai::{self, Kind};
+use crate::metrics as m;
+
+/// What every generation request needs.
+#[derive(Debug)]
+pub(super) struct RequestContext {
+    pub(super) kind: EngineKind,
+    pub(super) http: reqwest::Client,
+    pub(super) completions_url: String,
+    pub(super) model: String,
+    pub(super) worker: WorkerId,
+    pub(super) dp_size: u32,
+    pub(super) block_size: u32,
+    pub(super) return_token_ids: bool,
+    pub(super) timeout: Duration,
+    pub(super) stop: watch::Receiver<bool>,
+}
+
+impl RequestContext {
+    /// Serves one request, sending its events to `out`.
+    pub(super) async fn serve(
+        &self,
+        request: GenerateRequest,
+        out: &mpsc::UnboundedSender<GenerateEvent>,
+        guard: &InflightGuard,
+    ) {
+        let mut stop = self.stop.clone();
+        if *stop.borrow() {
+            let _ = out.send(GenerateEvent::Failed {
+                error: "the engine adapter stopped".into(),
+                retryable: true,
+            });
+            return;
+        }
+        tokio::select! {
+            // The stream just ends: the agent reports a retryable failure.
+            _ = stop.changed() => {}
+            () = self.serve_inner(request, out, guard) => {}
+        }
+    }
+
+    async fn serve_inner(
+        &self,
+        request: GenerateRequest,
+        out: &mpsc::UnboundedSender<GenerateEvent>,
+        guard: &InflightGuard,
+    ) {
+        let kind = match &request.stage {
+            Stage::Local => Kind::Local,
+            Stage::Prefill | Stage::Decode { .. } if self.kind == EngineKind::Sglang => {
+                let _ = out.send(GenerateEvent::Failed {
+                    error: "remote prefill on SGLang needs its bootstrap handshake, which this adapter does not implement: serve SGLang workers aggregated (bypass only)".into(),
+                    retryable: false,
+                });
+                return;
+            }
+            Stage::Prefill => Kind::Prefill,
+            Stage::Decode { transfer } => match transfer
+                .engine
+                .as_deref()
+                .map(serde_json::from_str::<Value>)
+            {
+                Some(Ok(Value::Object(params))) => Kind::Decode(params),
+                other => {
+                    counter!(m::ENGINE_DECODE_WITHOUT_PARAMS).increment(1);
+                    warn!(
+                        request_id = %request.request_id,
+                        source = %transfer.source,
+                        params = ?other.map(|r| r.map_err(|e| e.to_string())),
+                        "a decode without the prefill engine's kv_transfer_params: served as a local prefill"
+                    );
+                    Kind::Local
+                }
+            },
+        };
+        let body = openai::completion_body(
+            &self.model,
+            &request.prompt,
+            request.max_tokens,
+            &kind,
+            self.return_token_ids,
+        );
+        let mut call = self
+            .http
+            .post(&self.completions_url)
+            .header("x-request-id", request.request_id.as_str())
+            .json(&body);
+        if self.dp_size > 1 {
+            call = call.header("x-data-parallel-rank", self.worker.dp_rank().to_string());
+        }
+        let response = match tokio::time::timeout(self.timeout, call.send()).await {
+            Err(_) => {
+                return fail(
+                    out,
+                    true,
+                    format!("the engine did not answer within {:?}", self.timeout),
+                );
+            }
+            Ok(Err(e)) => {
+                let error = if e.is_connect() {
+                    format!("the engine at {} is unreachable: {e}", self.completions_url)
+                } else {
+                    format!(
+                        "the request to the engine at {} failed: {e}",
+                        self.completions_url
+                    )
+                };
+                return fail(out, true, error);
+            }
+            Ok(Ok(r)) => r,
+        };
+        let status = response.status();
+        if !status.is_success() {
+            let text = tokio::time::timeout(Duration::from_secs(5), response.text())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
+            return fail(
+                out,
+                openai::retryable_status(status.as_u16()),
+                format!(
+                    "the engine answered HTTP {status}: {}",
+                    openai::error_message(&text)
+                ),
+            );
+        }
+        if kind == Kind::Prefill {
+            return self.prefilled(request, response, out).await;
+        }
+        self.stream(response, out, guard).await;
+    }
+
+    /// A prefill's non-streamed response: its `kv_transfer_params`.
+    async fn prefilled(
+        &self,
+        request: GenerateRequest,
+        response: reqwest::Response,
+        out: &mpsc::UnboundedSender<GenerateEvent>,
+    ) {
+        let body = match tokio::time::timeout(self.timeout, response.json::<Value>()).await {
+            Err(_) => {
+                return fail(
+                    out,
+                    true,
+                    "the prefill response did not complete in time".into(),
+                )
+            }
+            Ok(Err(e)) => return fail(out, true, format!("the prefill response is not JSON: {e}")),
+            Ok(Ok(v)) => v,
+        };
+        let chunk = match openai::parse_chunk(&body) {
+            Ok(c) => c,
+            Err(e) => return fail(out, false, format!("the prefill response: {e}")),
+        };
+        if let Some((error, code)) = chunk.error {
+            return fail(
+                out,
+                code.is_none_or(openai::retryable_status),
+                format!("the engine failed the prefill: {error}"),
+            );
+        }
+        let Some(params) = chunk.kv_transfer_params else {
+            return fail(
+                out,
+                false,
+                "the prefill engine returned no kv_transfer_params: is it started with a KV connector (e.g. --kv-transfer-config with NixlConnector, kv_role kv_producer or kv_both)?".into(),
+            );
+        };
+        let cached = chunk.usage.map_or(0, |u| u.cached_tokens);
+        let _ = out.send(GenerateEvent::Prefilled {
+            transfer: KvTransferParams {
+                source: self.worker.clone(),
+                prompt_tokens: request.prompt.len() as u32,
+                engine: Some(params.to_string()),
+            },
+            cached_tokens: cached,
+        });
+        let _ = out.send(GenerateEvent::Finished {
+            output_tokens: 0,
+            cached_tokens: cached,
+            reason: FinishReason::Prefilled,
+        });
+    }
+
+    /// A streamed completion: tokens as they come, then the end.
+    async fn stream(
+        &self,
+        response: reqwest::Response,
+        out: &mpsc::UnboundedSender<GenerateEvent>,
+        guard: &InflightGuard,
+    ) {
+        let mut body = response.bytes_stream();
+        let mut sse = openai::SseParser::new();
+        let mut produced = 0u32;
+        let mut finish: Option<String> = None;
+        let mut usage = None;
+        let mut text_only = false;
+        loop {
+            let next = match tokio::time::timeout(self.timeout, body.next()).await {
+                Err(_) => {
+                    return fail(
+                        out,
+                        true,
+                        format!("the engine sent nothing for {:?}", self.timeout),
+                    );
+                }
+                Ok(next) => next,
+            };
+            let datas = match next {
+                Some(Ok(bytes)) => match sse.feed(&bytes) {
+                    Ok(d) => d,
+                    Err(e) => return fail(out, false, format!("the engine's stream: {e}")),
+                },
+                Some(Err(e)) => return fail(out, true, format!("the engine's stream broke: {e}")),
+                None => {
+                    let rest: Vec<String> = sse.finish().into_iter().collect();
+                    if rest.is_empty() {
+                        return match finish {
+                            // A stream without [DONE] that said it finished.
+                            Some(reason) => finished(out, produced, usage, &reason),
+                            None => fail(
+                                out,
+                                true,
+                                "the engine closed the stream before the request finished".into(),
+                            ),
+                        };
+                    }
+                    rest
+                }
+            };
+            for data in datas {
+                match openai::parse_event(&data) {
+                    Ok(openai::Event::Done) => {
+                        return finished(
+                            out,
+                            produced,
+                            usage,
+                            finish.as_deref().unwrap_or("length"),
+                        );
+                    }
+                    Ok(openai::Event::Chunk(c)) => {
+                        if let Some((error, code)) = c.error {
+                            return fail(
+                                out,
+                                code.is_none_or(openai::retryable_status),
+                                format!("the engine failed the request: {error}"),
+                            );
+                        }
+                        match c.token_ids {
+                            Some(ids) if !ids.is_empty() => {
+                                produced += ids.len() as u32;
+                                guard.produced(ids.len());
+                                if out.send(GenerateEvent::Tokens(ids)).is_err() {
+                                    return;
+                                }
+                            }
+                            Some(_) => {}
+                            None if c.text.is_some() => {
+                                guard.produced(1);
+                                counter!(m::ENGINE_TEXT_ONLY_CHUNKS).increment(1);
+                                if !text_only {
+                                    text_only = true;
+                                    warn!("the engine streams text without token ids (it ignores return_token_ids): no tokens can be reported");
+                                }
+                            }
+                            None => {}
+                        }
+                        if c.finish_reason.is_some() {
+                            finish = c.finish_reason;
+                        }
+                        if c.usage.is_some() {
+                            usage = c.usage;
+                        }
+                    }
+                    Err(e) => {
+                        counter!(m::ENGINE_KV_SKIPPED, "reason" => "bad_chunk").increment(1);
+                        warn!(error = %e, "an unreadable chunk from the engine: skipped");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn fail(out: &mpsc::UnboundedSender<GenerateEvent>, retryable: bool, error: String) {
+    let _ = out.send(GenerateEvent::Failed { error, retryable });
+}
+
+fn finished(
+    out: &mpsc::UnboundedSender<GenerateEvent>,
+    produced: u32,
+    usage: Option<openai::Usage>,
+    reason: &str,
+) {
+    let _ = out.send(GenerateEvent::Finished {
+        output_tokens: usage.map_or(produced, |u| u.completion_tokens.max(produced)),
+        cached_tokens: usage.map_or(0, |u| u.cached_tokens),
+        reason: if reason == "length" {
+            FinishReason::Length
+        } else {
+            FinishReason::Stop
+        },
+    });
+}
