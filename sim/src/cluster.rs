@@ -24,8 +24,7 @@ use engine_sim::{Engine, EngineRequest, KvTransfer, Mode, Preset, StepOutput};
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     BlockHash, DecisionId, HashingContract, KvEvent, KvEventBatch, Path, RouteDecision, Tier,
-    WorkerId,
-    WorkerRecord, WorkerSubjects,
+    WorkerId, WorkerRecord, WorkerSubjects,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
