@@ -4,9 +4,7 @@ use async_nats::jetstream::{self, consumer, object_store, stream};
 use async_nats::{Client, ConnectOptions};
 use futures::stream::BoxStream;
 use futures::StreamExt;
-use protocol::{
-    subjects, DecisionRecord, DecodeError, IndexDelta, IndexSnapshot, KvEventBatch, Message,
-};
+use protocol::{subjects, DecodeError, IndexDelta, IndexSnapshot, KvEventBatch, LogEntry, Message};
 use tokio::io::AsyncReadExt;
 
 /// How long [`Bus::connect`] keeps trying a server that is not up yet.
@@ -429,24 +427,33 @@ impl Bus {
         Ok(purged.purged)
     }
 
-    /// Appends a decision (with its inputs) to the decision log.
-    pub async fn publish_decision(
+    /// Sends an entry of `replica`'s decision log; the returned future
+    /// is JetStream's acknowledgement. Entries sent one after the other on
+    /// this connection are stored in that order, so a writer can keep many
+    /// unacknowledged without reordering them.
+    pub async fn send_log_entry(
         &self,
         replica: &str,
-        record: &DecisionRecord,
-    ) -> Result<(), BusError> {
+        entry: &LogEntry,
+    ) -> Result<impl std::future::Future<Output = Result<(), BusError>> + Send + 'static, BusError>
+    {
         let subject = subjects::decisions(replica);
-        let publish_error = |e: &dyn std::fmt::Display| BusError::Publish {
-            subject: subject.clone(),
-            message: e.to_string(),
+        let publish_error = {
+            let subject = subject.clone();
+            move |e: &dyn std::fmt::Display| BusError::Publish {
+                subject: subject.clone(),
+                message: e.to_string(),
+            }
         };
-        self.js
-            .publish(subject.clone(), record.encode().into())
-            .await
-            .map_err(|e| publish_error(&e))?
+        let ack = self
+            .js
+            .publish(subject.clone(), entry.encode().into())
             .await
             .map_err(|e| publish_error(&e))?;
-        Ok(())
+        Ok(async move {
+            ack.await.map_err(|e| publish_error(&e))?;
+            Ok(())
+        })
     }
 
     async fn snapshot_store(&self) -> Result<object_store::ObjectStore, BusError> {

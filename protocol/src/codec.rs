@@ -11,7 +11,7 @@ use crate::generate::{
 };
 use crate::index::{IndexDelta, IndexSnapshot};
 use crate::registry::WorkerRecord;
-use crate::replay::{DecisionRecord, IndexStatus};
+use crate::replay::IndexStatus;
 
 /// A type that travels on the bus or sits in the registry.
 pub trait Message: Serialize + DeserializeOwned {
@@ -116,6 +116,5 @@ message! {
     OverlapQuery => "OverlapQuery", version 1;
     OverlapReply => "OverlapReply", version 1;
     RequestProgress => "RequestProgress", version 1;
-    DecisionRecord => "DecisionRecord", version 1;
     IndexStatus => "IndexStatus", version 1;
 }

@@ -7,6 +7,7 @@
 
 pub mod codec;
 pub mod decision;
+pub mod decision_log;
 pub mod events;
 pub mod generate;
 pub mod hash;
@@ -19,6 +20,11 @@ pub mod trace;
 
 pub use codec::{DecodeError, Message};
 pub use decision::{Annotation, Path, RouteDecision};
+pub use decision_log::{
+    CandidateFacts, CandidateState, Columns, ContextId, DecisionContext, LogEntry, LogReader,
+    LogWriter, LoggedDecision, LoggedPrompt, PackedHashes, PrefixRef, PromptRecord, ResolveError,
+    WriterLimits,
+};
 pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
 pub use generate::{
     CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams,

@@ -1,5 +1,7 @@
-//! What the decision log holds, so that any decision can be replayed and
-//! explained later: the decision with everything it depended on.
+//! A decision with everything it depended on, so that it can be replayed
+//! and explained later. The log holds it compactly
+//! ([`crate::decision_log`]: a writer turns a record into entries, a
+//! reader entries back into the record).
 
 use serde::{Deserialize, Serialize};
 
@@ -7,7 +9,7 @@ use crate::decision::RouteDecision;
 use crate::ids::{BlockHash, WorkerId};
 use crate::registry::Role;
 
-/// One entry of the decision log.
+/// A decision and everything it depended on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecisionRecord {
     pub decision: RouteDecision,

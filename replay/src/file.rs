@@ -1,7 +1,7 @@
 //! The export file: one incident window, taken off the cluster to be
 //! examined anywhere.
 //!
-//! Layout: the magic line `SWITCHYARD-EXPORT v2\n`, then frames of
+//! Layout: the magic line `SWITCHYARD-EXPORT v3\n`, then frames of
 //! `[kind: u8][length: u32 LE][checksum: u64 LE][payload]`, each payload
 //! one protocol message in its wire encoding, and last an end frame holding
 //! the number of frames before it (so that a file cut at a frame boundary
@@ -10,11 +10,13 @@
 //! truncated or corrupt file with the byte offset of the frame at fault.
 
 use protocol::{
-    DecisionRecord, DecodeError, IndexDelta, IndexSnapshot, IndexStatus, KvEventBatch, Message,
+    BlockHash, DecisionContext, DecisionRecord, DecodeError, IndexDelta, IndexSnapshot,
+    IndexStatus, KvEventBatch, LogReader, LoggedDecision, Message, PackedHashes, PromptRecord,
+    ResolveError,
 };
 use xxhash_rust::xxh3::xxh3_64;
 
-pub const MAGIC: &[u8] = b"SWITCHYARD-EXPORT v2\n";
+pub const MAGIC: &[u8] = b"SWITCHYARD-EXPORT v3\n";
 
 /// Kind, length and checksum.
 const HEADER: usize = 1 + 4 + 8;
@@ -28,8 +30,13 @@ pub struct Export {
     pub deltas: Vec<IndexDelta>,
     /// The workers' KV batches during the window, in stream order.
     pub kv_batches: Vec<KvEventBatch>,
-    /// The decision log in the window, in log order.
-    pub decisions: Vec<DecisionRecord>,
+    /// The decision contexts the window's decisions name.
+    pub contexts: Vec<DecisionContext>,
+    /// Prompts logged before the window that its decisions begin with.
+    pub prompts: Vec<Vec<BlockHash>>,
+    /// The decision log in the window, in log order, as logged (each
+    /// repeated part by reference: [`Export::records`] resolves them).
+    pub decisions: Vec<LoggedDecision>,
     /// The live indexer's position and digest when the export was taken
     /// (the deltas run up to it).
     pub checkpoint: Option<IndexStatus>,
@@ -43,6 +50,8 @@ enum Kind {
     KvBatch = 3,
     Decision = 4,
     Checkpoint = 5,
+    Context = 6,
+    Prompt = 7,
     End = 0xff,
 }
 
@@ -84,6 +93,20 @@ fn frame(out: &mut Vec<u8>, kind: Kind, payload: &[u8]) {
 }
 
 impl Export {
+    /// The window's decisions read back into records, in log order; one
+    /// whose context or prompt prefix the export does not carry is an error
+    /// naming what is missing.
+    pub fn records(&self) -> Vec<Result<DecisionRecord, ResolveError>> {
+        let mut reader = LogReader::new();
+        for context in &self.contexts {
+            reader.add_context(context.id(), context.clone());
+        }
+        for prompt in &self.prompts {
+            reader.add_prompt(prompt.clone().into());
+        }
+        self.decisions.iter().map(|d| reader.decision(d)).collect()
+    }
+
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = MAGIC.to_vec();
         if let Some(s) = &self.snapshot {
@@ -95,6 +118,15 @@ impl Export {
         for b in &self.kv_batches {
             frame(&mut out, Kind::KvBatch, &b.encode());
         }
+        for c in &self.contexts {
+            frame(&mut out, Kind::Context, &c.encode());
+        }
+        for p in &self.prompts {
+            let record = PromptRecord {
+                blocks: PackedHashes(p.clone()),
+            };
+            frame(&mut out, Kind::Prompt, &record.encode());
+        }
         for r in &self.decisions {
             frame(&mut out, Kind::Decision, &r.encode());
         }
@@ -103,6 +135,8 @@ impl Export {
         }
         let frames = self.deltas.len()
             + self.kv_batches.len()
+            + self.contexts.len()
+            + self.prompts.len()
             + self.decisions.len()
             + usize::from(self.snapshot.is_some())
             + usize::from(self.checkpoint.is_some());
@@ -162,8 +196,14 @@ impl Export {
                     export.kv_batches.push(decode!(KvEventBatch, "KV batch"))
                 }
                 k if k == Kind::Decision as u8 => {
-                    export.decisions.push(decode!(DecisionRecord, "decision"))
+                    export.decisions.push(decode!(LoggedDecision, "decision"))
                 }
+                k if k == Kind::Context as u8 => {
+                    export.contexts.push(decode!(DecisionContext, "context"))
+                }
+                k if k == Kind::Prompt as u8 => export
+                    .prompts
+                    .push(decode!(PromptRecord, "prompt").blocks.0),
                 k if k == Kind::Checkpoint as u8 => {
                     if export.checkpoint.is_some() {
                         return Err(ExportError::Duplicate { offset });
@@ -233,6 +273,8 @@ mod tests {
                 seq: 0,
                 events: vec![protocol::KvEvent::Cleared],
             }],
+            contexts: Vec::new(),
+            prompts: vec![vec![BlockHash(1), BlockHash(2)]],
             decisions: Vec::new(),
             checkpoint: Some(IndexStatus {
                 delta_seq: 3,
@@ -246,6 +288,79 @@ mod tests {
     #[test]
     fn round_trips() {
         assert_eq!(Export::from_bytes(&sample().to_bytes()).unwrap(), sample());
+    }
+
+    /// A decision whose context or earlier prompt the export lacks reads
+    /// back as an error naming it; with them it reads back whole.
+    #[test]
+    fn missing_references_are_named() {
+        use protocol::{
+            CandidateInput, CandidateLoad, DecisionId, DecisionInputs, LogWriter, Path, Role,
+            RouteDecision,
+        };
+        let worker = WorkerId::new("d0", 0).unwrap();
+        let record = |id: u64, blocks: u64| DecisionRecord {
+            decision: RouteDecision {
+                id: DecisionId(id),
+                request_id: format!("r{id}"),
+                path: Path::Bypass,
+                decode: worker.clone(),
+                prefill: None,
+                isl_tokens: 16 * blocks as u32,
+                decode_overlap_tokens: 0,
+                prefill_overlap_tokens: 0,
+                reserved_decode_blocks: blocks,
+                reserved_prefill_tokens: 0,
+                policy: "never_disagg".into(),
+                rule: "never.bypass".into(),
+                reason: String::new(),
+                at_ms: id,
+            },
+            inputs: DecisionInputs {
+                block_hashes: (0..blocks).map(BlockHash).collect(),
+                block_size: 16,
+                expected_output_tokens: 1,
+                delta_seq: 0,
+                seed: 0,
+                avoid: Vec::new(),
+                policy_params: Vec::new(),
+                router_params: Vec::new(),
+                candidates: vec![CandidateInput {
+                    worker: worker.clone(),
+                    role: Role::Decode,
+                    kv_capacity_blocks: 100,
+                    max_batched_tokens: 64,
+                    kv_bytes_per_token: 1,
+                    depth: [0; 3],
+                    load: CandidateLoad::default(),
+                }],
+            },
+        };
+        let mut writer = LogWriter::default();
+        let first = writer.write(&record(1, 4), 0);
+        let second = writer.write(&record(2, 6), 0);
+        let (protocol::LogEntry::Context { context, .. }, protocol::LogEntry::Decision(later)) =
+            (first[0].clone(), second[0].clone())
+        else {
+            panic!("a context, then a decision: {first:?} {second:?}");
+        };
+        let mut window = Export {
+            decisions: vec![later],
+            ..Export::default()
+        };
+        let error = window.records().remove(0).unwrap_err();
+        assert!(error.to_string().contains("names context"), "{error}");
+        window.contexts.push(context);
+        let error = window.records().remove(0).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("begins with the 4 blocks ending in"),
+            "{error}"
+        );
+        window.prompts.push((0..4).map(BlockHash).collect());
+        let window = Export::from_bytes(&window.to_bytes()).unwrap();
+        assert_eq!(window.records().remove(0).unwrap(), record(2, 6));
     }
 
     #[test]

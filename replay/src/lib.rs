@@ -14,7 +14,7 @@ pub mod simulate;
 
 use std::time::{Duration, Instant};
 
-use protocol::{DecisionRecord, Path, RouteDecision};
+use protocol::{DecisionRecord, Path, ResolveError, RouteDecision};
 use router::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 
 pub use file::{Export, ExportError};
@@ -28,23 +28,36 @@ pub enum WindowError {
     DeltaGap { at: u64, got: u64 },
     #[error("no decision {0} in the window")]
     UnknownDecision(String),
+    #[error("the export cannot be read back: {0}")]
+    Resolve(#[from] ResolveError),
+}
+
+/// Why a logged decision was not re-decided.
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    /// The export lacks what its entry refers to.
+    #[error(transparent)]
+    Unresolved(#[from] ResolveError),
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
 }
 
 /// One decision replayed.
 #[derive(Debug)]
-pub struct Outcome<'a> {
-    pub record: &'a DecisionRecord,
-    pub replayed: Result<Replayed, ReplayError>,
+pub struct Outcome {
+    /// The decision as logged.
+    pub decision: RouteDecision,
+    pub replayed: Result<Replayed, Failure>,
 }
 
-impl Outcome<'_> {
+impl Outcome {
     /// How the replayed decision differs from the recorded one (also a
     /// replay error, or an index that answered otherwise).
     pub fn mismatch(&self) -> Option<String> {
         match &self.replayed {
             Err(e) => Some(format!("could not re-decide: {e}")),
             Ok(r) => {
-                let mut out = difference(&self.record.decision, &r.decision);
+                let mut out = difference(&self.decision, &r.decision);
                 if !r.depth_mismatches.is_empty() {
                     let depths = depth_text(&r.depth_mismatches);
                     out = Some(match out {
@@ -81,8 +94,8 @@ pub struct DigestCheck {
 
 /// Everything a replay of the window found.
 #[derive(Debug)]
-pub struct Report<'a> {
-    pub outcomes: Vec<Outcome<'a>>,
+pub struct Report {
+    pub outcomes: Vec<Outcome>,
     pub digest: Option<DigestCheck>,
     /// Time spent re-deciding (not rebuilding the index).
     pub decide_time: Duration,
@@ -91,7 +104,17 @@ pub struct Report<'a> {
 /// Replays every decision of the export, each on the index rebuilt up to
 /// its position, with `overrides` (none: the recorded settings). Decisions
 /// are taken in index order.
-pub fn replay<'a>(export: &'a Export, overrides: &Overrides) -> Result<Report<'a>, WindowError> {
+pub fn replay(export: &Export, overrides: &Overrides) -> Result<Report, WindowError> {
+    replay_records(export, export.records(), overrides)
+}
+
+/// [`replay`] of records already read back from the export's log (an
+/// error for each entry that could not be).
+fn replay_records(
+    export: &Export,
+    records: Vec<Result<DecisionRecord, ResolveError>>,
+    overrides: &Overrides,
+) -> Result<Report, WindowError> {
     let mut replayer = Replayer::new();
     if let Some(snapshot) = &export.snapshot {
         replayer.restore(snapshot.clone())?;
@@ -114,16 +137,25 @@ pub fn replay<'a>(export: &'a Export, overrides: &Overrides) -> Result<Report<'a
         }
         Ok(())
     };
-    let mut order: Vec<&DecisionRecord> = export.decisions.iter().collect();
-    order.sort_by_key(|r| r.inputs.delta_seq);
+    let mut order: Vec<_> = export.decisions.iter().zip(records).collect();
+    order.sort_by_key(|(logged, _)| logged.delta_seq);
     let mut outcomes = Vec::with_capacity(order.len());
     let mut decide_time = Duration::ZERO;
-    for record in order {
-        advance(&mut replayer, record.inputs.delta_seq)?;
-        let started = Instant::now();
-        let replayed = replayer.replay(record, overrides);
-        decide_time += started.elapsed();
-        outcomes.push(Outcome { record, replayed });
+    for (logged, record) in order {
+        let replayed = match record {
+            Err(e) => Err(Failure::from(e)),
+            Ok(record) => {
+                advance(&mut replayer, record.inputs.delta_seq)?;
+                let started = Instant::now();
+                let replayed = replayer.replay(&record, overrides);
+                decide_time += started.elapsed();
+                replayed.map_err(Failure::from)
+            }
+        };
+        outcomes.push(Outcome {
+            decision: logged.decision.clone(),
+            replayed,
+        });
     }
     let digest = match &export.checkpoint {
         Some(c) => {
@@ -149,22 +181,22 @@ pub fn explain(
     export: &Export,
     decision: &str,
     overrides: &Overrides,
-) -> Result<(DecisionRecord, Result<Replayed, ReplayError>), WindowError> {
-    let record = export
+) -> Result<(DecisionRecord, Result<Replayed, Failure>), WindowError> {
+    let at = export
         .decisions
         .iter()
-        .find(|r| r.decision.id.to_string() == decision || r.decision.request_id == decision)
+        .position(|d| d.decision.id.to_string() == decision || d.decision.request_id == decision)
         .ok_or_else(|| WindowError::UnknownDecision(decision.to_owned()))?;
+    let record = export.records().swap_remove(at)?;
     let single = Export {
         snapshot: export.snapshot.clone(),
         deltas: export.deltas.clone(),
-        kv_batches: Vec::new(),
-        decisions: vec![record.clone()],
-        checkpoint: None,
+        decisions: vec![export.decisions[at].clone()],
+        ..Export::default()
     };
-    let mut report = replay(&single, overrides)?;
+    let mut report = replay_records(&single, vec![Ok(record.clone())], overrides)?;
     let outcome = report.outcomes.pop().expect("one decision");
-    Ok((record.clone(), outcome.replayed))
+    Ok((record, outcome.replayed))
 }
 
 /// How decisions changed under other settings.
@@ -188,7 +220,7 @@ fn summary(d: &RouteDecision) -> String {
 }
 
 /// Counts the decisions a what-if flips.
-pub fn flips(report: &Report<'_>) -> Flips {
+pub fn flips(report: &Report) -> Flips {
     let mut f = Flips {
         decisions: report.outcomes.len(),
         ..Flips::default()
@@ -198,7 +230,7 @@ pub fn flips(report: &Report<'_>) -> Flips {
             f.failed += 1;
             continue;
         };
-        let (before, after) = (&o.record.decision, &r.decision);
+        let (before, after) = (&o.decision, &r.decision);
         let flipped = match (before.path, after.path) {
             (Path::Bypass, Path::Remote) => {
                 f.bypass_to_remote += 1;

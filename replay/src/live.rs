@@ -3,13 +3,17 @@
 //! the workers' KV batches since the window's first decision, and the
 //! indexer's position and digest at the end.
 
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use async_nats::jetstream::{self, consumer};
 use bus::Bus;
 use futures::StreamExt;
-use protocol::{subjects, DecisionRecord, IndexStatus, KvEventBatch, Message};
+use protocol::{
+    subjects, ContextId, DecisionContext, IndexStatus, KvEventBatch, LogEntry, LogReader,
+    LoggedDecision, Message,
+};
 
 use crate::file::Export;
 
@@ -70,7 +74,7 @@ pub async fn export(nats_url: &str, last: Option<usize>) -> anyhow::Result<Expor
     .context("asking the kv-indexer for its status")?;
     let checkpoint = IndexStatus::decode(&reply.payload)?;
 
-    let mut decisions = Vec::new();
+    let mut entries = Vec::new();
     for message in read_stream(
         &js,
         subjects::DECISIONS_STREAM,
@@ -78,18 +82,16 @@ pub async fn export(nats_url: &str, last: Option<usize>) -> anyhow::Result<Expor
     )
     .await?
     {
-        match DecisionRecord::decode(&message.payload) {
-            Ok(record) => decisions.push(record),
+        match LogEntry::decode(&message.payload) {
+            Ok(entry) => entries.push(entry),
             Err(e) => {
                 tracing::warn!(error = %e, subject = %message.subject, "skipping a malformed decision-log entry")
             }
         }
     }
-    if let Some(n) = last {
-        let skip = decisions.len().saturating_sub(n);
-        decisions.drain(..skip);
-    }
-    let Some(first_needed) = decisions.iter().map(|r| r.inputs.delta_seq).min() else {
+    let window = Window::of(&entries, last);
+    let decisions = window.decisions;
+    let Some(first_needed) = decisions.iter().map(|d| d.delta_seq).min() else {
         bail!("the decision log is empty");
     };
 
@@ -135,7 +137,7 @@ pub async fn export(nats_url: &str, last: Option<usize>) -> anyhow::Result<Expor
     // The workers' KV batches since the window's first decision.
     let first_ms = decisions
         .iter()
-        .map(|r| r.decision.at_ms)
+        .map(|d| d.decision.at_ms)
         .min()
         .unwrap_or(0);
     let start_time = consumer::DeliverPolicy::ByStartTime {
@@ -151,9 +153,83 @@ pub async fn export(nats_url: &str, last: Option<usize>) -> anyhow::Result<Expor
         snapshot,
         deltas,
         kv_batches,
+        contexts: window.contexts,
+        prompts: window.prompts,
         decisions,
         checkpoint: Some(checkpoint),
     })
+}
+
+/// The last decisions of the log and what they refer to: the contexts they
+/// name and the prompts, logged before the window, that they begin with.
+struct Window {
+    contexts: Vec<DecisionContext>,
+    prompts: Vec<Vec<protocol::BlockHash>>,
+    decisions: Vec<LoggedDecision>,
+}
+
+impl Window {
+    /// The last `last` decisions of `entries` (all when `None`).
+    fn of(entries: &[LogEntry], last: Option<usize>) -> Window {
+        let total = entries.iter().filter(|e| e.decision().is_some()).count();
+        let skip = last.map_or(0, |n| total.saturating_sub(n));
+        let mut reader = LogReader::new();
+        let mut contexts: BTreeMap<ContextId, Option<DecisionContext>> = BTreeMap::new();
+        let mut known: BTreeMap<ContextId, DecisionContext> = BTreeMap::new();
+        let mut ends_in_window = HashSet::new();
+        let mut prompts = Vec::new();
+        let mut decisions = Vec::new();
+        let mut seen = 0;
+        for entry in entries {
+            let d = match entry {
+                LogEntry::Context { id, context } => {
+                    known.insert(*id, context.clone());
+                    reader.add_context(*id, context.clone());
+                    continue;
+                }
+                LogEntry::Decision(d) => d,
+            };
+            seen += 1;
+            if seen > skip {
+                if let Some(prefix) = d.prompt.prefix {
+                    if ends_in_window.insert((prefix.last, prefix.blocks)) {
+                        match reader.prompt(&prefix) {
+                            Some(hashes) => prompts.push(hashes.to_vec()),
+                            None => tracing::warn!(
+                                decision = %d.decision.id,
+                                "the decision's prompt begins with {prefix}, no longer on the log: it will not replay"
+                            ),
+                        }
+                    }
+                }
+                if let Some(end) = d.prompt.end() {
+                    ends_in_window.insert(end);
+                }
+                contexts
+                    .entry(d.context)
+                    .or_insert_with(|| known.get(&d.context).cloned());
+                decisions.push(d.clone());
+            }
+            // Its prompt, for the decisions after it.
+            if let Err(e) = reader.decision(d) {
+                tracing::debug!(error = %e, "a decision-log entry that does not read back");
+            }
+        }
+        let contexts = contexts
+            .into_iter()
+            .filter_map(|(id, context)| {
+                if context.is_none() {
+                    tracing::warn!(context = %id, "a context the window's decisions name is no longer on the log: they will not replay");
+                }
+                context
+            })
+            .collect();
+        Window {
+            contexts,
+            prompts,
+            decisions,
+        }
+    }
 }
 
 fn time_from_ms(ms: u64) -> time::OffsetDateTime {

@@ -152,9 +152,11 @@ async fn main() -> anyhow::Result<()> {
                 .sum::<usize>()
                 / export.decisions.len().max(1);
             println!(
-                "{}: {} decisions (mean {per_decision} bytes each on the log), {} deltas{}, {} KV batches, {} bytes",
+                "{}: {} decisions (mean {per_decision} bytes each on the log; {} contexts, {} earlier prompts they begin with), {} deltas{}, {} KV batches, {} bytes",
                 out.display(),
                 export.decisions.len(),
+                export.contexts.len(),
+                export.prompts.len(),
                 export.deltas.len(),
                 export
                     .snapshot
@@ -189,7 +191,7 @@ async fn main() -> anyhow::Result<()> {
                 let value = serde_json::json!({
                     "recorded": { "path": record.decision.path.as_str(), "decode": record.decision.decode.to_string(), "rule": record.decision.rule, "reason": record.decision.reason },
                     "delta_seq": record.inputs.delta_seq,
-                    "reproduced": replay::Outcome { record: &record, replayed: Ok(replayed.clone()) }.mismatch().is_none(),
+                    "reproduced": replay::Outcome { decision: record.decision.clone(), replayed: Ok(replayed.clone()) }.mismatch().is_none(),
                     "explanation": router::explain::to_json(&replayed.decision, &replayed.explanation, bs),
                     "what_if": alternative.as_ref().map(|a| router::explain::to_json(&a.decision, &a.explanation, bs)),
                 });
@@ -204,7 +206,7 @@ async fn main() -> anyhow::Result<()> {
                     router::explain::to_text(&replayed.decision, &replayed.explanation, bs)
                 );
                 if let Some(m) = (replay::Outcome {
-                    record: &record,
+                    decision: record.decision.clone(),
                     replayed: Ok(replayed.clone()),
                 })
                 .mismatch()
@@ -238,7 +240,7 @@ async fn main() -> anyhow::Result<()> {
                     serde_json::json!({
                         "decisions": report.outcomes.len(),
                         "reproduced": report.outcomes.len() - mismatches.len(),
-                        "mismatches": mismatches.iter().map(|(o, m)| serde_json::json!({"decision": o.record.decision.id.to_string(), "difference": m})).collect::<Vec<_>>(),
+                        "mismatches": mismatches.iter().map(|(o, m)| serde_json::json!({"decision": o.decision.id.to_string(), "difference": m})).collect::<Vec<_>>(),
                         "digest": report.digest.map(|d| serde_json::json!({"delta_seq": d.delta_seq, "live": format!("{:016x}", d.live), "rebuilt": format!("{:016x}", d.rebuilt)})),
                         "decisions_per_s": rate.round(),
                         "seconds": elapsed.as_secs_f64(),
@@ -248,14 +250,11 @@ async fn main() -> anyhow::Result<()> {
                 for (o, m) in &mismatches {
                     println!(
                         "MISMATCH {} (request {}): {m}",
-                        o.record.decision.id, o.record.decision.request_id
+                        o.decision.id, o.decision.request_id
                     );
                     println!(
                         "  logged:   {} on {} ({}): {}",
-                        o.record.decision.path,
-                        o.record.decision.decode,
-                        o.record.decision.rule,
-                        o.record.decision.reason
+                        o.decision.path, o.decision.decode, o.decision.rule, o.decision.reason
                     );
                     if let Ok(r) = &o.replayed {
                         println!(
@@ -315,7 +314,14 @@ async fn main() -> anyhow::Result<()> {
             if run_sim {
                 let preset =
                     Preset::by_name(&preset).with_context(|| format!("unknown preset {preset}"))?;
-                let recorded = export.decisions.first().context("no decision")?;
+                let records: Vec<protocol::DecisionRecord> = export
+                    .records()
+                    .into_iter()
+                    .filter_map(Result::ok)
+                    .collect();
+                let recorded = records
+                    .first()
+                    .context("no decision of the window reads back")?;
                 let before = Policy::with_params(
                     &recorded.decision.policy,
                     recorded
@@ -341,8 +347,8 @@ async fn main() -> anyhow::Result<()> {
                     ttft_ms: 2_000.0,
                     itl_ms: 60.0,
                 };
-                let a = simulate::run(&export.decisions, preset, before, slo)?;
-                let b = simulate::run(&export.decisions, preset, after, slo)?;
+                let a = simulate::run(&records, preset, before, slo)?;
+                let b = simulate::run(&records, preset, after, slo)?;
                 let side = |s: &sim::RunSummary| {
                     serde_json::json!({
                         "ttft_p50_ms": s.ttft_ms.p50, "ttft_p90_ms": s.ttft_ms.p90,

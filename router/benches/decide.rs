@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use protocol::{
     BlockHash, DecisionId, HashingContract, IndexChange, IndexDelta, IndexSnapshot, LoadReport,
-    Message, Role, RouteDecision, Tier, WorkerId, WorkerRecord, WorkerSubjects,
+    LogEntry, LogReader, LogWriter, Message, Role, RouteDecision, Tier, WorkerId, WorkerRecord,
+    WorkerSubjects,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -233,44 +234,56 @@ fn main() {
         start.elapsed().as_secs_f64() * 1e6 / 20_000.0
     );
 
-    // The decision-log entry of this decision, and how fast it replays.
-    let request = RouteRequest {
-        request_id: "bench-record",
-        isl_tokens: prompt.len() as u32,
-        block_hashes: &hashes,
-        expected_output_tokens: 300,
-    };
-    let seed = decision_seed(0, &request);
+    // The decision-log entries of this decision, and how fast it replays.
+    // The conversation's previous turn (its first 7 500 tokens) was
+    // decided and logged before it: this is a turn 2+ entry.
     let explain = RouteOptions {
         avoid: &[],
         explain: true,
     };
-    let routed = core
-        .route(
-            &request,
-            explain,
-            DecisionId(u64::MAX - 1),
-            0,
-            &mut ChaCha8Rng::seed_from_u64(seed),
-        )
-        .unwrap();
-    let (decision, explanation) = (routed.decision, routed.explanation.unwrap());
-    core.on_finished(decision.id);
-    let record = core.record(&decision, &explanation, &request, seed, &[]);
-    let bytes = record.encode().len();
-    let hash_bytes = Message::encode(&IndexDelta {
-        seq: 0,
-        changes: vec![IndexChange::Evicted {
-            blocks: hashes.clone(),
-        }],
-        source: None,
-    })
-    .len();
+    let record_of = |core: &mut RouterCore, request_id: &str, tokens: &[u32], id: u64| {
+        let hashes = core.hasher().hash_prompt(tokens);
+        let request = RouteRequest {
+            request_id,
+            isl_tokens: tokens.len() as u32,
+            block_hashes: &hashes,
+            expected_output_tokens: 300,
+        };
+        let seed = decision_seed(0, &request);
+        let routed = core
+            .route(
+                &request,
+                explain,
+                DecisionId(id),
+                0,
+                &mut ChaCha8Rng::seed_from_u64(seed),
+            )
+            .unwrap();
+        let (decision, explanation) = (routed.decision, routed.explanation.unwrap());
+        core.on_finished(decision.id);
+        core.record(&decision, &explanation, &request, seed, &[])
+    };
+    let previous = record_of(&mut core, "bench-turn-1", &prompt[..7_500], u64::MAX - 2);
+    let record = record_of(&mut core, "bench-turn-2", &prompt, u64::MAX - 1);
+    let size = |entries: &[LogEntry]| entries.iter().map(|e| e.encode().len()).sum::<usize>();
+    let alone = LogWriter::default().write(&record, 0);
+    let mut writer = LogWriter::default();
+    let first = writer.write(&previous, 0);
+    let entries = writer.write(&record, 1);
+    let logged = entries.last().and_then(LogEntry::decision).unwrap();
     println!(
-        "decision-log entry: {bytes} bytes ({} candidates; the {} block hashes take about {hash_bytes})",
+        "decision-log entry of this turn 2+: {} bytes ({} candidates, {} new of {} block hashes); logged alone: {} bytes and its context {} bytes once",
+        size(&entries),
         record.inputs.candidates.len(),
-        hashes.len()
+        logged.prompt.blocks.0.len(),
+        record.inputs.block_hashes.len(),
+        size(&alone[1..]),
+        size(&alone[..1]),
     );
+    let mut reader = LogReader::new();
+    for entry in &first {
+        reader.read(entry).unwrap();
+    }
     let (workers, runs) = core.replica().index().export();
     let mut replayer = Replayer::new();
     replayer
@@ -294,6 +307,14 @@ fn main() {
     println!(
         "replay: {:.0} decisions re-decided per second",
         replays as f64 / start.elapsed().as_secs_f64()
+    );
+    let start = Instant::now();
+    for _ in 0..replays {
+        assert_eq!(black_box(reader.decision(logged).unwrap()), record);
+    }
+    println!(
+        "reading the entry back into its record: {:.1} us",
+        start.elapsed().as_secs_f64() * 1e6 / f64::from(replays)
     );
 
     let mut c = Criterion::default().configure_from_args();

@@ -6,7 +6,7 @@
 mod service_support;
 
 use anyhow::{Context, Result};
-use protocol::{subjects, DecisionId, DecisionRecord, Message, Path, Role, RouteDecision, Stage};
+use protocol::{subjects, DecisionId, LogEntry, Message, Path, Role, RouteDecision, Stage};
 use service_support::*;
 
 /// p0 prefills; d0 and d1 decode; d1 holds a 1 000-token conversation.
@@ -85,7 +85,10 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
         .await?
         .get_last_raw_message_by_subject(&subjects::decisions("r1"))
         .await?;
-    let logged = DecisionRecord::decode(&logged.payload)?.decision;
+    let logged = match LogEntry::decode(&logged.payload)? {
+        LogEntry::Decision(d) => d.decision,
+        other => anyhow::bail!("the last entry is not a decision: {other:?}"),
+    };
     assert_eq!(logged.id.to_string(), decision);
     assert_eq!(logged.decode, id("d1"));
 

@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use async_nats::jetstream;
 use cluster::{conversation, decode, path, tokens, Cluster, COLD_PROMPT};
 use futures::StreamExt;
-use protocol::{subjects, DecisionRecord, Message, Path, RouteDecision};
+use protocol::{subjects, LogEntry, Message, Path, RouteDecision};
 use serde_json::Value;
 
 /// Reads every decision on the decision log.
@@ -32,7 +32,9 @@ async fn decision_log(cluster: &Cluster) -> Result<Vec<RouteDecision>> {
             .info()
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .stream_sequence;
-        decisions.push(DecisionRecord::decode(&message.payload)?.decision);
+        if let LogEntry::Decision(d) = LogEntry::decode(&message.payload)? {
+            decisions.push(d.decision);
+        }
     }
     Ok(decisions)
 }

@@ -70,6 +70,28 @@ async fn export_verify_explain_and_what_if() -> Result<()> {
             "{verify}"
         );
 
+        // A window that starts mid-conversation: its first decision's
+        // prompt begins with a turn logged before the window, which the
+        // export carries; every decision still replays.
+        let tail = dir.path().join("tail.syx");
+        let tail_arg = tail.to_str().context("a UTF-8 path")?;
+        let export = ok(
+            replay(&["export", "--nats", &nats, "--out", tail_arg, "--last", "4"])?,
+            "export --last 4",
+        )?;
+        ensure!(
+            export.contains("4 decisions") && export.contains("1 earlier prompts"),
+            "{export}"
+        );
+        let verify: Value = serde_json::from_str(&ok(
+            replay(&["verify", "--file", tail_arg, "--json"])?,
+            "verify the tail",
+        )?)?;
+        ensure!(
+            verify["decisions"] == 4 && verify["reproduced"] == 4,
+            "{verify}"
+        );
+
         // Explaining a bypassed turn names the decode worker's overlap and
         // the threshold it was under.
         let text = ok(

@@ -15,8 +15,9 @@
 //! `Prefilled { transfer }`, then a `Stage::Decode { transfer }` leg on the
 //! decode worker.
 //!
-//! Every decision goes to the decision log; `PrefillDone` and `Finished`
-//! go to this replica's ledger (through the event loop) and to the peers'
+//! Dispatched decisions go to the decision log (written by the event loop
+//! once their requester has them); `PrefillDone` and `Finished` go to this
+//! replica's ledger (through the event loop) and to the peers'
 //! (`subjects::progress(replica)`). A failure before any token, when
 //! retryable, is retried once on a new decision that avoids the worker
 //! that failed.
@@ -27,9 +28,8 @@ use std::time::{Duration, Instant};
 use bus::Bus;
 use futures::StreamExt;
 use protocol::{
-    subjects, BlockHash, CancelRequest, DecisionId, DecisionRecord, FinishReason, GenerateChunk,
-    GenerateEvent, GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Stage,
-    WorkerId,
+    subjects, BlockHash, CancelRequest, DecisionId, FinishReason, GenerateChunk, GenerateEvent,
+    GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Stage, WorkerId,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -195,7 +195,6 @@ pub enum Purpose {
 
 struct Inner {
     client: async_nats::Client,
-    bus: Bus,
     replica: Arc<str>,
     progress_subject: String,
     commands: mpsc::Sender<Command>,
@@ -229,32 +228,12 @@ impl Dispatcher {
             inner: Arc::new(Inner {
                 client: bus.client().clone(),
                 progress_subject: subjects::progress(&replica),
-                bus,
                 replica,
                 commands,
                 timeouts,
                 metrics,
             }),
         }
-    }
-
-    /// Appends a decision to the decision log, in the background (a slow
-    /// JetStream ack must not delay the request; peers that see its
-    /// `Finished` first ignore the late decision).
-    fn log_decision(&self, record: Option<&Arc<DecisionRecord>>) {
-        let Some(record) = record.cloned() else {
-            return;
-        };
-        let inner = self.inner.clone();
-        tokio::spawn(
-            async move {
-                if let Err(e) = inner.bus.publish_decision(&inner.replica, &record).await {
-                    tracing::warn!(error = %e, "publishing the decision to the decision log failed");
-                    inner.metrics.dispatch("decision_log_error");
-                }
-            }
-            .in_current_span(),
-        );
     }
 
     /// Asks the decision's workers to stop generating it (only the one
@@ -393,7 +372,6 @@ impl Dispatcher {
         };
         let mut retried = false;
         loop {
-            self.log_decision(assignment.record.as_ref());
             generate.annotation = assignment.decision.annotation();
             let mut ticket = Ticket {
                 dispatcher: self.clone(),

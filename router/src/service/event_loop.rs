@@ -18,13 +18,14 @@ use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use kv_indexer::DeltaError;
 use protocol::{
-    subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, Message, Progress,
-    RequestProgress, Role, RouteDecision, WorkerId,
+    subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, LogEntry, Message,
+    Progress, RequestProgress, Role, RouteDecision, WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::decision_log::DecisionLog;
 use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::replica::{self, LoadError, LoadedIndex};
@@ -60,8 +61,6 @@ pub struct RouteJob {
 #[derive(Debug, Clone)]
 pub struct Assignment {
     pub decision: RouteDecision,
-    /// Its decision-log entry (dispatched decisions only).
-    pub record: Option<Arc<DecisionRecord>>,
     /// What it looked at, when asked for.
     pub explanation: Option<Explanation>,
     /// The decode worker's generate subject.
@@ -228,6 +227,8 @@ pub struct LoopParts {
     pub tick: Duration,
     /// Blocks the index replica is sized for.
     pub reserve_blocks: usize,
+    /// Where dispatched decisions are written.
+    pub decision_log: DecisionLog,
 }
 
 /// The event loop's state.
@@ -244,6 +245,7 @@ pub struct RouterLoop {
     readiness: watch::Sender<Readiness>,
     tick: Duration,
     reserve_blocks: usize,
+    decision_log: DecisionLog,
     index: IndexState,
     deltas: BoxStream<'static, Result<IndexDelta, BusError>>,
     head: u64,
@@ -276,6 +278,7 @@ impl RouterLoop {
             readiness,
             tick,
             reserve_blocks,
+            decision_log,
         } = parts;
         Self {
             core,
@@ -289,6 +292,7 @@ impl RouterLoop {
             readiness,
             tick,
             reserve_blocks,
+            decision_log,
             index: IndexState::Loading {
                 why: "loading the index snapshot".into(),
             },
@@ -382,13 +386,24 @@ impl RouterLoop {
         match command {
             Command::Route { job, reply } => {
                 let dry_run = job.dry_run;
-                let result = self.route(job);
-                if let Err(Ok(routed)) = reply.send(result) {
-                    // The requester is gone (timed out, client closed):
-                    // nothing will run, and no peer was told.
-                    if !dry_run {
-                        self.core.on_finished(routed.decision.id);
+                let (result, record) = match self.route(job) {
+                    Ok((assignment, record)) => (Ok(assignment), record),
+                    Err(e) => (Err(e), None),
+                };
+                match reply.send(result) {
+                    // Dispatched: to the decision log, where the peers
+                    // charge their ledgers from it.
+                    Ok(()) => {
+                        if let Some(record) = record {
+                            self.decision_log.write(record);
+                        }
                     }
+                    // The requester is gone (timed out, client closed):
+                    // nothing will run, and no peer is told.
+                    Err(Ok(assignment)) if !dry_run => {
+                        self.core.on_finished(assignment.decision.id);
+                    }
+                    Err(_) => {}
                 }
             }
             Command::Progress { decision, progress } => match progress {
@@ -405,7 +420,8 @@ impl RouterLoop {
         }
     }
 
-    fn route(&mut self, job: RouteJob) -> Result<Assignment, RouteError> {
+    /// A decision, and its record when it is to be dispatched.
+    fn route(&mut self, job: RouteJob) -> Result<(Assignment, Option<DecisionRecord>), RouteError> {
         let now = now_ms();
         let request = RouteRequest {
             request_id: &job.request_id,
@@ -445,7 +461,7 @@ impl RouterLoop {
             let record = self
                 .core
                 .record(&decision, &explanation, &request, seed, &job.avoid);
-            Some(Arc::new(record))
+            Some(record)
         };
         let subject = |id: &WorkerId| {
             self.core
@@ -453,13 +469,13 @@ impl RouterLoop {
                 .record(id)
                 .map_or_else(|| subjects::generate(id), |r| r.subjects.generate.clone())
         };
-        Ok(Assignment {
+        let assignment = Assignment {
             decode_subject: subject(&decision.decode),
             prefill_subject: decision.prefill.as_ref().map(subject),
             decision,
-            record,
             explanation: job.explain.then_some(explanation),
-        })
+        };
+        Ok((assignment, record))
     }
 
     fn ledger(&self, decision: Option<DecisionId>) -> LedgerView {
@@ -749,8 +765,13 @@ impl RouterLoop {
         if message.subject.as_str() == self.own_decisions {
             return; // charged when decided
         }
-        match DecisionRecord::decode(&message.payload) {
-            Ok(DecisionRecord { decision, .. }) => {
+        match LogEntry::decode(&message.payload) {
+            Ok(LogEntry::Context { .. }) => self.metrics.peer_message("decision", "context"),
+            Ok(LogEntry::Decision(logged)) => {
+                if let Some((last, blocks)) = logged.prompt.end() {
+                    self.decision_log.peer_prompt(last, blocks);
+                }
+                let decision = logged.decision;
                 if let Ok(info) = message.info() {
                     let published = info.published.unix_timestamp_nanos();
                     let now = SystemTime::now()

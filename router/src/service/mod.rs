@@ -7,6 +7,7 @@
 //! `router/README.md` for the API and the settings.
 
 pub mod config;
+pub mod decision_log;
 pub mod dispatch;
 pub mod event_loop;
 pub mod http;
@@ -29,6 +30,7 @@ pub use config::{Args, Config, ConfigError, Loaded, Timeouts};
 pub use http::{DECISION_HEADER, REQUEST_ID_HEADER};
 
 use crate::core::RouterCore;
+use decision_log::DecisionLog;
 use dispatch::Dispatcher;
 use event_loop::{LoopParts, Readiness, RouterLoop};
 use inputs::{InputError, Inputs};
@@ -98,6 +100,8 @@ pub async fn run(
     let (stop_loop, loop_stopped) = watch::channel(false);
     let (stop_http, http_stopped) = watch::channel(false);
 
+    let (decision_log, log_task) =
+        DecisionLog::start(bus.clone(), replica.clone(), metrics.clone());
     let router_loop = RouterLoop::new(LoopParts {
         core,
         seed,
@@ -108,6 +112,7 @@ pub async fn run(
         readiness: ready_tx,
         tick: config.timeouts.tick,
         reserve_blocks: config.reserve_blocks,
+        decision_log,
     });
     let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
 
@@ -177,6 +182,8 @@ pub async fn run(
     if !loop_task.is_finished() {
         let _ = loop_task.await;
     }
+    // The loop held the last handle: the log drains what it sent.
+    let _ = log_task.await;
     upkeep.abort();
     tracing::info!(replica = %replica, "router stopped");
     outcome

@@ -1,0 +1,131 @@
+//! The decision log's writer: one task that turns this replica's decision
+//! records into log entries ([`protocol::LogWriter`]: settings and
+//! candidates' registrations once per context, a conversation's repeated
+//! block hashes once) and sends them in order, many unacknowledged at a
+//! time, off the event loop.
+//!
+//! An entry JetStream refuses is reported to the writer, which then never
+//! refers to it (its context is written again with the next decision). The
+//! other replicas' prompts, which the event loop sees on the log, may be
+//! referred to as well.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bus::{Bus, BusError};
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use protocol::{BlockHash, DecisionRecord, LogEntry, LogWriter, WriterLimits};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::event_loop::now_ms;
+use super::metrics::Metrics;
+
+/// Records waiting to be written before new ones are dropped (counted).
+const QUEUE: usize = 16_384;
+/// Entries sent and not yet acknowledged, at most.
+const IN_FLIGHT: usize = 4_096;
+/// At shutdown, acknowledgements are awaited this long.
+const DRAIN: Duration = Duration::from_secs(2);
+
+enum LogCommand {
+    Write(Box<DecisionRecord>),
+    PeerPrompt { last: BlockHash, blocks: u32 },
+}
+
+/// The handle the event loop writes through; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct DecisionLog {
+    tx: mpsc::Sender<LogCommand>,
+    metrics: Metrics,
+}
+
+type Ack = Pin<Box<dyn Future<Output = (LogEntry, Result<(), BusError>)> + Send>>;
+
+impl DecisionLog {
+    /// Starts the writer; it stops when every handle is dropped, after
+    /// waiting (a little) for what it sent.
+    pub fn start(bus: Bus, replica: Arc<str>, metrics: Metrics) -> (DecisionLog, JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let task = tokio::spawn(run(rx, bus, replica, metrics.clone()));
+        (DecisionLog { tx, metrics }, task)
+    }
+
+    /// Writes a dispatched decision's record.
+    pub fn write(&self, record: DecisionRecord) {
+        if self
+            .tx
+            .try_send(LogCommand::Write(Box::new(record)))
+            .is_err()
+        {
+            // A log that cannot keep up loses entries, never the request.
+            self.metrics.dispatch("decision_log_dropped");
+        }
+    }
+
+    /// Another replica's prompt is on the log: this replica's records may
+    /// refer to it.
+    pub fn peer_prompt(&self, last: BlockHash, blocks: u32) {
+        // Only an opportunity to write less: dropped when busy.
+        let _ = self.tx.try_send(LogCommand::PeerPrompt { last, blocks });
+    }
+}
+
+async fn run(mut rx: mpsc::Receiver<LogCommand>, bus: Bus, replica: Arc<str>, metrics: Metrics) {
+    let mut writer = LogWriter::new(WriterLimits::default());
+    let mut acks: FuturesUnordered<Ack> = FuturesUnordered::new();
+    loop {
+        tokio::select! {
+            command = rx.recv(), if acks.len() < IN_FLIGHT => match command {
+                None => break,
+                Some(LogCommand::PeerPrompt { last, blocks }) => {
+                    writer.saw_prompt_end(last, blocks, now_ms());
+                }
+                Some(LogCommand::Write(record)) => {
+                    for entry in writer.write(&record, now_ms()) {
+                        match bus.send_log_entry(&replica, &entry).await {
+                            Ok(ack) => acks.push(Box::pin(async move { (entry, ack.await) })),
+                            Err(error) => lost(&mut writer, &metrics, &entry, &error),
+                        }
+                    }
+                }
+            },
+            Some((entry, acked)) = acks.next() => {
+                if let Err(error) = acked {
+                    lost(&mut writer, &metrics, &entry, &error);
+                }
+            }
+        }
+    }
+    let drained = tokio::time::timeout(DRAIN, async {
+        while let Some((entry, acked)) = acks.next().await {
+            if let Err(error) = acked {
+                lost(&mut writer, &metrics, &entry, &error);
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            unacknowledged = acks.len(),
+            "decision-log entries still unacknowledged at shutdown"
+        );
+    }
+}
+
+fn lost(writer: &mut LogWriter, metrics: &Metrics, entry: &LogEntry, error: &BusError) {
+    writer.lost(entry);
+    metrics.dispatch("decision_log_error");
+    match entry.decision() {
+        Some(d) => tracing::warn!(
+            decision = %d.decision.id,
+            request_id = %d.decision.request_id,
+            %error,
+            "writing the decision to the decision log failed"
+        ),
+        None => tracing::warn!(%error, "writing a decision context to the decision log failed"),
+    }
+}
