@@ -1,126 +1,161 @@
-//! mock-vllm's flags (each with a `MOCK_VLLM_*` variable).
+//! mock-vllm's configuration: the raw arguments ([`Args`]: flags, each also
+//! a `MOCK_VLLM_*` variable, and a TOML file) read into [`Options`], then
+//! validated into [`Config`] (see the `settings` crate).
 
 use std::net::SocketAddr;
 
 use engine_sim::{KvTransfer, Preset};
 use protocol::Role;
+use serde::{Deserialize, Serialize};
+use settings::{Flag, Kind, SettingsError};
 use worker_agent::{engine_model, EngineModelError};
 
 use crate::wire::{Encoding, Flavour};
 
-#[derive(Debug, Clone, clap::Parser)]
-#[command(
-    name = "mock-vllm",
-    version,
-    about = "A GPU-free vLLM stand-in: engine-sim behind vLLM's OpenAI API, ZMQ KV events (with replay) and Prometheus metrics"
-)]
-pub struct Config {
-    /// HTTP port (OpenAI API, /metrics, /health, /switchyard/config).
-    #[arg(long, env = "MOCK_VLLM_PORT", default_value_t = 8000)]
+pub use settings::Args;
+
+/// What the flags, variables and file say, each with its default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Options {
     pub port: u16,
-
-    /// HTTP address to listen on.
-    #[arg(long, env = "MOCK_VLLM_HOST", default_value = "0.0.0.0")]
     pub host: String,
-
-    /// Served model name (default: the preset's model).
-    #[arg(long, env = "MOCK_VLLM_MODEL")]
     pub model: Option<String>,
-
-    /// engine-sim preset: llama70b_fp8_tp2_h100 or llama8b_h100.
-    #[arg(
-        long,
-        env = "MOCK_VLLM_PRESET",
-        default_value = "llama70b_fp8_tp2_h100"
-    )]
     pub preset: String,
-
-    /// What the engine does in a disaggregated deployment: prefill
-    /// (kv_producer), decode (kv_consumer) or both. Plain requests are
-    /// served by every role.
-    #[arg(long, env = "MOCK_VLLM_ROLE", default_value = "both")]
-    pub role: Role,
-
-    /// Tokens per KV block.
-    #[arg(long, env = "MOCK_VLLM_BLOCK_SIZE", default_value_t = 16)]
+    /// `prefill`, `decode` or `both`.
+    pub role: String,
     pub block_size: u32,
-
-    /// KV cache size in blocks (default: the preset's).
-    #[arg(long, env = "MOCK_VLLM_KV_CAPACITY_BLOCKS")]
     pub kv_capacity_blocks: Option<u32>,
-
-    /// KV-event PUB socket to bind for rank 0 (ranks offset the port).
-    #[arg(
-        long,
-        env = "MOCK_VLLM_KV_EVENTS_ENDPOINT",
-        default_value = "tcp://*:5557"
-    )]
     pub kv_events_endpoint: String,
-
-    /// KV-event replay ROUTER socket to bind for rank 0; `none` for none.
-    #[arg(
-        long,
-        env = "MOCK_VLLM_KV_REPLAY_ENDPOINT",
-        default_value = "tcp://*:5558"
-    )]
     pub kv_replay_endpoint: String,
-
-    /// KV events' topic.
-    #[arg(long, env = "MOCK_VLLM_KV_EVENTS_TOPIC", default_value = "")]
     pub kv_events_topic: String,
-
-    /// Batches and events as positional arrays or as maps.
-    #[arg(long, env = "MOCK_VLLM_ENCODING", value_enum, default_value = "array")]
     pub encoding: Encoding,
-
-    /// Whose block hashes and envelope: vLLM's (u64) or SGLang's (i64).
-    #[arg(
-        long,
-        env = "MOCK_VLLM_HASH_FLAVOUR",
-        value_enum,
-        default_value = "vllm"
-    )]
     pub hash_flavour: Flavour,
-
-    /// Seed of the vLLM-flavour block hashes (default: random per process,
-    /// as vLLM without PYTHONHASHSEED).
-    #[arg(long, env = "MOCK_VLLM_HASH_SEED")]
     pub hash_seed: Option<u64>,
-
-    /// Put the topic frame in replay replies (newer vLLM builds).
-    #[arg(long, env = "MOCK_VLLM_REPLAY_TOPIC_FRAME", default_value_t = false, action = clap::ArgAction::Set)]
     pub replay_topic_frame: bool,
-
-    /// Batches kept for replay.
-    #[arg(long, env = "MOCK_VLLM_REPLAY_BUFFER", default_value_t = 10_000)]
     pub replay_buffer: usize,
-
-    /// Data-parallel ranks (one engine and one publisher each).
-    #[arg(long, env = "MOCK_VLLM_DATA_PARALLEL_SIZE", default_value_t = 1)]
     pub data_parallel_size: u32,
-
-    /// Virtual step and transfer durations are divided by this.
-    #[arg(long, env = "MOCK_VLLM_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
-
-    /// KV transfer link for remote-prefilled decodes, GB/s.
-    #[arg(long, env = "MOCK_VLLM_LINK_GB_S", default_value_t = 87.0)]
     pub link_gb_s: f64,
-
-    /// Export the older `vllm:gpu_cache_usage_perc` instead of
-    /// `vllm:kv_cache_usage_perc`.
-    #[arg(long, env = "MOCK_VLLM_OLD_METRIC_NAMES", default_value_t = false, action = clap::ArgAction::Set)]
     pub old_metric_names: bool,
-
-    /// This engine's id in the made-up kv_transfer_params of its prefills
-    /// (default: random).
-    #[arg(long, env = "MOCK_VLLM_ENGINE_ID")]
     pub engine_id: Option<String>,
 }
 
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            port: 8000,
+            host: "0.0.0.0".into(),
+            model: None,
+            preset: Preset::llama70b_fp8_tp2_h100().name.into(),
+            role: Role::Both.as_str().into(),
+            block_size: engine_sim::DEFAULT_BLOCK_SIZE,
+            kv_capacity_blocks: None,
+            kv_events_endpoint: "tcp://*:5557".into(),
+            kv_replay_endpoint: "tcp://*:5558".into(),
+            kv_events_topic: String::new(),
+            encoding: Encoding::Array,
+            hash_flavour: Flavour::Vllm,
+            hash_seed: None,
+            replay_topic_frame: false,
+            replay_buffer: 10_000,
+            data_parallel_size: 1,
+            speedup: 1.0,
+            link_gb_s: 87.0,
+            old_metric_names: false,
+            engine_id: None,
+        }
+    }
+}
+
+/// Every flag of mock-vllm; its variables are `MOCK_VLLM_*`.
+pub fn flags() -> Vec<Flag> {
+    [
+        Flag::new("port", Kind::Number, "HTTP port of the OpenAI API and /metrics"),
+        Flag::new("host", Kind::Text, "HTTP listen host"),
+        Flag::new("model", Kind::Text, "The served model's name [default: the preset's]"),
+        Flag::new("preset", Kind::Text, "Engine preset: llama70b_fp8_tp2_h100 or llama8b_h100"),
+        Flag::new(
+            "role",
+            Kind::Text,
+            "prefill, decode or both: which kv_transfer_params it accepts (every role serves plain requests)",
+        ),
+        Flag::new("block_size", Kind::Number, "Tokens per KV block"),
+        Flag::new(
+            "kv_capacity_blocks",
+            Kind::Number,
+            "KV cache size in blocks [default: the preset's]",
+        ),
+        Flag::new(
+            "kv_events_endpoint",
+            Kind::Text,
+            "KV-event PUB socket of data-parallel rank 0 (the port is offset by the rank)",
+        ),
+        Flag::new(
+            "kv_replay_endpoint",
+            Kind::Text,
+            "KV-event replay ROUTER socket of rank 0 (none: no replay)",
+        ),
+        Flag::new("kv_events_topic", Kind::Text, "The KV events' topic"),
+        Flag::new("encoding", Kind::Text, "KV batch encoding: array or map"),
+        Flag::new(
+            "hash_flavour",
+            Kind::Text,
+            "Whose hashes and envelope: vllm (u64) or sglang (i64, attn_dp_rank)",
+        ),
+        Flag::new(
+            "hash_seed",
+            Kind::Number,
+            "Seed of the engine-private block hashes [default: random]",
+        ),
+        Flag::new(
+            "replay_topic_frame",
+            Kind::Switch,
+            "Replay replies carry the topic frame (vLLM 0.33)",
+        ),
+        Flag::new("replay_buffer", Kind::Number, "KV batches kept for replay"),
+        Flag::new("data_parallel_size", Kind::Number, "Data-parallel ranks (1 to 64)"),
+        Flag::new(
+            "speedup",
+            Kind::Number,
+            "Simulated engine speed-up: virtual step and transfer durations are divided by it",
+        ),
+        Flag::new("link_gb_s", Kind::Number, "Simulated KV transfer link, GB/s"),
+        Flag::new(
+            "old_metric_names",
+            Kind::Switch,
+            "Export the metric names of vLLM releases before 0.10",
+        ),
+        Flag::new(
+            "engine_id",
+            Kind::Text,
+            "Engine id in kv_transfer_params [default: mock-<random>]",
+        ),
+    ]
+    .into_iter()
+    .map(|f| f.env_prefix("MOCK_VLLM_"))
+    .collect()
+}
+
+/// The command line's name, version and description.
+pub fn command() -> clap::Command {
+    clap::Command::new("mock-vllm")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("A GPU-free vLLM stand-in: engine-sim behind vLLM's OpenAI API, ZMQ KV events (with replay) and Prometheus metrics")
+}
+
+/// The process's arguments (`--help` and bad flags exit here).
+pub fn args() -> Args {
+    Args::parse(command(), &flags(), &Options::default())
+}
+
 /// A configuration that cannot run.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error(transparent)]
+    Settings(#[from] SettingsError),
+    #[error("role {0:?}: expected prefill, decode or both")]
+    Role(String),
     #[error(transparent)]
     EngineModel(#[from] EngineModelError),
     #[error("data-parallel size must be 1 to 64")]
@@ -133,7 +168,7 @@ pub enum ConfigError {
 
 /// A validated configuration.
 #[derive(Debug, Clone)]
-pub struct Settings {
+pub struct Config {
     pub listen: SocketAddr,
     pub model: String,
     pub preset: Preset,
@@ -155,8 +190,22 @@ pub struct Settings {
 }
 
 impl Config {
-    pub fn validate(&self) -> Result<Settings, ConfigError> {
+    /// The raw arguments layered (file, variables, flags), deserialized and
+    /// validated.
+    pub fn from_args(args: &Args) -> Result<Config, ConfigError> {
+        let (options, _) = args.load::<Options>(&flags())?;
+        options.validate()
+    }
+}
+
+impl Options {
+    /// Checks every value and converts them.
+    pub fn validate(&self) -> Result<Config, ConfigError> {
         let preset = engine_model(&self.preset, self.block_size, self.speedup, self.link_gb_s)?;
+        let role: Role = self
+            .role
+            .parse()
+            .map_err(|_| ConfigError::Role(self.role.clone()))?;
         if !(1..=64).contains(&self.data_parallel_size) {
             return Err(ConfigError::DataParallel);
         }
@@ -179,14 +228,14 @@ impl Config {
                 replay.map(offset).transpose()?,
             ));
         }
-        Ok(Settings {
+        Ok(Config {
             listen,
             model: self
                 .model
                 .clone()
                 .unwrap_or_else(|| preset.model.to_owned()),
             preset,
-            role: self.role,
+            role,
             block_size: self.block_size,
             kv_capacity_blocks: self.kv_capacity_blocks,
             endpoints,
@@ -212,14 +261,22 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser as _;
-
     use super::*;
 
+    fn parse(args: &[&str]) -> Options {
+        let args = Args::try_parse_from(
+            command(),
+            &flags(),
+            &Options::default(),
+            std::iter::once("mock-vllm").chain(args.iter().copied()),
+        )
+        .expect("valid flags");
+        args.load::<Options>(&flags()).unwrap().0
+    }
+
     #[test]
-    fn flags() {
-        let c = Config::parse_from([
-            "mock-vllm",
+    fn flags_parse() {
+        let c = parse(&[
             "--port",
             "9000",
             "--host",
@@ -264,5 +321,13 @@ mod tests {
         let mut bad = c;
         bad.kv_events_endpoint = "ipc:///x".into();
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn variables_are_mock_vllm_s() {
+        let mut command = settings::command(command(), &flags(), &Options::default());
+        let help = command.render_long_help().to_string();
+        assert!(help.contains("MOCK_VLLM_PORT"), "{help}");
+        assert!(help.contains("[default: 8000]"), "{help}");
     }
 }

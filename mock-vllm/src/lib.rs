@@ -49,7 +49,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 use worker_agent::{Engine, EngineModelError, KvUpdate, SimEngine, SimEngineConfig};
 
-pub use config::{Config, ConfigError, Settings};
+pub use config::{Args, Config, ConfigError, Options};
 
 /// Why mock-vllm cannot start or had to stop.
 #[derive(Debug, thiserror::Error)]
@@ -85,7 +85,7 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let s = config.validate()?;
+    let s = config;
     let (stop, stop_rx) = watch::channel(false);
     let mut ranks = Vec::new();
     let mut tasks = Vec::new();

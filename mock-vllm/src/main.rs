@@ -1,15 +1,16 @@
 //! `mock-vllm`: a GPU-free vLLM stand-in. Flags and `MOCK_VLLM_*`
 //! variables: `--help`.
 
-use clap::Parser;
+use anyhow::Context;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let config = mock_vllm::Config::parse();
+    let args = mock_vllm::config::args();
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
+    let config = mock_vllm::Config::from_args(&args).context("invalid configuration")?;
     mock_vllm::run(config, shutdown_signal()).await?;
     Ok(())
 }

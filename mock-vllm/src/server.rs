@@ -25,7 +25,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
 use worker_agent::{Engine, SimEngine};
 
-use crate::config::Settings;
+use crate::config::Config;
 use crate::relabel::Relabeler;
 
 /// One data-parallel rank: an engine, its relabeler, its publisher's count.
@@ -59,7 +59,7 @@ struct DebugState {
 /// The server's state.
 #[derive(Debug)]
 pub struct App {
-    pub settings: Settings,
+    pub settings: Config,
     pub ranks: Vec<RankHandle>,
     next_rank: AtomicUsize,
     next_request: AtomicU64,
@@ -77,7 +77,7 @@ fn unix_s() -> u64 {
 }
 
 impl App {
-    pub fn new(settings: Settings, ranks: Vec<RankHandle>) -> Self {
+    pub fn new(settings: Config, ranks: Vec<RankHandle>) -> Self {
         Self {
             settings,
             ranks,

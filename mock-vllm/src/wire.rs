@@ -6,7 +6,8 @@ use protocol::Tier;
 use rmp::encode;
 
 /// How batches and events are encoded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Encoding {
     /// Positional arrays, trailing defaults omitted (vLLM releases, SGLang).
     Array,
@@ -15,7 +16,8 @@ pub enum Encoding {
 }
 
 /// Whose hashes and envelope.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Flavour {
     /// vLLM: unsigned 64-bit hashes, envelope `[ts, events, data_parallel_rank]`.
     Vllm,

@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
-use clap::Parser as _;
 use engine_sim::Preset;
 use futures::stream::BoxStream;
 use futures::StreamExt;
@@ -48,7 +47,14 @@ impl Mock {
             "--engine-id=engine-under-test".into(),
         ];
         args.extend(extra.iter().map(|a| (*a).to_owned()));
-        let config = mock_vllm::Config::parse_from(args);
+        let args = mock_vllm::Args::try_parse_from(
+            mock_vllm::config::command(),
+            &mock_vllm::config::flags(),
+            &mock_vllm::Options::default(),
+            args,
+        )
+        .expect("valid flags");
+        let config = mock_vllm::Config::from_args(&args).expect("a valid configuration");
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(mock_vllm::run(config, async {
             let _ = stopped.await;

@@ -113,7 +113,7 @@ pub struct Flag {
     /// What its value is.
     pub kind: Kind,
     long: Option<Cow<'static, str>>,
-    env: Option<&'static str>,
+    env: Option<Cow<'static, str>>,
     legacy: Vec<Legacy>,
 }
 
@@ -149,9 +149,19 @@ impl Flag {
     }
 
     /// Another variable than the one derived from the long name.
-    pub fn env(mut self, env: &'static str) -> Self {
-        self.env = Some(env);
+    pub fn env(mut self, env: impl Into<Cow<'static, str>>) -> Self {
+        self.env = Some(env.into());
         self
+    }
+
+    /// Its variable named with `prefix` instead of `SWITCHYARD_`
+    /// (`MOCK_VLLM_PORT` for `--port`), unless it has its own.
+    pub fn env_prefix(self, prefix: &str) -> Self {
+        if self.env.is_some() {
+            return self;
+        }
+        let env = format!("{prefix}{}", upper(&self.long_name()));
+        self.env(env)
     }
 
     /// An earlier name of this flag, still accepted.
@@ -170,8 +180,8 @@ impl Flag {
 
     /// The environment variable.
     pub fn env_name(&self) -> String {
-        match self.env {
-            Some(env) => env.to_owned(),
+        match &self.env {
+            Some(env) => env.to_string(),
             None => env_of(&self.long_name()),
         }
     }
@@ -236,7 +246,11 @@ impl Flag {
 }
 
 fn env_of(long: &str) -> String {
-    format!("SWITCHYARD_{}", long.replace('-', "_").to_ascii_uppercase())
+    format!("SWITCHYARD_{}", upper(long))
+}
+
+fn upper(long: &str) -> String {
+    long.replace('-', "_").to_ascii_uppercase()
 }
 
 fn legacy_id(legacy: &Legacy) -> String {

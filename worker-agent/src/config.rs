@@ -1,5 +1,8 @@
-//! The agent's configuration: command-line flags, each with a
-//! `SWITCHYARD_*` environment variable, and their validation.
+//! The agent's configuration: the raw arguments ([`Args`]: flags, each also
+//! a `SWITCHYARD_*` variable, and a TOML file) read into [`Options`] (what
+//! they say, defaults from `Options::default`, shown by `--help`), then
+//! validated into [`Config`], in the types the agent uses (see the
+//! `settings` crate).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -7,12 +10,17 @@ use std::time::Duration;
 use engine_sim::{KvTransfer, Preset};
 use protocol::ids::InvalidWorkerId;
 use protocol::{HashingContract, Role, WorkerId};
+use serde::{Deserialize, Serialize};
+use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::OutboxLimits;
 use crate::vllm::{EngineKind, ReplayLimits, VllmConfig};
 
+pub use settings::Args;
+
 /// The engine behind the agent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EngineChoice {
     /// The built-in simulated engine (engine-sim in real time).
     Sim,
@@ -22,188 +30,239 @@ pub enum EngineChoice {
     Sglang,
 }
 
-/// Everything the agent is told at start.
-#[derive(Debug, Clone, clap::Parser)]
-#[command(
-    name = "worker-agent",
-    version,
-    about = "Switchyard's sidecar beside one engine worker: registers it, publishes its KV events and load, serves its generation requests"
-)]
-pub struct Config {
-    /// NATS server URL.
-    #[arg(
-        long,
-        env = "SWITCHYARD_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
-    )]
+/// What the flags, variables and file say, each with its default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Options {
     pub nats_url: String,
-
-    /// etcd endpoints, comma-separated.
-    #[arg(
-        long,
-        env = "SWITCHYARD_ETCD_ENDPOINTS",
-        value_delimiter = ',',
-        default_value = "http://127.0.0.1:2379"
-    )]
     pub etcd_endpoints: Vec<String>,
-
-    /// Worker name: `[A-Za-z0-9_-]`, unique in the deployment.
-    #[arg(long, env = "SWITCHYARD_WORKER_NAME")]
+    /// `[A-Za-z0-9_-]`, unique in the deployment. Required.
     pub worker_name: String,
-
-    /// Data-parallel rank of the engine this agent serves.
-    #[arg(long, env = "SWITCHYARD_DP_RANK", default_value_t = 0)]
     pub dp_rank: u32,
-
-    /// What the worker does: prefill, decode or both.
-    #[arg(long, env = "SWITCHYARD_ROLE", default_value = "both")]
-    pub role: Role,
-
-    /// Model name; it seeds the block hashes and must be the engine's model
-    /// (default: the preset's model).
-    #[arg(long, env = "SWITCHYARD_MODEL")]
+    /// `prefill`, `decode` or `both`.
+    pub role: String,
+    /// The engine's model (default: the preset's).
     pub model: Option<String>,
-
-    /// Tokens per KV block (the router's and indexer's block size).
-    #[arg(long, env = "SWITCHYARD_BLOCK_SIZE", default_value_t = engine_sim::DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
-
-    /// Engine preset: llama70b_fp8_tp2_h100 or llama8b_h100. The simulated
-    /// engine's model; for a real engine, the hardware facts registered for
-    /// the router's cost model (GPUs, KV bytes per token, step budget) and
-    /// the KV capacity when the engine does not report it.
-    #[arg(
-        long,
-        env = "SWITCHYARD_PRESET",
-        default_value = "llama70b_fp8_tp2_h100"
-    )]
     pub preset: String,
-
-    /// Simulated engine speed-up: virtual step and transfer durations are
-    /// divided by it.
-    #[arg(long, env = "SWITCHYARD_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
-
-    /// KV cache size in blocks (default: a real engine's own figure when it
-    /// reports one, else the preset's).
-    #[arg(long, env = "SWITCHYARD_KV_CAPACITY_BLOCKS")]
     pub kv_capacity_blocks: Option<u32>,
-
-    /// Simulated KV transfer link for decode requests, GB/s.
-    #[arg(long, env = "SWITCHYARD_LINK_GB_S", default_value_t = 87.0)]
     pub link_gb_s: f64,
-
-    /// Registration lease TTL in seconds: the worker's key disappears this
-    /// long after the agent dies.
-    #[arg(long, env = "SWITCHYARD_LEASE_TTL_S", default_value_t = 10)]
-    pub lease_ttl_s: u64,
-
-    /// Longest gap between load reports, ms (at most 100); a changed load
-    /// is reported within 10 ms.
-    #[arg(long, env = "SWITCHYARD_LOAD_INTERVAL_MS", default_value_t = 100)]
-    pub load_interval_ms: u64,
-
-    /// KV events held while NATS does not acknowledge them; beyond this the
-    /// agent resynchronises (new epoch with the full block set).
-    #[arg(long, env = "SWITCHYARD_KV_QUEUE_EVENTS", default_value_t = 65_536)]
+    #[serde(with = "settings::duration")]
+    pub lease_ttl: Duration,
+    #[serde(with = "settings::duration")]
+    pub load_interval: Duration,
     pub kv_queue_events: usize,
-
-    /// Most KV events in one published batch (a resync's first batch holds
-    /// the whole block set regardless).
-    #[arg(long, env = "SWITCHYARD_KV_BATCH_EVENTS", default_value_t = 256)]
     pub kv_batch_events: usize,
-
-    /// Serve `GET /metrics` (Prometheus text) and `GET /healthz` here.
-    #[arg(long, env = "SWITCHYARD_HTTP_ADDR")]
     pub http_addr: Option<SocketAddr>,
-
-    /// The engine: the built-in simulation, or a real server.
-    #[arg(long, env = "SWITCHYARD_ENGINE", value_enum, default_value = "sim")]
     pub engine: EngineChoice,
-
-    /// Real engine: its OpenAI API's base URL.
-    #[arg(
-        long,
-        env = "SWITCHYARD_ENGINE_URL",
-        default_value = "http://127.0.0.1:8000"
-    )]
     pub engine_url: String,
-
-    /// Real engine: its KV-event PUB socket for data-parallel rank 0 (the
-    /// port is offset by --dp-rank).
-    #[arg(
-        long,
-        env = "SWITCHYARD_KV_EVENTS_ENDPOINT",
-        default_value = "tcp://127.0.0.1:5557"
-    )]
     pub kv_events_endpoint: String,
-
-    /// Real engine: its KV-event replay (ROUTER) socket for rank 0, if it
-    /// has one (recommended: gaps and restarts are then recovered exactly).
-    #[arg(long, env = "SWITCHYARD_KV_REPLAY_ENDPOINT")]
     pub kv_replay_endpoint: Option<String>,
-
-    /// Real engine: the KV events' topic.
-    #[arg(long, env = "SWITCHYARD_KV_EVENTS_TOPIC", default_value = "")]
     pub kv_events_topic: String,
-
-    /// Real engine: data-parallel ranks behind its API; above 1, requests
-    /// are pinned to --dp-rank (`X-data-parallel-rank`).
-    #[arg(long, env = "SWITCHYARD_ENGINE_DP_SIZE", default_value_t = 1)]
     pub engine_dp_size: u32,
-
-    /// Real engine: how long to wait for it to come up.
-    #[arg(
-        long,
-        env = "SWITCHYARD_ENGINE_STARTUP_TIMEOUT_S",
-        default_value_t = 600
-    )]
-    pub engine_startup_timeout_s: u64,
-
-    /// Real engine: a request that makes no progress for this long fails
-    /// (retryable).
-    #[arg(long, env = "SWITCHYARD_ENGINE_TIMEOUT_S", default_value_t = 300)]
-    pub engine_timeout_s: u64,
-
-    /// Real engine: how often its /metrics is scraped for the load, ms.
-    #[arg(
-        long,
-        env = "SWITCHYARD_ENGINE_METRICS_INTERVAL_MS",
-        default_value_t = 200
-    )]
-    pub engine_metrics_interval_ms: u64,
-
-    /// Real engine: ask for generated token ids (`return_token_ids`).
-    #[arg(
-        long,
-        env = "SWITCHYARD_ENGINE_RETURN_TOKEN_IDS",
-        default_value_t = true,
-        action = clap::ArgAction::Set
-    )]
+    #[serde(with = "settings::duration")]
+    pub engine_startup_timeout: Duration,
+    #[serde(with = "settings::duration")]
+    pub engine_timeout: Duration,
+    #[serde(with = "settings::duration")]
+    pub engine_metrics_interval: Duration,
     pub engine_return_token_ids: bool,
+    #[serde(with = "settings::duration")]
+    pub kv_replay_timeout: Duration,
+    #[serde(with = "settings::duration")]
+    pub kv_idle_check: Duration,
+}
 
-    /// Real engine: longest KV replay, ms (a replay that takes longer is
-    /// given up, and the gap resynchronised).
-    #[arg(long, env = "SWITCHYARD_KV_REPLAY_TIMEOUT_MS", default_value_t = 5_000)]
-    pub kv_replay_timeout_ms: u64,
+impl Default for Options {
+    fn default() -> Self {
+        let outbox = OutboxLimits::default();
+        Self {
+            nats_url: "nats://127.0.0.1:4222".into(),
+            etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            worker_name: String::new(),
+            dp_rank: 0,
+            role: Role::Both.as_str().into(),
+            model: None,
+            block_size: engine_sim::DEFAULT_BLOCK_SIZE,
+            preset: Preset::llama70b_fp8_tp2_h100().name.into(),
+            speedup: 1.0,
+            kv_capacity_blocks: None,
+            link_gb_s: 87.0,
+            lease_ttl: Duration::from_secs(10),
+            load_interval: Duration::from_millis(100),
+            kv_queue_events: outbox.max_queued_events,
+            kv_batch_events: outbox.max_batch_events,
+            http_addr: None,
+            engine: EngineChoice::Sim,
+            engine_url: "http://127.0.0.1:8000".into(),
+            kv_events_endpoint: "tcp://127.0.0.1:5557".into(),
+            kv_replay_endpoint: None,
+            kv_events_topic: String::new(),
+            engine_dp_size: 1,
+            engine_startup_timeout: Duration::from_secs(600),
+            engine_timeout: Duration::from_secs(300),
+            engine_metrics_interval: Duration::from_millis(200),
+            engine_return_token_ids: true,
+            kv_replay_timeout: Duration::from_secs(5),
+            kv_idle_check: Duration::from_secs(1),
+        }
+    }
+}
 
-    /// Real engine: when no KV event came for this long, ask the replay
-    /// socket for any batch the subscription missed (0: never), ms.
-    #[arg(long, env = "SWITCHYARD_KV_IDLE_CHECK_MS", default_value_t = 1_000)]
-    pub kv_idle_check_ms: u64,
+/// Every flag of the agent.
+pub fn flags() -> Vec<Flag> {
+    vec![
+        Flag::new("nats_url", Kind::Text, "NATS server URL"),
+        Flag::new("etcd_endpoints", Kind::List, "etcd endpoints, comma separated"),
+        Flag::new(
+            "worker_name",
+            Kind::Text,
+            "Worker name: [A-Za-z0-9_-], unique in the deployment (required)",
+        ),
+        Flag::new("dp_rank", Kind::Number, "Data-parallel rank of the engine this agent serves"),
+        Flag::new("role", Kind::Text, "What the worker does: prefill, decode or both"),
+        Flag::new(
+            "model",
+            Kind::Text,
+            "Model name; it seeds the block hashes and must be the engine's model [default: the preset's model]",
+        ),
+        Flag::new("block_size", Kind::Number, "Tokens per KV block (the router's and indexer's block size)"),
+        Flag::new(
+            "preset",
+            Kind::Text,
+            "Engine preset (llama70b_fp8_tp2_h100, llama8b_h100): the simulated engine's model; for a real engine, the hardware facts registered for the router's cost model and the KV capacity when the engine does not report it",
+        ),
+        Flag::new(
+            "speedup",
+            Kind::Number,
+            "Simulated engine speed-up: virtual step and transfer durations are divided by it",
+        ),
+        Flag::new(
+            "kv_capacity_blocks",
+            Kind::Number,
+            "KV cache size in blocks [default: a real engine's own figure when it reports one, else the preset's]",
+        ),
+        Flag::new("link_gb_s", Kind::Number, "Simulated KV transfer link for decode requests, GB/s"),
+        Flag::new(
+            "lease_ttl",
+            Kind::Duration,
+            "Registration lease TTL: the worker's key disappears this long after the agent dies",
+        )
+        .legacy(Legacy::seconds("lease-ttl-s")),
+        Flag::new(
+            "load_interval",
+            Kind::Duration,
+            "Longest gap between load reports (at most 100ms); a changed load is reported within 10 ms",
+        )
+        .legacy(Legacy::millis("load-interval-ms")),
+        Flag::new(
+            "kv_queue_events",
+            Kind::Number,
+            "KV events held while NATS does not acknowledge them; beyond this the agent resynchronises (new epoch with the full block set)",
+        ),
+        Flag::new(
+            "kv_batch_events",
+            Kind::Number,
+            "Most KV events in one published batch (a resync's first batch holds the whole block set regardless)",
+        ),
+        Flag::new(
+            "http_addr",
+            Kind::Text,
+            "Serve GET /metrics (Prometheus text) and GET /healthz here [default: none]",
+        ),
+        Flag::new("engine", Kind::Text, "The engine: sim (built in), vllm or sglang"),
+        Flag::new("engine_url", Kind::Text, "Real engine: its OpenAI API's base URL"),
+        Flag::new(
+            "kv_events_endpoint",
+            Kind::Text,
+            "Real engine: its KV-event PUB socket for data-parallel rank 0 (the port is offset by --dp-rank)",
+        ),
+        Flag::new(
+            "kv_replay_endpoint",
+            Kind::Text,
+            "Real engine: its KV-event replay (ROUTER) socket for rank 0, if it has one (recommended: gaps and restarts are then recovered exactly)",
+        ),
+        Flag::new("kv_events_topic", Kind::Text, "Real engine: the KV events' topic"),
+        Flag::new(
+            "engine_dp_size",
+            Kind::Number,
+            "Real engine: data-parallel ranks behind its API; above 1, requests are pinned to --dp-rank (X-data-parallel-rank)",
+        ),
+        Flag::new(
+            "engine_startup_timeout",
+            Kind::Duration,
+            "Real engine: how long to wait for it to come up",
+        )
+        .legacy(Legacy::seconds("engine-startup-timeout-s")),
+        Flag::new(
+            "engine_timeout",
+            Kind::Duration,
+            "Real engine: a request that makes no progress for this long fails (retryable)",
+        )
+        .legacy(Legacy::seconds("engine-timeout-s")),
+        Flag::new(
+            "engine_metrics_interval",
+            Kind::Duration,
+            "Real engine: how often its /metrics is scraped for the load",
+        )
+        .legacy(Legacy::millis("engine-metrics-interval-ms")),
+        Flag::new(
+            "engine_return_token_ids",
+            Kind::Switch,
+            "Real engine: ask for generated token ids (return_token_ids)",
+        ),
+        Flag::new(
+            "kv_replay_timeout",
+            Kind::Duration,
+            "Real engine: longest KV replay (a replay that takes longer is given up, and the gap resynchronised)",
+        )
+        .legacy(Legacy::millis("kv-replay-timeout-ms")),
+        Flag::new(
+            "kv_idle_check",
+            Kind::Duration,
+            "Real engine: when no KV event came for this long, ask the replay socket for any batch the subscription missed (0s: never)",
+        )
+        .legacy(Legacy::millis("kv-idle-check-ms")),
+    ]
+}
+
+/// The command line's name, version and description.
+pub fn command() -> clap::Command {
+    clap::Command::new("worker-agent")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("Switchyard's sidecar beside one engine worker: registers it, publishes its KV events and load, serves its generation requests")
+}
+
+/// The process's arguments (`--help` and bad flags exit here).
+pub fn args() -> Args {
+    Args::parse(command(), &flags(), &Options::default())
+}
+
+/// A configuration, and the spellings of an earlier release it used.
+#[derive(Debug)]
+pub struct Loaded {
+    pub config: Config,
+    pub deprecations: Vec<Deprecation>,
 }
 
 /// A configuration that cannot run.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error(transparent)]
+    Settings(#[from] SettingsError),
+    #[error("worker_name is required: set --worker-name, SWITCHYARD_WORKER_NAME or `worker_name` in the config file")]
+    NoWorkerName,
+    #[error("role {0:?}: expected prefill, decode or both")]
+    Role(String),
     #[error("worker name: {0}")]
     WorkerId(#[from] InvalidWorkerId),
     #[error(transparent)]
     EngineModel(#[from] EngineModelError),
     #[error("lease TTL must be at least 1 s")]
     LeaseTtl,
-    #[error("load interval {0} ms must be between 1 and 100 ms (load reports come at least every 100 ms)")]
-    LoadInterval(u64),
+    #[error("load interval {0:?} must be between 1ms and 100ms (load reports come at least every 100 ms)")]
+    LoadInterval(Duration),
     #[error("the KV queue must hold at least one event")]
     KvQueue,
     #[error("a KV batch must hold at least one event")]
@@ -216,7 +275,7 @@ pub enum ConfigError {
     KvEndpoint(String),
     #[error("--dp-rank {rank} is not below --engine-dp-size {size}")]
     DpRank { rank: u32, size: u32 },
-    #[error("{0} must be at least 1")]
+    #[error("{0} must be longer than 0")]
     ZeroDuration(&'static str),
 }
 
@@ -262,7 +321,11 @@ const LOAD_POLL: Duration = Duration::from_millis(10);
 
 /// A validated configuration, in the types the agent uses.
 #[derive(Debug, Clone)]
-pub struct Settings {
+pub struct Config {
+    pub nats_url: String,
+    pub etcd_endpoints: Vec<String>,
+    /// Where `/metrics` and `/healthz` are served, if anywhere.
+    pub http_addr: Option<SocketAddr>,
     pub worker: WorkerId,
     pub role: Role,
     /// How the deployment names blocks: model and block size.
@@ -282,15 +345,27 @@ pub struct Settings {
 }
 
 impl Config {
-    /// A configuration for `worker_name` talking to the given servers,
-    /// everything else at its default (or its `SWITCHYARD_*` variable when
-    /// set): what tests and embedders start from.
+    /// The raw arguments layered (file, variables, flags), deserialized and
+    /// validated.
+    pub fn from_args(args: &Args) -> Result<Loaded, ConfigError> {
+        let (options, deprecations) = args.load::<Options>(&flags())?;
+        Ok(Loaded {
+            config: options.validate()?,
+            deprecations,
+        })
+    }
+}
+
+impl Options {
+    /// The defaults for `worker_name` talking to the given servers: what
+    /// tests and embedders start from.
     pub fn new(worker_name: &str, nats_url: &str, etcd_endpoints: &[String]) -> Self {
-        use clap::Parser as _;
-        let mut config = Self::parse_from(["worker-agent", "--worker-name", worker_name]);
-        config.nats_url = nats_url.to_owned();
-        config.etcd_endpoints = etcd_endpoints.to_vec();
-        config
+        Self {
+            worker_name: worker_name.to_owned(),
+            nats_url: nats_url.to_owned(),
+            etcd_endpoints: etcd_endpoints.to_vec(),
+            ..Options::default()
+        }
     }
 
     /// The model the worker serves: the configured one, else the preset's.
@@ -301,14 +376,21 @@ impl Config {
     }
 
     /// Checks every value and converts them.
-    pub fn validate(&self) -> Result<Settings, ConfigError> {
+    pub fn validate(&self) -> Result<Config, ConfigError> {
+        if self.worker_name.is_empty() {
+            return Err(ConfigError::NoWorkerName);
+        }
         let worker = WorkerId::new(&self.worker_name, self.dp_rank)?;
+        let role: Role = self
+            .role
+            .parse()
+            .map_err(|_| ConfigError::Role(self.role.clone()))?;
         let preset = engine_model(&self.preset, self.block_size, self.speedup, self.link_gb_s)?;
-        if self.lease_ttl_s == 0 {
+        if self.lease_ttl < Duration::from_secs(1) {
             return Err(ConfigError::LeaseTtl);
         }
-        if !(1..=100).contains(&self.load_interval_ms) {
-            return Err(ConfigError::LoadInterval(self.load_interval_ms));
+        if !(Duration::from_millis(1)..=Duration::from_millis(100)).contains(&self.load_interval) {
+            return Err(ConfigError::LoadInterval(self.load_interval));
         }
         if self.kv_queue_events == 0 {
             return Err(ConfigError::KvQueue);
@@ -319,11 +401,14 @@ impl Config {
         if self.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError::NoEtcdEndpoint);
         }
-        let load_interval = Duration::from_millis(self.load_interval_ms);
-        let real_engine = self.real_engine(&worker, &preset)?;
-        Ok(Settings {
+        let load_interval = self.load_interval;
+        let real_engine = self.real_engine(&worker, role, &preset)?;
+        Ok(Config {
+            nats_url: self.nats_url.clone(),
+            etcd_endpoints: self.etcd_endpoints.clone(),
+            http_addr: self.http_addr,
             worker,
-            role: self.role,
+            role,
             contract: HashingContract::for_model(&self.model(&preset), self.block_size),
             preset,
             speedup: self.speedup,
@@ -332,7 +417,7 @@ impl Config {
                 setup_us: 0,
                 bytes_per_s: self.link_gb_s * 1e9,
             },
-            lease_ttl: Duration::from_secs(self.lease_ttl_s),
+            lease_ttl: self.lease_ttl,
             load_interval,
             load_poll: LOAD_POLL.min(load_interval),
             outbox: OutboxLimits {
@@ -346,6 +431,7 @@ impl Config {
     fn real_engine(
         &self,
         worker: &WorkerId,
+        role: Role,
         preset: &Preset,
     ) -> Result<Option<VllmConfig>, ConfigError> {
         let kind = match self.engine {
@@ -381,23 +467,20 @@ impl Config {
             });
         }
         for (value, name) in [
-            (self.engine_startup_timeout_s, "--engine-startup-timeout-s"),
-            (self.engine_timeout_s, "--engine-timeout-s"),
-            (
-                self.engine_metrics_interval_ms,
-                "--engine-metrics-interval-ms",
-            ),
-            (self.kv_replay_timeout_ms, "--kv-replay-timeout-ms"),
+            (self.engine_startup_timeout, "engine_startup_timeout"),
+            (self.engine_timeout, "engine_timeout"),
+            (self.engine_metrics_interval, "engine_metrics_interval"),
+            (self.kv_replay_timeout, "kv_replay_timeout"),
         ] {
-            if value == 0 {
+            if value.is_zero() {
                 return Err(ConfigError::ZeroDuration(name));
             }
         }
-        let replay_total = Duration::from_millis(self.kv_replay_timeout_ms);
+        let replay_total = self.kv_replay_timeout;
         Ok(Some(VllmConfig {
             kind,
             worker: worker.clone(),
-            role: self.role,
+            role,
             model: self.model(preset),
             block_size: self.block_size,
             api_url: url.trim_end_matches('/').to_owned(),
@@ -407,17 +490,16 @@ impl Config {
             dp_size: self.engine_dp_size.max(1),
             preset: *preset,
             kv_capacity_blocks: self.kv_capacity_blocks,
-            startup_timeout: Duration::from_secs(self.engine_startup_timeout_s),
-            request_timeout: Duration::from_secs(self.engine_timeout_s),
-            metrics_interval: Duration::from_millis(self.engine_metrics_interval_ms),
+            startup_timeout: self.engine_startup_timeout,
+            request_timeout: self.engine_timeout,
+            metrics_interval: self.engine_metrics_interval,
             return_token_ids: self.engine_return_token_ids,
             replay: ReplayLimits {
                 connect: Duration::from_secs(2).min(replay_total),
                 idle: Duration::from_secs(2).min(replay_total),
                 total: replay_total,
             },
-            idle_check: (self.kv_idle_check_ms > 0)
-                .then(|| Duration::from_millis(self.kv_idle_check_ms)),
+            idle_check: (!self.kv_idle_check.is_zero()).then_some(self.kv_idle_check),
         }))
     }
 }
@@ -426,29 +508,39 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn config() -> Config {
-        Config::new("w0", "nats://127.0.0.1:1", &["http://127.0.0.1:2".into()])
+    fn options() -> Options {
+        Options::new("w0", "nats://127.0.0.1:1", &["http://127.0.0.1:2".into()])
+    }
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        let args = Args::try_parse_from(
+            command(),
+            &flags(),
+            &Options::default(),
+            std::iter::once("worker-agent").chain(args.iter().copied()),
+        )
+        .expect("valid flags");
+        Ok(Config::from_args(&args)?.config)
     }
 
     #[test]
     fn defaults_are_valid() {
-        let settings = config().validate().unwrap();
-        assert_eq!(settings.worker.to_string(), "w0");
-        assert_eq!(settings.role, Role::Both);
+        let config = options().validate().unwrap();
+        assert_eq!(config.worker.to_string(), "w0");
+        assert_eq!(config.role, Role::Both);
         let preset = Preset::llama70b_fp8_tp2_h100();
         assert_eq!(
-            settings.contract,
+            config.contract,
             HashingContract::for_model(preset.model, 16)
         );
-        assert_eq!(settings.contract.salt, preset.salt());
-        assert_eq!(settings.load_poll, Duration::from_millis(10));
+        assert_eq!(config.contract.salt, preset.salt());
+        assert_eq!(config.load_poll, Duration::from_millis(10));
+        assert_eq!(config.outbox, OutboxLimits::default());
     }
 
     #[test]
     fn flags_parse() {
-        use clap::Parser as _;
-        let c = Config::parse_from([
-            "worker-agent",
+        let c = parse(&[
             "--worker-name",
             "p1",
             "--dp-rank",
@@ -459,67 +551,82 @@ mod tests {
             "http://a:1,http://b:2",
             "--http-addr",
             "127.0.0.1:9000",
-        ]);
+            "--lease-ttl",
+            "3s",
+        ])
+        .unwrap();
         assert_eq!(c.role, Role::Prefill);
-        assert_eq!(c.etcd_endpoints, vec!["http://a:1", "http://b:2"]);
-        assert_eq!(c.validate().unwrap().worker.to_string(), "p1.2");
-        assert!(
-            Config::try_parse_from(["worker-agent", "--worker-name", "x", "--role", "boss"])
-                .is_err()
-        );
+        assert_eq!(c.worker.to_string(), "p1.2");
+        assert_eq!(c.lease_ttl, Duration::from_secs(3));
+        let e = parse(&["--worker-name", "x", "--role", "boss"]).unwrap_err();
+        assert!(e.to_string().contains("\"boss\": expected prefill"), "{e}");
+        let e = parse(&[]).unwrap_err();
+        assert!(e.to_string().contains("SWITCHYARD_WORKER_NAME"), "{e}");
+    }
+
+    #[test]
+    fn the_previous_releases_flags_still_work() {
+        let args = Args::try_parse_from(
+            command(),
+            &flags(),
+            &Options::default(),
+            [
+                "worker-agent",
+                "--worker-name",
+                "w",
+                "--lease-ttl-s",
+                "2",
+                "--load-interval-ms",
+                "50",
+            ],
+        )
+        .unwrap();
+        let loaded = Config::from_args(&args).unwrap();
+        assert_eq!(loaded.config.lease_ttl, Duration::from_secs(2));
+        assert_eq!(loaded.config.load_interval, Duration::from_millis(50));
+        assert_eq!(loaded.deprecations.len(), 2, "{:?}", loaded.deprecations);
     }
 
     #[test]
     fn bad_values_are_refused_clearly() {
-        let mut c = config();
+        let mut c = options();
         c.worker_name = "a b".into();
         assert!(matches!(c.validate(), Err(ConfigError::WorkerId(_))));
-        let mut c = config();
+        let mut c = options();
         c.preset = "gpt5".into();
         let err = c.validate().unwrap_err();
         assert!(err.to_string().contains("llama8b_h100"), "{err}");
-        let mut c = config();
+        let mut c = options();
         c.speedup = 0.0;
-        assert_eq!(
-            c.validate().unwrap_err(),
-            EngineModelError::Speedup(0.0).into()
-        );
-        let mut c = config();
-        c.load_interval_ms = 250;
-        assert_eq!(c.validate().unwrap_err(), ConfigError::LoadInterval(250));
-        let mut c = config();
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::EngineModel(EngineModelError::Speedup(_)))
+        ));
+        let mut c = options();
+        c.load_interval = Duration::from_millis(250);
+        assert!(matches!(c.validate(), Err(ConfigError::LoadInterval(_))));
+        let mut c = options();
         c.block_size = 0;
-        assert_eq!(
-            c.validate().unwrap_err(),
-            EngineModelError::ZeroBlockSize.into()
-        );
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::EngineModel(EngineModelError::ZeroBlockSize))
+        ));
     }
 
     #[test]
     fn real_engine_flags() {
-        use clap::Parser as _;
-        assert!(config().validate().unwrap().real_engine.is_none());
-        let c = Config::parse_from([
-            "worker-agent",
-            "--worker-name",
-            "d0",
-            "--dp-rank",
-            "1",
-            "--engine",
-            "vllm",
-            "--engine-url",
-            "http://engine:8000/",
-            "--kv-events-endpoint",
-            "tcp://engine:5557",
-            "--kv-replay-endpoint",
-            "tcp://engine:5558",
-            "--engine-dp-size",
-            "2",
-            "--model",
-            "m",
-            "--engine-return-token-ids",
-            "false",
-        ]);
+        assert!(options().validate().unwrap().real_engine.is_none());
+        let c = Options {
+            dp_rank: 1,
+            engine: EngineChoice::Vllm,
+            engine_url: "http://engine:8000/".into(),
+            kv_events_endpoint: "tcp://engine:5557".into(),
+            kv_replay_endpoint: Some("tcp://engine:5558".into()),
+            engine_dp_size: 2,
+            model: Some("m".into()),
+            engine_return_token_ids: false,
+            ..Options::new("d0", "nats://127.0.0.1:1", &["http://127.0.0.1:2".into()])
+        };
         let real = c.validate().unwrap().real_engine.unwrap();
         assert_eq!(real.kind, EngineKind::Vllm);
         assert_eq!(real.api_url, "http://engine:8000");
@@ -547,9 +654,9 @@ mod tests {
             .is_none());
         let mut bad = c;
         bad.dp_rank = 2;
-        assert_eq!(
-            bad.validate().unwrap_err(),
-            ConfigError::DpRank { rank: 2, size: 2 }
-        );
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::DpRank { rank: 2, size: 2 })
+        ));
     }
 }

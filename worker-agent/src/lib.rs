@@ -26,8 +26,8 @@
 //! ```no_run
 //! # #[cfg(feature = "service")]
 //! # async fn example() -> Result<(), worker_agent::AgentError> {
-//! let config = worker_agent::Config::new("decode-0", "nats://127.0.0.1:4222", &["http://127.0.0.1:2379".into()]);
-//! worker_agent::run(config, async { let _ = tokio::signal::ctrl_c().await; }).await
+//! let options = worker_agent::Options::new("decode-0", "nats://127.0.0.1:4222", &["http://127.0.0.1:2379".into()]);
+//! worker_agent::run(options.validate()?, async { let _ = tokio::signal::ctrl_c().await; }).await
 //! # }
 //! ```
 
@@ -53,7 +53,9 @@ pub mod vllm;
 pub use crate::core::{Backoff, KvCore, KvOutbox, OutboxLimits, Pushed};
 pub use block_set::BlockMirror;
 #[cfg(feature = "service")]
-pub use config::{engine_model, Config, ConfigError, EngineChoice, EngineModelError, Settings};
+pub use config::{
+    engine_model, Args, Config, ConfigError, EngineChoice, EngineModelError, Loaded, Options,
+};
 #[cfg(feature = "service")]
 pub use engine::{Engine, EngineFacts, EngineLoad, KvUpdate};
 #[cfg(feature = "service")]

@@ -21,7 +21,7 @@ use tests::fixtures::{generate_request as request, output_tokens, worker};
 use tests::{EtcdServer, NatsServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{timeout, Instant};
-use worker_agent::{AgentError, Config};
+use worker_agent::{AgentError, Options};
 
 use common::{Agent, KvFollower};
 
@@ -50,13 +50,13 @@ impl Servers {
         })
     }
 
-    fn config(&self, name: &str, role: Role) -> Config {
-        let mut config = Config::new(name, &self.nats.url(), &[self.etcd.endpoint()]);
-        config.role = role;
+    fn config(&self, name: &str, role: Role) -> Options {
+        let mut config = Options::new(name, &self.nats.url(), &[self.etcd.endpoint()]);
+        config.role = role.as_str().into();
         config.preset = PRESET.name.into();
         config.block_size = BLOCK_SIZE;
         config.speedup = 100.0;
-        config.lease_ttl_s = 2;
+        config.lease_ttl = Duration::from_secs(2);
         config
     }
 
@@ -215,9 +215,9 @@ async fn registration_expires_when_the_agent_dies() -> Result<()> {
 
 #[tokio::test]
 async fn refuses_a_model_the_engine_does_not_hash_for() {
-    let mut config = Config::new("m", "nats://127.0.0.1:1", &["http://127.0.0.1:1".into()]);
+    let mut config = Options::new("m", "nats://127.0.0.1:1", &["http://127.0.0.1:1".into()]);
     config.model = Some("some-other-model".into());
-    let err = worker_agent::run(config, std::future::pending())
+    let err = worker_agent::run(config.validate().unwrap(), std::future::pending())
         .await
         .unwrap_err();
     assert!(matches!(err, AgentError::Contract { .. }), "{err}");

@@ -25,7 +25,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::oneshot;
 use tokio::time::{timeout, Instant};
-use worker_agent::{AgentError, Config, EngineChoice};
+use worker_agent::{AgentError, EngineChoice, Options};
 
 use common::{Agent, KvFollower};
 
@@ -177,17 +177,17 @@ fn agent_config(
     name: &str,
     fixture: &Fixture,
     api: SocketAddr,
-) -> Config {
-    let mut config = Config::new(name, &servers.0.url(), &[servers.1.endpoint()]);
+) -> Options {
+    let mut config = Options::new(name, &servers.0.url(), &[servers.1.endpoint()]);
     config.engine = EngineChoice::Vllm;
     config.engine_url = format!("http://{api}");
     config.kv_events_endpoint = format!("tcp://127.0.0.1:{}", fixture.pub_port);
     config.kv_replay_endpoint = Some(format!("tcp://127.0.0.1:{}", fixture.replay_port));
     config.model = Some(MODEL.into());
     config.block_size = BLOCK_SIZE;
-    config.lease_ttl_s = 2;
-    config.engine_startup_timeout_s = 10;
-    config.kv_replay_timeout_ms = 2_000;
+    config.lease_ttl = Duration::from_secs(2);
+    config.engine_startup_timeout = Duration::from_secs(10);
+    config.kv_replay_timeout = Duration::from_millis(2_000);
     config
 }
 
@@ -446,7 +446,11 @@ async fn another_block_size_is_refused_loudly() -> Result<()> {
     let (api, _api_stop) = engine_api(METRICS).await?;
     let mut config = agent_config(&servers, "fx-bs2", &fx, api);
     config.block_size = 8;
-    let result = timeout(WAIT, worker_agent::run(config, std::future::pending())).await?;
+    let result = timeout(
+        WAIT,
+        worker_agent::run(config.validate()?, std::future::pending()),
+    )
+    .await?;
     ensure!(
         matches!(&result, Err(AgentError::Contract { .. }))
             && result

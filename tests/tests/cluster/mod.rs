@@ -134,7 +134,7 @@ impl Cluster {
             format!("--model={MODEL}"),
             format!("--preset={PRESET}"),
             format!("--block-size={BLOCK_SIZE}"),
-            "--lease-ttl-s=2".into(),
+            "--lease-ttl=2s".into(),
         ];
         let engine_node = match engine {
             Engine::Simulated => {
@@ -168,7 +168,7 @@ impl Cluster {
                     format!("--engine-url=http://127.0.0.1:{http}"),
                     format!("--kv-events-endpoint=tcp://127.0.0.1:{events}"),
                     format!("--kv-replay-endpoint=tcp://127.0.0.1:{replay}"),
-                    "--engine-timeout-s=20".into(),
+                    "--engine-timeout=20s".into(),
                 ]);
                 Some(Node {
                     service,

@@ -22,7 +22,7 @@ use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::{debug, error, info, warn};
 
 use super::kv::PublishDone;
-use crate::config::Settings;
+use crate::config::Config;
 use crate::core::{Backoff, Input, KvCore};
 use crate::engine::{Engine, EngineLoad, KvUpdate};
 use crate::error::AgentError;
@@ -111,7 +111,7 @@ impl std::fmt::Debug for Agent {
 
 impl Agent {
     pub(super) fn new(
-        settings: &Settings,
+        settings: &Config,
         engine: Arc<dyn Engine>,
         bus: Bus,
         kv_updates: BoxStream<'static, KvUpdate>,

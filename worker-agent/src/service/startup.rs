@@ -16,7 +16,7 @@ use protocol::{
 use tracing::{error, info, Instrument};
 
 use super::event_loop::{Agent, Subscriptions};
-use crate::config::{Config, Settings};
+use crate::config::Config;
 use crate::engine::{Engine, KvUpdate};
 use crate::error::AgentError;
 use crate::metrics as m;
@@ -30,7 +30,7 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AgentError> {
-    let settings = config.validate()?;
+    let settings = &config;
     let mut shutdown = std::pin::pin!(shutdown);
     let engine: Arc<dyn Engine> = match settings.real_engine.clone() {
         None => Arc::new(SimEngine::start(SimEngineConfig {
@@ -72,18 +72,17 @@ pub async fn run_with_engine(
     engine: Arc<dyn Engine>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AgentError> {
-    let settings = config.validate()?;
     let facts = engine.facts();
-    if let Err(source) = settings.contract.check(&facts.contract) {
+    if let Err(source) = config.contract.check(&facts.contract) {
         return Err(refuse_engine(
-            &settings.worker,
-            settings.contract.clone(),
+            &config.worker,
+            config.contract.clone(),
             source,
         ));
     }
     let kv_updates = engine.take_kv_updates().ok_or(AgentError::KvStreamTaken)?;
-    let span = tracing::info_span!("worker_agent", worker = %settings.worker);
-    serve_worker(config, settings, engine, kv_updates, shutdown)
+    let span = tracing::info_span!("worker_agent", worker = %config.worker);
+    serve_worker(config, engine, kv_updates, shutdown)
         .instrument(span)
         .await
 }
@@ -107,13 +106,12 @@ fn refuse_engine(
 /// Connects, registers, serves until `shutdown`, then stops.
 async fn serve_worker(
     config: Config,
-    settings: Settings,
     engine: Arc<dyn Engine>,
     kv_updates: BoxStream<'static, KvUpdate>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AgentError> {
     let facts = engine.facts();
-    let worker = settings.worker.clone();
+    let worker = config.worker.clone();
     let bus = Bus::connect(&config.nats_url, &format!("worker-agent {worker}")).await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
     let client = bus.client().clone();
@@ -147,8 +145,8 @@ async fn serve_worker(
 
     let record = WorkerRecord {
         id: worker.clone(),
-        role: settings.role,
-        contract: settings.contract.clone(),
+        role: config.role,
+        contract: config.contract.clone(),
         kv_capacity_blocks: facts.kv_capacity_blocks,
         max_batched_tokens: facts.max_batched_tokens,
         kv_bytes_per_token: facts.kv_bytes_per_token,
@@ -156,14 +154,14 @@ async fn serve_worker(
         subjects: WorkerSubjects::for_worker(&worker),
     };
     let registry = Registry::connect(&config.etcd_endpoints).await?;
-    let registration = registry.register(&record, settings.lease_ttl).await?;
+    let registration = registry.register(&record, config.lease_ttl).await?;
 
-    let mut agent = Agent::new(&settings, engine, bus, kv_updates, subscriptions);
+    let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions);
     info!(
-        role = %settings.role,
+        role = %config.role,
         epoch = agent.epoch(),
         lease = registration.lease(),
-        model = %settings.contract.model,
+        model = %config.contract.model,
         "worker registered; serving"
     );
     let result = agent.serve(shutdown).await;

@@ -26,7 +26,7 @@
 //!   replay or else resynchronised (a new epoch with the translator's
 //!   block set), engine restarts (a sequence going backwards: a new, empty
 //!   epoch), unknown parents (a rebuild from the engine's history), and,
-//!   when the SUB socket stays quiet (`--kv-idle-check-ms`), a check of
+//!   when the SUB socket stays quiet (`--kv-idle-check`), a check of
 //!   the replay socket for batches published after the last one seen (the
 //!   ones a late subscription missed from an engine that went idle).
 //! - [`zmq`] is the socket shell (the pure-Rust `zeromq` crate; why: see
@@ -35,7 +35,7 @@
 //! # Registration
 //!
 //! At start the adapter waits for the engine's API (`--engine-url`,
-//! `/v1/models`, up to `--engine-startup-timeout-s`), and registers the
+//! `/v1/models`, up to `--engine-startup-timeout`), and registers the
 //! worker with the model the engine serves and the engine's block size:
 //! mock-vllm says it at `/switchyard/config`; vLLM exports it as a label
 //! of `vllm:cache_config_info` on `/metrics`; otherwise the deployment's
@@ -47,7 +47,7 @@
 //!
 //! # Load
 //!
-//! `/metrics` is scraped every `--engine-metrics-interval-ms` ([`prom`]):
+//! `/metrics` is scraped every `--engine-metrics-interval` ([`prom`]):
 //! running and waiting requests, KV usage (`vllm:kv_cache_usage_perc`, or
 //! the older `vllm:gpu_cache_usage_perc`) times the capacity. What the
 //! engine does not export comes from the agent's own requests in flight:

@@ -12,7 +12,7 @@ use protocol::{BlockHash, KvEvent, KvEventBatch, WorkerId};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
-use worker_agent::{AgentError, BlockMirror, Config};
+use worker_agent::{AgentError, BlockMirror, Options};
 
 /// An agent running in a task until [`Agent::shutdown`].
 pub struct Agent {
@@ -21,7 +21,9 @@ pub struct Agent {
 }
 
 impl Agent {
-    pub fn start(config: Config) -> Self {
+    /// Starts an agent with `options` (which must be valid).
+    pub fn start(options: Options) -> Self {
+        let config = options.validate().expect("valid agent options");
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(worker_agent::run(config, async {
             let _ = stopped.await;
