@@ -45,22 +45,13 @@ impl Names {
     }
 }
 
-fn tier(name: &str) -> Tier {
-    match name {
-        "device" => Tier::Device,
-        "host" => Tier::Host,
-        "disk" => Tier::Disk,
-        other => panic!("unknown tier {other}"),
-    }
-}
-
 fn event(names: &mut Names, line: &str) -> KvEvent {
     let mut words = line.split_whitespace();
     let kind = words.next().expect("an event");
     let (opts, plain) = options(words);
     let parent = option(&opts, "parent").map(|p| names.one(p));
     let blocks = names.chain(parent, &plain);
-    let tier = option(&opts, "tier").map_or(Tier::Device, tier);
+    let tier = option(&opts, "tier").map_or(Tier::Device, |t| t.parse().unwrap());
     match kind {
         "stored" => KvEvent::Stored {
             parent,

@@ -50,6 +50,23 @@ impl TryFrom<u8> for Tier {
     }
 }
 
+/// A name that is not a [`Tier`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown tier {0:?} (device, host or disk)")]
+pub struct UnknownTierName(pub String);
+
+impl std::str::FromStr for Tier {
+    type Err = UnknownTierName;
+
+    /// `device`, `host` or `disk` ([`Tier::as_str`]).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| t.as_str() == s)
+            .ok_or_else(|| UnknownTierName(s.to_owned()))
+    }
+}
+
 /// A set of tiers, one bit per [`Tier`].
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,

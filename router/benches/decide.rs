@@ -13,7 +13,6 @@ use criterion::Criterion;
 use protocol::{
     BlockHash, DecisionId, HashingContract, IndexChange, IndexDelta, IndexSnapshot, LoadReport,
     LogEntry, LogReader, LogWriter, Message, Role, RouteDecision, Tier, WorkerId, WorkerRecord,
-    WorkerSubjects,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -28,16 +27,11 @@ const PREFILL: usize = 8;
 const BLOCK: u32 = 16;
 
 fn record(name: String, role: Role, contract: &HashingContract) -> WorkerRecord {
-    let id: WorkerId = name.parse().unwrap();
     WorkerRecord {
-        subjects: WorkerSubjects::for_worker(&id),
-        id,
-        role,
-        contract: contract.clone(),
         kv_capacity_blocks: 100_000,
-        max_batched_tokens: 8192,
         kv_bytes_per_token: 163_840,
         gpus: 2,
+        ..tests::fixtures::registration(&name, role, contract.clone())
     }
 }
 

@@ -17,7 +17,6 @@ use bus::{Bus, Registry, StreamLimits};
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     BlockHasher, HashingContract, KvEvent, KvEventBatch, Role, Tier, WorkerId, WorkerRecord,
-    WorkerSubjects,
 };
 use router::service::{self, Config};
 use tests::{tokens, EtcdServer, NatsServer};
@@ -73,14 +72,10 @@ async fn main() -> Result<()> {
         };
         let id: WorkerId = name.parse()?;
         let record = WorkerRecord {
-            subjects: WorkerSubjects::for_worker(&id),
-            id: id.clone(),
-            role,
-            contract: contract.clone(),
             kv_capacity_blocks: 100_000,
-            max_batched_tokens: 8192,
             kv_bytes_per_token: 163_840,
             gpus: 2,
+            ..tests::fixtures::registration(&name, role, contract.clone())
         };
         registrations.push(registry.register(&record, Duration::from_secs(30)).await?);
         let mut events = vec![KvEvent::Cleared];

@@ -30,7 +30,7 @@ use std::path::Path;
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     DecisionId, HashingContract, KvEvent, KvEventBatch, LoadReport, Role, Tier, WorkerId,
-    WorkerRecord, WorkerSubjects,
+    WorkerRecord,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -94,24 +94,6 @@ fn tokens(words: &[&str]) -> Vec<u32> {
         .collect()
 }
 
-fn role(name: &str) -> Role {
-    match name {
-        "prefill" => Role::Prefill,
-        "decode" => Role::Decode,
-        "both" => Role::Both,
-        other => panic!("unknown role {other}"),
-    }
-}
-
-fn tier(name: &str) -> Tier {
-    match name {
-        "device" => Tier::Device,
-        "host" => Tier::Host,
-        "disk" => Tier::Disk,
-        other => panic!("unknown tier {other}"),
-    }
-}
-
 fn new_core(opts: &[(&str, &str)]) -> Scenario {
     let name = option(opts, "policy").unwrap_or("isl_or_load");
     let mut policy = PolicySpec::find(name).unwrap().spec.default_policy();
@@ -140,18 +122,14 @@ fn run(scenario: &mut Option<Scenario>, command: &str) -> String {
     let mut out = String::new();
     match verb {
         "worker" => {
-            let name = plain[0];
-            let wid = id(name);
+            let role: Role = option(&opts, "role").unwrap().parse().unwrap();
             s.core
                 .register(WorkerRecord {
-                    subjects: WorkerSubjects::for_worker(&wid),
-                    id: wid,
-                    role: role(option(&opts, "role").unwrap()),
-                    contract: contract(),
                     kv_capacity_blocks: number(&opts, "capacity", 10_000),
                     max_batched_tokens: number(&opts, "mbt", 8192),
                     kv_bytes_per_token: 163_840,
                     gpus: 2,
+                    ..tests::fixtures::registration(plain[0], role, contract())
                 })
                 .unwrap();
         }
@@ -223,7 +201,7 @@ fn store(s: &mut Scenario, opts: &[(&str, &str)], plain: &[&str]) {
     let worker = id(plain[0]);
     let hashes = s.core.hasher().hash_prompt(&s.prompts[plain[1]]);
     let n = number(opts, "blocks", hashes.len()).min(hashes.len());
-    let tier = option(opts, "tier").map_or(Tier::Device, tier);
+    let tier = option(opts, "tier").map_or(Tier::Device, |t| t.parse().unwrap());
     let index = s.core.replica().index();
     let held = index
         .slot(&worker)

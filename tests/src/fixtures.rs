@@ -62,12 +62,20 @@ pub fn output_tokens(events: &[GenerateEvent]) -> Vec<u32> {
 /// The registration record of decode worker `name`: model `m`, 16-token
 /// blocks, 1,000 blocks of KV.
 pub fn worker_record(name: &str) -> WorkerRecord {
-    let id = worker(name);
+    registration(name, Role::Decode, HashingContract::for_model("m", 16))
+}
+
+/// The registration record of worker `name` (rank 0) with `role` and
+/// `contract`: 1,000 blocks of KV, 8,192-token steps, 1 byte of KV per
+/// token, 1 GPU. Tests change what they need with struct update syntax
+/// (`WorkerRecord { kv_capacity_blocks: 10_000, ..registration(..) }`).
+pub fn registration(name: &str, role: Role, contract: HashingContract) -> WorkerRecord {
+    let id: WorkerId = name.parse().expect("a valid worker id");
     WorkerRecord {
         subjects: WorkerSubjects::for_worker(&id),
         id,
-        role: Role::Decode,
-        contract: HashingContract::for_model("m", 16),
+        role,
+        contract,
         kv_capacity_blocks: 1000,
         max_batched_tokens: 8192,
         kv_bytes_per_token: 1,

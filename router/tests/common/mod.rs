@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     BlockHash, DecisionId, HashingContract, KvEvent, KvEventBatch, LoadReport, Role, RouteDecision,
-    Tier, WorkerId, WorkerRecord, WorkerSubjects,
+    Tier, WorkerId, WorkerRecord,
 };
 use rand::Rng;
 use router::{
@@ -25,16 +25,11 @@ pub fn id(name: &str) -> WorkerId {
 }
 
 pub fn record(name: &str, role: Role, capacity: u64) -> WorkerRecord {
-    let id = id(name);
     WorkerRecord {
-        subjects: WorkerSubjects::for_worker(&id),
-        id,
-        role,
-        contract: contract(),
         kv_capacity_blocks: capacity,
-        max_batched_tokens: 8192,
         kv_bytes_per_token: 163_840,
         gpus: 2,
+        ..tests::fixtures::registration(name, role, contract())
     }
 }
 

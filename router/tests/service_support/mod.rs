@@ -15,7 +15,7 @@ use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     BlockHasher, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, HashingContract,
     IndexSnapshot, KvEvent, KvEventBatch, KvTransferParams, Message, Role, Stage, Tier, WorkerId,
-    WorkerRecord, WorkerSubjects,
+    WorkerRecord,
 };
 use router::service::{self, Config, ServiceError, Timeouts};
 use router::IslBased;
@@ -42,16 +42,10 @@ pub fn id(name: &str) -> WorkerId {
 }
 
 pub fn record(name: &str, role: Role) -> WorkerRecord {
-    let id = id(name);
     WorkerRecord {
-        subjects: WorkerSubjects::for_worker(&id),
-        id,
-        role,
-        contract: contract(),
         kv_capacity_blocks: 100_000,
-        max_batched_tokens: 8192,
         kv_bytes_per_token: 1024,
-        gpus: 1,
+        ..tests::fixtures::registration(name, role, contract())
     }
 }
 

@@ -155,19 +155,14 @@ pub(crate) fn positive(name: &'static str, value: f64) -> Result<(), ParamError>
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use protocol::{HashingContract, Role, WorkerSubjects};
+    use protocol::{HashingContract, Role};
 
     pub(crate) fn record(name: &str, role: Role) -> WorkerRecord {
-        let id: WorkerId = name.parse().unwrap();
         WorkerRecord {
-            subjects: WorkerSubjects::for_worker(&id),
-            id,
-            role,
-            contract: HashingContract::for_model("m", 16),
             kv_capacity_blocks: 10_000,
-            max_batched_tokens: 8192,
             kv_bytes_per_token: 163_840,
             gpus: 2,
+            ..::tests::fixtures::registration(name, role, HashingContract::for_model("m", 16))
         }
     }
 
