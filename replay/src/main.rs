@@ -54,7 +54,7 @@ impl Source {
 
 /// Other settings to re-decide with.
 #[derive(Debug, Args)]
-struct WhatIf {
+struct Alternative {
     /// Another policy, by the router's name: always_disagg, never_disagg,
     /// isl, load, isl_or_load, sla_dynamic.
     #[arg(long)]
@@ -67,7 +67,7 @@ struct WhatIf {
     router_params: Vec<(String, f64)>,
 }
 
-impl WhatIf {
+impl Alternative {
     fn overrides(&self) -> Overrides {
         Overrides {
             policy: self.policy.clone(),
@@ -101,7 +101,7 @@ enum Command {
         #[command(flatten)]
         source: Source,
         #[command(flatten)]
-        what_if: WhatIf,
+        what_if: Alternative,
         /// JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -120,7 +120,7 @@ enum Command {
         #[command(flatten)]
         source: Source,
         #[command(flatten)]
-        what_if: WhatIf,
+        what_if: Alternative,
         /// Estimate the effect on TTFT, ITL and goodput with the simulator.
         #[arg(long)]
         simulate: bool,
