@@ -69,6 +69,18 @@ struct Alternative {
 
 impl Alternative {
     fn overrides(&self) -> Overrides {
+        if let Some(found) = self
+            .policy
+            .as_deref()
+            .and_then(|name| router::PolicySpec::find(name).ok())
+            .filter(|found| found.deprecated)
+        {
+            eprintln!(
+                "note: --policy {} is an earlier spelling: use {}",
+                self.policy.as_deref().unwrap_or_default(),
+                found.spec.name
+            );
+        }
         Overrides {
             policy: self.policy.clone(),
             policy_params: self.params.clone(),
