@@ -13,6 +13,8 @@ const CORES: &[&str] = &[
     "kv-indexer/src/indexer.rs",
     "kv-indexer/src/replica.rs",
     "engine-sim/src",
+    "worker-agent/src/core",
+    "protocol/src/decision_log.rs",
 ];
 
 /// What a pure core must not name.
