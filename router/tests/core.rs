@@ -62,7 +62,7 @@ fn a_contract_mismatch_is_refused_and_the_worker_not_added() {
     assert!(core.workers().record(&id("d0")).is_none());
     let prompt = tokens(1, 100);
     assert_eq!(
-        core.route_prompt("r", &prompt, 10, DecisionId(1), 0, &mut rng(0)),
+        core.route_prompt(&prompt, 10, DecisionId(1), 0, &mut rng(0)),
         Err(RouteError::NoDecodeWorker)
     );
     // A registered worker that comes back under another contract is dropped.
@@ -83,15 +83,9 @@ fn ledger_entries_expire_after_their_ttl() {
     };
     let mut core = disagg(ledger);
     let d = core
-        .route_prompt(
-            "r",
-            &tokens(1, 1_600),
-            400,
-            DecisionId(1),
-            5_000,
-            &mut rng(0),
-        )
-        .unwrap();
+        .route_prompt(&tokens(1, 1_600), 400, DecisionId(1), 5_000, &mut rng(0))
+        .unwrap()
+        .decision;
     assert_eq!(d.path, Path::Remote);
     assert_eq!(
         (d.reserved_decode_blocks, d.reserved_prefill_tokens),
@@ -157,7 +151,7 @@ fn on_decision_is_idempotent_and_completions_release() {
 
     // An id in the ledger cannot be routed again (its charge would be lost).
     assert_eq!(
-        core.route_prompt("r", &tokens(1, 100), 10, DecisionId(7), 0, &mut rng(0)),
+        core.route_prompt(&tokens(1, 100), 10, DecisionId(7), 0, &mut rng(0)),
         Err(RouteError::DuplicateDecision(DecisionId(7)))
     );
 }
@@ -166,8 +160,9 @@ fn on_decision_is_idempotent_and_completions_release() {
 fn a_forgotten_dry_run_releases_its_charges_and_leaves_nothing() {
     let mut core = disagg(LedgerConfig::default());
     let d = core
-        .route_prompt("r", &tokens(1, 1_600), 400, DecisionId(1), 0, &mut rng(0))
-        .unwrap();
+        .route_prompt(&tokens(1, 1_600), 400, DecisionId(1), 0, &mut rng(0))
+        .unwrap()
+        .decision;
     assert_eq!(core.workers().ledger_charges(&id("d0")).requests, 1);
     assert!(core.forget(d.id));
     assert!(!core.forget(d.id));
@@ -235,9 +230,10 @@ fn same_seed_same_decisions_and_seeds_only_differ_among_ties() {
         let mut out = Vec::new();
         for i in 0..60u64 {
             let prompt = &prompts[(i % 5) as usize];
-            let (d, e) = core
-                .route_prompt_explained("r", prompt, 100, DecisionId(i), i, &mut rng)
-                .unwrap();
+            let (d, e) = explained(
+                core.route_prompt(prompt, 100, DecisionId(i), i, &mut rng)
+                    .unwrap(),
+            );
             // The pick is always among the minimum-cost candidates.
             let min = e
                 .decode
@@ -313,8 +309,9 @@ fn both_workers_are_aggregated_and_never_get_a_remote_leg() {
     core.register(record("a0", Role::Both, 10_000)).unwrap();
     core.register(record("a1", Role::Both, 10_000)).unwrap();
     let d = core
-        .route_prompt("r", &tokens(1, 9_000), 10, DecisionId(1), 0, &mut rng(0))
-        .unwrap();
+        .route_prompt(&tokens(1, 9_000), 10, DecisionId(1), 0, &mut rng(0))
+        .unwrap()
+        .decision;
     assert_eq!(
         (d.path, d.rule.as_str()),
         (Path::Bypass, rules::NO_PREFILL_WORKER)
@@ -323,8 +320,9 @@ fn both_workers_are_aggregated_and_never_get_a_remote_leg() {
     // With a prefill worker, Both workers decode and p0 prefills.
     core.register(record("p0", Role::Prefill, 10_000)).unwrap();
     let d = core
-        .route_prompt("r", &tokens(1, 9_000), 10, DecisionId(2), 0, &mut rng(0))
-        .unwrap();
+        .route_prompt(&tokens(1, 9_000), 10, DecisionId(2), 0, &mut rng(0))
+        .unwrap()
+        .decision;
     assert_eq!((d.path, d.prefill), (Path::Remote, Some(id("p0"))));
     assert!(d.decode.name().starts_with('a'));
 }
@@ -340,9 +338,10 @@ fn offloaded_tiers_count_for_less() {
     // d0 holds 60 blocks on the device; d1 holds 100 in host memory only.
     pipeline.store(&mut core, &id("d0"), &hashes[..60], 0, Tier::Device);
     pipeline.store(&mut core, &id("d1"), &hashes, 0, Tier::Host);
-    let (d, e) = core
-        .route_prompt_explained("r", &prompt, 0, DecisionId(1), 0, &mut rng(0))
-        .unwrap();
+    let (d, e) = explained(
+        core.route_prompt(&prompt, 0, DecisionId(1), 0, &mut rng(0))
+            .unwrap(),
+    );
     let overlap: Vec<f64> = e.decode.iter().map(|c| c.overlap_blocks).collect();
     assert_eq!(overlap, [60.0, 50.0]);
     assert_eq!(d.decode, id("d0"));

@@ -93,9 +93,10 @@ proptest! {
         .unwrap();
 
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (decision, _) = core
-            .route_prompt_explained("r", &prompt, output, DecisionId(1), 1_000, &mut rng)
-            .unwrap();
+        let decision = core
+            .route_prompt(&prompt, output, DecisionId(1), 1_000, &mut rng)
+            .unwrap()
+            .decision;
 
         // The cost, computed here from the inputs alone.
         let bs = f64::from(BLOCK);

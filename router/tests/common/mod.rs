@@ -37,88 +37,46 @@ pub fn core_with(config: RouterConfig, policy: impl Into<Policy>) -> RouterCore 
     RouterCore::new(config, policy).unwrap()
 }
 
-/// Routing a prompt of token ids: hashed with the core's hasher, then
-/// [`RouterCore::route`].
+/// Routing a prompt of token ids as request "r": hashed with the core's
+/// hasher, then [`RouterCore::route`] with its explanation.
 pub trait RoutePrompt {
-    #[allow(clippy::too_many_arguments)]
-    fn route_prompt_with<R: Rng>(
-        &mut self,
-        request_id: &str,
-        prompt: &[u32],
-        expected_output_tokens: u32,
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-        explain: bool,
-    ) -> Result<Routed, RouteError>;
-
     fn route_prompt<R: Rng>(
         &mut self,
-        request_id: &str,
         prompt: &[u32],
         expected_output_tokens: u32,
         id: DecisionId,
         now_ms: u64,
         rng: &mut R,
-    ) -> Result<RouteDecision, RouteError> {
-        let routed = self.route_prompt_with(
-            request_id,
-            prompt,
-            expected_output_tokens,
-            id,
-            now_ms,
-            rng,
-            false,
-        )?;
-        Ok(routed.decision)
-    }
-
-    fn route_prompt_explained<R: Rng>(
-        &mut self,
-        request_id: &str,
-        prompt: &[u32],
-        expected_output_tokens: u32,
-        id: DecisionId,
-        now_ms: u64,
-        rng: &mut R,
-    ) -> Result<(RouteDecision, Explanation), RouteError> {
-        let routed = self.route_prompt_with(
-            request_id,
-            prompt,
-            expected_output_tokens,
-            id,
-            now_ms,
-            rng,
-            true,
-        )?;
-        Ok((routed.decision, routed.explanation.unwrap_or_default()))
-    }
+    ) -> Result<Routed, RouteError>;
 }
 
 impl RoutePrompt for RouterCore {
-    fn route_prompt_with<R: Rng>(
+    fn route_prompt<R: Rng>(
         &mut self,
-        request_id: &str,
         prompt: &[u32],
         expected_output_tokens: u32,
         id: DecisionId,
         now_ms: u64,
         rng: &mut R,
-        explain: bool,
     ) -> Result<Routed, RouteError> {
         let hashes = self.hasher().hash_prompt(prompt);
         let request = RouteRequest {
-            request_id,
+            request_id: "r",
             isl_tokens: prompt.len() as u32,
             block_hashes: &hashes,
             expected_output_tokens,
         };
         let options = RouteOptions {
             avoid: &[],
-            explain,
+            explain: true,
         };
         self.route(&request, options, id, now_ms, rng)
     }
+}
+
+/// A routed decision and its explanation.
+pub fn explained(routed: Routed) -> (RouteDecision, Explanation) {
+    (routed.decision, routed.explanation.unwrap_or_default())
 }
 
 pub fn report(worker: &str, active: u64, used: u64, total: u64, at_ms: u64) -> LoadReport {
