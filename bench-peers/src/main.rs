@@ -1,233 +1,158 @@
-//! Switchyard's ownership index against dynamo-kv-router's `RadixTree`, side
-//! by side in one process, on the same generated events (the peer's own
-//! microbenchmark workload: `kv_indexer::workload::PrefixGroups`).
+//! Switchyard's ownership index against every index of dynamo-kv-router
+//! 1.6.1 that answers the same question (which workers hold how much of
+//! this prompt): `RadixTree`, `ConcurrentRadixTreeCompressed` and
+//! `PositionalIndexer`, the last two behind `ThreadPoolIndexer` with one and
+//! with two writer threads. Same events for all, side by side in one
+//! process: the peer's microbenchmark grid (`grid.rs`), then a replay of
+//! the Mooncake conversation trace (`trace.rs`). How each peer is driven:
+//! `peers.rs`.
 //!
-//! `cd bench-peers && cargo run --release` (builds the peer: minutes).
+//! `cd bench-peers && cargo run --release [-- OPTIONS]` (builds the peer: minutes)
 //!
-//! Each figure is the median of alternating rounds (ours, peer, ours, ...),
-//! so that machine noise hits both sides alike. Find-matches latency is per
-//! query, from batches of queries over different stored sequences.
+//! Options: `--rounds N` (default 5), `--points 32x4,1024x64` (a subset of
+//! the grid), `--no-grid`, `--no-trace`, `--trace FILE`, `--trace-limit N`
+//! (first N requests).
+//!
+//! The last line is one JSON object for scripts: the peers, and the worst
+//! point (grid and replay) of ours / best peer for the apply rate, the
+//! lookup latency and the bytes per pair.
 
-use std::hint::black_box;
-use std::time::Instant;
+mod events;
+mod grid;
+mod peers;
+mod report;
+mod trace;
 
-use dynamo_kv_router::protocols::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
-    LocalBlockHash,
-};
-use dynamo_kv_router::{RadixTree, RouterEvent};
-use kv_indexer::alloc_counter::{live_bytes, CountingAllocator};
-use kv_indexer::workload::{miss, PrefixGroups, Sequence};
-use kv_indexer::OwnershipIndex;
-use protocol::{Tier, WorkerId};
+use std::path::PathBuf;
+
+use kv_indexer::alloc_counter::CountingAllocator;
+use kv_indexer::workload::MooncakeReplay;
+use peers::PeerKind;
+use report::Point;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-const TOTAL_BLOCKS: usize = 1_000_000;
-const ROUNDS: usize = 5;
-const QUERY_BATCH: usize = 64;
-const QUERY_BATCHES: usize = 101;
+/// `../shared/traces/mooncake_conversation_trace.jsonl` from the repository root.
+const DEFAULT_TRACE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/traces/mooncake_conversation_trace.jsonl"
+);
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+const GRID: [(usize, usize); 12] = [
+    (32, 4),
+    (32, 64),
+    (32, 512),
+    (256, 4),
+    (256, 64),
+    (256, 512),
+    (1024, 4),
+    (1024, 64),
+    (1024, 512),
+    (16_384, 4),
+    (16_384, 64),
+    (16_384, 512),
+];
+
+#[derive(Debug)]
+struct Options {
+    rounds: usize,
+    points: Vec<(usize, usize)>,
+    trace: Option<PathBuf>,
+    trace_limit: Option<usize>,
 }
 
-fn peer_events(sequences: &[Sequence]) -> Vec<RouterEvent> {
-    sequences
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let blocks = s
-                .content
-                .iter()
-                .zip(&s.chained)
-                .map(|(c, h)| KvCacheStoredBlockData {
-                    block_hash: ExternalSequenceBlockHash(h.0),
-                    tokens_hash: LocalBlockHash(*c),
-                    mm_extra_info: None,
-                })
-                .collect();
-            RouterEvent::new(
-                s.worker as u64,
-                KvCacheEvent {
-                    event_id: i as u64,
-                    data: KvCacheEventData::Stored(KvCacheStoreData {
-                        parent_hash: None,
-                        start_position: None,
-                        blocks,
-                    }),
-                    dp_rank: 0,
-                },
-            )
-        })
-        .collect()
+fn parse_point(s: &str) -> (usize, usize) {
+    let (d, w) = s.split_once('x').expect("a point is DEPTHxWORKERS");
+    (
+        d.parse().expect("depth is a number"),
+        w.parse().expect("workers is a number"),
+    )
 }
 
-struct Built<T> {
-    index: T,
-    seconds: f64,
-    heap_bytes: usize,
-}
-
-fn build_ours(sequences: &[Sequence], workers: &[WorkerId]) -> Built<OwnershipIndex> {
-    let before = live_bytes();
-    let start = Instant::now();
-    let mut index = OwnershipIndex::new();
-    for s in sequences {
-        index.store(&workers[s.worker], None, &s.chained, Tier::Device);
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    Built {
-        heap_bytes: live_bytes() - before,
-        index,
-        seconds,
-    }
-}
-
-fn build_peer(sequences: &[Sequence]) -> Built<RadixTree> {
-    // The events are made after `before` and consumed by the build, so the
-    // difference below is the tree's heap alone.
-    let before = live_bytes();
-    let events = peer_events(sequences);
-    let start = Instant::now();
-    let mut tree = RadixTree::new();
-    for e in events {
-        tree.apply_event(e).expect("peer accepts the event");
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    Built {
-        heap_bytes: live_bytes() - before,
-        index: tree,
-        seconds,
-    }
-}
-
-/// Median seconds per call of `f` over batches of calls.
-fn per_call(mut f: impl FnMut(usize)) -> f64 {
-    let samples = (0..QUERY_BATCHES)
-        .map(|b| {
-            let start = Instant::now();
-            for q in 0..QUERY_BATCH {
-                f(b * QUERY_BATCH + q);
-            }
-            start.elapsed().as_secs_f64() / QUERY_BATCH as f64
-        })
-        .collect();
-    median(samples)
-}
-
-struct Row {
-    depth: usize,
-    workers: usize,
-    ours_apply: f64,
-    peer_apply: f64,
-    ours_hit: f64,
-    peer_hit: f64,
-    ours_miss: f64,
-    peer_miss: f64,
-    ours_bytes: f64,
-    peer_bytes: f64,
-}
-
-fn measure(depth: usize, n: usize) -> Row {
-    let sequences = PrefixGroups {
-        depth,
-        workers: n,
-        total_blocks: TOTAL_BLOCKS,
-    }
-    .sequences();
-    let workers: Vec<WorkerId> = (0..n).map(|w| WorkerId::new(&format!("w{w}"), 0).unwrap()).collect();
-    let queries: Vec<&Sequence> = sequences.iter().step_by(7).take(256).collect();
-    let peer_queries: Vec<Vec<LocalBlockHash>> = queries
-        .iter()
-        .map(|s| s.content.iter().map(|c| LocalBlockHash(*c)).collect())
-        .collect();
-    let ours_miss_query = miss(depth);
-    let peer_miss_query: Vec<LocalBlockHash> = ours_miss_query.iter().map(|h| LocalBlockHash(h.0)).collect();
-
-    let mut row = Row {
-        depth,
-        workers: n,
-        ours_apply: 0.0,
-        peer_apply: 0.0,
-        ours_hit: 0.0,
-        peer_hit: 0.0,
-        ours_miss: 0.0,
-        peer_miss: 0.0,
-        ours_bytes: 0.0,
-        peer_bytes: 0.0,
+fn options() -> Options {
+    let mut o = Options {
+        rounds: 5,
+        points: GRID.to_vec(),
+        trace: Some(PathBuf::from(DEFAULT_TRACE)),
+        trace_limit: None,
     };
-    let (mut oa, mut pa, mut oh, mut ph, mut om, mut pm, mut ob, mut pb) =
-        (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
-    for _ in 0..ROUNDS {
-        let ours = build_ours(&sequences, &workers);
-        let pairs = ours.index.stats().pairs as f64;
-        oa.push(TOTAL_BLOCKS as f64 / ours.seconds);
-        ob.push(ours.heap_bytes as f64 / pairs);
-        oh.push(per_call(|i| {
-            black_box(ours.index.find_matches(&queries[i % queries.len()].chained));
-        }));
-        om.push(per_call(|_| {
-            black_box(ours.index.find_matches(&ours_miss_query));
-        }));
-        drop(ours);
-
-        let peer = build_peer(&sequences);
-        pa.push(TOTAL_BLOCKS as f64 / peer.seconds);
-        pb.push(peer.heap_bytes as f64 / peer.index.current_size() as f64);
-        ph.push(per_call(|i| {
-            black_box(peer.index.find_matches(peer_queries[i % peer_queries.len()].clone(), false));
-        }));
-        pm.push(per_call(|_| {
-            black_box(peer.index.find_matches(peer_miss_query.clone(), false));
-        }));
-        drop(peer);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| panic!("{a} needs a value"));
+        match a.as_str() {
+            "--rounds" => o.rounds = value().parse().expect("--rounds N"),
+            "--points" => o.points = value().split(',').map(parse_point).collect(),
+            "--no-grid" => o.points.clear(),
+            "--no-trace" => o.trace = None,
+            "--trace" => o.trace = Some(PathBuf::from(value())),
+            "--trace-limit" => o.trace_limit = Some(value().parse().expect("--trace-limit N")),
+            other => {
+                panic!("unknown option {other} (see the doc comment of bench-peers/src/main.rs)")
+            }
+        }
     }
-    row.ours_apply = median(oa);
-    row.peer_apply = median(pa);
-    row.ours_hit = median(oh);
-    row.peer_hit = median(ph);
-    row.ours_miss = median(om);
-    row.peer_miss = median(pm);
-    row.ours_bytes = median(ob);
-    row.peer_bytes = median(pb);
-    row
+    assert!(o.rounds > 0, "--rounds must be at least 1");
+    o
 }
 
 fn main() {
-    let grid: Vec<(usize, usize)> = [32usize, 256, 1024, 16_384]
-        .iter()
-        .flat_map(|d| [4usize, 64, 512].map(|w| (*d, w)))
-        .collect();
+    let o = options();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a current-thread runtime for the flush barriers");
+    let grid_peers = PeerKind::all(grid::JUMP);
+    let trace_peers = PeerKind::all(trace::JUMP);
     println!(
-        "Switchyard OwnershipIndex vs dynamo-kv-router 1.6.1 RadixTree; {TOTAL_BLOCKS} blocks per build, \
-         median of {ROUNDS} alternating rounds"
+        "Switchyard OwnershipIndex vs dynamo-kv-router 1.6.1; median of {} alternating rounds; {} vCPUs, shared with other work while this ran",
+        o.rounds,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "{:>6} {:>7} | {:>10} {:>10} {:>6} | {:>9} {:>9} {:>6} | {:>8} {:>8} | {:>7} {:>7} {:>6}",
-        "depth", "workers", "apply M/s", "peer M/s", "x", "hit us", "peer us", "1/x", "miss ns", "peer ns",
-        "B/pair", "peer", "1/x"
+        "peers: RadixTree (direct calls); CRTC = ConcurrentRadixTreeCompressed and Positional = PositionalIndexer behind \
+         ThreadPoolIndexer with 1 or 2 writer threads (tp1, tp2: 2 because this machine has 2 cores; ours is one thread), \
+         reads inline; j = positional jump size, strided/binary its search mode. See bench-peers/src/peers.rs."
     );
-    for (depth, n) in grid {
-        let r = measure(depth, n);
-        println!(
-            "{:>6} {:>7} | {:>10.2} {:>10.2} {:>6.2} | {:>9.3} {:>9.3} {:>6.2} | {:>8.1} {:>8.1} | {:>7.1} {:>7.1} {:>6.2}",
-            r.depth,
-            r.workers,
-            r.ours_apply / 1e6,
-            r.peer_apply / 1e6,
-            r.ours_apply / r.peer_apply,
-            r.ours_hit * 1e6,
-            r.peer_hit * 1e6,
-            r.peer_hit / r.ours_hit,
-            r.ours_miss * 1e9,
-            r.peer_miss * 1e9,
-            r.ours_bytes,
-            r.peer_bytes,
-            r.peer_bytes / r.ours_bytes,
-        );
+    println!(
+        "apply: blocks applied per second, until the last is applied (thread pools: their flush barrier); \
+         find: time per lookup; bytes: live heap of the index (counting allocator) per (block, worker) pair."
+    );
+    println!();
+
+    let mut points: Vec<Point> = Vec::new();
+    for (depth, workers) in &o.points {
+        let p = grid::measure(*depth, *workers, &grid_peers, o.rounds, &runtime);
+        p.print_detail();
+        points.push(p);
     }
-    println!("x: ours / peer throughput; 1/x: peer / ours latency or bytes (higher is better for us)");
+    match &o.trace {
+        Some(path) if path.exists() => {
+            let text = std::fs::read_to_string(path).expect("the trace is readable");
+            let mut records = protocol::trace::parse_mooncake(&text).expect("the trace parses");
+            if let Some(limit) = o.trace_limit {
+                records.truncate(limit);
+            }
+            let replay = trace::Replay::new(MooncakeReplay::default().log(&records));
+            let p = replay.measure(&trace_peers, o.rounds, &runtime);
+            p.print_detail();
+            points.push(p);
+        }
+        Some(path) => println!(
+            "note: no trace at {}; the Mooncake replay is skipped",
+            path.display()
+        ),
+        None => println!("note: --no-trace; the Mooncake replay is skipped"),
+    }
+    if points.is_empty() {
+        println!("nothing measured");
+        return;
+    }
+    report::print_summary(&points);
+    let mut names: Vec<String> = grid_peers.iter().map(PeerKind::name).collect();
+    for n in trace_peers.iter().map(PeerKind::name) {
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    println!("{}", report::json_line(&names, &points));
 }

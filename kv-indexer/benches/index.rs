@@ -1,14 +1,26 @@
 //! Index throughput and latency on the peer's microbenchmark workload
-//! (see `kv_indexer::workload::PrefixGroups`).
+//! (see `kv_indexer::workload::PrefixGroups`) and on a replay of the
+//! Mooncake conversation trace (`kv_indexer::workload::MooncakeReplay`;
+//! skipped with a note when the trace is absent).
 //!
 //! `cargo bench -p kv-indexer --bench index`
 
-use std::time::Duration;
+use std::hint::black_box;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
-use kv_indexer::workload::{miss, PrefixGroups, Sequence};
+use criterion::{
+    criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, SamplingMode, Throughput,
+};
+use kv_indexer::workload::{miss, MooncakeReplay, PrefixGroups, ReplayEntry, ReplayLog, Sequence};
 use kv_indexer::OwnershipIndex;
 use protocol::{Tier, WorkerId};
+
+/// `../shared/traces/mooncake_conversation_trace.jsonl` from the repository root.
+const TRACE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/traces/mooncake_conversation_trace.jsonl"
+);
 
 const TOTAL_BLOCKS: usize = 1_000_000;
 
@@ -31,20 +43,91 @@ fn apply(c: &mut Criterion) {
     group
         .sample_size(10)
         .measurement_time(Duration::from_secs(8));
-    let workload = PrefixGroups {
-        depth: 32,
-        workers: 4,
-        total_blocks: TOTAL_BLOCKS,
-    };
-    let sequences = workload.sequences();
-    let workers = worker_ids(4);
     group.throughput(Throughput::Elements(TOTAL_BLOCKS as u64));
-    group.bench_function("store_1m_blocks_depth32_4workers", |b| {
-        b.iter_batched(
-            || (),
-            |()| build(&sequences, &workers),
-            BatchSize::PerIteration,
-        )
+    for (depth, n) in [(32usize, 4usize), (32, 512), (1024, 512), (16_384, 64)] {
+        let workload = PrefixGroups {
+            depth,
+            workers: n,
+            total_blocks: TOTAL_BLOCKS,
+        };
+        let sequences = workload.sequences();
+        let workers = worker_ids(n);
+        group.bench_function(format!("store_1m_blocks_depth{depth}_{n}workers"), |b| {
+            b.iter_batched(
+                || (),
+                |()| build(&sequences, &workers),
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    group.finish();
+}
+
+/// The trace's replay log, or `None` (with a note) when the trace is absent.
+fn mooncake_log() -> Option<ReplayLog> {
+    let path = Path::new(TRACE);
+    if !path.exists() {
+        println!(
+            "note: no trace at {}; the mooncake benches are skipped",
+            path.display()
+        );
+        return None;
+    }
+    let text = std::fs::read_to_string(path).expect("the trace is readable");
+    let records = protocol::trace::parse_mooncake(&text).expect("the trace parses");
+    Some(MooncakeReplay::default().log(&records))
+}
+
+/// The trace replayed: every event in order (apply), and the lookups in
+/// trace order with the events between them untimed (find_matches, per
+/// lookup).
+fn mooncake(c: &mut Criterion) {
+    let Some(log) = mooncake_log() else {
+        return;
+    };
+    let mut group = c.benchmark_group("mooncake");
+    group
+        .sampling_mode(SamplingMode::Flat)
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(5));
+    group.throughput(Throughput::Elements(log.block_events));
+    group.bench_function("apply_replay", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                let mut index = OwnershipIndex::new();
+                let start = Instant::now();
+                for e in &log.entries {
+                    log.apply(&mut index, e);
+                }
+                spent += start.elapsed();
+            }
+            spent
+        })
+    });
+    group.throughput(Throughput::Elements(log.lookups() as u64));
+    group.bench_function("find_matches_lookups", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                let mut index = OwnershipIndex::new();
+                for e in &log.entries {
+                    match e {
+                        ReplayEntry::Lookup { prompt } => {
+                            // A fresh copy: a router looks up hashes it
+                            // has just computed.
+                            let q = log.prompts[*prompt].chained.clone();
+                            let start = Instant::now();
+                            black_box(index.find_matches(&q));
+                            spent += start.elapsed();
+                        }
+                        _ => log.apply(&mut index, e),
+                    }
+                }
+            }
+            spent
+        })
     });
     group.finish();
 }
@@ -89,5 +172,5 @@ fn find_matches(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, apply, find_matches);
+criterion_group!(benches, apply, find_matches, mooncake);
 criterion_main!(benches);

@@ -121,10 +121,83 @@ struct Owner {
 
 /// Where a block lives: its run and its offset in the run's lineage (see
 /// [`Run::base`]).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Loc {
     run: u32,
     offset: u32,
+}
+
+/// Lineage offsets stay below this, so that a table entry has room for a
+/// hash tag (see [`Slot`]): a run is never extended to it, and a longer
+/// store or imported run continues in a new run. (Small in unit tests, so
+/// that they cross it.)
+#[cfg(not(test))]
+const MAX_OFFSET: u32 = 1 << 24;
+#[cfg(test)]
+const MAX_OFFSET: u32 = 8;
+
+/// A block table entry: the block's [`Loc`] and an 8-bit tag of its hash
+/// (the offset, below [`MAX_OFFSET`], takes the other 24 bits of the
+/// second word). hashbrown's 7-bit control tag lets about one insert in
+/// twelve match another block's entry in the probed group; the tag rejects
+/// nearly all of those without reading that entry's run (two dependent
+/// cache misses). Entries stay 8 bytes: the table's size is what bounds a
+/// store (a 12-byte entry carrying its whole hash, so that growth could be
+/// hashbrown's own rehash, was slower on every benchmark).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    run: u32,
+    offset_tag: u32,
+}
+
+impl Slot {
+    fn new(loc: Loc, key: Key) -> Self {
+        debug_assert!(loc.offset < MAX_OFFSET);
+        Slot {
+            run: loc.run,
+            offset_tag: loc.offset << 8 | key.tag,
+        }
+    }
+
+    fn loc(self) -> Loc {
+        Loc {
+            run: self.run,
+            offset: self.offset_tag >> 8,
+        }
+    }
+
+    fn tag(self) -> u32 {
+        self.offset_tag & 0xFF
+    }
+}
+
+/// A block with its table hash and tag, computed once per lookup.
+#[derive(Debug, Clone, Copy)]
+struct Key {
+    block: BlockHash,
+    hash: u64,
+    tag: u32,
+}
+
+impl Key {
+    fn of(block: BlockHash) -> Self {
+        // Block hashes are already uniform; the multiplies spread small test
+        // values over hashbrown's top (control) and low (bucket) bits, and
+        // over the tag, independently of both.
+        let x = block.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let tag = (block.0.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 56) as u32;
+        Key {
+            block,
+            hash: x ^ (x >> 32),
+            tag,
+        }
+    }
+
+    /// Whether the table entry is this block's: the tag first, then the
+    /// block itself in its run.
+    fn matches(self, runs: &[Run], slot: &Slot) -> bool {
+        slot.tag() == self.tag && runs[slot.run as usize].at(slot.loc()) == self.block
+    }
 }
 
 #[derive(Debug, Default)]
@@ -186,7 +259,7 @@ pub const DEFAULT_RESERVE_BLOCKS: usize = 1 << 20;
 /// The index. See the module docs for its layout.
 #[derive(Debug, Default)]
 pub struct OwnershipIndex {
-    table: HashTable<Loc>,
+    table: HashTable<Slot>,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     workers: Vec<Option<WorkerEntry>>,
@@ -197,13 +270,6 @@ pub struct OwnershipIndex {
     /// The block table is sized for at least this many blocks.
     reserved: usize,
     stats: IndexStats,
-}
-
-fn table_hash(block: BlockHash) -> u64 {
-    // Block hashes are already uniform; the multiply spreads small test
-    // values over hashbrown's top (control) and low (bucket) bits.
-    let x = block.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x ^ (x >> 32)
 }
 
 fn digest_term(block: BlockHash, worker_hash: u64, tiers: TierSet) -> u64 {
@@ -363,25 +429,23 @@ impl OwnershipIndex {
     }
 
     fn locate(&self, block: BlockHash) -> Option<Loc> {
+        let key = Key::of(block);
         let runs = &self.runs;
         self.table
-            .find(table_hash(block), |loc| {
-                runs[loc.run as usize].at(*loc) == block
-            })
-            .copied()
+            .find(key.hash, |slot| key.matches(runs, slot))
+            .map(|slot| slot.loc())
     }
 
     /// Points the block's table entry, which still says `from`, at `to`.
     /// Matches on the old place itself: while a run is being cut, the
     /// entries of its moving part no longer point at their blocks.
     fn relocate(&mut self, block: BlockHash, from: Loc, to: Loc) {
+        let key = Key::of(block);
         let entry = self
             .table
-            .find_mut(table_hash(block), |loc| {
-                loc.run == from.run && loc.offset == from.offset
-            })
+            .find_mut(key.hash, |slot| slot.loc() == from)
             .expect("every stored block has a table entry");
-        *entry = to;
+        *entry = Slot::new(to, key);
     }
 
     /// Makes room for `additional` more table entries. Growing rebuilds the
@@ -400,7 +464,10 @@ impl OwnershipIndex {
                     run: id as u32,
                     offset: run.base + i as u32,
                 };
-                table.insert_unique(table_hash(*block), loc, |_| unreachable!("sized above"));
+                let key = Key::of(*block);
+                table.insert_unique(key.hash, Slot::new(loc, key), |_| {
+                    unreachable!("sized above")
+                });
             }
         }
         self.table = table;
@@ -481,11 +548,12 @@ impl OwnershipIndex {
     /// Drops a run and the table entries of its blocks.
     fn delete_run(&mut self, run: u32) -> Vec<BlockHash> {
         for i in 0..self.runs[run as usize].blocks.len() {
-            let block = self.runs[run as usize].blocks[i];
+            let key = Key::of(self.runs[run as usize].blocks[i]);
             let runs = &self.runs;
-            if let Ok(entry) = self.table.find_entry(table_hash(block), |loc| {
-                runs[loc.run as usize].at(*loc) == block
-            }) {
+            if let Ok(entry) = self
+                .table
+                .find_entry(key.hash, |slot| key.matches(runs, slot))
+            {
                 entry.remove();
             }
         }
@@ -585,7 +653,7 @@ impl OwnershipIndex {
         };
         let extendable = parent.and_then(|(_, loc)| loc).filter(|loc| {
             let r = &self.runs[loc.run as usize];
-            loc.offset + 1 == r.end() && r.owners == [owner]
+            loc.offset + 1 == r.end() && r.end() < MAX_OFFSET && r.owners == [owner]
         });
         let parent = parent.map(|(hash, _)| hash);
         let run = match extendable {
@@ -600,19 +668,21 @@ impl OwnershipIndex {
         };
         self.reserve_table(blocks.len());
         let first = self.runs[run as usize].end();
+        let room = (MAX_OFFSET - first) as usize;
         let mut placed = 0;
-        for block in blocks {
+        for block in blocks.iter().take(room) {
             let offset = first + placed as u32;
+            let key = Key::of(*block);
             let runs = &self.runs;
             let entry = self.table.entry(
-                table_hash(*block),
-                |loc| runs[loc.run as usize].at(*loc) == *block,
-                |loc| table_hash(runs[loc.run as usize].at(*loc)),
+                key.hash,
+                |slot| key.matches(runs, slot),
+                |slot| Key::of(runs[slot.run as usize].at(slot.loc())).hash,
             );
             match entry {
                 hashbrown::hash_table::Entry::Occupied(_) => break,
                 hashbrown::hash_table::Entry::Vacant(v) => {
-                    v.insert(Loc { run, offset });
+                    v.insert(Slot::new(Loc { run, offset }, key));
                 }
             }
             self.runs[run as usize].blocks.push(*block);
@@ -754,11 +824,10 @@ impl OwnershipIndex {
             r.touched = clock;
             cap.queue.push(Reverse((clock, run)));
             let Some(parent) = r.parent else { break };
+            let key = Key::of(parent);
             let runs = &self.runs;
-            match self.table.find(table_hash(parent), |loc| {
-                runs[loc.run as usize].at(*loc) == parent
-            }) {
-                Some(loc) => run = loc.run,
+            match self.table.find(key.hash, |slot| key.matches(runs, slot)) {
+                Some(slot) => run = slot.run,
                 None => break,
             }
         }
@@ -992,59 +1061,152 @@ impl OwnershipIndex {
                     tiers: o.tiers,
                 });
             }
-            let n = run.blocks.len() as u64;
-            let id = self.new_run(Run {
-                blocks: Vec::new(),
-                base: 0,
-                owners,
-                parent: None,
-                touched: 0,
-            });
-            for (offset, block) in run.blocks.iter().enumerate() {
-                let runs = &self.runs;
-                let placed = Loc {
-                    run: id,
-                    offset: offset as u32,
-                };
-                match self.table.entry(
-                    table_hash(*block),
-                    |loc| {
-                        if loc.run == id {
-                            run.blocks[loc.offset as usize] == *block
-                        } else {
-                            runs[loc.run as usize].at(*loc) == *block
-                        }
-                    },
-                    |loc| {
-                        if loc.run == id {
-                            table_hash(run.blocks[loc.offset as usize])
-                        } else {
-                            table_hash(runs[loc.run as usize].at(*loc))
-                        }
-                    },
-                ) {
-                    hashbrown::hash_table::Entry::Occupied(_) => {
-                        return Err(RestoreError::DuplicateBlock {
-                            run: i,
-                            block: *block,
-                        })
-                    }
-                    hashbrown::hash_table::Entry::Vacant(v) => {
-                        v.insert(placed);
-                    }
+            // Runs longer than a lineage may be (see `MAX_OFFSET`) come in
+            // as several runs: the layout is ours, ownership is the same.
+            if run.blocks.len() <= MAX_OFFSET as usize {
+                self.import_run(i, owners, run.blocks)?;
+            } else {
+                for chunk in run.blocks.chunks(MAX_OFFSET as usize) {
+                    self.import_run(i, owners.clone(), chunk.to_vec())?;
                 }
             }
-            let r = &mut self.runs[id as usize];
-            r.blocks = run.blocks;
-            self.stats.blocks += n;
-            for o in &r.owners {
-                self.stats.pairs += n;
-                if let Some(w) = self.workers[o.slot as usize].as_mut() {
-                    w.pairs += n;
-                }
-            }
-            self.queue_for_cap(id);
         }
         Ok(())
+    }
+
+    /// Places one imported run (snapshot run `i`, or a piece of it).
+    fn import_run(
+        &mut self,
+        i: usize,
+        owners: Vec<Owner>,
+        blocks: Vec<BlockHash>,
+    ) -> Result<(), RestoreError> {
+        let n = blocks.len() as u64;
+        let id = self.new_run(Run {
+            blocks: Vec::new(),
+            base: 0,
+            owners,
+            parent: None,
+            touched: 0,
+        });
+        for (offset, block) in blocks.iter().enumerate() {
+            let key = Key::of(*block);
+            let runs = &self.runs;
+            // The run's blocks join it once all are placed: until then its
+            // entries are read from `blocks`.
+            let at = |slot: &Slot| {
+                if slot.run == id {
+                    blocks[slot.loc().offset as usize]
+                } else {
+                    runs[slot.run as usize].at(slot.loc())
+                }
+            };
+            match self.table.entry(
+                key.hash,
+                |slot| slot.tag() == key.tag && at(slot) == *block,
+                |slot| Key::of(at(slot)).hash,
+            ) {
+                hashbrown::hash_table::Entry::Occupied(_) => {
+                    return Err(RestoreError::DuplicateBlock {
+                        run: i,
+                        block: *block,
+                    })
+                }
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    let loc = Loc {
+                        run: id,
+                        offset: offset as u32,
+                    };
+                    v.insert(Slot::new(loc, key));
+                }
+            }
+        }
+        let r = &mut self.runs[id as usize];
+        r.blocks = blocks;
+        self.stats.blocks += n;
+        for o in &r.owners {
+            self.stats.pairs += n;
+            if let Some(w) = self.workers[o.slot as usize].as_mut() {
+                w.pairs += n;
+            }
+        }
+        self.queue_for_cap(id);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(n: u64, seed: u64) -> Vec<BlockHash> {
+        let mut out: Vec<BlockHash> = Vec::new();
+        for i in 0..n {
+            out.push(protocol::BlockHasher::chain(
+                out.last().copied(),
+                seed * 1000 + i,
+            ));
+        }
+        out
+    }
+
+    fn worker(name: &str) -> WorkerId {
+        WorkerId::new(name, 0).unwrap()
+    }
+
+    fn depth(index: &OwnershipIndex, query: &[BlockHash], w: &WorkerId) -> u32 {
+        let m = index.find_matches(query);
+        index.slot(w).map_or(0, |s| m.get(s).device)
+    }
+
+    /// Chains longer than a lineage (`MAX_OFFSET`, 8 in unit tests) span
+    /// several runs; what the index answers does not depend on it.
+    #[test]
+    fn chains_longer_than_a_lineage() {
+        let (a, b) = (worker("a"), worker("b"));
+        let c = chain(30, 1);
+        let mut index = OwnershipIndex::new();
+        index.store(&a, None, &c[..20], Tier::Device);
+        index.store(&a, Some(c[19]), &c[20..], Tier::Device);
+        index.store(&b, None, &c[..5], Tier::Device);
+        assert!(index.runs.iter().all(|r| r.end() <= MAX_OFFSET));
+        assert_eq!(depth(&index, &c, &a), 30);
+        assert_eq!(depth(&index, &c, &b), 5);
+        let stats = index.stats();
+        assert_eq!((stats.blocks, stats.pairs), (30, 35));
+
+        index.remove(&a, &c[12..16], Tier::Device);
+        assert_eq!(depth(&index, &c, &a), 12);
+        assert_eq!(depth(&index, &c[16..], &a), 14);
+        assert_eq!(index.stats().pairs, 31);
+
+        let (workers, runs) = index.export();
+        let mut copy = OwnershipIndex::new();
+        copy.import(workers, runs, index.digest()).unwrap();
+        assert_eq!(depth(&copy, &c, &a), 12);
+        assert_eq!(copy.stats(), index.stats());
+    }
+
+    /// An imported run longer than a lineage comes in as several runs.
+    #[test]
+    fn imports_runs_longer_than_a_lineage() {
+        let a = worker("a");
+        let c = chain(21, 2);
+        let mut source = OwnershipIndex::new();
+        source.store(&a, None, &c, Tier::Device);
+        let run = OwnedRun {
+            blocks: c.clone(),
+            owners: vec![RunOwner {
+                worker: 0,
+                tiers: TierSet::only(Tier::Device),
+            }],
+        };
+        let mut index = OwnershipIndex::new();
+        index
+            .import(vec![a.clone()], vec![run], source.digest())
+            .unwrap();
+        assert_eq!(depth(&index, &c, &a), 21);
+        assert_eq!(index.stats().runs, 3);
+        assert_eq!(index.stats().pairs, 21);
     }
 }
