@@ -35,7 +35,7 @@ wait_http() { # url
 # nats-server and etcd on their default loopback ports, data under $1.
 start_servers() {
   for program in nats-server etcd; do
-    command -v "$program" >/dev/null || { echo "$program is missing: scripts/test installs it" >&2; exit 1; }
+    command -v "$program" >/dev/null || { echo "$program is missing: scripts/packages.sh installs it" >&2; exit 1; }
   done
   start nats nats-server -a 127.0.0.1 -p 4222 -m 8222 -js -sd "$1/nats"
   start etcd etcd --name dev --data-dir "$1/etcd" --log-level warn \

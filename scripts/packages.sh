@@ -1,0 +1,19 @@
+# Shared by scripts/test, scripts/dev and scripts/bench-services: installs the
+# system packages they need when missing (the real servers the tests and the
+# dev cluster start, and protoc for the etcd client's build). Source it, then
+# call ensure_system_packages.
+ensure_system_packages() {
+  local missing=()
+  command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+  command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+  command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+  [ -e /usr/include/google/protobuf/timestamp.proto ] || missing+=(libprotobuf-dev)
+  if ((${#missing[@]})); then
+    printf '\n==> installing %s\n' "${missing[*]}"
+    local sudo_cmd=()
+    [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+    "${sudo_cmd[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+  export PATH="$PATH:/usr/sbin"
+}
