@@ -542,6 +542,8 @@ impl<'w> Cluster<'w> {
         self.router.on_finished(r.decision);
         self.records.push(RequestRecord {
             id,
+            session: r.spec.session,
+            turn: r.spec.turn,
             arrival_us: r.arrival_us,
             first_token_us: r.first_token_us.unwrap_or(self.now_us),
             finish_us: self.now_us,

@@ -140,12 +140,13 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<24} {:>10} | {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>8} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} | {:>7} {:>5}",
+        "{:<24} {:>10} | {:>8} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>8} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} | {:>7} {:>5}",
         "deployment",
         "load",
         "TTFT p50",
         "p90",
         "p99",
+        "t2+ p90",
         "ITL50",
         "p90",
         "p99",
@@ -161,19 +162,20 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<24} {:>10} | {:>26} | {:>20} | {:>22} | {:>27} | {:>13}",
+        "{:<24} {:>10} | {:>35} | {:>20} | {:>22} | {:>27} | {:>13}",
         "", load_unit, "ms", "ms", "", "", ""
     );
     for p in points {
         let s = &p.summary;
         let _ = writeln!(
             out,
-            "{:<24} {:>10.3} | {:>8.0} {:>8.0} {:>8.0} | {:>6.1} {:>6.1} {:>6.1} | {:>8.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.1} {:>5}",
+            "{:<24} {:>10.3} | {:>8.0} {:>8.0} {:>8.0} {:>8.0} | {:>6.1} {:>6.1} {:>6.1} | {:>8.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.1} {:>5}",
             p.deployment,
             p.load,
             s.ttft_ms.p50,
             s.ttft_ms.p90,
             s.ttft_ms.p99,
+            s.later_turn_ttft_ms.p90,
             s.itl_ms.p50,
             s.itl_ms.p90,
             s.itl_ms.p99,
@@ -276,7 +278,7 @@ pub fn write_report(
     std::fs::write(dir.join("ttft.svg"), ttft)?;
 
     let mut csv = String::from(
-        "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\
+        "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,later_turn_ttft_p90_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\
          e2e_p50_ms,throughput_per_gpu,interactivity_p50,interactivity_p90,slo_attainment,bypass_share,\
          prefill_hit_rate_p,prefill_hit_rate_d,kv_gb_moved,preemptions,gate_vetoes,refused\n",
     );
@@ -285,13 +287,14 @@ pub fn write_report(
         let s = &p.summary;
         let _ = writeln!(
             csv,
-            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{}",
+            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{}",
             p.deployment,
             p.load,
             s.measured,
             s.ttft_ms.p50,
             s.ttft_ms.p90,
             s.ttft_ms.p99,
+            s.later_turn_ttft_ms.p90,
             s.itl_ms.p50,
             s.itl_ms.p90,
             s.itl_ms.p99,
@@ -314,6 +317,7 @@ pub fn write_report(
             "load": p.load,
             "measured": s.measured,
             "ttft_ms": {"p50": s.ttft_ms.p50, "p90": s.ttft_ms.p90, "p99": s.ttft_ms.p99},
+            "later_turn_ttft_ms": {"p50": s.later_turn_ttft_ms.p50, "p90": s.later_turn_ttft_ms.p90, "p99": s.later_turn_ttft_ms.p99},
             "itl_ms": {"p50": s.itl_ms.p50, "p90": s.itl_ms.p90, "p99": s.itl_ms.p99},
             "e2e_ms": {"p50": s.e2e_ms.p50, "p90": s.e2e_ms.p90, "p99": s.e2e_ms.p99},
             "throughput_per_gpu": s.throughput_per_gpu,

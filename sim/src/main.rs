@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
 use sim::compare::{goodput, sweep, table, write_report, WorkloadSpec};
-use sim::workload::{AgenticConfig, MooncakeConfig, SyntheticConfig};
+use sim::workload::{AgenticConfig, Arrivals, MooncakeConfig, SyntheticConfig};
 use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
@@ -79,6 +79,12 @@ struct Common {
     /// Replay only the first N trace requests.
     #[arg(long)]
     limit: Option<usize>,
+    /// Trace replays: issue every request at its (scaled) timestamp, even
+    /// before its predecessor's answer exists. Default: closed loop, a turn
+    /// is issued its predecessor's last token plus the trace's gap. The
+    /// agentic workload is always closed loop.
+    #[arg(long)]
+    open_loop: bool,
     /// Seconds during which sessions (or requests) start arriving.
     #[arg(long, default_value_t = 180.0)]
     duration_s: f64,
@@ -112,6 +118,9 @@ struct Common {
 
 impl Common {
     fn workload(&self) -> anyhow::Result<WorkloadSpec> {
+        if self.open_loop && self.workload != WorkloadArg::Mooncake {
+            bail!("--open-loop is for trace replays (--workload mooncake); this workload is closed loop or single-turn by construction");
+        }
         Ok(match self.workload {
             WorkloadArg::Agentic => WorkloadSpec::Agentic(AgenticConfig {
                 duration_s: self.duration_s,
@@ -136,6 +145,11 @@ impl Common {
                     config: MooncakeConfig {
                         rate_scale: 1.0,
                         limit: self.limit,
+                        arrivals: if self.open_loop {
+                            Arrivals::OpenLoop
+                        } else {
+                            Arrivals::ClosedLoop
+                        },
                         seed: self.seed,
                     },
                 }
