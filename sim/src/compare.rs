@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use protocol::trace::MooncakeRecord;
 
+use crate::capacity::{self, Capacity, Probe, Search};
 use crate::cluster::{simulate, SimConfig, SimError};
 use crate::deployment::Deployment;
 use crate::metrics::RunSummary;
@@ -81,6 +82,60 @@ pub struct Point {
     pub wall_s: f64,
 }
 
+/// `f` over `items` on `threads` threads; results in `items`' order,
+/// whatever the threads did. `progress` is called after each item with
+/// (done, total).
+pub fn parallel_map<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    progress: &(dyn Fn(usize, usize) + Sync),
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new((0..items.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1).min(items.len().max(1)) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else {
+                    break;
+                };
+                let r = f(item);
+                results.lock().expect("no thread panicked")[i] = Some(r);
+                progress(done.fetch_add(1, Ordering::Relaxed) + 1, items.len());
+            });
+        }
+    });
+    results
+        .into_inner()
+        .expect("no thread panicked")
+        .into_iter()
+        .map(|r| r.expect("every item ran"))
+        .collect()
+}
+
+/// One deployment at one load.
+pub fn run_point(
+    base: &SimConfig,
+    deployment: &Deployment,
+    workload: &WorkloadSpec,
+    load: f64,
+) -> Result<Point, SimError> {
+    let config = SimConfig {
+        deployment: deployment.clone(),
+        ..base.clone()
+    };
+    let started = Instant::now();
+    let mut run = workload.at(load);
+    simulate(&config, run.as_mut()).map(|result| Point {
+        deployment: deployment.name(),
+        load,
+        summary: result.summary,
+        wall_s: started.elapsed().as_secs_f64(),
+    })
+}
+
 /// Runs every (deployment, load) pair on `threads` threads; `progress` is
 /// called after each run with (done, total). Results are in deployment,
 /// then load order, whatever the threads did: the comparison is
@@ -93,46 +148,43 @@ pub fn sweep(
     threads: usize,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<Vec<Point>, SimError> {
-    let jobs: Vec<(usize, &Deployment, f64)> = deployments
+    let jobs: Vec<(&Deployment, f64)> = deployments
         .iter()
         .flat_map(|d| loads.iter().map(move |l| (d, *l)))
-        .enumerate()
-        .map(|(i, (d, l))| (i, d, l))
         .collect();
-    let next = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<Point, SimError>>>> =
-        Mutex::new((0..jobs.len()).map(|_| None).collect());
-    std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(slot, deployment, load)) = jobs.get(i) else {
-                    break;
-                };
-                let config = SimConfig {
-                    deployment: deployment.clone(),
-                    ..base.clone()
-                };
-                let started = Instant::now();
-                let mut run = workload.at(load);
-                let point = simulate(&config, run.as_mut()).map(|result| Point {
-                    deployment: deployment.name(),
-                    load,
-                    summary: result.summary,
-                    wall_s: started.elapsed().as_secs_f64(),
-                });
-                results.lock().expect("no thread panicked")[slot] = Some(point);
-                progress(done.fetch_add(1, Ordering::Relaxed) + 1, jobs.len());
-            });
-        }
-    });
-    results
-        .into_inner()
-        .expect("no thread panicked")
-        .into_iter()
-        .map(|r| r.expect("every job ran"))
-        .collect()
+    parallel_map(&jobs, threads, progress, |&(d, load)| {
+        run_point(base, d, workload, load)
+    })
+    .into_iter()
+    .collect()
+}
+
+/// Each deployment's capacity (see [`crate::capacity`]), searched from the
+/// sweep's `points` of that deployment, deployments in parallel;
+/// `progress` is called with (deployments done, total).
+pub fn capacities(
+    base: &SimConfig,
+    deployments: &[Deployment],
+    workload: &WorkloadSpec,
+    points: &[Point],
+    s: &Search,
+    threads: usize,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> Result<Vec<(String, Capacity)>, SimError> {
+    parallel_map(deployments, threads, progress, |d| {
+        let name = d.name();
+        let known: Vec<Probe> = points
+            .iter()
+            .filter(|p| p.deployment == name)
+            .map(|p| (p.load, p.summary.slo_attainment))
+            .collect();
+        capacity::search(s, &known, |load| {
+            run_point(base, d, workload, load).map(|p| p.summary.slo_attainment)
+        })
+        .map(|(c, _)| (name, c))
+    })
+    .into_iter()
+    .collect()
 }
 
 /// The comparison as a fixed-width text table.
@@ -189,25 +241,6 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
             s.kv_gb_moved,
             s.preemptions
         );
-    }
-    out
-}
-
-/// Per deployment, the highest load at which at least 90% of requests met
-/// both SLO targets (`None`: not even the lowest load).
-pub fn goodput(points: &[Point]) -> Vec<(String, Option<f64>)> {
-    let mut out: Vec<(String, Option<f64>)> = Vec::new();
-    for p in points {
-        if !out.iter().any(|(d, _)| *d == p.deployment) {
-            out.push((p.deployment.clone(), None));
-        }
-        if p.summary.slo_attainment >= 0.9 {
-            let entry = out
-                .iter_mut()
-                .find(|(d, _)| *d == p.deployment)
-                .expect("inserted above");
-            entry.1 = Some(entry.1.map_or(p.load, |l: f64| l.max(p.load)));
-        }
     }
     out
 }
@@ -336,4 +369,26 @@ pub fn write_report(
         .expect("JSON values serialise");
     std::fs::write(dir.join("results.json"), json + "\n")?;
     Ok(())
+}
+
+/// Writes `capacity.json` into `dir`: each deployment's capacity.
+pub fn write_capacities(
+    dir: &Path,
+    capacities: &[(String, Capacity)],
+    workload: &str,
+    load_unit: &str,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let rows: Vec<_> = capacities
+        .iter()
+        .map(|(d, c)| {
+            let mut row = c.to_json();
+            row["deployment"] = d.clone().into();
+            row["workload"] = workload.into();
+            row["load_unit"] = load_unit.into();
+            row
+        })
+        .collect();
+    let json = serde_json::to_string_pretty(&rows).expect("JSON values serialise");
+    std::fs::write(dir.join("capacity.json"), json + "\n")
 }

@@ -3,6 +3,7 @@
 //! cores and the engine model, and compares deployments and policies on a
 //! workload.
 
+pub mod capacity;
 pub mod cluster;
 pub mod compare;
 pub mod deployment;
@@ -10,6 +11,7 @@ pub mod metrics;
 pub mod plot;
 pub mod workload;
 
+pub use capacity::{Capacity, Search};
 pub use cluster::{simulate, RunResult, SimConfig, SimError};
 pub use deployment::{conditional_policies, sla_cost_model, Deployment};
 pub use metrics::{Percentiles, RequestRecord, RunSummary, Slo};

@@ -8,9 +8,9 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
-use sim::compare::{goodput, sweep, table, write_report, WorkloadSpec};
+use sim::compare::{capacities, sweep, table, write_capacities, write_report, WorkloadSpec};
 use sim::workload::{AgenticConfig, Arrivals, MooncakeConfig, SyntheticConfig};
-use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, SimConfig, Slo};
+use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, Search, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -43,6 +43,10 @@ enum Command {
         /// Runs in parallel (default: the machine's cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// The capacity search bisects until its bracket is narrower than
+        /// this share of the load.
+        #[arg(long, default_value_t = Search::default().tolerance)]
+        capacity_tolerance: f64,
     },
     /// Run one deployment at one load and print its figures.
     Run {
@@ -228,6 +232,7 @@ fn main() -> anyhow::Result<()> {
             max_load,
             out,
             threads,
+            capacity_tolerance,
         } => {
             let workload = common.workload()?;
             let base = common.sim_config()?;
@@ -279,17 +284,43 @@ fn main() -> anyhow::Result<()> {
                 common.ttft_slo_ms, common.itl_slo_ms
             );
             print!("{}", table(&results, workload.load_unit()));
-            println!("\nHighest load with >= 90% of requests within the SLO:");
-            for (deployment, load) in goodput(&results) {
-                match load {
-                    Some(l) => println!("  {deployment:<24} {l:.3} {}", workload.load_unit()),
-                    None => println!("  {deployment:<24} none of the loads tried"),
-                }
+            let search = Search {
+                start: hi,
+                tolerance: capacity_tolerance,
+                ..Search::default()
+            };
+            let bar = ProgressBar::new(deployments.len() as u64).with_style(
+                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} deployments, {elapsed}")
+                    .expect("valid template"),
+            );
+            bar.set_message("searching each deployment's capacity");
+            let caps = capacities(
+                &base,
+                &deployments,
+                &workload,
+                &results,
+                &search,
+                threads,
+                &|done, _| bar.set_position(done as u64),
+            )?;
+            bar.finish_and_clear();
+            println!(
+                "\nCapacity: the highest load with >= {:.0}% of requests within the SLO (bisected to {:.0}%):",
+                100.0 * search.target,
+                100.0 * search.tolerance
+            );
+            for (deployment, capacity) in &caps {
+                println!(
+                    "  {deployment:<24} {}",
+                    capacity.describe(workload.load_unit())
+                );
             }
+            write_capacities(&out, &caps, workload.name(), workload.load_unit())
+                .with_context(|| format!("writing the report to {}", out.display()))?;
             write_report(&out, &results, workload.name(), workload.load_unit(), &note)
                 .with_context(|| format!("writing the report to {}", out.display()))?;
             println!(
-                "\nReport: {}/interactivity.svg, ttft.svg, results.csv, results.json ({:.1} s)",
+                "\nReport: {}/interactivity.svg, ttft.svg, results.csv, results.json, capacity.json ({:.1} s)",
                 out.display(),
                 started.elapsed().as_secs_f64()
             );
