@@ -23,6 +23,9 @@ use crate::workload::{
 pub enum WorkloadSpec {
     /// Load = sessions per second.
     Agentic(AgenticConfig),
+    /// The long-context agentic workload ([`AgenticConfig::long_context`]);
+    /// load = sessions per second.
+    LongContext(AgenticConfig),
     /// Load = the trace's rate scale.
     Mooncake {
         records: Arc<Vec<MooncakeRecord>>,
@@ -36,6 +39,7 @@ impl WorkloadSpec {
     pub fn name(&self) -> &'static str {
         match self {
             WorkloadSpec::Agentic(_) => "agentic",
+            WorkloadSpec::LongContext(_) => "long-context",
             WorkloadSpec::Mooncake { .. } => "mooncake",
             WorkloadSpec::Synthetic(_) => "synthetic",
         }
@@ -44,7 +48,7 @@ impl WorkloadSpec {
     /// What the load axis means.
     pub fn load_unit(&self) -> &'static str {
         match self {
-            WorkloadSpec::Agentic(_) => "sessions/s",
+            WorkloadSpec::Agentic(_) | WorkloadSpec::LongContext(_) => "sessions/s",
             WorkloadSpec::Mooncake { .. } => "x trace rate",
             WorkloadSpec::Synthetic(_) => "requests/s",
         }
@@ -53,10 +57,12 @@ impl WorkloadSpec {
     /// The workload at one load.
     pub fn at(&self, load: f64) -> Box<dyn Workload> {
         match self {
-            WorkloadSpec::Agentic(c) => Box::new(Agentic::new(AgenticConfig {
-                sessions_per_s: load,
-                ..c.clone()
-            })),
+            WorkloadSpec::Agentic(c) | WorkloadSpec::LongContext(c) => {
+                Box::new(Agentic::new(AgenticConfig {
+                    sessions_per_s: load,
+                    ..c.clone()
+                }))
+            }
             WorkloadSpec::Mooncake { records, config } => Box::new(Mooncake::new(
                 records.as_ref().clone(),
                 MooncakeConfig {

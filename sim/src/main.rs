@@ -67,7 +67,13 @@ enum Command {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum WorkloadArg {
+    /// Coding-agent sessions of 4-24 turns, appends of tens to thousands
+    /// of tokens.
     Agentic,
+    /// Long-context coding-agent sessions: contexts up to 256k with
+    /// compaction at 200k, median prompt ~40k, heavy-tailed tool outputs,
+    /// 512-token blocks by default.
+    LongContext,
     Mooncake,
     Synthetic,
 }
@@ -89,9 +95,11 @@ struct Common {
     /// agentic workload is always closed loop.
     #[arg(long)]
     open_loop: bool,
-    /// Seconds during which sessions (or requests) start arriving.
-    #[arg(long, default_value_t = 180.0)]
-    duration_s: f64,
+    /// Seconds during which sessions (or requests) start arriving
+    /// (default: 180; 900 for the long-context workload, whose sessions
+    /// are few and long).
+    #[arg(long)]
+    duration_s: Option<f64>,
     /// Engine preset: llama70b_fp8_tp2_h100 or llama8b_h100.
     #[arg(long, default_value = "llama70b_fp8_tp2_h100")]
     preset: String,
@@ -101,7 +109,8 @@ struct Common {
     /// Prefill workers of the disaggregated and C/D deployments.
     #[arg(long, default_value_t = 2)]
     prefill_workers: u32,
-    /// Tokens per KV block (default: 16; 512 for the Mooncake trace).
+    /// Tokens per KV block (default: 16; 512 for the Mooncake trace and
+    /// the long-context workload).
     #[arg(long)]
     block_size: Option<u32>,
     /// P -> D KV link bandwidth, GB/s.
@@ -127,12 +136,17 @@ impl Common {
         }
         Ok(match self.workload {
             WorkloadArg::Agentic => WorkloadSpec::Agentic(AgenticConfig {
-                duration_s: self.duration_s,
+                duration_s: self.duration_s.unwrap_or(180.0),
                 seed: self.seed,
                 ..AgenticConfig::default()
             }),
+            WorkloadArg::LongContext => WorkloadSpec::LongContext(AgenticConfig {
+                duration_s: self.duration_s.unwrap_or(900.0),
+                seed: self.seed,
+                ..AgenticConfig::long_context()
+            }),
             WorkloadArg::Synthetic => WorkloadSpec::Synthetic(SyntheticConfig {
-                duration_s: self.duration_s,
+                duration_s: self.duration_s.unwrap_or(180.0),
                 seed: self.seed,
                 ..SyntheticConfig::default()
             }),
@@ -177,10 +191,9 @@ impl Common {
                 self.workers
             );
         }
-        let default_block = if self.workload == WorkloadArg::Mooncake {
-            512
-        } else {
-            16
+        let default_block = match self.workload {
+            WorkloadArg::Mooncake | WorkloadArg::LongContext => 512,
+            WorkloadArg::Agentic | WorkloadArg::Synthetic => 16,
         };
         Ok(SimConfig {
             preset,
@@ -217,6 +230,7 @@ impl Common {
     fn default_loads(&self) -> (f64, f64) {
         match self.workload {
             WorkloadArg::Agentic => (0.25, 1.5),
+            WorkloadArg::LongContext => (0.02, 0.12),
             WorkloadArg::Mooncake => (0.5, 3.0),
             WorkloadArg::Synthetic => (1.0, 12.0),
         }

@@ -8,7 +8,7 @@ mod synthetic;
 
 use std::sync::Arc;
 
-pub use agentic::{Agentic, AgenticConfig};
+pub use agentic::{Agentic, AgenticConfig, Compaction};
 pub use mooncake::{Mooncake, MooncakeConfig};
 pub use scripted::Scripted;
 pub use synthetic::{Synthetic, SyntheticConfig};
