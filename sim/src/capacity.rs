@@ -9,6 +9,7 @@
 //! `max_doublings` times: then the capacity is above that bound); without a
 //! passing load it halves the lowest failing one likewise. Then it bisects
 //! the bracket until it is narrower than `tolerance` of its upper end.
+//! (Doubling is the default step; `growth` sets another.)
 
 /// How to search.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -17,9 +18,13 @@ pub struct Search {
     pub target: f64,
     /// The first load to try when nothing was run yet.
     pub start: f64,
-    /// How many times the bracket may double up (or halve down) from the
-    /// loads tried before the search gives up and reports its bound.
+    /// How many times the bracket may grow up (or shrink down) by `growth`
+    /// from the loads tried before the search gives up and reports its
+    /// bound.
     pub max_doublings: u32,
+    /// The factor of each such step: 2, doubling (`sim tune` starts from a
+    /// close guess and steps less).
+    pub growth: f64,
     /// Bisect until `fails_at - load <= tolerance * fails_at`.
     pub tolerance: f64,
 }
@@ -30,6 +35,7 @@ impl Default for Search {
             target: 0.9,
             start: 1.0,
             max_doublings: 4,
+            growth: 2.0,
             tolerance: 0.03,
         }
     }
@@ -130,7 +136,7 @@ pub fn search<E>(
         (Some(mut lo), None) => {
             let mut hi = None;
             for _ in 0..s.max_doublings {
-                let probe = lo * 2.0;
+                let probe = lo * s.growth;
                 if run(probe, &mut ran)? {
                     lo = probe;
                 } else {
@@ -146,7 +152,7 @@ pub fn search<E>(
         (None, Some(mut hi)) => {
             let mut lo = None;
             for _ in 0..s.max_doublings {
-                let probe = hi / 2.0;
+                let probe = hi / s.growth;
                 if run(probe, &mut ran)? {
                     lo = Some(probe);
                     break;

@@ -9,6 +9,7 @@ pub mod compare;
 pub mod deployment;
 pub mod metrics;
 pub mod plot;
+pub mod tune;
 pub mod workload;
 
 pub use capacity::{Capacity, Search};

@@ -8,7 +8,10 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
-use sim::compare::{capacities, sweep, table, write_capacities, write_report, WorkloadSpec};
+use sim::compare::{
+    capacities, parallel_map, run_point, sweep, table, write_capacities, write_report, WorkloadSpec,
+};
+use sim::tune::{tuned_params, Best, Progress, Tune};
 use sim::workload::{AgenticConfig, Arrivals, MooncakeConfig, SyntheticConfig};
 use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, Search, SimConfig, Slo};
 
@@ -47,6 +50,22 @@ enum Command {
         /// this share of the load.
         #[arg(long, default_value_t = Search::default().tolerance)]
         capacity_tolerance: f64,
+    },
+    /// For the workload and --workers: search each family's best
+    /// configuration by capacity (aggregated; disaggregated at its best
+    /// P:D split; C/D with each policy at its best split and thresholds,
+    /// the thresholds' grids from the router's policy registry); print a
+    /// table and one JSON line.
+    Tune {
+        #[command(flatten)]
+        common: Common,
+        /// Each capacity search bisects until its bracket is narrower than
+        /// this share of the load.
+        #[arg(long, default_value_t = 0.05)]
+        capacity_tolerance: f64,
+        /// Runs in parallel (default: the machine's cores).
+        #[arg(long)]
+        threads: Option<usize>,
     },
     /// Run one deployment at one load and print its figures.
     Run {
@@ -339,6 +358,11 @@ fn main() -> anyhow::Result<()> {
                 started.elapsed().as_secs_f64()
             );
         }
+        Command::Tune {
+            common,
+            capacity_tolerance,
+            threads,
+        } => tune(&common, capacity_tolerance, threads)?,
         Command::Run {
             common,
             deployment,
@@ -369,6 +393,188 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// `sim tune`: every family's best, the table, the comparisons the issue
+/// asks for, one JSON line.
+fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Result<()> {
+    let workload = common.workload()?;
+    let base = common.sim_config()?;
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let policies = conditional_policies(common.slo(), &base.preset, &base.link);
+    let (lo, hi) = common.default_loads();
+    let tune = Tune {
+        base: &base,
+        workload: &workload,
+        workers: common.workers,
+        policies: &policies,
+        search: Search {
+            start: (lo + hi) / 2.0,
+            growth: 1.25,
+            max_doublings: 12,
+            tolerance,
+            ..Search::default()
+        },
+        threads,
+    };
+    let bar = ProgressBar::new_spinner().with_style(
+        ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("valid template"),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let progress = Progress::default();
+    let started = Instant::now();
+    let counts = |p: &Progress| {
+        (
+            p.searches.load(std::sync::atomic::Ordering::Relaxed),
+            p.runs.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    };
+    let best = tune.run(&progress, &|stage| {
+        let (searches, runs) = counts(&progress);
+        bar.set_message(format!(
+            "tuning {stage}: {searches} capacity searches, {runs} runs so far"
+        ));
+    })?;
+    bar.finish_and_clear();
+    let unit = workload.load_unit();
+    let gpus = common.workers * base.preset.gpus;
+    println!(
+        "{} workload, {} workers of {} ({gpus} GPUs), seed {}; SLO: TTFT <= {} ms and ITL <= {} ms",
+        workload.name(),
+        common.workers,
+        base.preset.name,
+        common.seed,
+        common.ttft_slo_ms,
+        common.itl_slo_ms
+    );
+    println!(
+        "capacity: the highest load with >= 90% of requests within the SLO (bisected to {:.0}%)\n",
+        100.0 * tolerance
+    );
+    println!(
+        "{:<14} {:<26} {:>5}  {:<44} thresholds",
+        "family", "best deployment", "tried", "capacity"
+    );
+    for b in &best {
+        println!(
+            "{:<14} {:<26} {:>5}  {:<44} {}",
+            b.family,
+            b.deployment.name(),
+            b.tried,
+            b.capacity.describe(unit),
+            tuned_params(&b.deployment)
+        );
+    }
+    let of = |family: &str| best.iter().find(|b| b.family == family);
+    let cd: Vec<&Best> = best
+        .iter()
+        .filter(|b| matches!(b.deployment, Deployment::Conditional { .. }))
+        .collect();
+    let best_cd = cd
+        .iter()
+        .copied()
+        .max_by(|a, b| a.capacity.load().total_cmp(&b.capacity.load()))
+        .context("no C/D policy to tune")?;
+    let best_static = cd
+        .iter()
+        .copied()
+        .filter(|b| b.family != "sla_dynamic")
+        .max_by(|a, b| a.capacity.load().total_cmp(&b.capacity.load()));
+    let agg = of("aggregated").context("aggregated was tuned")?;
+    let disagg = of("disaggregated").context("disaggregated was tuned")?;
+    let baseline = agg.capacity.load().max(disagg.capacity.load());
+    let ratio = best_cd.capacity.load() / baseline;
+    println!(
+        "\nbest C/D ({}) / max(aggregated, best disaggregated) = {:.3} / {:.3} = {ratio:.2}x (target 1.5x)",
+        best_cd.deployment.name(),
+        best_cd.capacity.load(),
+        baseline
+    );
+    let sla = of("sla_dynamic");
+    if let (Some(sla), Some(st)) = (sla, best_static) {
+        println!(
+            "sla_dynamic with defaults ({}) vs the best tuned static policy ({}): {:.3} vs {:.3}",
+            sla.deployment.name(),
+            st.deployment.name(),
+            sla.capacity.load(),
+            st.capacity.load()
+        );
+    }
+    // Turn-2+ TTFT of the best C/D against the best disaggregated split at
+    // a load both sustain (the lower capacity).
+    let load = best_cd.capacity.load().min(disagg.capacity.load());
+    let mut later = None;
+    if load > 0.0 {
+        let pair = [best_cd.deployment.clone(), disagg.deployment.clone()];
+        let points = parallel_map(&pair, threads, &|_, _| {}, |d| {
+            run_point(&base, d, &workload, load)
+        });
+        let (cd_p, dis_p) = match <[_; 2]>::try_from(points) {
+            Ok([a, b]) => (a?, b?),
+            Err(_) => unreachable!("two deployments, two points"),
+        };
+        let (a, b) = (
+            cd_p.summary.later_turn_ttft_ms.p90,
+            dis_p.summary.later_turn_ttft_ms.p90,
+        );
+        println!(
+            "turn-2+ TTFT p90 at {load:.3} {unit}: {} {a:.0} ms, {} {b:.0} ms: {:.2}x (target <= 0.4x)",
+            best_cd.deployment.name(),
+            disagg.deployment.name(),
+            a / b.max(1e-9)
+        );
+        println!(
+            "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%); {} P {:.1}%",
+            best_cd.deployment.name(),
+            100.0 * cd_p.summary.prefill_hit_rate_p,
+            100.0 * cd_p.summary.prefill_hit_rate_d,
+            100.0 * cd_p.summary.bypass_share,
+            disagg.deployment.name(),
+            100.0 * dis_p.summary.prefill_hit_rate_p
+        );
+        later = Some((load, a, b));
+    }
+    let (searches, runs) = counts(&progress);
+    let families: Vec<_> = best
+        .iter()
+        .map(|b| {
+            let mut row = b.capacity.to_json();
+            let (prefill, decode) = b.deployment.split();
+            row["family"] = b.family.clone().into();
+            row["deployment"] = b.deployment.name().into();
+            row["prefill"] = prefill.into();
+            row["decode"] = decode.into();
+            row["policy"] = b.deployment.policy().name().into();
+            row["params"] = b
+                .deployment
+                .policy()
+                .params()
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), serde_json::Value::from(v)))
+                .collect::<serde_json::Map<_, _>>()
+                .into();
+            row["tried"] = b.tried.into();
+            row
+        })
+        .collect();
+    let line = serde_json::json!({
+        "workload": workload.name(),
+        "load_unit": unit,
+        "workers": common.workers,
+        "gpus": gpus,
+        "seed": common.seed,
+        "slo": {"ttft_ms": common.ttft_slo_ms, "itl_ms": common.itl_slo_ms},
+        "families": families,
+        "best_cd": best_cd.family,
+        "cd_over_baseline": ratio,
+        "later_turn_ttft_p90": later.map(|(load, cd, dis)| serde_json::json!({"load": load, "best_cd_ms": cd, "disaggregated_ms": dis})),
+        "searches": searches,
+        "runs": runs,
+        "wall_s": started.elapsed().as_secs_f64(),
+    });
+    println!("\n{line}");
     Ok(())
 }
 

@@ -20,7 +20,7 @@ use super::{
 };
 
 /// One parameter of a policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ParamSpec {
     /// Its name: the flag `--eff-isl-tokens`, the file key
     /// `[policy] eff_isl_tokens`, the decision record's name.
@@ -28,6 +28,10 @@ pub struct ParamSpec {
     /// What it does, for `--help` (the default is added from the policy's
     /// `Default`).
     pub help: &'static str,
+    /// The values `sim tune` tries for it (the default is tried too); empty
+    /// for a parameter that is not a threshold to tune (the SLA policy's
+    /// targets are the SLO, its cost model is measured).
+    pub tune: &'static [f64],
 }
 
 /// One policy: its name, what it does, its parameters.
@@ -52,14 +56,17 @@ const ISL_PARAMS: [ParamSpec; 3] = [
     ParamSpec {
         name: "eff_isl_tokens",
         help: "ISL rule: an append of fewer uncached tokens than this may be prefilled on the decode worker (strict <)",
+        tune: &[512.0, 1024.0, 4096.0, 8192.0],
     },
     ParamSpec {
         name: "eff_isl_ratio",
         help: "ISL rule: ... if the uncached share of the prompt is also below this (strict <)",
+        tune: &[0.5, 0.9],
     },
     ParamSpec {
         name: "min_remote_isl",
         help: "ISL rule: a prompt shorter than this is prefilled on the decode worker whatever it reuses (0: never)",
+        tune: &[512.0, 2048.0],
     },
 ];
 
@@ -67,10 +74,12 @@ const LOAD_PARAMS: [ParamSpec; 2] = [
     ParamSpec {
         name: "prefill_busy",
         help: "Load rule: a prefill worker with more queued prefill tokens than this many max-size steps is busy",
+        tune: &[0.5, 1.0, 4.0, 8.0],
     },
     ParamSpec {
         name: "decode_busy",
         help: "Load rule: a decode worker at this KV usage or more is too busy to prefill",
+        tune: &[0.6, 0.7, 0.9],
     },
 ];
 
@@ -78,42 +87,52 @@ const SLA_PARAMS: [ParamSpec; 10] = [
     ParamSpec {
         name: "ttft_target_ms",
         help: "SLA policy: time-to-first-token target (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "itl_target_ms",
         help: "SLA policy: inter-token latency target, a per-request mean (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "prefill_c0_ms",
         help: "SLA cost model: fixed cost of a prefill step (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "prefill_c1_ms",
         help: "SLA cost model: cost per new prompt token (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "prefill_c2_ms",
         help: "SLA cost model: attention cost per new token per attended token (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "decode_t0_ms",
         help: "SLA cost model: fixed cost of a decode step (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "decode_per_seq_ms",
         help: "SLA cost model: decode step cost per sequence in the batch (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "decode_per_ctx_token_ms",
         help: "SLA cost model: decode step cost per context token of the batch (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "transfer_setup_ms",
         help: "SLA cost model: fixed cost of one KV transfer (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "transfer_bytes_per_ms",
         help: "SLA cost model: KV transfer bandwidth (bytes per ms)",
+        tune: &[],
     },
 ];
 
@@ -474,6 +493,25 @@ mod tests {
             assert_eq!(policy.params().len(), spec.params().count());
             policy.validate().unwrap();
         }
+    }
+
+    /// `sim tune` sets each value of a parameter's grid over the defaults:
+    /// every one is a valid setting.
+    #[test]
+    fn every_tuning_value_is_a_valid_setting() {
+        let mut tuned = 0;
+        for spec in &POLICIES {
+            for param in spec.params() {
+                for &value in param.tune {
+                    let mut policy = spec.default_policy();
+                    policy.set(param.name, value).unwrap();
+                    policy.validate().unwrap();
+                    assert!(policy.params().contains(&(param.name, value)));
+                    tuned += 1;
+                }
+            }
+        }
+        assert!(tuned > 0);
     }
 
     #[test]
