@@ -48,6 +48,10 @@ pub struct PolicySpec {
     /// Other names earlier releases accepted (besides the name with `-` for
     /// `_` or in another case): still accepted, with a deprecation warning.
     pub aliases: &'static [&'static str],
+    /// NVIDIA Dynamo's name for the same policy (same decisions), accepted
+    /// like the name itself, without a deprecation note, so that a Dynamo
+    /// configuration carries over.
+    pub dynamo: Option<&'static str>,
     default: fn() -> Policy,
     from_value: fn(Value) -> Result<Policy, serde_json::Error>,
 }
@@ -143,6 +147,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "remote prefill whenever a prefill worker exists (plain disaggregation)",
         params: &[],
         aliases: &["disagg", "disaggregated"],
+        dynamo: None,
         default: || Policy::AlwaysDisagg(AlwaysDisagg),
         from_value: |v| serde_json::from_value(v).map(Policy::AlwaysDisagg),
     },
@@ -151,6 +156,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "always bypass: prefill on the decode worker (aggregated serving)",
         params: &[],
         aliases: &["aggregated", "agg"],
+        dynamo: None,
         default: || Policy::NeverDisagg(NeverDisagg),
         from_value: |v| serde_json::from_value(v).map(Policy::NeverDisagg),
     },
@@ -159,6 +165,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "bypass short appends that are a small share of the prompt",
         params: &[&ISL_PARAMS],
         aliases: &[],
+        dynamo: Some("isl_bounding"),
         default: || Policy::Isl(IslBased::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::Isl),
     },
@@ -167,6 +174,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "bypass while the prefill worker is busy and the decode worker is not",
         params: &[&LOAD_PARAMS],
         aliases: &[],
+        dynamo: Some("prefill_load"),
         default: || Policy::Load(LoadBased::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::Load),
     },
@@ -175,6 +183,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "bypass when the ISL rule or the load rule does (the default)",
         params: &[&ISL_PARAMS, &LOAD_PARAMS],
         aliases: &[],
+        dynamo: Some("isl_or_load"),
         default: || Policy::IslOrLoad(IslOrLoad::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::IslOrLoad),
     },
@@ -183,6 +192,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "predict TTFT and ITL of both paths against SLA targets; take the smaller violation",
         params: &[&SLA_PARAMS],
         aliases: &["sla"],
+        dynamo: None,
         default: || Policy::SlaDynamic(SlaDynamic::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::SlaDynamic),
     },
@@ -224,7 +234,10 @@ impl PolicySpec {
     /// Finds a policy by its name, or by a spelling earlier releases
     /// accepted (then [`PolicyName::deprecated`]).
     pub fn find(name: &str) -> Result<PolicyName, ParamError> {
-        if let Some(spec) = POLICIES.iter().find(|s| s.name == name) {
+        if let Some(spec) = POLICIES
+            .iter()
+            .find(|s| s.name == name || s.dynamo == Some(name))
+        {
             return Ok(PolicyName {
                 spec,
                 deprecated: false,
@@ -512,6 +525,19 @@ mod tests {
             }
         }
         assert!(tuned > 0);
+    }
+
+    /// Dynamo's names pick the same policies, with no deprecation note.
+    #[test]
+    fn dynamo_names() {
+        for (dynamo, ours) in [
+            ("isl_bounding", "isl"),
+            ("prefill_load", "load"),
+            ("isl_or_load", "isl_or_load"),
+        ] {
+            let found = PolicySpec::find(dynamo).unwrap();
+            assert_eq!((found.spec.name, found.deprecated), (ours, false));
+        }
     }
 
     #[test]
