@@ -63,6 +63,7 @@ pub fn to_json(decision: &RouteDecision, e: &Explanation, block_size: u32) -> Va
             "used_blocks": g.used_blocks,
             "request_blocks": g.request_blocks,
             "budget_blocks": g.budget_blocks,
+            "known": g.known,
             "fits": g.fits,
         })),
         "rule": decision.rule,
@@ -153,7 +154,11 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
             g.used_blocks,
             g.request_blocks,
             g.used_blocks.saturating_add(g.request_blocks),
-            if g.fits { "within" } else { "over" },
+            match (g.known, g.fits) {
+                (false, _) => "unknown capacity: no",
+                (true, true) => "within",
+                (true, false) => "over",
+            },
             g.budget_blocks
         );
     }

@@ -402,7 +402,7 @@ impl<'w> Cluster<'w> {
             Path::Bypass => self.counters.bypassed += 1,
             Path::Remote => self.counters.remote += 1,
         }
-        if decision.rule == rules::GATE_KV_BUDGET {
+        if decision.rule == rules::GATE_KV_BUDGET || decision.rule == rules::GATE_NO_SIGNAL {
             self.counters.gate_vetoes += 1;
         }
     }

@@ -483,7 +483,11 @@ impl RouterCore {
             gate_check = Some(check);
             if !check.fits {
                 path = Path::Remote;
-                rule = rules::GATE_KV_BUDGET;
+                rule = if check.known {
+                    rules::GATE_KV_BUDGET
+                } else {
+                    rules::GATE_NO_SIGNAL
+                };
                 let room =
                     |s: &Scored| eligible(s) && gate.check(&s.load, shape.request_blocks).fits;
                 let moved = pick(decode, room, dcfg.temperature, rng);
@@ -498,16 +502,23 @@ impl RouterCore {
                     ),
                     None => format!("no decode worker has room, decode stays on {}", d.id),
                 };
-                veto = Some(format!(
-                    "; vetoed by the decode gate: {} would use {} + {} = {} > {:.2} × {capacity} = {:.0} KV blocks: remote prefill on {}, {target}",
-                    d.id,
-                    check.used_blocks,
-                    check.request_blocks,
-                    check.used_blocks.saturating_add(check.request_blocks),
-                    gate.budget_fraction,
-                    check.budget_blocks,
-                    p.id,
-                ));
+                veto = Some(if check.known {
+                    format!(
+                        "; vetoed by the decode gate: {} would use {} + {} = {} > {:.2} × {capacity} = {:.0} KV blocks: remote prefill on {}, {target}",
+                        d.id,
+                        check.used_blocks,
+                        check.request_blocks,
+                        check.used_blocks.saturating_add(check.request_blocks),
+                        gate.budget_fraction,
+                        check.budget_blocks,
+                        p.id,
+                    )
+                } else {
+                    format!(
+                        "; vetoed by the decode gate: {}'s KV capacity is unknown (no signal): remote prefill on {}, {target}",
+                        d.id, p.id,
+                    )
+                });
             }
         }
 

@@ -62,6 +62,9 @@ pub mod rules {
     pub const SLA_REMOTE_SMALLER_VIOLATION: &str = "sla.remote_smaller_violation";
     /// The decode gate vetoed a bypass over the decode worker's KV budget.
     pub const GATE_KV_BUDGET: &str = "gate.kv_budget";
+    /// The decode gate vetoed a bypass: the decode worker's KV capacity is
+    /// unknown (no signal), as Dynamo's gate does.
+    pub const GATE_NO_SIGNAL: &str = "gate.no_signal";
 }
 
 /// Leading prompt tokens a worker holds, per tier; cumulative like
