@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use protocol::RouteDecision;
 use serde_json::{json, Value};
 
-use crate::core::{CandidateScore, Explanation};
+use crate::core::{CandidateScore, Explanation, Side};
 
 fn candidate_json(c: &CandidateScore, picked: bool, block_size: u32) -> Value {
     json!({
@@ -26,6 +26,14 @@ fn candidate_json(c: &CandidateScore, picked: bool, block_size: u32) -> Value {
         },
         "busy": c.busy,
         "cost": c.cost,
+    })
+}
+
+/// The candidate holding the longest prefix, if any.
+fn holder(e: &Explanation) -> Option<(&'static str, &CandidateScore)> {
+    e.holder.and_then(|(side, i)| match side {
+        Side::Decode => e.decode.get(i).map(|c| ("decode", c)),
+        Side::Prefill => e.prefill.get(i).map(|c| ("prefill", c)),
     })
 }
 
@@ -49,11 +57,13 @@ pub fn to_json(decision: &RouteDecision, e: &Explanation, block_size: u32) -> Va
         "policy_params": e.policy_params.iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect::<serde_json::Map<_, _>>(),
         "decode_candidates": list(&e.decode, e.decode_pick),
         "prefill_candidates": list(&e.prefill, e.prefill_pick),
+        "prefix_holder": holder(e).map(|(side, c)| json!({"worker": c.worker.to_string(), "side": side, "overlap_blocks": c.overlap_blocks})),
         "verdict": e.verdict.as_ref().map(|v| json!({"path": v.path.as_str(), "rule": v.rule, "reason": v.reason})),
         "gate": e.gate.map(|g| json!({
             "used_blocks": g.used_blocks,
             "request_blocks": g.request_blocks,
             "budget_blocks": g.budget_blocks,
+            "known": g.known,
             "fits": g.fits,
         })),
         "rule": decision.rule,
@@ -127,6 +137,13 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
     };
     table("decode candidates", &e.decode, e.decode_pick);
     table("prefill candidates", &e.prefill, e.prefill_pick);
+    if let Some((side, c)) = holder(e) {
+        let _ = writeln!(
+            out,
+            "  longest prefix held by {} ({side} candidate): {} weighted blocks",
+            c.worker, c.overlap_blocks
+        );
+    }
     if let Some(v) = &e.verdict {
         let _ = writeln!(out, "  policy says {} ({}): {}", v.path, v.rule, v.reason);
     }
@@ -137,7 +154,11 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
             g.used_blocks,
             g.request_blocks,
             g.used_blocks.saturating_add(g.request_blocks),
-            if g.fits { "within" } else { "over" },
+            match (g.known, g.fits) {
+                (false, _) => "unknown capacity: no",
+                (true, true) => "within",
+                (true, false) => "over",
+            },
             g.budget_blocks
         );
     }

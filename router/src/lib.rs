@@ -55,6 +55,6 @@ pub use crate::core::{
     EffectiveLoad, Explanation, GateCheck, GateConfig, HeldTokens, IslBased, IslOrLoad,
     LedgerConfig, LoadBased, NeverDisagg, Overrides, ParamError, ParamSpec, Policy, PolicyInput,
     PolicyName, PolicySpec, PrefillSelection, ReplayError, Replayed, Replayer, RouteError,
-    RouteOptions, RouteRequest, Routed, RouterConfig, RouterCore, SlaDynamic, SlaPrediction,
+    RouteOptions, RouteRequest, Routed, RouterConfig, RouterCore, Side, SlaDynamic, SlaPrediction,
     TierWeights, Verdict, Workers, POLICIES,
 };

@@ -36,7 +36,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use router::{
     decision_seed, Explanation, Policy, PolicySpec, RouteOptions, RouteRequest, Routed,
-    RouterConfig, RouterCore,
+    RouterConfig, RouterCore, Side,
 };
 use tests::datadriven::{option, options, run_scenarios};
 
@@ -274,6 +274,27 @@ fn route(s: &mut Scenario, opts: &[(&str, &str)], plain: &[&str], out: &mut Stri
 }
 
 fn candidates(e: &Explanation, out: &mut String) {
+    candidate_lines(e, out);
+    // The longest prefix's holder, when it is neither chosen worker.
+    let picks = [
+        Some(Side::Decode).zip(e.decode_pick),
+        Some(Side::Prefill).zip(e.prefill_pick),
+    ];
+    if let Some((side, i)) = e.holder.filter(|h| !picks.contains(&Some(*h))) {
+        let c = match side {
+            Side::Decode => &e.decode[i],
+            Side::Prefill => &e.prefill[i],
+        };
+        writeln!(
+            out,
+            "  prefix holder {} ({side:?}) depth={}/{}/{}",
+            c.worker, c.depth.device, c.depth.host, c.depth.disk
+        )
+        .unwrap();
+    }
+}
+
+fn candidate_lines(e: &Explanation, out: &mut String) {
     let lines = e
         .decode
         .iter()

@@ -193,3 +193,49 @@ fn unknown_policies_and_parameters_are_named() {
         "{error}"
     );
 }
+
+/// A bypass the gate vetoed for want of its signal (the decode worker's KV
+/// capacity unknown) replays as the same veto.
+#[test]
+fn a_veto_without_the_gates_signal_replays() {
+    let mut core = core_with(RouterConfig::new(contract()), router::NeverDisagg);
+    core.register(record("p0", Role::Prefill, 20_000)).unwrap();
+    core.register(record("d0", Role::Decode, 0)).unwrap();
+    core.on_load(report("p0", 0, 0, 20_000, 10), 10);
+    core.on_load(report("d0", 0, 0, 0, 10), 10);
+    let prompt = tokens(5, 400);
+    let hashes = core.hasher().hash_prompt(&prompt);
+    let request = RouteRequest {
+        request_id: "r",
+        isl_tokens: prompt.len() as u32,
+        block_hashes: &hashes,
+        expected_output_tokens: 50,
+    };
+    let seed = decision_seed(7, &request);
+    let options = RouteOptions {
+        avoid: &[],
+        explain: true,
+    };
+    let routed = core
+        .route(
+            &request,
+            options,
+            DecisionId(1),
+            20,
+            &mut ChaCha8Rng::seed_from_u64(seed),
+        )
+        .unwrap();
+    assert_eq!(
+        (routed.decision.path, routed.decision.rule.as_str()),
+        (Path::Remote, router::rules::GATE_NO_SIGNAL)
+    );
+    let record = core.record(
+        &routed.decision,
+        &routed.explanation.unwrap(),
+        &request,
+        seed,
+        &[],
+    );
+    let replayed = replay_all(std::slice::from_ref(&record), &[], &Overrides::default());
+    assert_eq!(difference(&record.decision, &replayed[0].decision), None);
+}

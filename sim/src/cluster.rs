@@ -402,7 +402,7 @@ impl<'w> Cluster<'w> {
             Path::Bypass => self.counters.bypassed += 1,
             Path::Remote => self.counters.remote += 1,
         }
-        if decision.rule == rules::GATE_KV_BUDGET {
+        if decision.rule == rules::GATE_KV_BUDGET || decision.rule == rules::GATE_NO_SIGNAL {
             self.counters.gate_vetoes += 1;
         }
     }
@@ -542,6 +542,8 @@ impl<'w> Cluster<'w> {
         self.router.on_finished(r.decision);
         self.records.push(RequestRecord {
             id,
+            session: r.spec.session,
+            turn: r.spec.turn,
             arrival_us: r.arrival_us,
             first_token_us: r.first_token_us.unwrap_or(self.now_us),
             finish_us: self.now_us,

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use protocol::trace::MooncakeRecord;
 
+use crate::capacity::{self, Capacity, Probe, Search};
 use crate::cluster::{simulate, SimConfig, SimError};
 use crate::deployment::Deployment;
 use crate::metrics::RunSummary;
@@ -22,6 +23,9 @@ use crate::workload::{
 pub enum WorkloadSpec {
     /// Load = sessions per second.
     Agentic(AgenticConfig),
+    /// The long-context agentic workload ([`AgenticConfig::long_context`]);
+    /// load = sessions per second.
+    LongContext(AgenticConfig),
     /// Load = the trace's rate scale.
     Mooncake {
         records: Arc<Vec<MooncakeRecord>>,
@@ -35,6 +39,7 @@ impl WorkloadSpec {
     pub fn name(&self) -> &'static str {
         match self {
             WorkloadSpec::Agentic(_) => "agentic",
+            WorkloadSpec::LongContext(_) => "long-context",
             WorkloadSpec::Mooncake { .. } => "mooncake",
             WorkloadSpec::Synthetic(_) => "synthetic",
         }
@@ -43,7 +48,7 @@ impl WorkloadSpec {
     /// What the load axis means.
     pub fn load_unit(&self) -> &'static str {
         match self {
-            WorkloadSpec::Agentic(_) => "sessions/s",
+            WorkloadSpec::Agentic(_) | WorkloadSpec::LongContext(_) => "sessions/s",
             WorkloadSpec::Mooncake { .. } => "x trace rate",
             WorkloadSpec::Synthetic(_) => "requests/s",
         }
@@ -52,10 +57,12 @@ impl WorkloadSpec {
     /// The workload at one load.
     pub fn at(&self, load: f64) -> Box<dyn Workload> {
         match self {
-            WorkloadSpec::Agentic(c) => Box::new(Agentic::new(AgenticConfig {
-                sessions_per_s: load,
-                ..c.clone()
-            })),
+            WorkloadSpec::Agentic(c) | WorkloadSpec::LongContext(c) => {
+                Box::new(Agentic::new(AgenticConfig {
+                    sessions_per_s: load,
+                    ..c.clone()
+                }))
+            }
             WorkloadSpec::Mooncake { records, config } => Box::new(Mooncake::new(
                 records.as_ref().clone(),
                 MooncakeConfig {
@@ -81,6 +88,60 @@ pub struct Point {
     pub wall_s: f64,
 }
 
+/// `f` over `items` on `threads` threads; results in `items`' order,
+/// whatever the threads did. `progress` is called after each item with
+/// (done, total).
+pub fn parallel_map<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    progress: &(dyn Fn(usize, usize) + Sync),
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new((0..items.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1).min(items.len().max(1)) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else {
+                    break;
+                };
+                let r = f(item);
+                results.lock().expect("no thread panicked")[i] = Some(r);
+                progress(done.fetch_add(1, Ordering::Relaxed) + 1, items.len());
+            });
+        }
+    });
+    results
+        .into_inner()
+        .expect("no thread panicked")
+        .into_iter()
+        .map(|r| r.expect("every item ran"))
+        .collect()
+}
+
+/// One deployment at one load.
+pub fn run_point(
+    base: &SimConfig,
+    deployment: &Deployment,
+    workload: &WorkloadSpec,
+    load: f64,
+) -> Result<Point, SimError> {
+    let config = SimConfig {
+        deployment: deployment.clone(),
+        ..base.clone()
+    };
+    let started = Instant::now();
+    let mut run = workload.at(load);
+    simulate(&config, run.as_mut()).map(|result| Point {
+        deployment: deployment.name(),
+        load,
+        summary: result.summary,
+        wall_s: started.elapsed().as_secs_f64(),
+    })
+}
+
 /// Runs every (deployment, load) pair on `threads` threads; `progress` is
 /// called after each run with (done, total). Results are in deployment,
 /// then load order, whatever the threads did: the comparison is
@@ -93,46 +154,43 @@ pub fn sweep(
     threads: usize,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<Vec<Point>, SimError> {
-    let jobs: Vec<(usize, &Deployment, f64)> = deployments
+    let jobs: Vec<(&Deployment, f64)> = deployments
         .iter()
         .flat_map(|d| loads.iter().map(move |l| (d, *l)))
-        .enumerate()
-        .map(|(i, (d, l))| (i, d, l))
         .collect();
-    let next = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<Point, SimError>>>> =
-        Mutex::new((0..jobs.len()).map(|_| None).collect());
-    std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(slot, deployment, load)) = jobs.get(i) else {
-                    break;
-                };
-                let config = SimConfig {
-                    deployment: deployment.clone(),
-                    ..base.clone()
-                };
-                let started = Instant::now();
-                let mut run = workload.at(load);
-                let point = simulate(&config, run.as_mut()).map(|result| Point {
-                    deployment: deployment.name(),
-                    load,
-                    summary: result.summary,
-                    wall_s: started.elapsed().as_secs_f64(),
-                });
-                results.lock().expect("no thread panicked")[slot] = Some(point);
-                progress(done.fetch_add(1, Ordering::Relaxed) + 1, jobs.len());
-            });
-        }
-    });
-    results
-        .into_inner()
-        .expect("no thread panicked")
-        .into_iter()
-        .map(|r| r.expect("every job ran"))
-        .collect()
+    parallel_map(&jobs, threads, progress, |&(d, load)| {
+        run_point(base, d, workload, load)
+    })
+    .into_iter()
+    .collect()
+}
+
+/// Each deployment's capacity (see [`crate::capacity`]), searched from the
+/// sweep's `points` of that deployment, deployments in parallel;
+/// `progress` is called with (deployments done, total).
+pub fn capacities(
+    base: &SimConfig,
+    deployments: &[Deployment],
+    workload: &WorkloadSpec,
+    points: &[Point],
+    s: &Search,
+    threads: usize,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> Result<Vec<(String, Capacity)>, SimError> {
+    parallel_map(deployments, threads, progress, |d| {
+        let name = d.name();
+        let known: Vec<Probe> = points
+            .iter()
+            .filter(|p| p.deployment == name)
+            .map(|p| (p.load, p.summary.slo_attainment))
+            .collect();
+        capacity::search(s, &known, |load| {
+            run_point(base, d, workload, load).map(|p| p.summary.slo_attainment)
+        })
+        .map(|(c, _)| (name, c))
+    })
+    .into_iter()
+    .collect()
 }
 
 /// The comparison as a fixed-width text table.
@@ -140,12 +198,13 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<24} {:>10} | {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>8} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} | {:>7} {:>5}",
+        "{:<24} {:>10} | {:>8} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>8} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} | {:>7} {:>5}",
         "deployment",
         "load",
         "TTFT p50",
         "p90",
         "p99",
+        "t2+ p90",
         "ITL50",
         "p90",
         "p99",
@@ -161,19 +220,20 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<24} {:>10} | {:>26} | {:>20} | {:>22} | {:>27} | {:>13}",
+        "{:<24} {:>10} | {:>35} | {:>20} | {:>22} | {:>27} | {:>13}",
         "", load_unit, "ms", "ms", "", "", ""
     );
     for p in points {
         let s = &p.summary;
         let _ = writeln!(
             out,
-            "{:<24} {:>10.3} | {:>8.0} {:>8.0} {:>8.0} | {:>6.1} {:>6.1} {:>6.1} | {:>8.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.1} {:>5}",
+            "{:<24} {:>10.3} | {:>8.0} {:>8.0} {:>8.0} {:>8.0} | {:>6.1} {:>6.1} {:>6.1} | {:>8.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.1} {:>5}",
             p.deployment,
             p.load,
             s.ttft_ms.p50,
             s.ttft_ms.p90,
             s.ttft_ms.p99,
+            s.later_turn_ttft_ms.p90,
             s.itl_ms.p50,
             s.itl_ms.p90,
             s.itl_ms.p99,
@@ -187,25 +247,6 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
             s.kv_gb_moved,
             s.preemptions
         );
-    }
-    out
-}
-
-/// Per deployment, the highest load at which at least 90% of requests met
-/// both SLO targets (`None`: not even the lowest load).
-pub fn goodput(points: &[Point]) -> Vec<(String, Option<f64>)> {
-    let mut out: Vec<(String, Option<f64>)> = Vec::new();
-    for p in points {
-        if !out.iter().any(|(d, _)| *d == p.deployment) {
-            out.push((p.deployment.clone(), None));
-        }
-        if p.summary.slo_attainment >= 0.9 {
-            let entry = out
-                .iter_mut()
-                .find(|(d, _)| *d == p.deployment)
-                .expect("inserted above");
-            entry.1 = Some(entry.1.map_or(p.load, |l: f64| l.max(p.load)));
-        }
     }
     out
 }
@@ -276,7 +317,7 @@ pub fn write_report(
     std::fs::write(dir.join("ttft.svg"), ttft)?;
 
     let mut csv = String::from(
-        "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\
+        "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,later_turn_ttft_p90_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\
          e2e_p50_ms,throughput_per_gpu,interactivity_p50,interactivity_p90,slo_attainment,bypass_share,\
          prefill_hit_rate_p,prefill_hit_rate_d,kv_gb_moved,preemptions,gate_vetoes,refused\n",
     );
@@ -285,13 +326,14 @@ pub fn write_report(
         let s = &p.summary;
         let _ = writeln!(
             csv,
-            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{}",
+            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{}",
             p.deployment,
             p.load,
             s.measured,
             s.ttft_ms.p50,
             s.ttft_ms.p90,
             s.ttft_ms.p99,
+            s.later_turn_ttft_ms.p90,
             s.itl_ms.p50,
             s.itl_ms.p90,
             s.itl_ms.p99,
@@ -314,6 +356,7 @@ pub fn write_report(
             "load": p.load,
             "measured": s.measured,
             "ttft_ms": {"p50": s.ttft_ms.p50, "p90": s.ttft_ms.p90, "p99": s.ttft_ms.p99},
+            "later_turn_ttft_ms": {"p50": s.later_turn_ttft_ms.p50, "p90": s.later_turn_ttft_ms.p90, "p99": s.later_turn_ttft_ms.p99},
             "itl_ms": {"p50": s.itl_ms.p50, "p90": s.itl_ms.p90, "p99": s.itl_ms.p99},
             "e2e_ms": {"p50": s.e2e_ms.p50, "p90": s.e2e_ms.p90, "p99": s.e2e_ms.p99},
             "throughput_per_gpu": s.throughput_per_gpu,
@@ -332,4 +375,26 @@ pub fn write_report(
         .expect("JSON values serialise");
     std::fs::write(dir.join("results.json"), json + "\n")?;
     Ok(())
+}
+
+/// Writes `capacity.json` into `dir`: each deployment's capacity.
+pub fn write_capacities(
+    dir: &Path,
+    capacities: &[(String, Capacity)],
+    workload: &str,
+    load_unit: &str,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let rows: Vec<_> = capacities
+        .iter()
+        .map(|(d, c)| {
+            let mut row = c.to_json();
+            row["deployment"] = d.clone().into();
+            row["workload"] = workload.into();
+            row["load_unit"] = load_unit.into();
+            row
+        })
+        .collect();
+    let json = serde_json::to_string_pretty(&rows).expect("JSON values serialise");
+    std::fs::write(dir.join("capacity.json"), json + "\n")
 }

@@ -49,6 +49,17 @@ impl Deployment {
         }
     }
 
+    /// Prefill and decode (or aggregated) workers.
+    pub fn split(&self) -> (u32, u32) {
+        match *self {
+            Deployment::Disaggregated { prefill, decode }
+            | Deployment::Conditional {
+                prefill, decode, ..
+            } => (prefill, decode),
+            Deployment::Aggregated { workers } => (0, workers),
+        }
+    }
+
     /// The workers' roles, prefill workers first.
     pub fn roles(&self) -> Vec<Role> {
         let (p, d, role) = match *self {

@@ -3,13 +3,16 @@
 //! cores and the engine model, and compares deployments and policies on a
 //! workload.
 
+pub mod capacity;
 pub mod cluster;
 pub mod compare;
 pub mod deployment;
 pub mod metrics;
 pub mod plot;
+pub mod tune;
 pub mod workload;
 
+pub use capacity::{Capacity, Search};
 pub use cluster::{simulate, RunResult, SimConfig, SimError};
 pub use deployment::{conditional_policies, sla_cost_model, Deployment};
 pub use metrics::{Percentiles, RequestRecord, RunSummary, Slo};

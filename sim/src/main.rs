@@ -8,9 +8,12 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
-use sim::compare::{goodput, sweep, table, write_report, WorkloadSpec};
-use sim::workload::{AgenticConfig, MooncakeConfig, SyntheticConfig};
-use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, SimConfig, Slo};
+use sim::compare::{
+    capacities, parallel_map, run_point, sweep, table, write_capacities, write_report, WorkloadSpec,
+};
+use sim::tune::{tuned_params, Best, Progress, Tune};
+use sim::workload::{AgenticConfig, Arrivals, MooncakeConfig, SyntheticConfig};
+use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, Search, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -43,6 +46,26 @@ enum Command {
         /// Runs in parallel (default: the machine's cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// The capacity search bisects until its bracket is narrower than
+        /// this share of the load.
+        #[arg(long, default_value_t = Search::default().tolerance)]
+        capacity_tolerance: f64,
+    },
+    /// For the workload and --workers: search each family's best
+    /// configuration by capacity (aggregated; disaggregated at its best
+    /// P:D split; C/D with each policy at its best split and thresholds,
+    /// the thresholds' grids from the router's policy registry); print a
+    /// table and one JSON line.
+    Tune {
+        #[command(flatten)]
+        common: Common,
+        /// Each capacity search bisects until its bracket is narrower than
+        /// this share of the load.
+        #[arg(long, default_value_t = 0.05)]
+        capacity_tolerance: f64,
+        /// Runs in parallel (default: the machine's cores).
+        #[arg(long)]
+        threads: Option<usize>,
     },
     /// Run one deployment at one load and print its figures.
     Run {
@@ -63,7 +86,13 @@ enum Command {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum WorkloadArg {
+    /// Coding-agent sessions of 4-24 turns, appends of tens to thousands
+    /// of tokens.
     Agentic,
+    /// Long-context coding-agent sessions: contexts up to 256k with
+    /// compaction at 200k, median prompt ~40k, heavy-tailed tool outputs,
+    /// 512-token blocks by default.
+    LongContext,
     Mooncake,
     Synthetic,
 }
@@ -79,9 +108,17 @@ struct Common {
     /// Replay only the first N trace requests.
     #[arg(long)]
     limit: Option<usize>,
-    /// Seconds during which sessions (or requests) start arriving.
-    #[arg(long, default_value_t = 180.0)]
-    duration_s: f64,
+    /// Trace replays: issue every request at its (scaled) timestamp, even
+    /// before its predecessor's answer exists. Default: closed loop, a turn
+    /// is issued its predecessor's last token plus the trace's gap. The
+    /// agentic workload is always closed loop.
+    #[arg(long)]
+    open_loop: bool,
+    /// Seconds during which sessions (or requests) start arriving
+    /// (default: 180; 900 for the long-context workload, whose sessions
+    /// are few and long).
+    #[arg(long)]
+    duration_s: Option<f64>,
     /// Engine preset: llama70b_fp8_tp2_h100 or llama8b_h100.
     #[arg(long, default_value = "llama70b_fp8_tp2_h100")]
     preset: String,
@@ -91,7 +128,8 @@ struct Common {
     /// Prefill workers of the disaggregated and C/D deployments.
     #[arg(long, default_value_t = 2)]
     prefill_workers: u32,
-    /// Tokens per KV block (default: 16; 512 for the Mooncake trace).
+    /// Tokens per KV block (default: 16; 512 for the Mooncake trace and
+    /// the long-context workload).
     #[arg(long)]
     block_size: Option<u32>,
     /// P -> D KV link bandwidth, GB/s.
@@ -112,14 +150,22 @@ struct Common {
 
 impl Common {
     fn workload(&self) -> anyhow::Result<WorkloadSpec> {
+        if self.open_loop && self.workload != WorkloadArg::Mooncake {
+            bail!("--open-loop is for trace replays (--workload mooncake); this workload is closed loop or single-turn by construction");
+        }
         Ok(match self.workload {
             WorkloadArg::Agentic => WorkloadSpec::Agentic(AgenticConfig {
-                duration_s: self.duration_s,
+                duration_s: self.duration_s.unwrap_or(180.0),
                 seed: self.seed,
                 ..AgenticConfig::default()
             }),
+            WorkloadArg::LongContext => WorkloadSpec::LongContext(AgenticConfig {
+                duration_s: self.duration_s.unwrap_or(900.0),
+                seed: self.seed,
+                ..AgenticConfig::long_context()
+            }),
             WorkloadArg::Synthetic => WorkloadSpec::Synthetic(SyntheticConfig {
-                duration_s: self.duration_s,
+                duration_s: self.duration_s.unwrap_or(180.0),
                 seed: self.seed,
                 ..SyntheticConfig::default()
             }),
@@ -136,6 +182,11 @@ impl Common {
                     config: MooncakeConfig {
                         rate_scale: 1.0,
                         limit: self.limit,
+                        arrivals: if self.open_loop {
+                            Arrivals::OpenLoop
+                        } else {
+                            Arrivals::ClosedLoop
+                        },
                         seed: self.seed,
                     },
                 }
@@ -159,10 +210,9 @@ impl Common {
                 self.workers
             );
         }
-        let default_block = if self.workload == WorkloadArg::Mooncake {
-            512
-        } else {
-            16
+        let default_block = match self.workload {
+            WorkloadArg::Mooncake | WorkloadArg::LongContext => 512,
+            WorkloadArg::Agentic | WorkloadArg::Synthetic => 16,
         };
         Ok(SimConfig {
             preset,
@@ -199,6 +249,7 @@ impl Common {
     fn default_loads(&self) -> (f64, f64) {
         match self.workload {
             WorkloadArg::Agentic => (0.25, 1.5),
+            WorkloadArg::LongContext => (0.02, 0.12),
             WorkloadArg::Mooncake => (0.5, 3.0),
             WorkloadArg::Synthetic => (1.0, 12.0),
         }
@@ -214,6 +265,7 @@ fn main() -> anyhow::Result<()> {
             max_load,
             out,
             threads,
+            capacity_tolerance,
         } => {
             let workload = common.workload()?;
             let base = common.sim_config()?;
@@ -265,21 +317,52 @@ fn main() -> anyhow::Result<()> {
                 common.ttft_slo_ms, common.itl_slo_ms
             );
             print!("{}", table(&results, workload.load_unit()));
-            println!("\nHighest load with >= 90% of requests within the SLO:");
-            for (deployment, load) in goodput(&results) {
-                match load {
-                    Some(l) => println!("  {deployment:<24} {l:.3} {}", workload.load_unit()),
-                    None => println!("  {deployment:<24} none of the loads tried"),
-                }
+            let search = Search {
+                start: hi,
+                tolerance: capacity_tolerance,
+                ..Search::default()
+            };
+            let bar = ProgressBar::new(deployments.len() as u64).with_style(
+                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} deployments, {elapsed}")
+                    .expect("valid template"),
+            );
+            bar.set_message("searching each deployment's capacity");
+            let caps = capacities(
+                &base,
+                &deployments,
+                &workload,
+                &results,
+                &search,
+                threads,
+                &|done, _| bar.set_position(done as u64),
+            )?;
+            bar.finish_and_clear();
+            println!(
+                "\nCapacity: the highest load with >= {:.0}% of requests within the SLO (bisected to {:.0}%):",
+                100.0 * search.target,
+                100.0 * search.tolerance
+            );
+            for (deployment, capacity) in &caps {
+                println!(
+                    "  {deployment:<24} {}",
+                    capacity.describe(workload.load_unit())
+                );
             }
+            write_capacities(&out, &caps, workload.name(), workload.load_unit())
+                .with_context(|| format!("writing the report to {}", out.display()))?;
             write_report(&out, &results, workload.name(), workload.load_unit(), &note)
                 .with_context(|| format!("writing the report to {}", out.display()))?;
             println!(
-                "\nReport: {}/interactivity.svg, ttft.svg, results.csv, results.json ({:.1} s)",
+                "\nReport: {}/interactivity.svg, ttft.svg, results.csv, results.json, capacity.json ({:.1} s)",
                 out.display(),
                 started.elapsed().as_secs_f64()
             );
         }
+        Command::Tune {
+            common,
+            capacity_tolerance,
+            threads,
+        } => tune(&common, capacity_tolerance, threads)?,
         Command::Run {
             common,
             deployment,
@@ -310,6 +393,188 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// `sim tune`: every family's best, the table, the comparisons the issue
+/// asks for, one JSON line.
+fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Result<()> {
+    let workload = common.workload()?;
+    let base = common.sim_config()?;
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let policies = conditional_policies(common.slo(), &base.preset, &base.link);
+    let (lo, hi) = common.default_loads();
+    let tune = Tune {
+        base: &base,
+        workload: &workload,
+        workers: common.workers,
+        policies: &policies,
+        search: Search {
+            start: (lo + hi) / 2.0,
+            growth: 1.25,
+            max_doublings: 12,
+            tolerance,
+            ..Search::default()
+        },
+        threads,
+    };
+    let bar = ProgressBar::new_spinner().with_style(
+        ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("valid template"),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let progress = Progress::default();
+    let started = Instant::now();
+    let counts = |p: &Progress| {
+        (
+            p.searches.load(std::sync::atomic::Ordering::Relaxed),
+            p.runs.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    };
+    let best = tune.run(&progress, &|stage| {
+        let (searches, runs) = counts(&progress);
+        bar.set_message(format!(
+            "tuning {stage}: {searches} capacity searches, {runs} runs so far"
+        ));
+    })?;
+    bar.finish_and_clear();
+    let unit = workload.load_unit();
+    let gpus = common.workers * base.preset.gpus;
+    println!(
+        "{} workload, {} workers of {} ({gpus} GPUs), seed {}; SLO: TTFT <= {} ms and ITL <= {} ms",
+        workload.name(),
+        common.workers,
+        base.preset.name,
+        common.seed,
+        common.ttft_slo_ms,
+        common.itl_slo_ms
+    );
+    println!(
+        "capacity: the highest load with >= 90% of requests within the SLO (bisected to {:.0}%)\n",
+        100.0 * tolerance
+    );
+    println!(
+        "{:<14} {:<26} {:>5}  {:<44} thresholds",
+        "family", "best deployment", "tried", "capacity"
+    );
+    for b in &best {
+        println!(
+            "{:<14} {:<26} {:>5}  {:<44} {}",
+            b.family,
+            b.deployment.name(),
+            b.tried,
+            b.capacity.describe(unit),
+            tuned_params(&b.deployment)
+        );
+    }
+    let of = |family: &str| best.iter().find(|b| b.family == family);
+    let cd: Vec<&Best> = best
+        .iter()
+        .filter(|b| matches!(b.deployment, Deployment::Conditional { .. }))
+        .collect();
+    let best_cd = cd
+        .iter()
+        .copied()
+        .max_by(|a, b| a.capacity.load().total_cmp(&b.capacity.load()))
+        .context("no C/D policy to tune")?;
+    let best_static = cd
+        .iter()
+        .copied()
+        .filter(|b| b.family != "sla_dynamic")
+        .max_by(|a, b| a.capacity.load().total_cmp(&b.capacity.load()));
+    let agg = of("aggregated").context("aggregated was tuned")?;
+    let disagg = of("disaggregated").context("disaggregated was tuned")?;
+    let baseline = agg.capacity.load().max(disagg.capacity.load());
+    let ratio = best_cd.capacity.load() / baseline;
+    println!(
+        "\nbest C/D ({}) / max(aggregated, best disaggregated) = {:.3} / {:.3} = {ratio:.2}x (target 1.5x)",
+        best_cd.deployment.name(),
+        best_cd.capacity.load(),
+        baseline
+    );
+    let sla = of("sla_dynamic");
+    if let (Some(sla), Some(st)) = (sla, best_static) {
+        println!(
+            "sla_dynamic with defaults ({}) vs the best tuned static policy ({}): {:.3} vs {:.3}",
+            sla.deployment.name(),
+            st.deployment.name(),
+            sla.capacity.load(),
+            st.capacity.load()
+        );
+    }
+    // Turn-2+ TTFT of the best C/D against the best disaggregated split at
+    // a load both sustain (the lower capacity).
+    let load = best_cd.capacity.load().min(disagg.capacity.load());
+    let mut later = None;
+    if load > 0.0 {
+        let pair = [best_cd.deployment.clone(), disagg.deployment.clone()];
+        let points = parallel_map(&pair, threads, &|_, _| {}, |d| {
+            run_point(&base, d, &workload, load)
+        });
+        let (cd_p, dis_p) = match <[_; 2]>::try_from(points) {
+            Ok([a, b]) => (a?, b?),
+            Err(_) => unreachable!("two deployments, two points"),
+        };
+        let (a, b) = (
+            cd_p.summary.later_turn_ttft_ms.p90,
+            dis_p.summary.later_turn_ttft_ms.p90,
+        );
+        println!(
+            "turn-2+ TTFT p90 at {load:.3} {unit}: {} {a:.0} ms, {} {b:.0} ms: {:.2}x (target <= 0.4x)",
+            best_cd.deployment.name(),
+            disagg.deployment.name(),
+            a / b.max(1e-9)
+        );
+        println!(
+            "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%); {} P {:.1}%",
+            best_cd.deployment.name(),
+            100.0 * cd_p.summary.prefill_hit_rate_p,
+            100.0 * cd_p.summary.prefill_hit_rate_d,
+            100.0 * cd_p.summary.bypass_share,
+            disagg.deployment.name(),
+            100.0 * dis_p.summary.prefill_hit_rate_p
+        );
+        later = Some((load, a, b));
+    }
+    let (searches, runs) = counts(&progress);
+    let families: Vec<_> = best
+        .iter()
+        .map(|b| {
+            let mut row = b.capacity.to_json();
+            let (prefill, decode) = b.deployment.split();
+            row["family"] = b.family.clone().into();
+            row["deployment"] = b.deployment.name().into();
+            row["prefill"] = prefill.into();
+            row["decode"] = decode.into();
+            row["policy"] = b.deployment.policy().name().into();
+            row["params"] = b
+                .deployment
+                .policy()
+                .params()
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), serde_json::Value::from(v)))
+                .collect::<serde_json::Map<_, _>>()
+                .into();
+            row["tried"] = b.tried.into();
+            row
+        })
+        .collect();
+    let line = serde_json::json!({
+        "workload": workload.name(),
+        "load_unit": unit,
+        "workers": common.workers,
+        "gpus": gpus,
+        "seed": common.seed,
+        "slo": {"ttft_ms": common.ttft_slo_ms, "itl_ms": common.itl_slo_ms},
+        "families": families,
+        "best_cd": best_cd.family,
+        "cd_over_baseline": ratio,
+        "later_turn_ttft_p90": later.map(|(load, cd, dis)| serde_json::json!({"load": load, "best_cd_ms": cd, "disaggregated_ms": dis})),
+        "searches": searches,
+        "runs": runs,
+        "wall_s": started.elapsed().as_secs_f64(),
+    });
+    println!("\n{line}");
     Ok(())
 }
 

@@ -13,6 +13,9 @@ pub struct Slo {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestRecord {
     pub id: u64,
+    /// Its conversation, and its turn there from 0.
+    pub session: u64,
+    pub turn: u32,
     pub arrival_us: u64,
     pub first_token_us: u64,
     pub finish_us: u64,
@@ -97,6 +100,9 @@ pub struct RunSummary {
     /// Requests that arrived in the measurement window and finished.
     pub measured: usize,
     pub ttft_ms: Percentiles,
+    /// TTFT of the measured requests that are a conversation's turn 2 or
+    /// later (turn index >= 1): the turns whose history is cached somewhere.
+    pub later_turn_ttft_ms: Percentiles,
     pub itl_ms: Percentiles,
     pub e2e_ms: Percentiles,
     /// Output tokens per second per GPU over the measurement window.
@@ -137,6 +143,13 @@ impl RunSummary {
             .filter(|r| (window.0..window.1).contains(&r.arrival_us))
             .collect();
         let ttft = Percentiles::of(measured.iter().map(|r| r.ttft_ms()).collect());
+        let later_turn_ttft = Percentiles::of(
+            measured
+                .iter()
+                .filter(|r| r.turn > 0)
+                .map(|r| r.ttft_ms())
+                .collect(),
+        );
         let itl = Percentiles::of(
             measured
                 .iter()
@@ -150,6 +163,7 @@ impl RunSummary {
         Self {
             measured: measured.len(),
             ttft_ms: ttft,
+            later_turn_ttft_ms: later_turn_ttft,
             itl_ms: itl,
             e2e_ms: e2e,
             throughput_per_gpu: counters.window_tokens as f64
@@ -188,6 +202,8 @@ mod tests {
     fn request_latencies() {
         let r = RequestRecord {
             id: 1,
+            session: 1,
+            turn: 0,
             arrival_us: 1_000,
             first_token_us: 101_000,
             finish_us: 301_000,

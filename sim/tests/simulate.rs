@@ -5,7 +5,7 @@ use std::path::Path;
 
 use engine_sim::{KvTransfer, Preset};
 use router::IslBased;
-use sim::workload::{Agentic, AgenticConfig, Mooncake, MooncakeConfig, Workload};
+use sim::workload::{Agentic, AgenticConfig, Arrivals, Mooncake, MooncakeConfig, Workload};
 use sim::{simulate, Deployment, OutboxLimits, RunResult, SimConfig, Slo};
 
 fn config(deployment: Deployment, seed: u64) -> SimConfig {
@@ -123,6 +123,7 @@ fn the_mooncake_trace_replays() {
         MooncakeConfig {
             rate_scale: 1.0,
             limit: Some(1_500),
+            arrivals: Arrivals::ClosedLoop,
             seed: 1,
         },
     );
@@ -134,4 +135,62 @@ fn the_mooncake_trace_replays() {
     // short appends that bypass hit there.
     assert!(r.summary.bypass_share > 0.0, "{:?}", r.summary);
     assert!(r.summary.prefill_hit_rate_d > 0.5, "{:?}", r.summary);
+}
+
+/// Conversations of `turns` turns each, a new one every 50 ms of trace,
+/// each turn 100 ms of trace after the previous one and 2k tokens longer.
+fn conversations(n: u64, turns: u64) -> Vec<protocol::trace::MooncakeRecord> {
+    let mut out = Vec::new();
+    for c in 0..n {
+        for t in 0..turns {
+            let blocks = 4 * (t + 1);
+            out.push(protocol::trace::MooncakeRecord {
+                timestamp: c * 50 + t * 100,
+                input_length: (blocks * 512) as u32,
+                output_length: 64,
+                hash_ids: (0..blocks).map(|b| c * 1_000 + b).collect(),
+            });
+        }
+    }
+    out
+}
+
+/// Overloaded (the trace at 20x on 2 workers): closed loop, no turn is
+/// issued before its predecessor's last token plus the trace's gap; open
+/// loop issues some while the predecessor is still running.
+#[test]
+fn closed_loop_replay_waits_for_the_previous_answer() {
+    let replay = |arrivals| {
+        let mut workload = Mooncake::new(
+            conversations(12, 4),
+            MooncakeConfig {
+                rate_scale: 20.0,
+                limit: None,
+                arrivals,
+                seed: 1,
+            },
+        );
+        let mut config = config(Deployment::Aggregated { workers: 2 }, 1);
+        config.block_size = 512;
+        simulate(&config, &mut workload).unwrap()
+    };
+    let early = |r: &RunResult| {
+        let mut n = 0;
+        for rec in r.records.iter().filter(|x| x.turn > 0) {
+            let prev = r
+                .records
+                .iter()
+                .find(|x| x.session == rec.session && x.turn == rec.turn - 1)
+                .expect("every turn is served");
+            // The trace's gap between two turns is 100 ms, 5 ms at 20x.
+            n += usize::from(rec.arrival_us < prev.finish_us + 5_000);
+        }
+        n
+    };
+    let closed = replay(Arrivals::ClosedLoop);
+    let open = replay(Arrivals::OpenLoop);
+    assert_eq!(closed.records.len(), 48);
+    assert_eq!(open.records.len(), 48);
+    assert_eq!(early(&closed), 0);
+    assert!(early(&open) > 10, "open loop issued {} early", early(&open));
 }

@@ -13,7 +13,9 @@ use super::gate::GateCheck;
 use super::policy::{
     rules, Candidate, ConditionalDisaggPolicy, HeldTokens, Policy, PolicyInput, Verdict,
 };
-use super::select::{any_free, pick, score_decode, score_prefill, Scored, Shape};
+use super::select::{
+    any_free, best_holder, pick, score_decode, score_prefill, Scored, Shape, Side,
+};
 use super::workers::{Charge, EffectiveLoad, Workers};
 
 /// Why a request could not be routed.
@@ -145,6 +147,9 @@ pub struct Explanation {
     pub prefill: Vec<CandidateScore>,
     /// The prefill candidate selection picked (index into `prefill`).
     pub prefill_pick: Option<usize>,
+    /// The candidate holding the longest weighted prefix of the prompt
+    /// ([`crate::PolicyInput::holder`]): its side and index there.
+    pub holder: Option<(Side, usize)>,
     /// The policy's parameters.
     pub policy_params: Vec<(&'static str, f64)>,
     /// The policy's verdict, before the gate (`None`: the policy was not
@@ -438,6 +443,11 @@ impl RouterCore {
         };
         let d = candidate(&decode[d_pick]).ok_or(RouteError::NoDecodeWorker)?;
         let p = p_pick.and_then(|i| candidate(&prefill[i]));
+        let holder_pick = best_holder(decode, d_pick, prefill, p_pick);
+        let holder = holder_pick.and_then(|(side, i)| match side {
+            Side::Decode => candidate(&decode[i]),
+            Side::Prefill => candidate(&prefill[i]),
+        });
 
         // Policy.
         let verdict = match &p {
@@ -447,6 +457,8 @@ impl RouterCore {
                 block_size: bs,
                 decode: d,
                 prefill: *p,
+                holder,
+                tier_weights: self.config.decode.tier_weights,
             }),
             None => Verdict {
                 path: Path::Bypass,
@@ -471,7 +483,11 @@ impl RouterCore {
             gate_check = Some(check);
             if !check.fits {
                 path = Path::Remote;
-                rule = rules::GATE_KV_BUDGET;
+                rule = if check.known {
+                    rules::GATE_KV_BUDGET
+                } else {
+                    rules::GATE_NO_SIGNAL
+                };
                 let room =
                     |s: &Scored| eligible(s) && gate.check(&s.load, shape.request_blocks).fits;
                 let moved = pick(decode, room, dcfg.temperature, rng);
@@ -486,16 +502,23 @@ impl RouterCore {
                     ),
                     None => format!("no decode worker has room, decode stays on {}", d.id),
                 };
-                veto = Some(format!(
-                    "; vetoed by the decode gate: {} would use {} + {} = {} > {:.2} × {capacity} = {:.0} KV blocks: remote prefill on {}, {target}",
-                    d.id,
-                    check.used_blocks,
-                    check.request_blocks,
-                    check.used_blocks.saturating_add(check.request_blocks),
-                    gate.budget_fraction,
-                    check.budget_blocks,
-                    p.id,
-                ));
+                veto = Some(if check.known {
+                    format!(
+                        "; vetoed by the decode gate: {} would use {} + {} = {} > {:.2} × {capacity} = {:.0} KV blocks: remote prefill on {}, {target}",
+                        d.id,
+                        check.used_blocks,
+                        check.request_blocks,
+                        check.used_blocks.saturating_add(check.request_blocks),
+                        gate.budget_fraction,
+                        check.budget_blocks,
+                        p.id,
+                    )
+                } else {
+                    format!(
+                        "; vetoed by the decode gate: {}'s KV capacity is unknown (no signal): remote prefill on {}, {target}",
+                        d.id, p.id,
+                    )
+                });
             }
         }
 
@@ -526,6 +549,7 @@ impl RouterCore {
                 decode_pick: Some(d_pick),
                 prefill: prefill.iter().map(score).collect(),
                 prefill_pick: p_pick,
+                holder: holder_pick,
                 policy_params: self.policy.params(),
                 verdict: p.is_some().then(|| verdict.clone()),
                 gate: gate_check,

@@ -10,6 +10,10 @@
 //! one worker. (A gate that reserves nothing — `count_reservations: false`
 //! — compares against the last report only and lets such a burst through.)
 //!
+//! Without its signal — the worker's KV capacity unknown (registered as 0
+//! and never reported) — an enabled gate vetoes, as Dynamo's does: it
+//! cannot tell that the bypass fits.
+//!
 //! A vetoed bypass goes remote; its decode leg moves to the cheapest decode
 //! worker that has room, if any (remote or not, the request's KV lands on
 //! its decode worker). Without a prefill worker there is no remote path and
@@ -54,8 +58,10 @@ pub struct GateCheck {
     pub request_blocks: u64,
     /// `budget_fraction × capacity`.
     pub budget_blocks: f64,
-    /// Whether `used + request <= budget` (always true when the gate is off
-    /// or the capacity unknown).
+    /// Whether the worker's KV capacity is known (the gate's signal).
+    pub known: bool,
+    /// Whether `used + request <= budget` (always true when the gate is
+    /// off; false when the capacity is unknown: no signal, veto).
     pub fits: bool,
 }
 
@@ -68,13 +74,14 @@ impl GateConfig {
             load.reported_kv_blocks_used
         };
         let budget_blocks = self.budget_fraction * load.kv_capacity_blocks as f64;
+        let known = load.kv_capacity_blocks > 0;
         let fits = !self.enabled
-            || load.kv_capacity_blocks == 0
-            || used_blocks.saturating_add(request_blocks) as f64 <= budget_blocks;
+            || (known && used_blocks.saturating_add(request_blocks) as f64 <= budget_blocks);
         GateCheck {
             used_blocks,
             request_blocks,
             budget_blocks,
+            known,
             fits,
         }
     }
@@ -101,7 +108,15 @@ mod tests {
             ..gate
         };
         assert!(blind.check(&load(900), 100).fits);
+        // No signal (capacity unknown): an enabled gate vetoes, as
+        // Dynamo's; a disabled one lets everything through.
         let unknown = EffectiveLoad::default();
-        assert!(gate.check(&unknown, 1 << 40).fits);
+        let check = gate.check(&unknown, 1);
+        assert!(!check.known && !check.fits);
+        let off = GateConfig {
+            enabled: false,
+            ..gate
+        };
+        assert!(off.check(&unknown, 1 << 40).fits);
     }
 }

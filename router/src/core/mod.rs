@@ -30,5 +30,5 @@ pub use policy::{
     PolicyName, PolicySpec, SlaDynamic, SlaPrediction, Verdict, POLICIES,
 };
 pub use replay::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
-pub use select::{DecodeSelection, PrefillSelection, TierWeights};
+pub use select::{DecodeSelection, PrefillSelection, Side, TierWeights};
 pub use workers::{Charges, EffectiveLoad, LedgerConfig, Workers};

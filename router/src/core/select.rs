@@ -160,6 +160,40 @@ pub(crate) struct Scored {
     pub(crate) cost: f64,
 }
 
+/// Which candidate list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Decode,
+    Prefill,
+}
+
+/// The candidate holding the longest weighted prefix, as (side, index):
+/// the chosen decode worker, then the chosen prefill worker, then the
+/// others in order (decode first) win ties; `None` when none holds any.
+pub(crate) fn best_holder(
+    decode: &[Scored],
+    d_pick: usize,
+    prefill: &[Scored],
+    p_pick: Option<usize>,
+) -> Option<(Side, usize)> {
+    let order = std::iter::once((Side::Decode, d_pick))
+        .chain(p_pick.map(|i| (Side::Prefill, i)))
+        .chain((0..decode.len()).map(|i| (Side::Decode, i)))
+        .chain((0..prefill.len()).map(|i| (Side::Prefill, i)));
+    let mut best: Option<((Side, usize), f64)> = None;
+    for (side, i) in order {
+        let s = match side {
+            Side::Decode => decode.get(i),
+            Side::Prefill => prefill.get(i),
+        };
+        let Some(s) = s else { continue };
+        if s.overlap_blocks > best.map_or(0.0, |b| b.1) {
+            best = Some(((side, i), s.overlap_blocks));
+        }
+    }
+    best.map(|b| b.0)
+}
+
 /// Scores every decode candidate into `out` (cleared first).
 pub(crate) fn score_decode(
     cfg: &DecodeSelection,

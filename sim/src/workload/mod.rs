@@ -8,10 +8,24 @@ mod synthetic;
 
 use std::sync::Arc;
 
-pub use agentic::{Agentic, AgenticConfig};
+pub use agentic::{Agentic, AgenticConfig, Compaction};
 pub use mooncake::{Mooncake, MooncakeConfig};
 pub use scripted::Scripted;
 pub use synthetic::{Synthetic, SyntheticConfig};
+
+/// When a conversation's later turns arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Arrivals {
+    /// A turn is issued only once its predecessor's last token arrived,
+    /// plus the think time (a trace's gap between the two turns): what a
+    /// real client does.
+    #[default]
+    ClosedLoop,
+    /// Every request at its trace timestamp, answered or not (a trace
+    /// replay only; an overloaded cluster then sees turn k+1 before turn
+    /// k's answer exists).
+    OpenLoop,
+}
 
 /// One request a workload issues.
 #[derive(Debug, Clone)]

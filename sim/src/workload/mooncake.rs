@@ -1,5 +1,12 @@
-//! Replay of a Mooncake-format trace (`../shared/traces/`), open loop, by
-//! the trace's timestamps divided by a rate scale.
+//! Replay of a Mooncake-format trace (`../shared/traces/`), time scaled by
+//! a rate scale (timestamps divided by it).
+//!
+//! Closed loop (the default, [`Arrivals::ClosedLoop`]): a conversation's
+//! first turn arrives at its timestamp; a later turn arrives its
+//! predecessor's last token plus the trace's gap between the two turns
+//! (also scaled), as a real client sends its next message only once it has
+//! the answer. Open loop ([`Arrivals::OpenLoop`]): every request at its
+//! timestamp, whether its predecessor has been answered or not.
 //!
 //! Block ids expand to deterministic tokens (512 per id). The trace has no
 //! answer tokens, so turns are linked: a request whose prompt starts with
@@ -14,7 +21,7 @@ use std::sync::Arc;
 
 use protocol::trace::{MooncakeRecord, MOONCAKE_BLOCK_TOKENS};
 
-use super::{content_seed, pseudo_tokens, Arrival, RequestSpec, Workload};
+use super::{content_seed, pseudo_tokens, Arrival, Arrivals, RequestSpec, Workload};
 
 /// How to replay a trace.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,6 +30,8 @@ pub struct MooncakeConfig {
     pub rate_scale: f64,
     /// Replay only the first N requests.
     pub limit: Option<usize>,
+    /// When a conversation's later turns arrive.
+    pub arrivals: Arrivals,
     pub seed: u64,
 }
 
@@ -142,24 +151,49 @@ fn link_turns(records: &[MooncakeRecord]) -> Vec<Links> {
     links
 }
 
-impl Workload for Mooncake {
-    fn next_arrival(&mut self) -> Option<Arrival> {
-        let i = self.next;
-        let record = self.records.get(i)?;
-        let at_us = (record.timestamp as f64 * 1000.0 / self.config.rate_scale) as u64;
-        self.next += 1;
-        let request = RequestSpec {
+impl Mooncake {
+    /// A trace time (ms) or gap in virtual microseconds at this rate.
+    fn scaled_us(&self, ms: u64) -> u64 {
+        (ms as f64 * 1000.0 / self.config.rate_scale) as u64
+    }
+
+    fn request(&mut self, i: usize) -> RequestSpec {
+        RequestSpec {
             id: i as u64,
             session: self.links[i].session,
             turn: self.links[i].turn,
             prompt: self.prompt(i),
             output: self.output(i),
-        };
+        }
+    }
+}
+
+impl Workload for Mooncake {
+    fn next_arrival(&mut self) -> Option<Arrival> {
+        let closed = self.config.arrivals == Arrivals::ClosedLoop;
+        // Closed loop: only first turns arrive on their own.
+        while closed && self.links.get(self.next)?.parent.is_some() {
+            self.next += 1;
+        }
+        let i = self.next;
+        let at_us = self.scaled_us(self.records.get(i)?.timestamp);
+        self.next += 1;
+        let request = self.request(i);
         Some(Arrival { at_us, request })
     }
 
-    fn on_finished(&mut self, _request: &RequestSpec, _now_us: u64) -> Option<Arrival> {
-        None
+    fn on_finished(&mut self, request: &RequestSpec, now_us: u64) -> Option<Arrival> {
+        if self.config.arrivals != Arrivals::ClosedLoop {
+            return None;
+        }
+        let i = request.id as usize;
+        let child = self.links.get(i)?.child?;
+        let gap_ms = self.records[child]
+            .timestamp
+            .saturating_sub(self.records[i].timestamp);
+        let at_us = now_us + self.scaled_us(gap_ms);
+        let request = self.request(child);
+        Some(Arrival { at_us, request })
     }
 
     fn arrival_window_us(&self) -> u64 {
@@ -199,6 +233,7 @@ mod tests {
             MooncakeConfig {
                 rate_scale: 1.0,
                 limit: None,
+                arrivals: Arrivals::OpenLoop,
                 seed: 1,
             },
         );
@@ -224,11 +259,73 @@ mod tests {
             MooncakeConfig {
                 rate_scale: 4.0,
                 limit: None,
+                arrivals: Arrivals::OpenLoop,
                 seed: 1,
             },
         );
         w.next_arrival();
         assert_eq!(w.next_arrival().unwrap().at_us, 250_000);
         assert_eq!(w.arrival_window_us(), 250_000);
+    }
+}
+
+#[cfg(test)]
+mod closed_loop_tests {
+    use super::*;
+
+    fn records() -> Vec<MooncakeRecord> {
+        let r = |timestamp, input_length, hash_ids: &[u64]| MooncakeRecord {
+            timestamp,
+            input_length,
+            output_length: 10,
+            hash_ids: hash_ids.to_vec(),
+        };
+        vec![
+            r(0, 1000, &[1, 2]),
+            r(5, 700, &[9, 8]),
+            r(10, 1600, &[1, 3, 4, 5]),
+            r(40, 2100, &[1, 3, 4, 6, 7]),
+        ]
+    }
+
+    fn replay(arrivals: Arrivals) -> Mooncake {
+        Mooncake::new(
+            records(),
+            MooncakeConfig {
+                rate_scale: 2.0,
+                limit: None,
+                arrivals,
+                seed: 1,
+            },
+        )
+    }
+
+    /// Closed loop: a later turn comes only from its predecessor's end,
+    /// the trace's gap (scaled) after it; open loop: at its timestamp.
+    #[test]
+    fn a_later_turn_follows_its_predecessors_last_token_plus_the_gap() {
+        let mut w = replay(Arrivals::ClosedLoop);
+        let starts: Vec<_> = std::iter::from_fn(|| w.next_arrival()).collect();
+        let first: Vec<_> = starts.iter().map(|a| (a.request.id, a.at_us)).collect();
+        assert_eq!(first, [(0, 0), (1, 2_500)], "first turns only");
+        // Turn 0 of session 0 finished late (at 1 s): turn 1 comes 5 ms
+        // (10 ms of trace at 2x) after that, not at 5 ms.
+        let t1 = w.on_finished(&starts[0].request, 1_000_000).unwrap();
+        assert_eq!(
+            (t1.request.id, t1.request.turn, t1.at_us),
+            (2, 1, 1_005_000)
+        );
+        assert_eq!(&t1.request.prompt[..1000], &starts[0].request.prompt[..]);
+        let t2 = w.on_finished(&t1.request, 2_000_000).unwrap();
+        assert_eq!((t2.request.id, t2.at_us), (3, 2_015_000));
+        assert!(w.on_finished(&t2.request, 3_000_000).is_none());
+        assert!(w.on_finished(&starts[1].request, 3_000_000).is_none());
+
+        let mut open = replay(Arrivals::OpenLoop);
+        let all: Vec<_> = std::iter::from_fn(|| open.next_arrival())
+            .map(|a| (a.request.id, a.at_us))
+            .collect();
+        assert_eq!(all, [(0, 0), (1, 2_500), (2, 5_000), (3, 20_000)]);
+        assert!(open.on_finished(&starts[0].request, 1_000_000).is_none());
     }
 }

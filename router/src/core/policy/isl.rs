@@ -5,10 +5,12 @@ use serde::{Deserialize, Serialize};
 
 use super::{rules, ConditionalDisaggPolicy, PolicyInput, Verdict};
 
-/// Bypass iff `ISL - decode_hit < eff_isl_tokens` and
-/// `(ISL - decode_hit) / ISL < eff_isl_ratio`, where `decode_hit` is the
-/// tokens the chosen decode worker holds (any tier). Both comparisons are
-/// strict: at a threshold the request goes remote. A prompt shorter than
+/// Bypass iff `eff_isl < eff_isl_tokens` and `eff_isl / ISL <
+/// eff_isl_ratio`, where `eff_isl = ISL - min(decode_hit, ISL)` and
+/// `decode_hit` is the tokens the chosen decode worker holds, a host or disk
+/// block counting with its tier weight ([`PolicyInput::eff_isl_tokens`]):
+/// Dynamo's `isl_bounding`. Both comparisons are strict: at a threshold the
+/// request goes remote. A prompt shorter than
 /// `min_remote_isl` bypasses whatever it reuses.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -39,7 +41,8 @@ impl Default for IslBased {
 
 /// The numbers of the ISL rule.
 pub(super) struct IslCheck {
-    append: u32,
+    /// The effective ISL (weighted uncached tokens).
+    append: f64,
     ratio: f64,
     short: bool,
     small: bool,
@@ -56,12 +59,12 @@ impl IslCheck {
 
 impl IslBased {
     pub(super) fn check(&self, input: &PolicyInput<'_>) -> IslCheck {
-        let append = input.decode_append_tokens();
-        let ratio = f64::from(append) / f64::from(input.isl_tokens.max(1));
+        let append = input.eff_isl_tokens();
+        let ratio = append / f64::from(input.isl_tokens.max(1));
         IslCheck {
             append,
             ratio,
-            short: append < self.eff_isl_tokens,
+            short: append < f64::from(self.eff_isl_tokens),
             small: ratio < self.eff_isl_ratio,
             tiny: input.isl_tokens < self.min_remote_isl,
         }
@@ -79,7 +82,9 @@ impl IslBased {
         if c.tiny {
             let text = format!(
                 "prompt of {isl} tokens < {}: bypass on {} (local prefill of {} tokens)",
-                self.min_remote_isl, input.decode.id, c.append
+                self.min_remote_isl,
+                input.decode.id,
+                input.decode_append_tokens()
             );
             (Path::Bypass, rules::ISL_SHORT_PROMPT, text)
         } else if c.short && c.small {
@@ -168,6 +173,29 @@ mod tests {
             let v = tiny.decide(&f.input(isl, 0, idle, idle));
             assert_eq!((v.path, v.rule), (path, rule), "{}", v.reason);
         }
+        // Dynamo's eff_isl: host and disk blocks count with their tier
+        // weight (0.5, 0.25), unrounded. 6000 on the device and 2000 more in
+        // host memory of 10 000: eff_isl = 10 000 - 7000 = 3000 >= 2048.
+        let mut input = f.input(10_000, 6_000, idle, idle);
+        input.decode.held.host = 8_000;
+        input.decode.held.disk = 8_000;
+        assert_eq!(input.eff_isl_tokens(), 3_000.0);
+        let v = policy.decide(&input);
+        assert_eq!((v.path, v.rule), (Path::Remote, rules::ISL_LONG_PREFILL));
+        // At host weight 0.98: 10 000 - 6000 - 0.98 × 2000 = 2040 < 2048:
+        // bypass; at 0.9737, 2052.6 >= 2048: remote.
+        input.tier_weights.host = 0.98;
+        let v = policy.decide(&input);
+        assert_eq!((v.path, v.rule), (Path::Bypass, rules::ISL_SHORT_APPEND));
+        input.tier_weights.host = 0.9737;
+        assert!((input.eff_isl_tokens() - 2_052.6).abs() < 1e-6);
+        let v = policy.decide(&input);
+        assert_eq!(
+            v.path,
+            Path::Remote,
+            "not rounded to whole blocks: {}",
+            v.reason
+        );
         let v = policy.decide(&f.input(8_500, 8_188, idle, idle));
         assert_eq!(
             v.reason,

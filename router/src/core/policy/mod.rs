@@ -19,6 +19,7 @@ mod sla;
 
 use protocol::{Path, WorkerId, WorkerRecord};
 
+use super::select::TierWeights;
 use super::workers::EffectiveLoad;
 
 pub use fixed::{AlwaysDisagg, NeverDisagg};
@@ -61,6 +62,9 @@ pub mod rules {
     pub const SLA_REMOTE_SMALLER_VIOLATION: &str = "sla.remote_smaller_violation";
     /// The decode gate vetoed a bypass over the decode worker's KV budget.
     pub const GATE_KV_BUDGET: &str = "gate.kv_budget";
+    /// The decode gate vetoed a bypass: the decode worker's KV capacity is
+    /// unknown (no signal), as Dynamo's gate does.
+    pub const GATE_NO_SIGNAL: &str = "gate.no_signal";
 }
 
 /// Leading prompt tokens a worker holds, per tier; cumulative like
@@ -108,11 +112,33 @@ pub struct PolicyInput<'a> {
     pub block_size: u32,
     /// The chosen decode worker (where a bypass would prefill).
     pub decode: Candidate<'a>,
-    /// The chosen prefill worker (where a remote prefill would run).
+    /// The chosen prefill worker (where a remote prefill would run): chosen
+    /// KV-aware, its `held` is its overlap with the prompt.
     pub prefill: Candidate<'a>,
+    /// The worker, decode or prefill, that holds the longest (weighted)
+    /// prefix of the prompt, `None` when no worker holds any of it; the
+    /// chosen decode worker, then the chosen prefill worker, when they tie
+    /// with others. Where a prefix could be fetched from.
+    pub holder: Option<Candidate<'a>>,
+    /// The decode selection's weights of the offloaded tiers: how much a
+    /// host or disk block counts in [`PolicyInput::eff_isl_tokens`].
+    pub tier_weights: TierWeights,
 }
 
 impl PolicyInput<'_> {
+    /// Dynamo's effective ISL on the decode worker: `prompt - min(weighted
+    /// cached tokens, prompt)`, where a host or disk block counts with its
+    /// tier weight, in tokens (not rounded to whole blocks).
+    pub fn eff_isl_tokens(&self) -> f64 {
+        let h = self.decode.held;
+        let w = self.tier_weights;
+        let weighted = f64::from(h.device)
+            + w.host * f64::from(h.host.saturating_sub(h.device))
+            + w.disk * f64::from(h.disk.saturating_sub(h.host));
+        let isl = f64::from(self.isl_tokens);
+        isl - weighted.min(isl)
+    }
+
     /// Prompt tokens the decode worker would have to prefill on a bypass.
     pub fn decode_append_tokens(&self) -> u32 {
         self.isl_tokens
@@ -208,6 +234,8 @@ pub(crate) mod tests {
                     load: p_load,
                     held: HeldTokens::default(),
                 },
+                holder: None,
+                tier_weights: TierWeights::default(),
             }
         }
     }

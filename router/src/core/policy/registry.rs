@@ -20,7 +20,7 @@ use super::{
 };
 
 /// One parameter of a policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ParamSpec {
     /// Its name: the flag `--eff-isl-tokens`, the file key
     /// `[policy] eff_isl_tokens`, the decision record's name.
@@ -28,6 +28,10 @@ pub struct ParamSpec {
     /// What it does, for `--help` (the default is added from the policy's
     /// `Default`).
     pub help: &'static str,
+    /// The values `sim tune` tries for it (the default is tried too); empty
+    /// for a parameter that is not a threshold to tune (the SLA policy's
+    /// targets are the SLO, its cost model is measured).
+    pub tune: &'static [f64],
 }
 
 /// One policy: its name, what it does, its parameters.
@@ -44,6 +48,10 @@ pub struct PolicySpec {
     /// Other names earlier releases accepted (besides the name with `-` for
     /// `_` or in another case): still accepted, with a deprecation warning.
     pub aliases: &'static [&'static str],
+    /// NVIDIA Dynamo's name for the same policy (same decisions), accepted
+    /// like the name itself, without a deprecation note, so that a Dynamo
+    /// configuration carries over.
+    pub dynamo: Option<&'static str>,
     default: fn() -> Policy,
     from_value: fn(Value) -> Result<Policy, serde_json::Error>,
 }
@@ -52,14 +60,17 @@ const ISL_PARAMS: [ParamSpec; 3] = [
     ParamSpec {
         name: "eff_isl_tokens",
         help: "ISL rule: an append of fewer uncached tokens than this may be prefilled on the decode worker (strict <)",
+        tune: &[512.0, 1024.0, 4096.0, 8192.0],
     },
     ParamSpec {
         name: "eff_isl_ratio",
         help: "ISL rule: ... if the uncached share of the prompt is also below this (strict <)",
+        tune: &[0.5, 0.9],
     },
     ParamSpec {
         name: "min_remote_isl",
         help: "ISL rule: a prompt shorter than this is prefilled on the decode worker whatever it reuses (0: never)",
+        tune: &[512.0, 2048.0],
     },
 ];
 
@@ -67,10 +78,12 @@ const LOAD_PARAMS: [ParamSpec; 2] = [
     ParamSpec {
         name: "prefill_busy",
         help: "Load rule: a prefill worker with more queued prefill tokens than this many max-size steps is busy",
+        tune: &[0.5, 1.0, 4.0, 8.0],
     },
     ParamSpec {
         name: "decode_busy",
         help: "Load rule: a decode worker at this KV usage or more is too busy to prefill",
+        tune: &[0.6, 0.7, 0.9],
     },
 ];
 
@@ -78,42 +91,52 @@ const SLA_PARAMS: [ParamSpec; 10] = [
     ParamSpec {
         name: "ttft_target_ms",
         help: "SLA policy: time-to-first-token target (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "itl_target_ms",
         help: "SLA policy: inter-token latency target, a per-request mean (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "prefill_c0_ms",
         help: "SLA cost model: fixed cost of a prefill step (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "prefill_c1_ms",
         help: "SLA cost model: cost per new prompt token (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "prefill_c2_ms",
         help: "SLA cost model: attention cost per new token per attended token (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "decode_t0_ms",
         help: "SLA cost model: fixed cost of a decode step (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "decode_per_seq_ms",
         help: "SLA cost model: decode step cost per sequence in the batch (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "decode_per_ctx_token_ms",
         help: "SLA cost model: decode step cost per context token of the batch (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "transfer_setup_ms",
         help: "SLA cost model: fixed cost of one KV transfer (ms)",
+        tune: &[],
     },
     ParamSpec {
         name: "transfer_bytes_per_ms",
         help: "SLA cost model: KV transfer bandwidth (bytes per ms)",
+        tune: &[],
     },
 ];
 
@@ -124,6 +147,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "remote prefill whenever a prefill worker exists (plain disaggregation)",
         params: &[],
         aliases: &["disagg", "disaggregated"],
+        dynamo: None,
         default: || Policy::AlwaysDisagg(AlwaysDisagg),
         from_value: |v| serde_json::from_value(v).map(Policy::AlwaysDisagg),
     },
@@ -132,6 +156,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "always bypass: prefill on the decode worker (aggregated serving)",
         params: &[],
         aliases: &["aggregated", "agg"],
+        dynamo: None,
         default: || Policy::NeverDisagg(NeverDisagg),
         from_value: |v| serde_json::from_value(v).map(Policy::NeverDisagg),
     },
@@ -140,6 +165,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "bypass short appends that are a small share of the prompt",
         params: &[&ISL_PARAMS],
         aliases: &[],
+        dynamo: Some("isl_bounding"),
         default: || Policy::Isl(IslBased::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::Isl),
     },
@@ -148,6 +174,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "bypass while the prefill worker is busy and the decode worker is not",
         params: &[&LOAD_PARAMS],
         aliases: &[],
+        dynamo: Some("prefill_load"),
         default: || Policy::Load(LoadBased::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::Load),
     },
@@ -156,6 +183,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "bypass when the ISL rule or the load rule does (the default)",
         params: &[&ISL_PARAMS, &LOAD_PARAMS],
         aliases: &[],
+        dynamo: Some("isl_or_load"),
         default: || Policy::IslOrLoad(IslOrLoad::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::IslOrLoad),
     },
@@ -164,6 +192,7 @@ pub static POLICIES: [PolicySpec; 6] = [
         about: "predict TTFT and ITL of both paths against SLA targets; take the smaller violation",
         params: &[&SLA_PARAMS],
         aliases: &["sla"],
+        dynamo: None,
         default: || Policy::SlaDynamic(SlaDynamic::default()),
         from_value: |v| serde_json::from_value(v).map(Policy::SlaDynamic),
     },
@@ -205,7 +234,10 @@ impl PolicySpec {
     /// Finds a policy by its name, or by a spelling earlier releases
     /// accepted (then [`PolicyName::deprecated`]).
     pub fn find(name: &str) -> Result<PolicyName, ParamError> {
-        if let Some(spec) = POLICIES.iter().find(|s| s.name == name) {
+        if let Some(spec) = POLICIES
+            .iter()
+            .find(|s| s.name == name || s.dynamo == Some(name))
+        {
             return Ok(PolicyName {
                 spec,
                 deprecated: false,
@@ -473,6 +505,38 @@ mod tests {
             assert_eq!(fields, listed, "{}", spec.name);
             assert_eq!(policy.params().len(), spec.params().count());
             policy.validate().unwrap();
+        }
+    }
+
+    /// `sim tune` sets each value of a parameter's grid over the defaults:
+    /// every one is a valid setting.
+    #[test]
+    fn every_tuning_value_is_a_valid_setting() {
+        let mut tuned = 0;
+        for spec in &POLICIES {
+            for param in spec.params() {
+                for &value in param.tune {
+                    let mut policy = spec.default_policy();
+                    policy.set(param.name, value).unwrap();
+                    policy.validate().unwrap();
+                    assert!(policy.params().contains(&(param.name, value)));
+                    tuned += 1;
+                }
+            }
+        }
+        assert!(tuned > 0);
+    }
+
+    /// Dynamo's names pick the same policies, with no deprecation note.
+    #[test]
+    fn dynamo_names() {
+        for (dynamo, ours) in [
+            ("isl_bounding", "isl"),
+            ("prefill_load", "load"),
+            ("isl_or_load", "isl_or_load"),
+        ] {
+            let found = PolicySpec::find(dynamo).unwrap();
+            assert_eq!((found.spec.name, found.deprecated), (ours, false));
         }
     }
 

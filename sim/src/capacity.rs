@@ -1,0 +1,231 @@
+//! Capacity by search: the highest load at which a deployment still serves
+//! a target share of requests within the SLO, bracketed and bisected rather
+//! than read off a fixed grid.
+//!
+//! The search assumes attainment falls with load. It starts from the loads
+//! already run (a sweep's points): the highest passing load and the lowest
+//! failing load above it bracket the capacity. Without a failing load it
+//! doubles the highest passing one until a load fails (at most
+//! `max_doublings` times: then the capacity is above that bound); without a
+//! passing load it halves the lowest failing one likewise. Then it bisects
+//! the bracket until it is narrower than `tolerance` of its upper end.
+//! (Doubling is the default step; `growth` sets another.)
+
+/// How to search.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Search {
+    /// Share of measured requests that must meet the SLO.
+    pub target: f64,
+    /// The first load to try when nothing was run yet.
+    pub start: f64,
+    /// How many times the bracket may grow up (or shrink down) by `growth`
+    /// from the loads tried before the search gives up and reports its
+    /// bound.
+    pub max_doublings: u32,
+    /// The factor of each such step: 2, doubling (`sim tune` starts from a
+    /// close guess and steps less).
+    pub growth: f64,
+    /// Bisect until `fails_at - load <= tolerance * fails_at`.
+    pub tolerance: f64,
+}
+
+impl Default for Search {
+    fn default() -> Self {
+        Self {
+            target: 0.9,
+            start: 1.0,
+            max_doublings: 4,
+            growth: 2.0,
+            tolerance: 0.03,
+        }
+    }
+}
+
+/// What the search found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Capacity {
+    /// `load` passes and `fails_at` (within the tolerance above it) fails.
+    Found { load: f64, fails_at: f64 },
+    /// Every load up to `bound`, the search's upper bound after doubling,
+    /// passed: the capacity is above it.
+    AboveBound { bound: f64 },
+    /// Every load down to `bound`, the lowest the search tried, failed.
+    BelowBound { bound: f64 },
+}
+
+impl Capacity {
+    /// The load to rank deployments by: the passing load, the bound when
+    /// the capacity is above it, 0 when no load passed.
+    pub fn load(&self) -> f64 {
+        match *self {
+            Capacity::Found { load, .. } => load,
+            Capacity::AboveBound { bound } => bound,
+            Capacity::BelowBound { .. } => 0.0,
+        }
+    }
+
+    /// As JSON: `{"capacity": x, "fails_at": y}`, or with `"above": bound`
+    /// or `"below": bound` when the search hit its bound.
+    pub fn to_json(&self) -> serde_json::Value {
+        match *self {
+            Capacity::Found { load, fails_at } => {
+                serde_json::json!({"capacity": load, "fails_at": fails_at})
+            }
+            Capacity::AboveBound { bound } => {
+                serde_json::json!({"capacity": bound, "above": bound})
+            }
+            Capacity::BelowBound { bound } => serde_json::json!({"capacity": 0.0, "below": bound}),
+        }
+    }
+}
+
+impl Capacity {
+    /// For a summary line: the load with its unit, and the bracket or the
+    /// bound.
+    pub fn describe(&self, unit: &str) -> String {
+        match *self {
+            Capacity::Found { load, fails_at } => {
+                format!("{load:.3} {unit} (fails at {fails_at:.3})")
+            }
+            Capacity::AboveBound { bound } => {
+                format!("above {bound:.3} {unit}, the search's upper bound (after doubling)")
+            }
+            Capacity::BelowBound { bound } => {
+                format!("below {bound:.3} {unit}, the lowest load searched")
+            }
+        }
+    }
+}
+
+/// One load tried and its attainment.
+pub type Probe = (f64, f64);
+
+/// Searches the capacity, starting from `known` probes; `attainment` runs
+/// one load. Returns the capacity and every probe it ran itself, in order.
+pub fn search<E>(
+    s: &Search,
+    known: &[Probe],
+    mut attainment: impl FnMut(f64) -> Result<f64, E>,
+) -> Result<(Capacity, Vec<Probe>), E> {
+    let mut ran = Vec::new();
+    let mut run = |load: f64, ran: &mut Vec<Probe>| -> Result<bool, E> {
+        let a = attainment(load)?;
+        ran.push((load, a));
+        Ok(a >= s.target)
+    };
+    let passes = |(_, a): &Probe| *a >= s.target;
+    let mut pass = known
+        .iter()
+        .filter(|p| passes(p))
+        .map(|p| p.0)
+        .reduce(f64::max);
+    let mut fail = known
+        .iter()
+        .filter(|p| !passes(p) && pass.is_none_or(|l| p.0 > l))
+        .map(|p| p.0)
+        .reduce(f64::min);
+    if pass.is_none() && fail.is_none() {
+        if run(s.start, &mut ran)? {
+            pass = Some(s.start);
+        } else {
+            fail = Some(s.start);
+        }
+    }
+    let (mut lo, mut hi) = match (pass, fail) {
+        (Some(lo), Some(hi)) => (lo, hi),
+        (Some(mut lo), None) => {
+            let mut hi = None;
+            for _ in 0..s.max_doublings {
+                let probe = lo * s.growth;
+                if run(probe, &mut ran)? {
+                    lo = probe;
+                } else {
+                    hi = Some(probe);
+                    break;
+                }
+            }
+            match hi {
+                Some(hi) => (lo, hi),
+                None => return Ok((Capacity::AboveBound { bound: lo }, ran)),
+            }
+        }
+        (None, Some(mut hi)) => {
+            let mut lo = None;
+            for _ in 0..s.max_doublings {
+                let probe = hi / s.growth;
+                if run(probe, &mut ran)? {
+                    lo = Some(probe);
+                    break;
+                }
+                hi = probe;
+            }
+            match lo {
+                Some(lo) => (lo, hi),
+                None => return Ok((Capacity::BelowBound { bound: hi }, ran)),
+            }
+        }
+        (None, None) => unreachable!("the start load was run"),
+    };
+    while hi - lo > s.tolerance * hi {
+        let mid = (lo + hi) / 2.0;
+        if run(mid, &mut ran)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok((
+        Capacity::Found {
+            load: lo,
+            fails_at: hi,
+        },
+        ran,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::convert::Infallible;
+
+    /// Attainment that drops below 90% above `capacity`.
+    fn step(capacity: f64) -> impl FnMut(f64) -> Result<f64, Infallible> {
+        move |load| Ok(if load <= capacity { 0.95 } else { 0.5 })
+    }
+
+    #[test]
+    fn bisects_inside_the_bracket_the_sweep_gave() {
+        let known = [(0.5, 0.99), (1.0, 0.97), (1.5, 0.6), (2.0, 0.2)];
+        let (c, ran) = search(&Search::default(), &known, step(1.37)).unwrap();
+        let Capacity::Found { load, fails_at } = c else {
+            panic!("{c:?}")
+        };
+        assert!(load <= 1.37 && 1.37 < fails_at, "{c:?}");
+        assert!(fails_at - load <= 0.03 * fails_at);
+        assert!(ran.iter().all(|(l, _)| (1.0..1.5).contains(l)), "{ran:?}");
+    }
+
+    #[test]
+    fn doubles_past_the_loads_tried_and_halves_below_them() {
+        let known = [(0.5, 0.99), (1.0, 0.97)];
+        let (c, _) = search(&Search::default(), &known, step(5.1)).unwrap();
+        assert!(matches!(c, Capacity::Found { load, fails_at } if load <= 5.1 && fails_at > 5.1));
+        let known = [(1.0, 0.2)];
+        let (c, _) = search(&Search::default(), &known, step(0.2)).unwrap();
+        assert!(matches!(c, Capacity::Found { load, fails_at } if load <= 0.2 && fails_at > 0.2));
+    }
+
+    #[test]
+    fn says_when_the_capacity_is_beyond_its_bounds() {
+        let s = Search {
+            max_doublings: 3,
+            ..Search::default()
+        };
+        let (c, ran) = search(&s, &[], step(100.0)).unwrap();
+        assert_eq!(c, Capacity::AboveBound { bound: 8.0 });
+        assert_eq!(ran.len(), 4, "the start, then three doublings");
+        assert!(c.describe("x").starts_with("above 8.000 x"));
+        let (c, _) = search(&s, &[], step(0.01)).unwrap();
+        assert_eq!(c, Capacity::BelowBound { bound: 0.125 });
+    }
+}

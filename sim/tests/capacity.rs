@@ -1,0 +1,108 @@
+//! The capacity search on a cluster whose capacity is known by
+//! construction: one aggregated worker, prompts of exactly one prefill step
+//! (the engine's max batched tokens, nothing cached) answered with one
+//! token, arriving evenly. Each request then costs one step of `t`; at a
+//! period `T < t` the queue grows, request k's TTFT is `(k+1) t - k T`, and
+//! with a TTFT target `S` the first `floor((S - t) / (t - T)) + 1` meet it.
+//! 90% of N requests meet it iff `T >= t - (S - t) / (0.9 N - 1)`.
+
+use std::convert::Infallible;
+
+use engine_sim::{KvTransfer, Preset};
+use sim::capacity::{search, Capacity, Search};
+use sim::workload::{pseudo_tokens, Arrival, RequestSpec, Scripted};
+use sim::{simulate, Deployment, OutboxLimits, SimConfig, Slo};
+
+const N: u64 = 100;
+
+fn config(ttft_ms: f64) -> SimConfig {
+    SimConfig {
+        preset: Preset::llama8b_h100(),
+        block_size: 16,
+        deployment: Deployment::Aggregated { workers: 1 },
+        link: KvTransfer::default(),
+        index_delay_us: 5_000,
+        kv_outbox: OutboxLimits::default(),
+        load_interval_us: 100_000,
+        expected_output_tokens: 1,
+        slo: Slo {
+            ttft_ms,
+            itl_ms: 60.0,
+        },
+        seed: 1,
+        warmup_fraction: 0.0,
+    }
+}
+
+/// `n` one-step requests, `rate` per second.
+fn workload(n: u64, rate: f64) -> Scripted {
+    let step_tokens = Preset::llama8b_h100().max_batched_tokens as usize;
+    let arrivals = (0..n)
+        .map(|k| {
+            let mut prompt = Vec::new();
+            pseudo_tokens(1_000 + k, step_tokens, &mut prompt);
+            Arrival {
+                at_us: (k as f64 * 1e6 / rate).round() as u64,
+                request: RequestSpec {
+                    id: k,
+                    session: k,
+                    turn: 0,
+                    prompt: prompt.into(),
+                    output: vec![7u32].into(),
+                },
+            }
+        })
+        .collect();
+    Scripted::new(arrivals)
+}
+
+fn attainment(ttft_ms: f64, rate: f64) -> f64 {
+    let r = simulate(&config(ttft_ms), &mut workload(N, rate)).unwrap();
+    assert_eq!(r.summary.measured, N as usize);
+    r.summary.slo_attainment
+}
+
+#[test]
+fn the_search_finds_the_capacity_known_by_construction() {
+    // One request alone: its TTFT is the step time t.
+    let alone = simulate(&config(1e9), &mut workload(1, 1.0)).unwrap();
+    let t_ms = alone.records[0].ttft_ms();
+    assert!(t_ms > 100.0, "an 8k-token prefill takes {t_ms} ms");
+    let slo_ms = 2.0 * t_ms;
+    let period_ms = t_ms - (slo_ms - t_ms) / (0.9 * N as f64 - 1.0);
+    let capacity = 1e3 / period_ms;
+    let s = Search {
+        start: 1.0,
+        tolerance: 0.005,
+        ..Search::default()
+    };
+    let (found, ran) = search(&s, &[], |load| {
+        Ok::<_, Infallible>(attainment(slo_ms, load))
+    })
+    .unwrap();
+    let Capacity::Found { load, fails_at } = found else {
+        panic!("{found:?}")
+    };
+    // Arrivals are rounded to microseconds: allow that much.
+    assert!(
+        load <= capacity * 1.001 && capacity <= fails_at * 1.001,
+        "capacity {capacity:.4}/s by construction, search {found:?} after {ran:?}"
+    );
+    assert!(fails_at - load <= 0.005 * fails_at);
+    // Below the bound it never searched past: reported as such.
+    let s = Search {
+        start: capacity / 16.0,
+        max_doublings: 2,
+        ..s
+    };
+    let (above, _) = search(&s, &[], |load| {
+        Ok::<_, Infallible>(attainment(slo_ms, load))
+    })
+    .unwrap();
+    assert_eq!(
+        above,
+        Capacity::AboveBound {
+            bound: capacity / 4.0
+        }
+    );
+}

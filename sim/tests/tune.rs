@@ -1,0 +1,96 @@
+//! `sim tune` on a small cluster: one best per family, its split and
+//! thresholds among those searched, the same for the same seed.
+
+use engine_sim::{KvTransfer, Preset};
+use router::{IslBased, Policy};
+use sim::compare::WorkloadSpec;
+use sim::tune::{Progress, Tune};
+use sim::workload::SyntheticConfig;
+use sim::{Deployment, OutboxLimits, Search, SimConfig, Slo};
+
+fn base() -> SimConfig {
+    SimConfig {
+        preset: Preset::llama8b_h100(),
+        block_size: 16,
+        deployment: Deployment::Aggregated { workers: 3 },
+        link: KvTransfer::default(),
+        index_delay_us: 5_000,
+        kv_outbox: OutboxLimits::default(),
+        load_interval_us: 100_000,
+        expected_output_tokens: 128,
+        slo: Slo {
+            ttft_ms: 500.0,
+            itl_ms: 30.0,
+        },
+        seed: 1,
+        warmup_fraction: 0.2,
+    }
+}
+
+#[test]
+fn one_best_per_family_among_what_it_searched() {
+    let base = base();
+    let workload = WorkloadSpec::Synthetic(SyntheticConfig {
+        duration_s: 8.0,
+        prompt_tokens: (500, 3_000),
+        output_tokens: (16, 64),
+        ..SyntheticConfig::default()
+    });
+    let policies: Vec<Policy> = vec![IslBased::default().into()];
+    let tune = Tune {
+        base: &base,
+        workload: &workload,
+        workers: 3,
+        policies: &policies,
+        search: Search {
+            start: 4.0,
+            growth: 1.5,
+            max_doublings: 8,
+            tolerance: 0.2,
+            ..Search::default()
+        },
+        threads: 2,
+    };
+    let progress = Progress::default();
+    let best = tune.run(&progress, &|_| {}).unwrap();
+    let families: Vec<&str> = best.iter().map(|b| b.family.as_str()).collect();
+    assert_eq!(families, ["aggregated", "disaggregated", "isl"]);
+    assert!(matches!(
+        best[0].deployment,
+        Deployment::Aggregated { workers: 3 }
+    ));
+    assert!(matches!(
+        best[1].deployment,
+        Deployment::Disaggregated { prefill: 1..=2, .. }
+    ));
+    let Deployment::Conditional {
+        prefill, policy, ..
+    } = &best[2].deployment
+    else {
+        panic!("{:?}", best[2].deployment)
+    };
+    assert!((1..=2).contains(prefill));
+    // Its thresholds are the default's or on the registry's grid.
+    for (name, value) in policy.params() {
+        let spec = policy.spec().param(name).unwrap();
+        let default = IslBased::default();
+        let default: Policy = default.into();
+        let d = default
+            .params()
+            .into_iter()
+            .find(|p| p.0 == name)
+            .unwrap()
+            .1;
+        assert!(value == d || spec.tune.contains(&value), "{name}={value}");
+    }
+    // Splits 1 and 2, then one setting per grid value at least.
+    let grid: usize = policy.spec().params().map(|p| p.tune.len()).sum();
+    assert!(best[2].tried >= 2 + grid.min(1), "{}", best[2].tried);
+    for b in &best {
+        assert!(b.capacity.load() > 0.0, "{} {:?}", b.family, b.capacity);
+    }
+    let again = tune.run(&Progress::default(), &|_| {}).unwrap();
+    for (a, b) in best.iter().zip(&again) {
+        assert_eq!((&a.deployment, a.capacity), (&b.deployment, b.capacity));
+    }
+}
