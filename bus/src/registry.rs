@@ -1,9 +1,14 @@
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
+    WatchOptions,
+};
 use protocol::{subjects, Message, WorkerId, WorkerRecord};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+use crate::auth::{read, redact_url, AuthError, EtcdAuth};
 
 /// What went wrong talking to etcd.
 #[derive(Debug, thiserror::Error)]
@@ -14,6 +19,12 @@ pub enum RegistryError {
         #[source]
         source: etcd_client::Error,
     },
+    #[error("etcd at {endpoints}: {source}")]
+    Settings {
+        endpoints: String,
+        #[source]
+        source: AuthError,
+    },
     #[error("etcd {operation}: {source}")]
     Etcd {
         operation: &'static str,
@@ -22,6 +33,29 @@ pub enum RegistryError {
     },
     #[error("the worker watch ended (etcd closed it)")]
     WatchClosed,
+}
+
+/// The client's options for `auth` (reads the PEM files); `None` for
+/// none of them.
+fn etcd_options(auth: &EtcdAuth) -> Result<Option<ConnectOptions>, AuthError> {
+    let mut options = ConnectOptions::new();
+    let mut any = false;
+    if let (Some(user), Some(password)) = (&auth.user, &auth.password) {
+        options = options.with_user(user.clone(), password.expose());
+        any = true;
+    }
+    if let Some(ca) = &auth.tls_ca {
+        let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(read("etcd", ca)?));
+        if let (Some(cert), Some(key)) = (&auth.tls_cert, &auth.tls_key) {
+            tls = tls.identity(Identity::from_pem(read("etcd", cert)?, read("etcd", key)?));
+        }
+        if let Some(domain) = &auth.tls_domain {
+            tls = tls.domain_name(domain.clone());
+        }
+        options = options.with_tls(tls);
+        any = true;
+    }
+    Ok(any.then_some(options))
 }
 
 fn etcd(operation: &'static str) -> impl FnOnce(etcd_client::Error) -> RegistryError {
@@ -71,14 +105,37 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
+    /// Connects without credentials ([`Registry::connect_with`]).
     pub async fn connect(endpoints: &[String]) -> Result<Self, RegistryError> {
-        let client =
-            Client::connect(endpoints, None)
-                .await
-                .map_err(|source| RegistryError::Connect {
-                    endpoints: endpoints.join(","),
-                    source,
-                })?;
+        Self::connect_with(endpoints, &EtcdAuth::default()).await
+    }
+
+    /// Connects with `auth`'s user/password and TLS (`https://`
+    /// endpoints need its CA).
+    pub async fn connect_with(
+        endpoints: &[String],
+        auth: &EtcdAuth,
+    ) -> Result<Self, RegistryError> {
+        let shown = endpoints
+            .iter()
+            .map(|e| redact_url(e))
+            .collect::<Vec<_>>()
+            .join(",");
+        auth.check(endpoints)
+            .map_err(|source| RegistryError::Settings {
+                endpoints: shown.clone(),
+                source,
+            })?;
+        let options = etcd_options(auth).map_err(|source| RegistryError::Settings {
+            endpoints: shown.clone(),
+            source,
+        })?;
+        let client = Client::connect(endpoints, options)
+            .await
+            .map_err(|source| RegistryError::Connect {
+                endpoints: shown,
+                source,
+            })?;
         Ok(Self { client })
     }
 

@@ -123,6 +123,9 @@ enum Command {
             default_value = "nats://127.0.0.1:4222"
         )]
         nats: String,
+        /// NATS credentials and TLS.
+        #[command(flatten)]
+        auth: bus::AuthArgs,
         #[arg(long, default_value_t = 200)]
         requests: usize,
         #[arg(long, default_value_t = 256)]
@@ -149,6 +152,9 @@ struct Servers {
         default_value = "http://127.0.0.1:2379"
     )]
     etcd: String,
+    /// Credentials and TLS for both.
+    #[command(flatten)]
+    auth: bus::AuthArgs,
 }
 
 #[tokio::main]
@@ -212,7 +218,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Sink { http_addr } => sink::run(http_addr).await?,
         Command::Events {
-            servers: Servers { nats, etcd },
+            servers: Servers { nats, etcd, auth },
             workers,
             blocks_per_batch,
             block_events_per_s,
@@ -221,6 +227,7 @@ async fn main() -> anyhow::Result<()> {
             let summary = events_bench::run(events_bench::EventsBench {
                 nats,
                 etcd,
+                auth,
                 workers,
                 blocks_per_batch,
                 block_events_per_s,
@@ -230,7 +237,7 @@ async fn main() -> anyhow::Result<()> {
             println!("{summary}");
         }
         Command::Ready {
-            servers: Servers { nats, etcd },
+            servers: Servers { nats, etcd, auth },
             router_bin,
             blocks,
             port,
@@ -238,6 +245,7 @@ async fn main() -> anyhow::Result<()> {
             let summary = ready_bench::run(ready_bench::ReadyBench {
                 nats,
                 etcd,
+                auth,
                 router_bin,
                 blocks,
                 port,
@@ -248,6 +256,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Overhead {
             router,
             nats,
+            auth,
             requests,
             prompt_tokens,
             max_tokens,
@@ -255,6 +264,7 @@ async fn main() -> anyhow::Result<()> {
             let summary = overhead::run(overhead::Overhead {
                 router,
                 nats,
+                auth,
                 requests,
                 prompt_tokens,
                 max_tokens,

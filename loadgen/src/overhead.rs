@@ -20,6 +20,8 @@ use crate::stats::Samples;
 pub struct Overhead {
     pub router: String,
     pub nats: String,
+    /// Credentials and TLS.
+    pub auth: bus::AuthArgs,
     pub requests: usize,
     pub prompt_tokens: usize,
     pub max_tokens: u32,
@@ -91,7 +93,10 @@ async fn direct(
 }
 
 pub async fn run(o: Overhead) -> anyhow::Result<serde_json::Value> {
-    let client = async_nats::connect(&o.nats).await?;
+    let client = bus::Bus::connect_with(&o.nats, "loadgen-overhead", &o.auth.nats)
+        .await?
+        .client()
+        .clone();
     let http = reqwest::Client::new();
     let (mut routed, mut straight) = (Samples::default(), Samples::default());
     let mut paths = std::collections::BTreeMap::<String, usize>::new();

@@ -15,13 +15,15 @@ use protocol::{KvEvent, KvEventBatch, Message, Tier, WorkerId};
 pub struct ReadyBench {
     pub nats: String,
     pub etcd: String,
+    /// Credentials and TLS.
+    pub auth: bus::AuthArgs,
     pub router_bin: String,
     pub blocks: usize,
     pub port: u16,
 }
 
 pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
-    let bus = Bus::connect(&bench.nats, "loadgen-ready").await?;
+    let bus = Bus::connect_with(&bench.nats, "loadgen-ready", &bench.auth.nats).await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
     if bus.last_delta_seq().await? > 0 {
         bail!("the delta stream is not empty: run this against a fresh NATS without a kv-indexer");

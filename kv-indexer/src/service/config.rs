@@ -22,6 +22,10 @@ pub struct Config {
     pub nats_url: String,
     /// etcd endpoints.
     pub etcd_endpoints: Vec<String>,
+    /// NATS credentials and TLS (`[nats]`).
+    pub nats: bus::NatsAuth,
+    /// etcd credentials and TLS (`[etcd]`).
+    pub etcd: bus::EtcdAuth,
     /// Name of the durable JetStream consumer over the workers' KV events.
     pub consumer: String,
     /// Address of the HTTP endpoints (`/metrics`, `/healthz`, `/status`).
@@ -81,6 +85,8 @@ impl Default for Config {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            nats: bus::NatsAuth::default(),
+            etcd: bus::EtcdAuth::default(),
             consumer: "kv-indexer".into(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 9091)),
             max_blocks: None,
@@ -119,7 +125,7 @@ pub enum ConfigError {
 /// Every flag; each also a variable (`SWITCHYARD_INDEXER_*` for the
 /// indexer's own).
 pub fn flags() -> Vec<Flag> {
-    vec![
+    let mut flags = vec![
         Flag::new("nats_url", Kind::Text, "NATS server (with JetStream)"),
         Flag::new("etcd_endpoints", Kind::List, "etcd endpoints, comma separated"),
         Flag::new(
@@ -220,7 +226,9 @@ pub fn flags() -> Vec<Flag> {
             Kind::Bytes,
             "At most this many bytes of decision log are kept, the oldest dropped (0: no cap); a dispatched 8k-token request's record takes about 8 KB",
         ),
-    ]
+    ];
+    flags.extend(bus::auth_flags());
+    flags
 }
 
 /// The command line's name, version and description.
@@ -322,6 +330,36 @@ mod tests {
         )
         .expect("valid flags");
         Config::from_args(&args)
+    }
+
+    #[test]
+    fn credentials_come_from_flags_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("indexer.toml");
+        std::fs::write(
+            &file,
+            "[nats]\ncreds_file = \"/run/secrets/indexer.creds\"\ntls_ca = \"/etc/ca.pem\"\n[etcd]\nuser = \"indexer\"\npassword = \"from-file\"\n",
+        )
+        .unwrap();
+        let config = parse(&[
+            "--config",
+            file.to_str().unwrap(),
+            "--nats-tls-ca",
+            "/etc/other-ca.pem",
+        ])
+        .unwrap()
+        .config;
+        assert_eq!(
+            config.nats.creds_file.as_deref(),
+            Some(std::path::Path::new("/run/secrets/indexer.creds"))
+        );
+        // The flag beats the file.
+        assert_eq!(
+            config.nats.tls_ca.as_deref(),
+            Some(std::path::Path::new("/etc/other-ca.pem"))
+        );
+        assert_eq!(config.etcd.password, Some(bus::Secret::new("from-file")));
+        assert!(!format!("{config:?}").contains("from-file"));
     }
 
     #[test]

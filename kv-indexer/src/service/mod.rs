@@ -163,9 +163,9 @@ impl Service {
             addr: config.http_addr,
             source,
         })?;
-        let bus = Bus::connect(&config.nats_url, "kv-indexer").await?;
+        let bus = Bus::connect_with(&config.nats_url, "kv-indexer", &config.nats).await?;
         set_retention(&bus, &config.stream_limits()).await?;
-        let registry = Registry::connect(&config.etcd_endpoints).await?;
+        let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
         let metrics = Arc::new(Metrics::new());
 
         let started = Instant::now();

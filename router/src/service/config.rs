@@ -86,6 +86,10 @@ impl Default for Timeouts {
 pub struct Config {
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
+    /// NATS credentials and TLS (`[nats]`).
+    pub nats: bus::NatsAuth,
+    /// etcd credentials and TLS (`[etcd]`).
+    pub etcd: bus::EtcdAuth,
     /// Where `main` binds the HTTP listener (`run` takes the listener).
     pub http_addr: SocketAddr,
     /// `[A-Za-z0-9_-]`; names the replica's decision and progress subjects.
@@ -123,6 +127,8 @@ impl Default for Config {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            nats: bus::NatsAuth::default(),
+            etcd: bus::EtcdAuth::default(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
             replica_id: String::new(),
             model: String::new(),
@@ -299,6 +305,7 @@ fn fixed_flags() -> Vec<Flag> {
 /// and their defaults.
 pub fn flags() -> Vec<Flag> {
     let mut flags = fixed_flags();
+    flags.extend(bus::auth_flags());
     for flag in &mut flags {
         if flag.path == "policy.name" {
             let list = POLICIES

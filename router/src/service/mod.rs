@@ -88,9 +88,10 @@ pub async fn run(
         "starting the router"
     );
 
-    let bus = Bus::connect(&config.nats_url, &format!("router-{replica}")).await?;
+    let bus =
+        Bus::connect_with(&config.nats_url, &format!("router-{replica}"), &config.nats).await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
-    let registry = Registry::connect(&config.etcd_endpoints).await?;
+    let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let inputs = Inputs::open(&bus, registry).await?;
 
     let metrics = Metrics::new();

@@ -112,7 +112,12 @@ async fn serve_worker(
 ) -> Result<(), AgentError> {
     let facts = engine.facts();
     let worker = config.worker.clone();
-    let bus = Bus::connect(&config.nats_url, &format!("worker-agent {worker}")).await?;
+    let bus = Bus::connect_with(
+        &config.nats_url,
+        &format!("worker-agent {worker}"),
+        &config.nats,
+    )
+    .await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
     let client = bus.client().clone();
     let subscriptions = Subscriptions {
@@ -153,7 +158,7 @@ async fn serve_worker(
         gpus: facts.gpus,
         subjects: WorkerSubjects::for_worker(&worker),
     };
-    let registry = Registry::connect(&config.etcd_endpoints).await?;
+    let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let registration = registry.register(&record, config.lease_ttl).await?;
 
     let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions);
