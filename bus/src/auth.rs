@@ -71,6 +71,10 @@ pub struct NatsAuth {
     /// Refuse a server that does not offer TLS (also implied by the
     /// other TLS settings and a `tls://` URL).
     pub tls_required: bool,
+    /// Prefix of the client's reply subjects. Default: `_INBOX.USER` when
+    /// a user is given (what the shipped permissions let each user read,
+    /// [`crate::permissions`]), else `_INBOX`.
+    pub inbox_prefix: Option<String>,
 }
 
 /// How a client proves who it is to etcd, and its TLS (`[etcd]`).
@@ -168,6 +172,15 @@ impl NatsAuth {
                 NatsLogin::Anonymous
             },
         )
+    }
+
+    /// The prefix of the client's reply subjects.
+    pub fn inbox_prefix(&self) -> String {
+        match (&self.inbox_prefix, &self.user) {
+            (Some(prefix), _) => prefix.clone(),
+            (None, Some(user)) => crate::permissions::inbox_prefix(user),
+            (None, None) => "_INBOX".to_owned(),
+        }
     }
 
     /// Whether the connection must be TLS.

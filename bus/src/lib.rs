@@ -11,12 +11,14 @@
 //!
 //! - Credentials and TLS for both ([`NatsAuth`], [`EtcdAuth`]): one flag
 //!   group ([`auth_flags`], [`AuthArgs`] for the tools), secrets never
-//!   printed.
+//!   printed; the per-role subject permissions of the nats-server
+//!   ([`permissions`]).
 //!
 //! Names of subjects, streams and keys come from [`protocol::subjects`].
 
 mod auth;
 mod nats;
+pub mod permissions;
 mod registry;
 mod signal;
 

@@ -151,7 +151,9 @@ fn with_url_user_info(url: &str, auth: &NatsAuth) -> Result<(String, NatsAuth), 
 
 /// The client's options for `auth` (reads the nkey seed or creds file).
 async fn connect_options(auth: &NatsAuth, name: &str) -> Result<ConnectOptions, AuthError> {
-    let mut options = ConnectOptions::new().name(name);
+    let mut options = ConnectOptions::new()
+        .name(name)
+        .custom_inbox_prefix(auth.inbox_prefix());
     options = match auth.login()? {
         NatsLogin::Anonymous => options,
         NatsLogin::UserPassword(user, password) => {

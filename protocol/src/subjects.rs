@@ -66,15 +66,24 @@ pub fn generate(worker: &WorkerId) -> String {
     format!("sy.worker.{}.generate", worker.subject_tokens())
 }
 
+/// Every worker's generate subject (a router's publish permission).
+pub const GENERATE_ALL: &str = "sy.worker.*.*.generate";
+
 /// Core NATS: [`crate::CancelRequest`]s for the requests a worker serves.
 pub fn cancel(worker: &WorkerId) -> String {
     format!("sy.worker.{}.cancel", worker.subject_tokens())
 }
 
+/// Every worker's cancel subject (a router's publish permission).
+pub const CANCEL_ALL: &str = "sy.worker.*.*.cancel";
+
 /// Request/reply: ask a worker's agent to publish its full block set again.
 pub fn resync(worker: &WorkerId) -> String {
     format!("sy.worker.{}.resync", worker.subject_tokens())
 }
+
+/// Every worker's resync subject (the indexer's publish permission).
+pub const RESYNC_ALL: &str = "sy.worker.*.*.resync";
 
 /// etcd: one key per registered worker, under the worker's lease.
 pub const ETCD_WORKERS_PREFIX: &str = "/switchyard/workers/";
@@ -97,5 +106,14 @@ mod tests {
         );
         assert!(kv_events(&w).starts_with(KV_EVENTS_ALL.trim_end_matches('>')));
         assert!(load(&w).starts_with(LOAD_ALL.trim_end_matches('>')));
+        // The wildcards match the per-worker subjects, token for token.
+        let matches = |pattern: &str, subject: &str| {
+            let (p, s): (Vec<_>, Vec<_>) =
+                (pattern.split('.').collect(), subject.split('.').collect());
+            p.len() == s.len() && p.iter().zip(&s).all(|(p, s)| *p == "*" || p == s)
+        };
+        assert!(matches(GENERATE_ALL, &generate(&w)));
+        assert!(matches(CANCEL_ALL, &cancel(&w)));
+        assert!(matches(RESYNC_ALL, &resync(&w)));
     }
 }

@@ -47,6 +47,7 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const START_ATTEMPTS: usize = 5;
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
 const LOG_FILE: &str = "server.log";
+const NATS_PID_FILE: &str = "nats.pid";
 const LOG_TAIL_BYTES: u64 = 4096;
 
 /// The supervisor script: `$@` is the server's command line. It runs the
@@ -162,6 +163,21 @@ impl NatsServer {
     /// kept for [`restart`](Self::restart). Does nothing if it is stopped.
     pub fn stop(&mut self) -> Result<()> {
         self.server.stop()
+    }
+
+    /// Makes the running server read its configuration file again
+    /// (SIGHUP): users and permissions change without a restart.
+    pub fn reload(&self) -> Result<()> {
+        let pid = fs::read_to_string(self.dir().join(NATS_PID_FILE))
+            .context("reading nats-server's pid file")?;
+        let status = Command::new("kill")
+            .args(["-HUP", pid.trim()])
+            .status()
+            .context("sending nats-server SIGHUP")?;
+        if !status.success() {
+            bail!("kill -HUP {} failed: {status}", pid.trim());
+        }
+        Ok(())
     }
 
     /// Stops the server (if running) and starts it again on the same port
@@ -435,7 +451,9 @@ fn spawn_nats(
     let mut args: Vec<OsString> = config
         .map(|c| vec!["-c".into(), c.into()])
         .unwrap_or_default();
-    args.extend::<[OsString; 9]>([
+    args.extend::<[OsString; 11]>([
+        "-P".into(),
+        dir.join(NATS_PID_FILE).into(),
         "-a".into(),
         "127.0.0.1".into(),
         "-p".into(),
