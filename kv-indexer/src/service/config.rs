@@ -74,6 +74,10 @@ pub struct Config {
     /// At most this many bytes of decision log are kept (0: no cap).
     #[serde(with = "settings::bytes")]
     pub decisions_max_bytes: u64,
+    /// A KV batch whose epoch is further ahead of the wall clock (agents
+    /// number epochs in milliseconds since the Unix epoch) is rejected.
+    #[serde(with = "settings::duration")]
+    pub max_epoch_ahead: Duration,
     /// Fault injection for tests: stop abruptly once delta N is confirmed,
     /// before its KV message is acked. Not a setting.
     #[serde(skip)]
@@ -104,6 +108,7 @@ impl Default for Config {
             kv_events_max_bytes: 1 << 30,
             decisions_max_age: Duration::from_secs(24 * 3600),
             decisions_max_bytes: 1 << 30,
+            max_epoch_ahead: Duration::from_secs(300),
             crash_after_delta: None,
         }
     }
@@ -226,6 +231,12 @@ pub fn flags() -> Vec<Flag> {
             Kind::Bytes,
             "At most this many bytes of decision log are kept, the oldest dropped (0: no cap); a dispatched 8k-token request's record takes about 8 KB",
         ),
+        Flag::new(
+            "max_epoch_ahead",
+            Kind::Duration,
+            "Reject KV batches whose epoch (the agent's start, ms since the Unix epoch) is further ahead of this clock than this (a forged far-future epoch would make every real batch stale)",
+        )
+        .env("SWITCHYARD_INDEXER_MAX_EPOCH_AHEAD"),
     ];
     flags.extend(bus::auth_flags());
     flags
