@@ -92,6 +92,8 @@ pub struct Config {
     pub etcd: bus::EtcdAuth,
     /// Where `main` binds the HTTP listener (`run` takes the listener).
     pub http_addr: SocketAddr,
+    /// API keys and the admin token (`[http]`).
+    pub http: super::http::access::Access,
     /// `[A-Za-z0-9_-]`; names the replica's decision and progress subjects.
     /// Empty: `hostname-pid`, filled in by [`Config::validate`].
     pub replica_id: String,
@@ -130,6 +132,7 @@ impl Default for Config {
             nats: bus::NatsAuth::default(),
             etcd: bus::EtcdAuth::default(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            http: Default::default(),
             replica_id: String::new(),
             model: String::new(),
             block_size: 16,
@@ -158,6 +161,16 @@ fn fixed_flags() -> Vec<Flag> {
     Flag::new("http_addr", Kind::Text, "HTTP listen address")
         // The worker agent has an HTTP address too.
         .env("SWITCHYARD_ROUTER_HTTP_ADDR"),
+    Flag::new(
+        "http.api_keys",
+        Kind::List,
+        "Bearer keys accepted on /v1/completions and /v1/route, comma separated (none: open); prefer the variable or the file",
+    ),
+    Flag::new(
+        "http.admin_token",
+        Kind::Text,
+        "Bearer token of /debug/* and /v1/route?explain=true (none: loopback clients only)",
+    ),
     Flag::new(
         "replica_id",
         Kind::Text,

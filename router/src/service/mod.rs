@@ -137,7 +137,7 @@ pub async fn run(
         default_max_tokens: config.default_max_tokens,
         next_request: AtomicU64::new(0),
     });
-    let routes = http::router(app, config.max_body());
+    let routes = http::router(app, config.max_body(), config.http.clone());
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving HTTP");
     }
@@ -150,6 +150,9 @@ pub async fn run(
     });
     let mut http_task = tokio::spawn(async move {
         let mut stopped = http_stopped;
+        // The peer's address: debug endpoints serve loopback clients only
+        // when no admin token is set.
+        let routes = routes.into_make_service_with_connect_info::<std::net::SocketAddr>();
         axum::serve(listener, routes)
             .with_graceful_shutdown(async move {
                 let _ = stopped.wait_for(|s| *s).await;
