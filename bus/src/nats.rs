@@ -466,6 +466,19 @@ impl Bus {
         Ok(info.state.last_sequence)
     }
 
+    /// Whether a client is pulling from the durable consumer `name` of the
+    /// KV-event stream (the indexer: it always has a pull request
+    /// waiting while it runs); `false` when there is no such consumer.
+    pub async fn kv_consumer_pulling(&self, name: &str) -> Result<bool, BusError> {
+        let error = stream_error(subjects::KV_EVENTS_STREAM);
+        let stream = self.stream(subjects::KV_EVENTS_STREAM).await?;
+        match stream.consumer_info(name).await {
+            Ok(info) => Ok(info.num_waiting > 0),
+            Err(e) if e.to_string().contains("consumer not found") => Ok(false),
+            Err(e) => Err(error(e.to_string())),
+        }
+    }
+
     /// Deltas from `start` on, in order, then new ones as they come. An
     /// ordered consumer: the server redelivers nothing, and the client
     /// restarts it where it stopped after a reconnect.

@@ -173,6 +173,12 @@ fn router() -> Permissions {
         subjects::INDEX_OVERLAP.to_owned(),
     ];
     publish.extend(stream_creator_api());
+    // Whether an indexer is pulling KV events (readiness).
+    publish.push(format!(
+        "$JS.API.CONSUMER.INFO.{}.{}",
+        subjects::KV_EVENTS_STREAM,
+        subjects::KV_INDEXER_CONSUMER
+    ));
     publish.extend(stream_reader_api(&[
         subjects::INDEX_DELTAS_STREAM,
         subjects::DECISIONS_STREAM,

@@ -57,6 +57,23 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
     let blocks = indexer.index().stats().blocks;
     bus.put_snapshot(&snapshot).await?;
 
+    // A router is ready only with a decode-capable worker: one registered
+    // (it never gets a request).
+    let registry =
+        bus::Registry::connect_with(std::slice::from_ref(&bench.etcd), &bench.auth.etcd).await?;
+    let id = WorkerId::new("ready-bench-d0", 0)?;
+    let record = protocol::WorkerRecord {
+        subjects: protocol::WorkerSubjects::for_worker(&id),
+        id,
+        role: protocol::Role::Decode,
+        contract: protocol::HashingContract::for_model("ready-bench", 16),
+        kv_capacity_blocks: 1000,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 1,
+        gpus: 1,
+    };
+    let registration = registry.register(&record, Duration::from_secs(10)).await?;
+
     let started = Instant::now();
     let mut child = Command::new(&bench.router_bin)
         .args([
@@ -91,6 +108,7 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
     };
     let _ = child.kill();
     let _ = child.wait();
+    registration.revoke().await?;
     Ok(serde_json::json!({
         "snapshot_blocks": blocks,
         "snapshot_bytes": bytes,

@@ -8,6 +8,10 @@ pub const KV_EVENTS_STREAM: &str = "SY_KV_EVENTS";
 /// All KV-event subjects (the stream's filter).
 pub const KV_EVENTS_ALL: &str = "sy.kv.events.>";
 
+/// The kv-indexer's durable consumer of the KV-event stream, by default
+/// (routers watch it to tell whether an indexer is running).
+pub const KV_INDEXER_CONSUMER: &str = "kv-indexer";
+
 /// The subject one worker publishes its KV events on.
 pub fn kv_events(worker: &WorkerId) -> String {
     format!("sy.kv.events.{}", worker.subject_tokens())

@@ -91,7 +91,7 @@ impl Default for Config {
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
             nats: bus::NatsAuth::default(),
             etcd: bus::EtcdAuth::default(),
-            consumer: "kv-indexer".into(),
+            consumer: protocol::subjects::KV_INDEXER_CONSUMER.into(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 9091)),
             max_blocks: None,
             reserve_blocks: DEFAULT_RESERVE_BLOCKS,

@@ -94,6 +94,8 @@ pub struct Config {
     pub http_addr: SocketAddr,
     /// API keys and the admin token (`[http]`).
     pub http: super::http::access::Access,
+    /// When the replica says it is not ready (`[readiness]`).
+    pub readiness: super::health::ReadinessConfig,
     /// `[A-Za-z0-9_-]`; names the replica's decision and progress subjects.
     /// Empty: `hostname-pid`, filled in by [`Config::validate`].
     pub replica_id: String,
@@ -133,6 +135,7 @@ impl Default for Config {
             etcd: bus::EtcdAuth::default(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
             http: Default::default(),
+            readiness: Default::default(),
             replica_id: String::new(),
             model: String::new(),
             block_size: 16,
@@ -161,6 +164,16 @@ fn fixed_flags() -> Vec<Flag> {
     Flag::new("http_addr", Kind::Text, "HTTP listen address")
         // The worker agent has an HTTP address too.
         .env("SWITCHYARD_ROUTER_HTTP_ADDR"),
+    Flag::new(
+        "readiness.max_delta_lag",
+        Kind::Number,
+        "/readyz fails while the index is more deltas than this behind the delta stream",
+    ),
+    Flag::new(
+        "readiness.max_quiet",
+        Kind::Duration,
+        "/readyz fails when no delta came for this long and no kv-indexer pulls the KV events",
+    ),
     Flag::new(
         "http.api_keys",
         Kind::List,

@@ -10,6 +10,7 @@ pub mod config;
 pub mod decision_log;
 pub mod dispatch;
 pub mod event_loop;
+pub mod health;
 pub mod http;
 pub mod inputs;
 pub mod metrics;
@@ -114,6 +115,7 @@ pub async fn run(
         tick: config.timeouts.tick,
         reserve_blocks: config.reserve_blocks,
         decision_log,
+        readiness_bounds: config.readiness,
     });
     let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
 
