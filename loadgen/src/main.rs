@@ -2,6 +2,7 @@
 //! `/v1/route` benchmark) and measures the event pipeline.
 
 mod agentic;
+mod api_key;
 mod events_bench;
 mod overhead;
 mod ready_bench;
@@ -47,6 +48,9 @@ enum Command {
         request_timeout_s: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// The routers' API key (`Authorization: Bearer KEY`).
+        #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
     /// `/v1/route` at fixed rates (open loop); one JSON line per rate.
     Route {
@@ -72,6 +76,9 @@ enum Command {
         rounds: usize,
         #[arg(long, default_value_t = 5.0)]
         stop_above_p99_ms: f64,
+        /// The routers' API key (`Authorization: Bearer KEY`).
+        #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
     /// An HTTP server that reads each `/v1/route` body and answers `{}`:
     /// run `route` against it for the floor of the route benchmark (the
@@ -132,6 +139,9 @@ enum Command {
         prompt_tokens: usize,
         #[arg(long, default_value_t = 4)]
         max_tokens: u32,
+        /// The routers' API key (`Authorization: Bearer KEY`).
+        #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
 }
 
@@ -175,6 +185,7 @@ async fn main() -> anyhow::Result<()> {
             max_output_tokens,
             request_timeout_s,
             seed,
+            api_key,
         } => {
             let summary = agentic::run(agentic::AgenticRun {
                 routers,
@@ -187,6 +198,7 @@ async fn main() -> anyhow::Result<()> {
                 time_scale,
                 max_output_tokens,
                 request_timeout: Duration::from_secs(request_timeout_s),
+                api_key,
             })
             .await?;
             println!("{summary}");
@@ -200,6 +212,7 @@ async fn main() -> anyhow::Result<()> {
             max_in_flight,
             rounds,
             stop_above_p99_ms,
+            api_key,
         } => {
             let lines = route_bench::run(route_bench::RouteBench {
                 router,
@@ -210,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
                 max_in_flight,
                 rounds,
                 stop_above_p99_ms,
+                api_key,
             })
             .await?;
             for line in lines {
@@ -260,6 +274,7 @@ async fn main() -> anyhow::Result<()> {
             requests,
             prompt_tokens,
             max_tokens,
+            api_key,
         } => {
             let summary = overhead::run(overhead::Overhead {
                 router,
@@ -268,6 +283,7 @@ async fn main() -> anyhow::Result<()> {
                 requests,
                 prompt_tokens,
                 max_tokens,
+                api_key,
             })
             .await?;
             println!("{summary}");

@@ -22,6 +22,8 @@ pub struct Overhead {
     pub nats: String,
     /// Credentials and TLS.
     pub auth: bus::AuthArgs,
+    /// The router's API key.
+    pub api_key: Option<String>,
     pub requests: usize,
     pub prompt_tokens: usize,
     pub max_tokens: u32,
@@ -97,7 +99,7 @@ pub async fn run(o: Overhead) -> anyhow::Result<serde_json::Value> {
         .await?
         .client()
         .clone();
-    let http = reqwest::Client::new();
+    let http = crate::api_key::client(o.api_key.as_deref())?.build()?;
     let (mut routed, mut straight) = (Samples::default(), Samples::default());
     let mut paths = std::collections::BTreeMap::<String, usize>::new();
     for n in 0..o.requests {
