@@ -78,6 +78,8 @@ pub struct Config {
     /// number epochs in milliseconds since the Unix epoch) is rejected.
     #[serde(with = "settings::duration")]
     pub max_epoch_ahead: Duration,
+    /// Bearer token of `/status`; none: loopback clients only.
+    pub admin_token: Option<bus::Secret>,
     /// Fault injection for tests: stop abruptly once delta N is confirmed,
     /// before its KV message is acked. Not a setting.
     #[serde(skip)]
@@ -109,6 +111,7 @@ impl Default for Config {
             decisions_max_age: Duration::from_secs(24 * 3600),
             decisions_max_bytes: 1 << 30,
             max_epoch_ahead: Duration::from_secs(300),
+            admin_token: None,
             crash_after_delta: None,
         }
     }
@@ -237,6 +240,12 @@ pub fn flags() -> Vec<Flag> {
             "Reject KV batches whose epoch (the agent's start, ms since the Unix epoch) is further ahead of this clock than this (a forged far-future epoch would make every real batch stale)",
         )
         .env("SWITCHYARD_INDEXER_MAX_EPOCH_AHEAD"),
+        Flag::new(
+            "admin_token",
+            Kind::Text,
+            "Bearer token of /status (it names every worker and what it holds); none: loopback clients only",
+        )
+        .env("SWITCHYARD_INDEXER_ADMIN_TOKEN"),
     ];
     flags.extend(bus::auth_flags());
     flags

@@ -241,7 +241,7 @@ impl Service {
         let (http_stop, http_stopped) = oneshot::channel();
         let http = tokio::spawn(http::serve(
             listener,
-            http::router(metrics.clone(), status_tx),
+            http::router(metrics.clone(), status_tx, config.admin_token.clone()),
             http_stopped,
         ));
         let (registry_tx, registry_rx) = mpsc::channel(256);
