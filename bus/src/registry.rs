@@ -139,6 +139,39 @@ impl Registry {
         Ok(Self { client })
     }
 
+    /// The first KV epoch of a (re)starting agent of `worker`: later than
+    /// every epoch recorded for it, and at least `floor` (the wall clock in
+    /// ms: epochs stay near it, which the indexer's bound on future epochs
+    /// relies on). Recorded before it is returned, so that concurrent
+    /// callers get different epochs.
+    pub async fn next_epoch(&self, worker: &WorkerId, floor: u64) -> Result<u64, RegistryError> {
+        let key = subjects::etcd_epoch_key(worker);
+        let mut client = self.client.clone();
+        loop {
+            let (recorded, revision) = recorded_epoch(&mut client, &key).await?;
+            let next = floor.max(recorded.map_or(0, |e| e.saturating_add(1)));
+            if put_if_unchanged(&mut client, &key, next, revision).await? {
+                return Ok(next);
+            }
+        }
+    }
+
+    /// Records that `worker`'s agent uses `epoch` (a later recorded epoch
+    /// stays).
+    pub async fn record_epoch(&self, worker: &WorkerId, epoch: u64) -> Result<(), RegistryError> {
+        let key = subjects::etcd_epoch_key(worker);
+        let mut client = self.client.clone();
+        loop {
+            let (recorded, revision) = recorded_epoch(&mut client, &key).await?;
+            if recorded.is_some_and(|r| r >= epoch) {
+                return Ok(());
+            }
+            if put_if_unchanged(&mut client, &key, epoch, revision).await? {
+                return Ok(());
+            }
+        }
+    }
+
     /// Registers the worker under a lease of `ttl` and keeps the lease
     /// alive until the [`Registration`] is revoked or dropped. If the lease
     /// is lost (etcd unreachable for longer than the TTL), the record is
@@ -196,6 +229,44 @@ impl Registry {
             .map_err(etcd("watch workers"))?;
         Ok(WorkerWatch { stream })
     }
+}
+
+/// The epoch recorded under `key` (a decimal number) and the key's
+/// modification revision (0: absent).
+async fn recorded_epoch(
+    client: &mut Client,
+    key: &str,
+) -> Result<(Option<u64>, i64), RegistryError> {
+    let response = client.get(key, None).await.map_err(etcd("read epoch"))?;
+    Ok(match response.kvs().first() {
+        Some(kv) => (
+            std::str::from_utf8(kv.value())
+                .ok()
+                .and_then(|v| v.trim().parse().ok()),
+            kv.mod_revision(),
+        ),
+        None => (None, 0),
+    })
+}
+
+/// Puts `epoch` under `key` if the key is still at `revision` (0: still
+/// absent); whether it did.
+async fn put_if_unchanged(
+    client: &mut Client,
+    key: &str,
+    epoch: u64,
+    revision: i64,
+) -> Result<bool, RegistryError> {
+    use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+    let unchanged = Compare::mod_revision(key, CompareOp::Equal, revision);
+    let txn = Txn::new()
+        .when([unchanged])
+        .and_then([TxnOp::put(key, epoch.to_string(), None)]);
+    Ok(client
+        .txn(txn)
+        .await
+        .map_err(etcd("record epoch"))?
+        .succeeded())
 }
 
 async fn put_under_lease(

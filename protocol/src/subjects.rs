@@ -96,6 +96,15 @@ pub fn etcd_worker_key(worker: &WorkerId) -> String {
     format!("{ETCD_WORKERS_PREFIX}{}", worker.subject_tokens())
 }
 
+/// etcd: the highest KV epoch each worker's agent used (no lease: it
+/// outlives the agent), so that a restarted agent starts a later epoch
+/// even when the clock went back.
+pub const ETCD_EPOCHS_PREFIX: &str = "/switchyard/epochs/";
+
+pub fn etcd_epoch_key(worker: &WorkerId) -> String {
+    format!("{ETCD_EPOCHS_PREFIX}{}", worker.subject_tokens())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

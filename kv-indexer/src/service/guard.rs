@@ -2,9 +2,10 @@
 //! should already prevent, refused again here.
 //!
 //! - A batch whose epoch is further in the future than
-//!   [`crate::service::Config::max_epoch_ahead`] is rejected (agents
-//!   number epochs by the wall clock in milliseconds; a forged epoch of
-//!   2^62 would otherwise make every later real batch stale, for good).
+//!   [`crate::service::Config::max_epoch_ahead`] is rejected (an agent's
+//!   first epoch is its wall clock in milliseconds, raised above the
+//!   worker's epochs recorded in etcd; a forged epoch of 2^62 would
+//!   otherwise make every later real batch stale, for good).
 //! - A worker whose cursor already holds such an epoch (accepted before
 //!   this check, restored from a snapshot) is reset on its next batch.
 //! - Workers whose batches are dropped as stale since their last applied

@@ -15,7 +15,7 @@ use protocol::{
 };
 use tracing::{error, info, Instrument};
 
-use super::event_loop::{Agent, Subscriptions};
+use super::event_loop::{unix_ms, Agent, Epochs, Subscriptions};
 use crate::config::Config;
 use crate::engine::{Engine, KvUpdate};
 use crate::error::AgentError;
@@ -160,8 +160,12 @@ async fn serve_worker(
     };
     let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let registration = registry.register(&record, config.lease_ttl).await?;
+    let epochs = Epochs {
+        first: registry.next_epoch(&worker, unix_ms()).await?,
+        registry: registry.clone(),
+    };
 
-    let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions);
+    let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions, epochs);
     info!(
         role = %config.role,
         epoch = agent.epoch(),
