@@ -365,6 +365,20 @@ impl Bus {
         Ok(())
     }
 
+    /// Creates the KV-event stream if it does not exist: all an agent
+    /// needs (the bus's permissions let agents create no other stream).
+    pub async fn ensure_kv_stream(&self) -> Result<(), BusError> {
+        let (name, config) = stream_configs(&StreamLimits::default())
+            .into_iter()
+            .find(|(name, _)| *name == subjects::KV_EVENTS_STREAM)
+            .expect("the KV-event stream is configured");
+        self.js
+            .get_or_create_stream(config)
+            .await
+            .map_err(|e| stream_error(name)(e.to_string()))?;
+        Ok(())
+    }
+
     /// Like [`Bus::ensure_streams`], and sets the retention of streams that
     /// exist with other limits: the kv-indexer does this at start, so that
     /// its flags are the deployment's word on retention (other services

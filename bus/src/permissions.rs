@@ -3,7 +3,8 @@
 //! subjects of [`protocol::subjects`] (so the two cannot drift apart).
 //!
 //! - An agent (`agent-NAME-RANK`, one per worker) publishes only its own
-//!   worker's KV events and load, subscribes only to its own generate,
+//!   worker's KV events and load (and may create only the KV-event
+//!   stream), subscribes only to its own generate,
 //!   cancel and resync subjects, and answers only the requests it was sent
 //!   (`allow_responses`).
 //! - The indexer alone publishes deltas and snapshots (and administers the
@@ -125,9 +126,9 @@ fn agent(worker: &WorkerId) -> Permissions {
     let mut publish = vec![subjects::kv_events(worker), subjects::load(worker)];
     publish.extend([
         "$JS.API.INFO".to_owned(),
-        "$JS.API.STREAM.INFO.*".to_owned(),
+        format!("$JS.API.STREAM.INFO.{}", subjects::KV_EVENTS_STREAM),
+        format!("$JS.API.STREAM.CREATE.{}", subjects::KV_EVENTS_STREAM),
     ]);
-    publish.extend(stream_creator_api());
     Permissions {
         publish,
         subscribe: vec![
@@ -276,6 +277,7 @@ mod tests {
         assert!(d0.publish.contains(&"sy.kv.events.d0.0".to_owned()));
         assert!(d0.publish.contains(&"sy.load.d0.0".to_owned()));
         assert!(d0.publish.iter().all(|s| !s.contains('>')
+            && !s.contains('*')
             && !s.starts_with("sy.index")
             && !s.starts_with("sy.worker")));
         assert!(d0

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::{Client, Subscriber};
-use bus::{Bus, Registry, StreamLimits};
+use bus::{Bus, Registry};
 use futures::stream::BoxStream;
 use metrics::counter;
 use protocol::{
@@ -118,7 +118,7 @@ async fn serve_worker(
         &config.nats,
     )
     .await?;
-    bus.ensure_streams(&StreamLimits::default()).await?;
+    bus.ensure_kv_stream().await?;
     let client = bus.client().clone();
     let subscriptions = Subscriptions {
         generate: subscribe(&client, subjects::generate(&worker)).await?,
