@@ -32,12 +32,14 @@ wait_http() { # url
   exit 1
 }
 
-# nats-server and etcd on their default loopback ports, data under $1.
+# nats-server and etcd on their default loopback ports, data under $1;
+# a second argument is nats-server's configuration file (users and
+# permissions: deploy/nats/switchyard.conf).
 start_servers() {
   for program in nats-server etcd; do
     command -v "$program" >/dev/null || { echo "$program is missing: scripts/packages.sh installs it" >&2; exit 1; }
   done
-  start nats nats-server -a 127.0.0.1 -p 4222 -m 8222 -js -sd "$1/nats"
+  start nats nats-server ${2:+-c "$2"} -a 127.0.0.1 -p 4222 -m 8222 -js -sd "$1/nats"
   start etcd etcd --name dev --data-dir "$1/etcd" --log-level warn \
     --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
     --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \

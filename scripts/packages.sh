@@ -7,6 +7,8 @@ ensure_system_packages() {
   command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
   command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
   command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+  # The TLS tests make their certificates with it (tests::TestCa).
+  command -v openssl >/dev/null 2>&1 || missing+=(openssl)
   [ -e /usr/include/google/protobuf/timestamp.proto ] || missing+=(libprotobuf-dev)
   if ((${#missing[@]})); then
     printf '\n==> installing %s\n' "${missing[*]}"

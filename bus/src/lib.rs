@@ -9,12 +9,20 @@
 //! - [`Registry`] (etcd): a worker's record under a lease with keep-alive;
 //!   the list and watch of registered workers.
 //!
+//! - Credentials and TLS for both ([`NatsAuth`], [`EtcdAuth`]): one flag
+//!   group ([`auth_flags`], [`AuthArgs`] for the tools), secrets never
+//!   printed; the per-role subject permissions of the nats-server
+//!   ([`permissions`]).
+//!
 //! Names of subjects, streams and keys come from [`protocol::subjects`].
 
+mod auth;
 mod nats;
+pub mod permissions;
 mod registry;
 mod signal;
 
+pub use auth::{auth_flags, redact_url, AuthArgs, AuthError, EtcdAuth, NatsAuth, Secret};
 pub use nats::{Bus, BusError, DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE};
 pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};
 pub use signal::shutdown_signal;

@@ -7,6 +7,8 @@ use futures::StreamExt;
 use protocol::{subjects, DecodeError, IndexDelta, IndexSnapshot, KvEventBatch, LogEntry, Message};
 use tokio::io::AsyncReadExt;
 
+use crate::auth::{read, redact_url, split_user_info, AuthError, NatsAuth, NatsLogin, Secret};
+
 /// How long [`Bus::connect`] keeps trying a server that is not up yet.
 pub const CONNECT_PATIENCE: Duration = Duration::from_secs(30);
 
@@ -128,6 +130,82 @@ fn retention(config: &stream::Config) -> (Duration, i64) {
     (config.max_age, bytes)
 }
 
+/// `auth` with the URL's user info as its login, and the URL without it.
+fn with_url_user_info(url: &str, auth: &NatsAuth) -> Result<(String, NatsAuth), AuthError> {
+    let (address, user, password) = split_user_info(url);
+    let mut auth = auth.clone();
+    match (user, password) {
+        (Some(user), Some(password)) => {
+            auth.user = Some(user);
+            auth.password = Some(password);
+        }
+        (Some(token), None) => auth.token = Some(Secret::new(token)),
+        _ => {}
+    }
+    auth.login()?;
+    if address.starts_with("tls://") {
+        auth.tls_required = true;
+    }
+    Ok((address, auth))
+}
+
+/// The client's options for `auth` (reads the nkey seed or creds file).
+async fn connect_options(auth: &NatsAuth, name: &str) -> Result<ConnectOptions, AuthError> {
+    let mut options = ConnectOptions::new()
+        .name(name)
+        .custom_inbox_prefix(auth.inbox_prefix());
+    options = match auth.login()? {
+        NatsLogin::Anonymous => options,
+        NatsLogin::UserPassword(user, password) => {
+            options.user_and_password(user, password.expose().to_owned())
+        }
+        NatsLogin::Token(token) => options.token(token.expose().to_owned()),
+        NatsLogin::NkeyFile(path) => {
+            let seed = read("nats", &path)?;
+            let seed = String::from_utf8_lossy(&seed).trim().to_owned();
+            options.nkey(seed)
+        }
+        NatsLogin::CredsFile(path) => {
+            options
+                .credentials_file(&path)
+                .await
+                .map_err(|e| AuthError::Read {
+                    service: "nats",
+                    path: path.clone(),
+                    message: e.to_string(),
+                })?
+        }
+    };
+    if let Some(ca) = &auth.tls_ca {
+        read("nats", ca)?;
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&auth.tls_cert, &auth.tls_key) {
+        read("nats", cert)?;
+        read("nats", key)?;
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    if auth.wants_tls() {
+        options = options.require_tls(true);
+    }
+    Ok(options)
+}
+
+/// Whether the server refused the client (bad credentials or TLS): not
+/// worth retrying.
+fn refused(error: &async_nats::ConnectError) -> bool {
+    use async_nats::ConnectErrorKind as Kind;
+    match error.kind() {
+        Kind::AuthorizationViolation | Kind::Authentication | Kind::Tls => true,
+        // A TLS alert from the server arrives as an IO error.
+        Kind::Io => {
+            let text = error.to_string();
+            text.contains("alert") || text.contains("certificate")
+        }
+        _ => false,
+    }
+}
+
 fn stream_error(stream: &'static str) -> impl Fn(String) -> BusError {
     move |message| BusError::Stream { stream, message }
 }
@@ -222,27 +300,41 @@ pub struct Bus {
 }
 
 impl Bus {
-    /// Connects, naming the connection (it shows in the server's monitor).
-    /// A server that is not up yet (services starting together) is retried
-    /// for up to [`CONNECT_PATIENCE`]; once connected, the client
-    /// reconnects by itself.
+    /// Connects without credentials ([`Bus::connect_with`]).
     pub async fn connect(url: &str, name: &str) -> Result<Self, BusError> {
+        Self::connect_with(url, name, &NatsAuth::default()).await
+    }
+
+    /// Connects with `auth`'s credentials and TLS, naming the connection
+    /// (it shows in the server's monitor). User info in the URL
+    /// (`nats://user:password@host`, `nats://token@host`) logs in as the
+    /// settings' user/password or token would. A server that is not up
+    /// yet (services starting together) is retried for up to
+    /// [`CONNECT_PATIENCE`]; refused credentials are not. Once connected,
+    /// the client reconnects by itself. Logs and errors show the URL with
+    /// its password masked.
+    pub async fn connect_with(url: &str, name: &str, auth: &NatsAuth) -> Result<Self, BusError> {
+        let shown = redact_url(url);
+        let connect_error = |message: String| BusError::Connect {
+            url: shown.clone(),
+            message,
+        };
+        let (address, auth) =
+            with_url_user_info(url, auth).map_err(|e| connect_error(e.to_string()))?;
         let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
         let mut pause = Duration::from_millis(100);
         loop {
-            match ConnectOptions::new().name(name).connect(url).await {
+            let options = connect_options(&auth, name)
+                .await
+                .map_err(|e| connect_error(e.to_string()))?;
+            match options.connect(address.as_str()).await {
                 Ok(client) => return Ok(Self::from_client(client)),
-                Err(e) if tokio::time::Instant::now() + pause < deadline => {
-                    tracing::warn!(url, error = %e, "NATS not reachable yet; retrying");
+                Err(e) if !refused(&e) && tokio::time::Instant::now() + pause < deadline => {
+                    tracing::warn!(url = %shown, error = %e, "NATS not reachable yet; retrying");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(2));
                 }
-                Err(e) => {
-                    return Err(BusError::Connect {
-                        url: url.to_owned(),
-                        message: e.to_string(),
-                    })
-                }
+                Err(e) => return Err(connect_error(e.to_string())),
             }
         }
     }
@@ -270,6 +362,20 @@ impl Bus {
                 .await
                 .map_err(|e| stream_error(name)(e.to_string()))?;
         }
+        Ok(())
+    }
+
+    /// Creates the KV-event stream if it does not exist: all an agent
+    /// needs (the bus's permissions let agents create no other stream).
+    pub async fn ensure_kv_stream(&self) -> Result<(), BusError> {
+        let (name, config) = stream_configs(&StreamLimits::default())
+            .into_iter()
+            .find(|(name, _)| *name == subjects::KV_EVENTS_STREAM)
+            .expect("the KV-event stream is configured");
+        self.js
+            .get_or_create_stream(config)
+            .await
+            .map_err(|e| stream_error(name)(e.to_string()))?;
         Ok(())
     }
 
@@ -372,6 +478,19 @@ impl Bus {
             .await
             .map_err(|e| stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string()))?;
         Ok(info.state.last_sequence)
+    }
+
+    /// Whether a client is pulling from the durable consumer `name` of the
+    /// KV-event stream (the indexer: it always has a pull request
+    /// waiting while it runs); `false` when there is no such consumer.
+    pub async fn kv_consumer_pulling(&self, name: &str) -> Result<bool, BusError> {
+        let error = stream_error(subjects::KV_EVENTS_STREAM);
+        let stream = self.stream(subjects::KV_EVENTS_STREAM).await?;
+        match stream.consumer_info(name).await {
+            Ok(info) => Ok(info.num_waiting > 0),
+            Err(e) if e.to_string().contains("consumer not found") => Ok(false),
+            Err(e) => Err(error(e.to_string())),
+        }
     }
 
     /// Deltas from `start` on, in order, then new ones as they come. An

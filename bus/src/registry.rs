@@ -1,9 +1,14 @@
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
+    WatchOptions,
+};
 use protocol::{subjects, Message, WorkerId, WorkerRecord};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+use crate::auth::{read, redact_url, AuthError, EtcdAuth};
 
 /// What went wrong talking to etcd.
 #[derive(Debug, thiserror::Error)]
@@ -14,6 +19,12 @@ pub enum RegistryError {
         #[source]
         source: etcd_client::Error,
     },
+    #[error("etcd at {endpoints}: {source}")]
+    Settings {
+        endpoints: String,
+        #[source]
+        source: AuthError,
+    },
     #[error("etcd {operation}: {source}")]
     Etcd {
         operation: &'static str,
@@ -22,6 +33,29 @@ pub enum RegistryError {
     },
     #[error("the worker watch ended (etcd closed it)")]
     WatchClosed,
+}
+
+/// The client's options for `auth` (reads the PEM files); `None` for
+/// none of them.
+fn etcd_options(auth: &EtcdAuth) -> Result<Option<ConnectOptions>, AuthError> {
+    let mut options = ConnectOptions::new();
+    let mut any = false;
+    if let (Some(user), Some(password)) = (&auth.user, &auth.password) {
+        options = options.with_user(user.clone(), password.expose());
+        any = true;
+    }
+    if let Some(ca) = &auth.tls_ca {
+        let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(read("etcd", ca)?));
+        if let (Some(cert), Some(key)) = (&auth.tls_cert, &auth.tls_key) {
+            tls = tls.identity(Identity::from_pem(read("etcd", cert)?, read("etcd", key)?));
+        }
+        if let Some(domain) = &auth.tls_domain {
+            tls = tls.domain_name(domain.clone());
+        }
+        options = options.with_tls(tls);
+        any = true;
+    }
+    Ok(any.then_some(options))
 }
 
 fn etcd(operation: &'static str) -> impl FnOnce(etcd_client::Error) -> RegistryError {
@@ -71,15 +105,71 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
+    /// Connects without credentials ([`Registry::connect_with`]).
     pub async fn connect(endpoints: &[String]) -> Result<Self, RegistryError> {
-        let client =
-            Client::connect(endpoints, None)
-                .await
-                .map_err(|source| RegistryError::Connect {
-                    endpoints: endpoints.join(","),
-                    source,
-                })?;
+        Self::connect_with(endpoints, &EtcdAuth::default()).await
+    }
+
+    /// Connects with `auth`'s user/password and TLS (`https://`
+    /// endpoints need its CA).
+    pub async fn connect_with(
+        endpoints: &[String],
+        auth: &EtcdAuth,
+    ) -> Result<Self, RegistryError> {
+        let shown = endpoints
+            .iter()
+            .map(|e| redact_url(e))
+            .collect::<Vec<_>>()
+            .join(",");
+        auth.check(endpoints)
+            .map_err(|source| RegistryError::Settings {
+                endpoints: shown.clone(),
+                source,
+            })?;
+        let options = etcd_options(auth).map_err(|source| RegistryError::Settings {
+            endpoints: shown.clone(),
+            source,
+        })?;
+        let client = Client::connect(endpoints, options)
+            .await
+            .map_err(|source| RegistryError::Connect {
+                endpoints: shown,
+                source,
+            })?;
         Ok(Self { client })
+    }
+
+    /// The first KV epoch of a (re)starting agent of `worker`: later than
+    /// every epoch recorded for it, and at least `floor` (the wall clock in
+    /// ms: epochs stay near it, which the indexer's bound on future epochs
+    /// relies on). Recorded before it is returned, so that concurrent
+    /// callers get different epochs.
+    pub async fn next_epoch(&self, worker: &WorkerId, floor: u64) -> Result<u64, RegistryError> {
+        let key = subjects::etcd_epoch_key(worker);
+        let mut client = self.client.clone();
+        loop {
+            let (recorded, revision) = recorded_epoch(&mut client, &key).await?;
+            let next = floor.max(recorded.map_or(0, |e| e.saturating_add(1)));
+            if put_if_unchanged(&mut client, &key, next, revision).await? {
+                return Ok(next);
+            }
+        }
+    }
+
+    /// Records that `worker`'s agent uses `epoch` (a later recorded epoch
+    /// stays).
+    pub async fn record_epoch(&self, worker: &WorkerId, epoch: u64) -> Result<(), RegistryError> {
+        let key = subjects::etcd_epoch_key(worker);
+        let mut client = self.client.clone();
+        loop {
+            let (recorded, revision) = recorded_epoch(&mut client, &key).await?;
+            if recorded.is_some_and(|r| r >= epoch) {
+                return Ok(());
+            }
+            if put_if_unchanged(&mut client, &key, epoch, revision).await? {
+                return Ok(());
+            }
+        }
     }
 
     /// Registers the worker under a lease of `ttl` and keeps the lease
@@ -139,6 +229,44 @@ impl Registry {
             .map_err(etcd("watch workers"))?;
         Ok(WorkerWatch { stream })
     }
+}
+
+/// The epoch recorded under `key` (a decimal number) and the key's
+/// modification revision (0: absent).
+async fn recorded_epoch(
+    client: &mut Client,
+    key: &str,
+) -> Result<(Option<u64>, i64), RegistryError> {
+    let response = client.get(key, None).await.map_err(etcd("read epoch"))?;
+    Ok(match response.kvs().first() {
+        Some(kv) => (
+            std::str::from_utf8(kv.value())
+                .ok()
+                .and_then(|v| v.trim().parse().ok()),
+            kv.mod_revision(),
+        ),
+        None => (None, 0),
+    })
+}
+
+/// Puts `epoch` under `key` if the key is still at `revision` (0: still
+/// absent); whether it did.
+async fn put_if_unchanged(
+    client: &mut Client,
+    key: &str,
+    epoch: u64,
+    revision: i64,
+) -> Result<bool, RegistryError> {
+    use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+    let unchanged = Compare::mod_revision(key, CompareOp::Equal, revision);
+    let txn = Txn::new()
+        .when([unchanged])
+        .and_then([TxnOp::put(key, epoch.to_string(), None)]);
+    Ok(client
+        .txn(txn)
+        .await
+        .map_err(etcd("record epoch"))?
+        .succeeded())
 }
 
 async fn put_under_lease(

@@ -200,3 +200,25 @@ async fn registration_lives_with_its_lease() -> Result<()> {
     assert_eq!(change, vec![WorkerChange::Down(worker("b"))]);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn epochs_only_go_up_even_when_the_clock_goes_back() -> Result<()> {
+    let server = EtcdServer::start()?;
+    let registry = Registry::connect(&[server.endpoint()]).await?;
+    let w = worker("d0");
+    assert_eq!(registry.next_epoch(&w, 1_000).await?, 1_000);
+    // The clock went back: still later than the last one.
+    assert_eq!(registry.next_epoch(&w, 500).await?, 1_001);
+    // Epochs the agent moved to while running count too.
+    registry.record_epoch(&w, 5_000).await?;
+    registry.record_epoch(&w, 10).await?; // never lowers it
+    assert_eq!(registry.next_epoch(&w, 2_000).await?, 5_001);
+    assert_eq!(registry.next_epoch(&w, 9_000).await?, 9_000);
+    // Agents starting at once get different epochs.
+    let (a, b) = tokio::join!(registry.next_epoch(&w, 0), registry.next_epoch(&w, 0));
+    let (a, b) = (a?, b?);
+    assert!(a != b && a.min(b) == 9_001, "{a} {b}");
+    // Per worker.
+    assert_eq!(registry.next_epoch(&worker("d1"), 7).await?, 7);
+    Ok(())
+}

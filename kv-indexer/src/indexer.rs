@@ -119,6 +119,11 @@ impl KvIndexer {
         self.delta_seq
     }
 
+    /// The epoch the index holds for `worker`, if it knows its stream.
+    pub fn cursor_epoch(&self, worker: &WorkerId) -> Option<u64> {
+        self.cursors.get(worker).map(|c| c.epoch)
+    }
+
     /// Workers whose streams are known, with their positions.
     pub fn cursors(&self) -> impl Iterator<Item = WorkerCursor> + '_ {
         self.cursors.iter().map(|(worker, c)| c.to_wire(worker))

@@ -23,6 +23,8 @@ pub struct AgenticRun {
     /// Caps answer lengths (keeps live runs short).
     pub max_output_tokens: u32,
     pub request_timeout: Duration,
+    /// The routers' API key.
+    pub api_key: Option<String>,
 }
 
 /// One finished turn.
@@ -130,7 +132,7 @@ pub async fn run(config: AgenticRun) -> anyhow::Result<serde_json::Value> {
     }
     let workload = Arc::new(Mutex::new(Agentic::new(config.workload.clone())));
     let results = Arc::new(Mutex::new(Results::default()));
-    let client = reqwest::Client::builder().build()?;
+    let client = crate::api_key::client(config.api_key.as_deref())?.build()?;
     let start = Instant::now();
     let scale = config.time_scale.max(1e-6);
     let at =

@@ -34,6 +34,8 @@ pub struct EventsBench {
     pub nats: String,
     /// The simulated workers register here, so that the indexer keeps them.
     pub etcd: String,
+    /// Credentials and TLS.
+    pub auth: bus::AuthArgs,
     pub workers: usize,
     pub blocks_per_batch: usize,
     /// Target block events per second over all workers.
@@ -120,10 +122,11 @@ async fn note_passes(
 }
 
 pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
-    let bus = Bus::connect(&bench.nats, "loadgen-events").await?;
+    let bus = Bus::connect_with(&bench.nats, "loadgen-events", &bench.auth.nats).await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
     // Registered like real agents (the indexer drops unregistered workers).
-    let registry = Registry::connect(std::slice::from_ref(&bench.etcd)).await?;
+    let registry =
+        Registry::connect_with(std::slice::from_ref(&bench.etcd), &bench.auth.etcd).await?;
     let mut registrations = Vec::new();
     for w in 0..bench.workers {
         let id = WorkerId::new(&format!("bench{w}"), 0)?;

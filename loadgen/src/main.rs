@@ -2,6 +2,7 @@
 //! `/v1/route` benchmark) and measures the event pipeline.
 
 mod agentic;
+mod api_key;
 mod events_bench;
 mod overhead;
 mod ready_bench;
@@ -47,6 +48,9 @@ enum Command {
         request_timeout_s: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// The routers' API key (`Authorization: Bearer KEY`).
+        #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
     /// `/v1/route` at fixed rates (open loop); one JSON line per rate.
     Route {
@@ -72,6 +76,9 @@ enum Command {
         rounds: usize,
         #[arg(long, default_value_t = 5.0)]
         stop_above_p99_ms: f64,
+        /// The routers' API key (`Authorization: Bearer KEY`).
+        #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
     /// An HTTP server that reads each `/v1/route` body and answers `{}`:
     /// run `route` against it for the floor of the route benchmark (the
@@ -123,12 +130,18 @@ enum Command {
             default_value = "nats://127.0.0.1:4222"
         )]
         nats: String,
+        /// NATS credentials and TLS.
+        #[command(flatten)]
+        auth: bus::AuthArgs,
         #[arg(long, default_value_t = 200)]
         requests: usize,
         #[arg(long, default_value_t = 256)]
         prompt_tokens: usize,
         #[arg(long, default_value_t = 4)]
         max_tokens: u32,
+        /// The routers' API key (`Authorization: Bearer KEY`).
+        #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
     },
 }
 
@@ -149,6 +162,9 @@ struct Servers {
         default_value = "http://127.0.0.1:2379"
     )]
     etcd: String,
+    /// Credentials and TLS for both.
+    #[command(flatten)]
+    auth: bus::AuthArgs,
 }
 
 #[tokio::main]
@@ -169,6 +185,7 @@ async fn main() -> anyhow::Result<()> {
             max_output_tokens,
             request_timeout_s,
             seed,
+            api_key,
         } => {
             let summary = agentic::run(agentic::AgenticRun {
                 routers,
@@ -181,6 +198,7 @@ async fn main() -> anyhow::Result<()> {
                 time_scale,
                 max_output_tokens,
                 request_timeout: Duration::from_secs(request_timeout_s),
+                api_key,
             })
             .await?;
             println!("{summary}");
@@ -194,6 +212,7 @@ async fn main() -> anyhow::Result<()> {
             max_in_flight,
             rounds,
             stop_above_p99_ms,
+            api_key,
         } => {
             let lines = route_bench::run(route_bench::RouteBench {
                 router,
@@ -204,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
                 max_in_flight,
                 rounds,
                 stop_above_p99_ms,
+                api_key,
             })
             .await?;
             for line in lines {
@@ -212,7 +232,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Sink { http_addr } => sink::run(http_addr).await?,
         Command::Events {
-            servers: Servers { nats, etcd },
+            servers: Servers { nats, etcd, auth },
             workers,
             blocks_per_batch,
             block_events_per_s,
@@ -221,6 +241,7 @@ async fn main() -> anyhow::Result<()> {
             let summary = events_bench::run(events_bench::EventsBench {
                 nats,
                 etcd,
+                auth,
                 workers,
                 blocks_per_batch,
                 block_events_per_s,
@@ -230,7 +251,7 @@ async fn main() -> anyhow::Result<()> {
             println!("{summary}");
         }
         Command::Ready {
-            servers: Servers { nats, etcd },
+            servers: Servers { nats, etcd, auth },
             router_bin,
             blocks,
             port,
@@ -238,6 +259,7 @@ async fn main() -> anyhow::Result<()> {
             let summary = ready_bench::run(ready_bench::ReadyBench {
                 nats,
                 etcd,
+                auth,
                 router_bin,
                 blocks,
                 port,
@@ -248,16 +270,20 @@ async fn main() -> anyhow::Result<()> {
         Command::Overhead {
             router,
             nats,
+            auth,
             requests,
             prompt_tokens,
             max_tokens,
+            api_key,
         } => {
             let summary = overhead::run(overhead::Overhead {
                 router,
                 nats,
+                auth,
                 requests,
                 prompt_tokens,
                 max_tokens,
+                api_key,
             })
             .await?;
             println!("{summary}");

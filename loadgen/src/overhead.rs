@@ -20,6 +20,10 @@ use crate::stats::Samples;
 pub struct Overhead {
     pub router: String,
     pub nats: String,
+    /// Credentials and TLS.
+    pub auth: bus::AuthArgs,
+    /// The router's API key.
+    pub api_key: Option<String>,
     pub requests: usize,
     pub prompt_tokens: usize,
     pub max_tokens: u32,
@@ -91,8 +95,11 @@ async fn direct(
 }
 
 pub async fn run(o: Overhead) -> anyhow::Result<serde_json::Value> {
-    let client = async_nats::connect(&o.nats).await?;
-    let http = reqwest::Client::new();
+    let client = bus::Bus::connect_with(&o.nats, "loadgen-overhead", &o.auth.nats)
+        .await?
+        .client()
+        .clone();
+    let http = crate::api_key::client(o.api_key.as_deref())?.build()?;
     let (mut routed, mut straight) = (Samples::default(), Samples::default());
     let mut paths = std::collections::BTreeMap::<String, usize>::new();
     for n in 0..o.requests {

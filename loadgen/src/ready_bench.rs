@@ -15,13 +15,15 @@ use protocol::{KvEvent, KvEventBatch, Message, Tier, WorkerId};
 pub struct ReadyBench {
     pub nats: String,
     pub etcd: String,
+    /// Credentials and TLS.
+    pub auth: bus::AuthArgs,
     pub router_bin: String,
     pub blocks: usize,
     pub port: u16,
 }
 
 pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
-    let bus = Bus::connect(&bench.nats, "loadgen-ready").await?;
+    let bus = Bus::connect_with(&bench.nats, "loadgen-ready", &bench.auth.nats).await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
     if bus.last_delta_seq().await? > 0 {
         bail!("the delta stream is not empty: run this against a fresh NATS without a kv-indexer");
@@ -54,6 +56,23 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
     let bytes = snapshot.encode().len();
     let blocks = indexer.index().stats().blocks;
     bus.put_snapshot(&snapshot).await?;
+
+    // A router is ready only with a decode-capable worker: one registered
+    // (it never gets a request).
+    let registry =
+        bus::Registry::connect_with(std::slice::from_ref(&bench.etcd), &bench.auth.etcd).await?;
+    let id = WorkerId::new("ready-bench-d0", 0)?;
+    let record = protocol::WorkerRecord {
+        subjects: protocol::WorkerSubjects::for_worker(&id),
+        id,
+        role: protocol::Role::Decode,
+        contract: protocol::HashingContract::for_model("ready-bench", 16),
+        kv_capacity_blocks: 1000,
+        max_batched_tokens: 8192,
+        kv_bytes_per_token: 1,
+        gpus: 1,
+    };
+    let registration = registry.register(&record, Duration::from_secs(10)).await?;
 
     let started = Instant::now();
     let mut child = Command::new(&bench.router_bin)
@@ -89,6 +108,7 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
     };
     let _ = child.kill();
     let _ = child.wait();
+    registration.revoke().await?;
     Ok(serde_json::json!({
         "snapshot_blocks": blocks,
         "snapshot_bytes": bytes,

@@ -31,6 +31,8 @@ pub struct RouteBench {
     pub rounds: usize,
     /// Stop the sweep once the median p99 exceeds this.
     pub stop_above_p99_ms: f64,
+    /// The router's API key.
+    pub api_key: Option<String>,
 }
 
 /// Request bodies: groups of prompts sharing three quarters of their tokens.
@@ -54,7 +56,7 @@ fn bodies(prompt_tokens: usize, distinct: usize) -> Vec<bytes::Bytes> {
 
 /// Runs the sweep; one JSON object per rate.
 pub async fn run(bench: RouteBench) -> anyhow::Result<Vec<serde_json::Value>> {
-    let client = reqwest::Client::builder()
+    let client = crate::api_key::client(bench.api_key.as_deref())?
         .pool_max_idle_per_host(bench.max_in_flight)
         .build()?;
     let bodies = Arc::new(bodies(bench.prompt_tokens, bench.distinct));

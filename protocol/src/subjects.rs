@@ -8,6 +8,10 @@ pub const KV_EVENTS_STREAM: &str = "SY_KV_EVENTS";
 /// All KV-event subjects (the stream's filter).
 pub const KV_EVENTS_ALL: &str = "sy.kv.events.>";
 
+/// The kv-indexer's durable consumer of the KV-event stream, by default
+/// (routers watch it to tell whether an indexer is running).
+pub const KV_INDEXER_CONSUMER: &str = "kv-indexer";
+
 /// The subject one worker publishes its KV events on.
 pub fn kv_events(worker: &WorkerId) -> String {
     format!("sy.kv.events.{}", worker.subject_tokens())
@@ -66,21 +70,39 @@ pub fn generate(worker: &WorkerId) -> String {
     format!("sy.worker.{}.generate", worker.subject_tokens())
 }
 
+/// Every worker's generate subject (a router's publish permission).
+pub const GENERATE_ALL: &str = "sy.worker.*.*.generate";
+
 /// Core NATS: [`crate::CancelRequest`]s for the requests a worker serves.
 pub fn cancel(worker: &WorkerId) -> String {
     format!("sy.worker.{}.cancel", worker.subject_tokens())
 }
+
+/// Every worker's cancel subject (a router's publish permission).
+pub const CANCEL_ALL: &str = "sy.worker.*.*.cancel";
 
 /// Request/reply: ask a worker's agent to publish its full block set again.
 pub fn resync(worker: &WorkerId) -> String {
     format!("sy.worker.{}.resync", worker.subject_tokens())
 }
 
+/// Every worker's resync subject (the indexer's publish permission).
+pub const RESYNC_ALL: &str = "sy.worker.*.*.resync";
+
 /// etcd: one key per registered worker, under the worker's lease.
 pub const ETCD_WORKERS_PREFIX: &str = "/switchyard/workers/";
 
 pub fn etcd_worker_key(worker: &WorkerId) -> String {
     format!("{ETCD_WORKERS_PREFIX}{}", worker.subject_tokens())
+}
+
+/// etcd: the highest KV epoch each worker's agent used (no lease: it
+/// outlives the agent), so that a restarted agent starts a later epoch
+/// even when the clock went back.
+pub const ETCD_EPOCHS_PREFIX: &str = "/switchyard/epochs/";
+
+pub fn etcd_epoch_key(worker: &WorkerId) -> String {
+    format!("{ETCD_EPOCHS_PREFIX}{}", worker.subject_tokens())
 }
 
 #[cfg(test)]
@@ -97,5 +119,14 @@ mod tests {
         );
         assert!(kv_events(&w).starts_with(KV_EVENTS_ALL.trim_end_matches('>')));
         assert!(load(&w).starts_with(LOAD_ALL.trim_end_matches('>')));
+        // The wildcards match the per-worker subjects, token for token.
+        let matches = |pattern: &str, subject: &str| {
+            let (p, s): (Vec<_>, Vec<_>) =
+                (pattern.split('.').collect(), subject.split('.').collect());
+            p.len() == s.len() && p.iter().zip(&s).all(|(p, s)| *p == "*" || p == s)
+        };
+        assert!(matches(GENERATE_ALL, &generate(&w)));
+        assert!(matches(CANCEL_ALL, &cancel(&w)));
+        assert!(matches(RESYNC_ALL, &resync(&w)));
     }
 }

@@ -59,8 +59,12 @@ async fn read_stream(
 
 /// Exports the last `last` decisions (all when `None`) and what replaying
 /// them needs.
-pub async fn export(nats_url: &str, last: Option<usize>) -> anyhow::Result<Export> {
-    let bus = Bus::connect(nats_url, "switchyard-replay").await?;
+pub async fn export(
+    nats_url: &str,
+    auth: &bus::NatsAuth,
+    last: Option<usize>,
+) -> anyhow::Result<Export> {
+    let bus = Bus::connect_with(nats_url, "switchyard-replay", auth).await?;
     let js = bus.jetstream().clone();
 
     // The indexer's position and digest now: the deltas will run to it.

@@ -35,6 +35,9 @@ struct Source {
     /// From a live cluster: only the last N decisions.
     #[arg(long)]
     last: Option<usize>,
+    /// The live cluster's NATS credentials and TLS.
+    #[command(flatten)]
+    auth: bus::AuthArgs,
 }
 
 impl Source {
@@ -46,7 +49,7 @@ impl Source {
                 Export::from_bytes(&bytes)
                     .with_context(|| format!("{} is not a readable export", path.display()))
             }
-            (None, Some(url)) => live::export(url, self.last).await,
+            (None, Some(url)) => live::export(url, &self.auth.nats, self.last).await,
             (None, None) => bail!("give --file FILE or --nats URL"),
         }
     }
@@ -99,6 +102,9 @@ enum Command {
             default_value = "nats://127.0.0.1:4222"
         )]
         nats: String,
+        /// NATS credentials and TLS.
+        #[command(flatten)]
+        auth: bus::AuthArgs,
         #[arg(long)]
         out: PathBuf,
         /// Only the last N decisions (and what they need).
@@ -153,8 +159,13 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Export { nats, out, last } => {
-            let export = live::export(&nats, last).await?;
+        Command::Export {
+            nats,
+            auth,
+            out,
+            last,
+        } => {
+            let export = live::export(&nats, &auth.nats, last).await?;
             let bytes = export.to_bytes();
             std::fs::write(&out, &bytes).with_context(|| format!("writing {}", out.display()))?;
             let per_decision: usize = export

@@ -26,7 +26,7 @@ async fn bad_requests_get_a_4xx_with_a_message_and_no_worker_a_503() -> Result<(
     let cluster = Cluster::start().await?;
     let mut config = cluster.config("r1");
     config.max_body_bytes = 4096;
-    let router = RouterHandle::ready(config).await?;
+    let router = RouterHandle::loaded(config).await?;
     let post_raw = |path: &'static str, body: &'static str| {
         router
             .http
@@ -246,7 +246,8 @@ async fn a_worker_with_another_block_size_is_refused_and_never_routed_to() -> Re
     let mut bad = record("d9", Role::Decode);
     bad.contract.block_size = 32;
     let mut refused = FakeWorker::start(&cluster, bad, Behavior::Serve).await?;
-    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    // A refused worker does not make the replica ready.
+    let router = RouterHandle::loaded(cluster.config("r1")).await?;
     wait_for("the refusal counted", || async {
         let m = router.get_text("/metrics").await.ok()?;
         m.contains("router_workers_refused_total{reason=\"block_size\"} 1")
@@ -265,6 +266,7 @@ async fn a_worker_with_another_block_size_is_refused_and_never_routed_to() -> Re
     // A good worker next to it gets everything.
     let mut good = FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
     router.wait_workers(1).await?;
+    router.wait_ready().await?;
     for _ in 0..3 {
         let r = router
             .post(

@@ -81,9 +81,15 @@ async fn ready_after_catching_up_from_snapshot_and_deltas_across_a_gap() -> Resu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn empty_deployment_is_ready_and_catches_up_on_new_deltas() -> Result<()> {
+async fn empty_deployment_is_not_ready_and_catches_up_on_new_deltas() -> Result<()> {
     let cluster = Cluster::start().await?;
-    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    let router = RouterHandle::loaded(cluster.config("r1")).await?;
+    let readyz = router.http.get(router.url("/readyz")).send().await?;
+    assert_eq!(readyz.status(), 503);
+    assert!(readyz
+        .text()
+        .await?
+        .contains("no decode-capable worker accepted"));
     assert_eq!(router.ledger().await?["applied_delta"], 0);
     // No snapshot ever: the replica follows the deltas from 1.
     let mut indexer = Indexer::new(&cluster);

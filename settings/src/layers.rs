@@ -105,7 +105,9 @@ impl Args {
         }
     }
 
-    fn from_matches(matches: &clap::ArgMatches, flags: &[Flag]) -> Result<Args, clap::Error> {
+    /// The arguments of `flags` in matches of a command that
+    /// [`command`] made (what a clap `Args` impl over flags reads).
+    pub fn from_matches(matches: &clap::ArgMatches, flags: &[Flag]) -> Result<Args, clap::Error> {
         let mut args = Args::from_file(matches.get_one::<PathBuf>(flags::CONFIG_ID).cloned());
         for flag in flags {
             for (id, legacy) in flag.ids() {

@@ -2,15 +2,18 @@
 //! RAII guards ([`servers`]), Switchyard's own binaries as child processes
 //! ([`services`]), deterministic prompts ([`tokens`]), the protocol
 //! fixtures and KV-stream tap the crates' tests share ([`fixtures`]), and
-//! the runner of data-driven scenarios ([`datadriven`]).
+//! the runner of data-driven scenarios ([`datadriven`]), and a throwaway
+//! certificate authority for TLS tests ([`tls`]).
 
 pub mod datadriven;
 pub mod fixtures;
 pub mod servers;
 pub mod services;
+pub mod tls;
 
 pub use servers::{free_port, EtcdServer, NatsServer};
 pub use services::{binary, Service};
+pub use tls::TestCa;
 
 /// `n` deterministic pseudo-random token ids (xorshift from `seed`, in a
 /// 150k vocabulary): the same seed gives the same prompt.

@@ -47,6 +47,7 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const START_ATTEMPTS: usize = 5;
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
 const LOG_FILE: &str = "server.log";
+const NATS_PID_FILE: &str = "nats.pid";
 const LOG_TAIL_BYTES: u64 = 4096;
 
 /// The supervisor script: `$@` is the server's command line. It runs the
@@ -80,6 +81,9 @@ exit "$status"
 pub struct NatsServer {
     port: u16,
     name: String,
+    /// A server configuration file (`-c`): accounts, users, permissions,
+    /// TLS. The command line's listen address, port, name and store win.
+    config: Option<PathBuf>,
     server: Server,
 }
 
@@ -87,17 +91,32 @@ impl NatsServer {
     /// Starts a server on a fresh port with an empty store and waits until
     /// it accepts clients (it has sent its `INFO` line).
     pub fn start() -> Result<Self> {
+        Self::start_inner(None)
+    }
+
+    /// [`start`](Self::start) with a server configuration file (`-c`):
+    /// its accounts, users, permissions and TLS apply; the listen address,
+    /// port, server name and store are the guard's.
+    pub fn start_with_config(config: &Path) -> Result<Self> {
+        Self::start_inner(Some(config.to_owned()))
+    }
+
+    fn start_inner(config: Option<PathBuf>) -> Result<Self> {
         let program = find_program("nats-server", "SWITCHYARD_NATS_SERVER")?;
         let dir = server_dir("switchyard-nats-")?;
         let name = unique_name("nats");
         fs::create_dir(dir.path().join("store")).context("creating the JetStream store dir")?;
         let (port, process) = start_on_fresh_ports("nats-server", || {
             let port = free_port()?;
-            Ok((port, spawn_nats(&program, port, &name, dir.path())))
+            Ok((
+                port,
+                spawn_nats(&program, port, &name, dir.path(), config.as_deref()),
+            ))
         })?;
         Ok(Self {
             port,
             name,
+            config,
             server: Server::new(process, dir),
         })
     }
@@ -146,15 +165,37 @@ impl NatsServer {
         self.server.stop()
     }
 
+    /// Makes the running server read its configuration file again
+    /// (SIGHUP): users and permissions change without a restart.
+    pub fn reload(&self) -> Result<()> {
+        let pid = fs::read_to_string(self.dir().join(NATS_PID_FILE))
+            .context("reading nats-server's pid file")?;
+        let status = Command::new("kill")
+            .args(["-HUP", pid.trim()])
+            .status()
+            .context("sending nats-server SIGHUP")?;
+        if !status.success() {
+            bail!("kill -HUP {} failed: {status}", pid.trim());
+        }
+        Ok(())
+    }
+
     /// Stops the server (if running) and starts it again on the same port
     /// with the same store directory, waiting until it accepts clients.
     /// Clients reconnect to the same [`url`](Self::url).
     pub fn restart(&mut self) -> Result<()> {
         self.stop()?;
         let program = find_program("nats-server", "SWITCHYARD_NATS_SERVER")?;
-        let process =
-            respawn_on_same_ports(|| spawn_nats(&program, self.port, &self.name, self.dir()))
-                .with_context(|| format!("restarting nats-server on port {}", self.port))?;
+        let process = respawn_on_same_ports(|| {
+            spawn_nats(
+                &program,
+                self.port,
+                &self.name,
+                self.dir(),
+                self.config.as_deref(),
+            )
+        })
+        .with_context(|| format!("restarting nats-server on port {}", self.port))?;
         self.server.process = Some(process);
         Ok(())
     }
@@ -173,7 +214,18 @@ pub struct EtcdServer {
     client_port: u16,
     peer_port: u16,
     name: String,
+    /// A second, TLS client listener ([`EtcdServer::start_with_tls`]).
+    tls: Option<EtcdTls>,
     server: Server,
+}
+
+/// An etcd member's TLS client listener: its port and PEM files.
+#[derive(Debug, Clone)]
+struct EtcdTls {
+    port: u16,
+    cert: PathBuf,
+    key: PathBuf,
+    ca: PathBuf,
 }
 
 impl EtcdServer {
@@ -192,14 +244,53 @@ impl EtcdServer {
             // A start that failed may have left a half-initialised member.
             let _ = fs::remove_dir_all(dir.path().join("data"));
             let ports = (free_port()?, free_port()?);
-            Ok((ports, spawn_etcd(&program, ports, &name, dir.path())))
+            Ok((ports, spawn_etcd(&program, ports, &name, dir.path(), None)))
         })?;
         Ok(Self {
             client_port,
             peer_port,
             name,
+            tls: None,
             server: Server::new(process, dir),
         })
+    }
+
+    /// [`start`](Self::start), plus a TLS client listener
+    /// ([`tls_endpoint`](Self::tls_endpoint)) with `ca`'s server
+    /// certificate that requires a client certificate `ca` signed. The
+    /// plain listener stays (the guard checks health on it).
+    pub fn start_with_tls(ca: &crate::TestCa) -> Result<Self> {
+        let program = find_program("etcd", "SWITCHYARD_ETCD")?;
+        let dir = server_dir("switchyard-etcd-")?;
+        let name = unique_name("etcd");
+        let mut tls = EtcdTls {
+            port: 0,
+            cert: ca.path("server.pem"),
+            key: ca.path("server.key"),
+            ca: ca.path("ca.pem"),
+        };
+        let ((client_port, peer_port, tls_port), process) = start_on_fresh_ports("etcd", || {
+            let _ = fs::remove_dir_all(dir.path().join("data"));
+            let ports = (free_port()?, free_port()?, free_port()?);
+            tls.port = ports.2;
+            let spawned = spawn_etcd(&program, (ports.0, ports.1), &name, dir.path(), Some(&tls));
+            Ok((ports, spawned))
+        })?;
+        tls.port = tls_port;
+        Ok(Self {
+            client_port,
+            peer_port,
+            name,
+            tls: Some(tls),
+            server: Server::new(process, dir),
+        })
+    }
+
+    /// `https://127.0.0.1:PORT` of the TLS listener, if it has one.
+    pub fn tls_endpoint(&self) -> Option<String> {
+        self.tls
+            .as_ref()
+            .map(|tls| format!("https://127.0.0.1:{}", tls.port))
     }
 
     /// `http://127.0.0.1:CLIENT_PORT`, for `etcd_client::Client::connect`.
@@ -256,8 +347,10 @@ impl EtcdServer {
         self.stop()?;
         let program = find_program("etcd", "SWITCHYARD_ETCD")?;
         let ports = (self.client_port, self.peer_port);
-        let process = respawn_on_same_ports(|| spawn_etcd(&program, ports, &self.name, self.dir()))
-            .with_context(|| format!("restarting etcd on port {}", self.client_port))?;
+        let process = respawn_on_same_ports(|| {
+            spawn_etcd(&program, ports, &self.name, self.dir(), self.tls.as_ref())
+        })
+        .with_context(|| format!("restarting etcd on port {}", self.client_port))?;
         self.server.process = Some(process);
         Ok(())
     }
@@ -348,8 +441,19 @@ fn respawn_on_same_ports(
 }
 
 /// Spawns `nats-server` and waits until it has sent its `INFO` line.
-fn spawn_nats(program: &Path, port: u16, name: &str, dir: &Path) -> Result<Supervised, StartError> {
-    let args: Vec<OsString> = vec![
+fn spawn_nats(
+    program: &Path,
+    port: u16,
+    name: &str,
+    dir: &Path,
+    config: Option<&Path>,
+) -> Result<Supervised, StartError> {
+    let mut args: Vec<OsString> = config
+        .map(|c| vec!["-c".into(), c.into()])
+        .unwrap_or_default();
+    args.extend::<[OsString; 11]>([
+        "-P".into(),
+        dir.join(NATS_PID_FILE).into(),
         "-a".into(),
         "127.0.0.1".into(),
         "-p".into(),
@@ -359,7 +463,7 @@ fn spawn_nats(program: &Path, port: u16, name: &str, dir: &Path) -> Result<Super
         "-js".into(),
         "-sd".into(),
         dir.join("store").into(),
-    ];
+    ]);
     let mut process =
         Supervised::spawn(program, &args, &dir.join(LOG_FILE)).map_err(StartError::Failed)?;
     let deadline = Instant::now() + NATS_READY_TIMEOUT;
@@ -384,10 +488,15 @@ fn spawn_etcd(
     (client_port, peer_port): (u16, u16),
     name: &str,
     dir: &Path,
+    tls: Option<&EtcdTls>,
 ) -> Result<Supervised, StartError> {
     let client_url = format!("http://127.0.0.1:{client_port}");
     let peer_url = format!("http://127.0.0.1:{peer_port}");
-    let args: Vec<OsString> = vec![
+    let listen = match tls {
+        Some(tls) => format!("{client_url},https://127.0.0.1:{}", tls.port),
+        None => client_url.clone(),
+    };
+    let mut args: Vec<OsString> = vec![
         "--name".into(),
         name.into(),
         "--data-dir".into(),
@@ -395,7 +504,7 @@ fn spawn_etcd(
         "--logger=zap".into(),
         "--log-level=warn".into(),
         "--listen-client-urls".into(),
-        client_url.clone().into(),
+        listen.into(),
         "--advertise-client-urls".into(),
         client_url.into(),
         "--listen-peer-urls".into(),
@@ -407,6 +516,17 @@ fn spawn_etcd(
         "--heartbeat-interval=10".into(),
         "--election-timeout=100".into(),
     ];
+    if let Some(tls) = tls {
+        args.extend([
+            "--cert-file".into(),
+            tls.cert.clone().into(),
+            "--key-file".into(),
+            tls.key.clone().into(),
+            "--trusted-ca-file".into(),
+            tls.ca.clone().into(),
+            "--client-cert-auth".into(),
+        ]);
+    }
     let mut process =
         Supervised::spawn(program, &args, &dir.join(LOG_FILE)).map_err(StartError::Failed)?;
     let deadline = Instant::now() + ETCD_READY_TIMEOUT;

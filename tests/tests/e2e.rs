@@ -14,7 +14,7 @@ use serde_json::Value;
 
 /// Reads every decision on the decision log.
 async fn decision_log(cluster: &Cluster) -> Result<Vec<RouteDecision>> {
-    let js = jetstream::new(async_nats::connect(cluster.nats.url()).await?);
+    let js = jetstream::new(cluster.nats_client().await?);
     let mut stream = js.get_stream(subjects::DECISIONS_STREAM).await?;
     let last = stream.info().await?.state.last_sequence;
     let consumer = stream
@@ -113,7 +113,7 @@ async fn conversations_replicas_late_joiners_and_bad_input() -> Result<()> {
 
         // 6. Bad input: a malformed message on the event stream is counted
         // and skipped; the consumer keeps going. Malformed HTTP gets a 4xx.
-        let client = async_nats::connect(cluster.nats.url()).await?;
+        let client = cluster.nats_client().await?;
         jetstream::new(client)
             .publish(
                 "sy.kv.events.garbage.0",

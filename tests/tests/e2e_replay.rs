@@ -50,10 +50,10 @@ async fn export_verify_explain_and_what_if() -> Result<()> {
         let file_arg = file.to_str().context("a UTF-8 path")?;
         let nats = cluster.nats.url();
 
-        let export = ok(
-            replay(&["export", "--nats", &nats, "--out", file_arg])?,
-            "export",
-        )?;
+        let login = cluster.nats_login(bus::permissions::REPLAY_USER);
+        let mut export_args = vec!["export", "--nats", &nats, "--out", file_arg];
+        export_args.extend(login.iter().map(String::as_str));
+        let export = ok(replay(&export_args)?, "export")?;
         ensure!(export.contains("9 decisions"), "{export}");
 
         // Every decision reproduced, the rebuilt index equal to the live one.
@@ -75,10 +75,9 @@ async fn export_verify_explain_and_what_if() -> Result<()> {
         // export carries; every decision still replays.
         let tail = dir.path().join("tail.syx");
         let tail_arg = tail.to_str().context("a UTF-8 path")?;
-        let export = ok(
-            replay(&["export", "--nats", &nats, "--out", tail_arg, "--last", "4"])?,
-            "export --last 4",
-        )?;
+        let mut tail_args = vec!["export", "--nats", &nats, "--out", tail_arg, "--last", "4"];
+        tail_args.extend(login.iter().map(String::as_str));
+        let export = ok(replay(&tail_args)?, "export --last 4")?;
         ensure!(
             export.contains("4 decisions") && export.contains("1 earlier prompts"),
             "{export}"

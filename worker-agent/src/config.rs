@@ -36,6 +36,10 @@ pub enum EngineChoice {
 pub struct Options {
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
+    /// NATS credentials and TLS (`[nats]`).
+    pub nats: bus::NatsAuth,
+    /// etcd credentials and TLS (`[etcd]`).
+    pub etcd: bus::EtcdAuth,
     /// `[A-Za-z0-9_-]`, unique in the deployment. Required.
     pub worker_name: String,
     pub dp_rank: u32,
@@ -80,6 +84,8 @@ impl Default for Options {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            nats: bus::NatsAuth::default(),
+            etcd: bus::EtcdAuth::default(),
             worker_name: String::new(),
             dp_rank: 0,
             role: Role::Both.as_str().into(),
@@ -112,7 +118,7 @@ impl Default for Options {
 
 /// Every flag of the agent.
 pub fn flags() -> Vec<Flag> {
-    vec![
+    let mut flags = vec![
         Flag::new("nats_url", Kind::Text, "NATS server URL"),
         Flag::new("etcd_endpoints", Kind::List, "etcd endpoints, comma separated"),
         Flag::new(
@@ -224,7 +230,9 @@ pub fn flags() -> Vec<Flag> {
             "Real engine: when no KV event came for this long, ask the replay socket for any batch the subscription missed (0s: never)",
         )
         .legacy(Legacy::millis("kv-idle-check-ms")),
-    ]
+    ];
+    flags.extend(bus::auth_flags());
+    flags
 }
 
 /// The command line's name, version and description.
@@ -324,6 +332,8 @@ const LOAD_POLL: Duration = Duration::from_millis(10);
 pub struct Config {
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
+    pub nats: bus::NatsAuth,
+    pub etcd: bus::EtcdAuth,
     /// Where `/metrics` and `/healthz` are served, if anywhere.
     pub http_addr: Option<SocketAddr>,
     pub worker: WorkerId,
@@ -406,6 +416,8 @@ impl Options {
         Ok(Config {
             nats_url: self.nats_url.clone(),
             etcd_endpoints: self.etcd_endpoints.clone(),
+            nats: self.nats.clone(),
+            etcd: self.etcd.clone(),
             http_addr: self.http_addr,
             worker,
             role,

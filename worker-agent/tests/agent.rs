@@ -84,6 +84,18 @@ fn prompt(seed: u64, len: usize) -> Vec<u32> {
 }
 
 /// The worker's record in etcd, if registered.
+/// The epoch etcd recorded for `id`'s agent.
+async fn etcd_epoch(servers: &Servers, id: &WorkerId) -> Option<u64> {
+    let mut client = etcd_client::Client::connect([servers.etcd.endpoint()], None)
+        .await
+        .ok()?;
+    let response = client.get(subjects::etcd_epoch_key(id), None).await.ok()?;
+    std::str::from_utf8(response.kvs().first()?.value())
+        .ok()?
+        .parse()
+        .ok()
+}
+
 async fn record(registry: &Registry, id: &WorkerId) -> Result<Option<WorkerRecord>> {
     let (changes, _) = registry.workers().await?;
     Ok(changes.into_iter().find_map(|c| match c {
@@ -357,6 +369,16 @@ async fn a_restart_starts_a_greater_epoch() -> Result<()> {
     assert!(second.epoch > first.epoch);
     assert_eq!(kv.epochs, vec![first.epoch, second.epoch]);
     agent.shutdown(WAIT).await?;
+
+    // The clock went back (etcd recorded an epoch an hour ahead of it):
+    // the next start is still later than every earlier epoch.
+    let registry = servers.registry().await?;
+    let ahead = second.epoch + 3_600_000;
+    registry.record_epoch(&id, ahead).await?;
+    let agent = Agent::start(servers.config("restart", Role::Both));
+    let third = kv.next().await?;
+    assert_eq!(third.epoch, ahead + 1);
+    agent.shutdown(WAIT).await?;
     Ok(())
 }
 
@@ -389,6 +411,16 @@ async fn a_resync_republishes_the_full_block_set() -> Result<()> {
     let reply = ResyncReply::decode(&reply.payload)?;
     assert_eq!(reply.worker, id);
     assert!(reply.epoch > old_epoch);
+    // The new epoch is recorded: a restart would start after it.
+    let recorded = async {
+        loop {
+            if etcd_epoch(&servers, &id).await == Some(reply.epoch) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    timeout(WAIT, recorded).await?;
 
     // Every batch of the old epoch, then the new epoch's first batch: the
     // whole block set.

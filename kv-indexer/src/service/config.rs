@@ -22,6 +22,10 @@ pub struct Config {
     pub nats_url: String,
     /// etcd endpoints.
     pub etcd_endpoints: Vec<String>,
+    /// NATS credentials and TLS (`[nats]`).
+    pub nats: bus::NatsAuth,
+    /// etcd credentials and TLS (`[etcd]`).
+    pub etcd: bus::EtcdAuth,
     /// Name of the durable JetStream consumer over the workers' KV events.
     pub consumer: String,
     /// Address of the HTTP endpoints (`/metrics`, `/healthz`, `/status`).
@@ -70,6 +74,12 @@ pub struct Config {
     /// At most this many bytes of decision log are kept (0: no cap).
     #[serde(with = "settings::bytes")]
     pub decisions_max_bytes: u64,
+    /// A KV batch whose epoch is further ahead of the wall clock (agents
+    /// number epochs in milliseconds since the Unix epoch) is rejected.
+    #[serde(with = "settings::duration")]
+    pub max_epoch_ahead: Duration,
+    /// Bearer token of `/status`; none: loopback clients only.
+    pub admin_token: Option<bus::Secret>,
     /// Fault injection for tests: stop abruptly once delta N is confirmed,
     /// before its KV message is acked. Not a setting.
     #[serde(skip)]
@@ -81,7 +91,9 @@ impl Default for Config {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
-            consumer: "kv-indexer".into(),
+            nats: bus::NatsAuth::default(),
+            etcd: bus::EtcdAuth::default(),
+            consumer: protocol::subjects::KV_INDEXER_CONSUMER.into(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 9091)),
             max_blocks: None,
             reserve_blocks: DEFAULT_RESERVE_BLOCKS,
@@ -98,6 +110,8 @@ impl Default for Config {
             kv_events_max_bytes: 1 << 30,
             decisions_max_age: Duration::from_secs(24 * 3600),
             decisions_max_bytes: 1 << 30,
+            max_epoch_ahead: Duration::from_secs(300),
+            admin_token: None,
             crash_after_delta: None,
         }
     }
@@ -119,7 +133,7 @@ pub enum ConfigError {
 /// Every flag; each also a variable (`SWITCHYARD_INDEXER_*` for the
 /// indexer's own).
 pub fn flags() -> Vec<Flag> {
-    vec![
+    let mut flags = vec![
         Flag::new("nats_url", Kind::Text, "NATS server (with JetStream)"),
         Flag::new("etcd_endpoints", Kind::List, "etcd endpoints, comma separated"),
         Flag::new(
@@ -220,7 +234,21 @@ pub fn flags() -> Vec<Flag> {
             Kind::Bytes,
             "At most this many bytes of decision log are kept, the oldest dropped (0: no cap); a dispatched 8k-token request's record takes about 8 KB",
         ),
-    ]
+        Flag::new(
+            "max_epoch_ahead",
+            Kind::Duration,
+            "Reject KV batches whose epoch (the agent's start, ms since the Unix epoch) is further ahead of this clock than this (a forged far-future epoch would make every real batch stale)",
+        )
+        .env("SWITCHYARD_INDEXER_MAX_EPOCH_AHEAD"),
+        Flag::new(
+            "admin_token",
+            Kind::Text,
+            "Bearer token of /status (it names every worker and what it holds); none: loopback clients only",
+        )
+        .env("SWITCHYARD_INDEXER_ADMIN_TOKEN"),
+    ];
+    flags.extend(bus::auth_flags());
+    flags
 }
 
 /// The command line's name, version and description.
@@ -322,6 +350,36 @@ mod tests {
         )
         .expect("valid flags");
         Config::from_args(&args)
+    }
+
+    #[test]
+    fn credentials_come_from_flags_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("indexer.toml");
+        std::fs::write(
+            &file,
+            "[nats]\ncreds_file = \"/run/secrets/indexer.creds\"\ntls_ca = \"/etc/ca.pem\"\n[etcd]\nuser = \"indexer\"\npassword = \"from-file\"\n",
+        )
+        .unwrap();
+        let config = parse(&[
+            "--config",
+            file.to_str().unwrap(),
+            "--nats-tls-ca",
+            "/etc/other-ca.pem",
+        ])
+        .unwrap()
+        .config;
+        assert_eq!(
+            config.nats.creds_file.as_deref(),
+            Some(std::path::Path::new("/run/secrets/indexer.creds"))
+        );
+        // The flag beats the file.
+        assert_eq!(
+            config.nats.tls_ca.as_deref(),
+            Some(std::path::Path::new("/etc/other-ca.pem"))
+        );
+        assert_eq!(config.etcd.password, Some(bus::Secret::new("from-file")));
+        assert!(!format!("{config:?}").contains("from-file"));
     }
 
     #[test]

@@ -1,12 +1,16 @@
 //! HTTP endpoints: `GET /metrics` (Prometheus text), `GET /healthz` (200
 //! while the service loop runs) and `GET /status` (JSON, answered by the
-//! loop: delta sequences, index size, digest).
+//! loop: delta sequences, index size, digest). `/status` names every
+//! worker and what it holds: it needs the admin token when one is set
+//! (`Authorization: Bearer TOKEN`), else a client on loopback.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{header, StatusCode};
+use std::net::SocketAddr;
+
+use axum::extract::{ConnectInfo, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
@@ -24,14 +28,36 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 struct AppState {
     metrics: Arc<Metrics>,
     status: mpsc::Sender<StatusRequest>,
+    admin_token: Option<bus::Secret>,
 }
 
-pub fn router(metrics: Arc<Metrics>, status: mpsc::Sender<StatusRequest>) -> Router {
+pub fn router(
+    metrics: Arc<Metrics>,
+    status: mpsc::Sender<StatusRequest>,
+    admin_token: Option<bus::Secret>,
+) -> Router {
     Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(healthz))
         .route("/status", get(status_json))
-        .with_state(AppState { metrics, status })
+        .with_state(AppState {
+            metrics,
+            status,
+            admin_token,
+        })
+}
+
+/// Whether a `/status` request may be answered: the admin token when one
+/// is set, else a loopback peer.
+fn admitted(admin_token: Option<&bus::Secret>, headers: &HeaderMap, peer: SocketAddr) -> bool {
+    match admin_token {
+        Some(token) => headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| given.trim() == token.expose()),
+        None => peer.ip().is_loopback(),
+    }
 }
 
 /// Serves until `stop` fires (or its sender is dropped).
@@ -40,11 +66,14 @@ pub async fn serve(
     router: Router,
     stop: oneshot::Receiver<()>,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async {
-            let _ = stop.await;
-        })
-        .await
+    axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        let _ = stop.await;
+    })
+    .await
 }
 
 async fn render_metrics(State(state): State<AppState>) -> impl IntoResponse {
@@ -62,7 +91,14 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
     }
 }
 
-async fn status_json(State(state): State<AppState>) -> Result<Json<serde_json::Value>, StatusCode> {
+async fn status_json(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Result<Json<serde_json::Value>, StatusCode> {
+    if !admitted(state.admin_token.as_ref(), &headers, peer) {
+        return Err(StatusCode::FORBIDDEN);
+    }
     let (tx, rx) = oneshot::channel();
     state
         .status
@@ -73,5 +109,24 @@ async fn status_json(State(state): State<AppState>) -> Result<Json<serde_json::V
         Ok(Ok(status)) => Ok(Json(status)),
         Ok(Err(_)) => Err(StatusCode::SERVICE_UNAVAILABLE),
         Err(_) => Err(StatusCode::GATEWAY_TIMEOUT),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_needs_the_token_or_loopback() {
+        let loopback: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let remote: SocketAddr = "10.0.0.7:1".parse().unwrap();
+        let none = HeaderMap::new();
+        let mut with = HeaderMap::new();
+        with.insert(header::AUTHORIZATION, "Bearer t0k".parse().unwrap());
+        assert!(admitted(None, &none, loopback));
+        assert!(!admitted(None, &none, remote));
+        let token = bus::Secret::new("t0k");
+        assert!(admitted(Some(&token), &with, remote));
+        assert!(!admitted(Some(&token), &none, loopback));
     }
 }

@@ -14,6 +14,10 @@ pub struct Metrics {
     batches: [Counter; 6],
     pub block_events: Counter,
     pub malformed_messages: Counter,
+    pub rejected_wrong_subject: Counter,
+    pub rejected_future_epoch: Counter,
+    pub epochs_reset: Counter,
+    pub frozen_workers: Gauge,
     pub deltas_published: Counter,
     pub delta_seq: Gauge,
     pub delta_seq_published: Gauge,
@@ -223,6 +227,25 @@ impl Metrics {
                 "kv_indexer_registry_malformed_total",
                 &[],
                 "Malformed worker records in etcd (skipped)",
+            ),
+            rejected_wrong_subject: r.counter(
+                "kv_indexer_batches_rejected_total",
+                &[("reason", "wrong_subject")],
+                "KV batches refused before the index saw them (a worker's batch on another worker's subject; an epoch beyond --max-epoch-ahead)",
+            ),
+            rejected_future_epoch: r.counter(
+                "kv_indexer_batches_rejected_total",
+                &[("reason", "future_epoch")],
+                "KV batches refused before the index saw them (a worker's batch on another worker's subject; an epoch beyond --max-epoch-ahead)",
+            ),
+            epochs_reset: r.counter(
+                "kv_indexer_epochs_reset_total",
+                &[],
+                "Workers reset because the index held an epoch of theirs beyond --max-epoch-ahead",
+            ),
+            frozen_workers: r.gauge(
+                "kv_indexer_frozen_workers",
+                "Workers whose batches are dropped as stale since their last applied one (/status lists them)",
             ),
             registry_errors: r.counter(
                 "kv_indexer_registry_errors_total",

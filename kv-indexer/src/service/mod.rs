@@ -16,6 +16,7 @@
 
 pub mod config;
 pub mod consumer;
+pub mod guard;
 pub mod http;
 pub mod metrics;
 pub mod overlap;
@@ -163,9 +164,9 @@ impl Service {
             addr: config.http_addr,
             source,
         })?;
-        let bus = Bus::connect(&config.nats_url, "kv-indexer").await?;
+        let bus = Bus::connect_with(&config.nats_url, "kv-indexer", &config.nats).await?;
         set_retention(&bus, &config.stream_limits()).await?;
-        let registry = Registry::connect(&config.etcd_endpoints).await?;
+        let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
         let metrics = Arc::new(Metrics::new());
 
         let started = Instant::now();
@@ -240,7 +241,7 @@ impl Service {
         let (http_stop, http_stopped) = oneshot::channel();
         let http = tokio::spawn(http::serve(
             listener,
-            http::router(metrics.clone(), status_tx),
+            http::router(metrics.clone(), status_tx, config.admin_token.clone()),
             http_stopped,
         ));
         let (registry_tx, registry_rx) = mpsc::channel(256);
@@ -274,6 +275,7 @@ impl Service {
             resync: ResyncLimiter::new(config.resync_interval),
             tasks: JoinSet::new(),
             last_kv_stream_seq: 0,
+            frozen: guard::Frozen::default(),
             indexer,
             bus,
             client: client.clone(),
@@ -366,6 +368,8 @@ struct Loop {
     resync: ResyncLimiter,
     tasks: JoinSet<TaskDone>,
     last_kv_stream_seq: u64,
+    /// Workers dropping stale batches (`/status`, a gauge).
+    frozen: guard::Frozen,
 }
 
 impl Loop {
@@ -487,6 +491,20 @@ impl Loop {
             let (message, acker) = message.split();
             let batch = match consumer::decode(&message) {
                 Ok(batch) => batch,
+                Err(consumer::Malformed::WrongSubject { worker, .. }) => {
+                    // Counted as malformed too (it is not a batch of the
+                    // worker whose subject it came on).
+                    self.metrics.malformed_messages.increment(1);
+                    self.metrics.rejected_wrong_subject.increment(1);
+                    tracing::warn!(
+                        %worker,
+                        stream_seq,
+                        subject = %message.subject,
+                        "batch rejected: its worker is not its subject's"
+                    );
+                    self.push(None, Some((acker, AckKind::Term))).await?;
+                    continue;
+                }
                 Err(e) => {
                     self.metrics.malformed_messages.increment(1);
                     tracing::warn!(
@@ -501,6 +519,28 @@ impl Loop {
                 }
             };
             let (worker, epoch, seq) = (batch.worker.clone(), batch.epoch, batch.seq);
+            let limit = guard::epoch_limit(wall_clock_ms(), self.config.max_epoch_ahead);
+            if epoch > limit {
+                self.metrics.rejected_future_epoch.increment(1);
+                tracing::warn!(
+                    %worker,
+                    epoch,
+                    limit,
+                    seq,
+                    stream_seq,
+                    "batch rejected: its epoch is further in the future than --max-epoch-ahead"
+                );
+                self.push(None, Some((acker, AckKind::Term))).await?;
+                continue;
+            }
+            if let Some(held) = self.indexer.cursor_epoch(&worker).filter(|e| *e > limit) {
+                // Accepted before this check (or restored from such a
+                // snapshot): it would make every real batch stale.
+                self.metrics.epochs_reset.increment(1);
+                tracing::warn!(%worker, held, limit, "the index holds an epoch of this worker beyond --max-epoch-ahead; resetting the worker");
+                self.remove_worker(&worker, "its epoch is beyond --max-epoch-ahead")
+                    .await?;
+            }
             let block_events = batch.block_events() as u64;
             let outcome = self.indexer.apply(batch);
             self.metrics.batches(&outcome.status).increment(1);
@@ -522,8 +562,15 @@ impl Loop {
                     self.request_resync(&worker, now);
                 }
                 BatchStatus::StaleEpoch { current } => {
-                    tracing::debug!(%worker, epoch, seq, current, stream_seq, "batch of a stale epoch dropped");
+                    self.frozen.stale(&worker, epoch, *current);
+                    tracing::warn!(%worker, epoch, seq, current, stream_seq, "batch of a stale epoch dropped");
                 }
+            }
+            if matches!(
+                outcome.status,
+                BatchStatus::Applied | BatchStatus::NewEpoch { .. } | BatchStatus::Gap { .. }
+            ) {
+                self.frozen.thawed(&worker);
             }
             self.push(outcome.delta, Some((acker, AckKind::Ack)))
                 .await?;
@@ -672,6 +719,7 @@ impl Loop {
         reason: &str,
     ) -> Result<bool, ServiceError> {
         self.resync.forget(worker);
+        self.frozen.thawed(worker);
         let Some(delta) = self.indexer.remove_worker(worker) else {
             tracing::debug!(%worker, reason, "worker left; the index did not hold it");
             return Ok(false);
@@ -808,6 +856,7 @@ impl Loop {
         self.metrics
             .set_index(index.stats(), index.workers().count());
         self.metrics.delta_seq.set(self.indexer.delta_seq() as f64);
+        self.metrics.frozen_workers.set(self.frozen.len() as f64);
     }
 
     fn status(&self) -> serde_json::Value {
@@ -830,7 +879,16 @@ impl Loop {
             "workers": workers.len(),
             "worker_blocks": workers,
             "cursors": self.indexer.cursors().count(),
+            "frozen_workers": self.frozen.to_json(),
             "digest": format!("{:016x}", index.digest()),
         })
     }
+}
+
+/// Milliseconds since the Unix epoch: the agents' epochs are numbered by
+/// it, so it bounds how far ahead an epoch may be.
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

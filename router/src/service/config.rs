@@ -86,8 +86,16 @@ impl Default for Timeouts {
 pub struct Config {
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
+    /// NATS credentials and TLS (`[nats]`).
+    pub nats: bus::NatsAuth,
+    /// etcd credentials and TLS (`[etcd]`).
+    pub etcd: bus::EtcdAuth,
     /// Where `main` binds the HTTP listener (`run` takes the listener).
     pub http_addr: SocketAddr,
+    /// API keys and the admin token (`[http]`).
+    pub http: super::http::access::Access,
+    /// When the replica says it is not ready (`[readiness]`).
+    pub readiness: super::health::ReadinessConfig,
     /// `[A-Za-z0-9_-]`; names the replica's decision and progress subjects.
     /// Empty: `hostname-pid`, filled in by [`Config::validate`].
     pub replica_id: String,
@@ -123,7 +131,11 @@ impl Default for Config {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            nats: bus::NatsAuth::default(),
+            etcd: bus::EtcdAuth::default(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            http: Default::default(),
+            readiness: Default::default(),
             replica_id: String::new(),
             model: String::new(),
             block_size: 16,
@@ -152,6 +164,26 @@ fn fixed_flags() -> Vec<Flag> {
     Flag::new("http_addr", Kind::Text, "HTTP listen address")
         // The worker agent has an HTTP address too.
         .env("SWITCHYARD_ROUTER_HTTP_ADDR"),
+    Flag::new(
+        "readiness.max_delta_lag",
+        Kind::Number,
+        "/readyz fails while the index is more deltas than this behind the delta stream",
+    ),
+    Flag::new(
+        "readiness.max_quiet",
+        Kind::Duration,
+        "/readyz fails when no delta came for this long and no kv-indexer pulls the KV events",
+    ),
+    Flag::new(
+        "http.api_keys",
+        Kind::List,
+        "Bearer keys accepted on /v1/completions and /v1/route, comma separated (none: open); prefer the variable or the file",
+    ),
+    Flag::new(
+        "http.admin_token",
+        Kind::Text,
+        "Bearer token of /debug/* and /v1/route?explain=true (none: loopback clients only)",
+    ),
     Flag::new(
         "replica_id",
         Kind::Text,
@@ -299,6 +331,7 @@ fn fixed_flags() -> Vec<Flag> {
 /// and their defaults.
 pub fn flags() -> Vec<Flag> {
     let mut flags = fixed_flags();
+    flags.extend(bus::auth_flags());
     for flag in &mut flags {
         if flag.path == "policy.name" {
             let list = POLICIES

@@ -26,6 +26,7 @@ use rand_chacha::ChaCha8Rng;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::decision_log::DecisionLog;
+use super::health::{self, ReadinessConfig};
 use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::replica::{self, LoadError, LoadedIndex};
@@ -180,6 +181,8 @@ enum Event {
     DeltasEnded,
     IndexLoaded(Result<LoadedIndex, LoadError>),
     DeltaHead(Result<u64, BusError>),
+    /// Whether an indexer is pulling the KV events.
+    IndexerPolled(Result<bool, BusError>),
     Workers(WorkerEvent),
     Load(async_nats::Message),
     Progress(async_nats::Message),
@@ -229,6 +232,8 @@ pub struct LoopParts {
     pub reserve_blocks: usize,
     /// Where dispatched decisions are written.
     pub decision_log: DecisionLog,
+    /// The bounds of readiness.
+    pub readiness_bounds: ReadinessConfig,
 }
 
 /// The event loop's state.
@@ -252,6 +257,13 @@ pub struct RouterLoop {
     head_poll: bool,
     last_load: Option<Instant>,
     workers_listed: bool,
+    readiness_bounds: ReadinessConfig,
+    /// When the last delta was applied (or the index loaded).
+    last_delta_at: Instant,
+    /// Whether an indexer pulls the KV events, as last polled.
+    indexer: health::Indexer,
+    indexer_poll: bool,
+    nats_connected: bool,
     side_tx: mpsc::UnboundedSender<Event>,
     side_rx: mpsc::UnboundedReceiver<Event>,
 }
@@ -279,6 +291,7 @@ impl RouterLoop {
             tick,
             reserve_blocks,
             decision_log,
+            readiness_bounds,
         } = parts;
         Self {
             core,
@@ -301,6 +314,11 @@ impl RouterLoop {
             head_poll: false,
             last_load: None,
             workers_listed: false,
+            readiness_bounds,
+            last_delta_at: Instant::now(),
+            indexer: health::Indexer::Unknown,
+            indexer_poll: false,
+            nats_connected: true,
             side_tx,
             side_rx,
         }
@@ -358,6 +376,7 @@ impl RouterLoop {
                 }
                 Event::IndexLoaded(loaded) => self.on_index_loaded(loaded),
                 Event::DeltaHead(head) => self.on_head(head),
+                Event::IndexerPolled(pulling) => self.on_indexer_polled(pulling),
                 Event::Workers(w) => self.on_workers(w),
                 Event::Load(m) => self.on_load(&m),
                 Event::Progress(m) => self.on_progress(&m),
@@ -541,6 +560,7 @@ impl RouterLoop {
             }
         };
         let applied = loaded.replica.applied();
+        self.last_delta_at = Instant::now();
         *self.core.replica_mut() = loaded.replica;
         self.deltas = loaded.deltas;
         self.head = self.head.max(loaded.head);
@@ -576,6 +596,7 @@ impl RouterLoop {
         match self.core.apply_delta(&delta) {
             Ok(()) => {
                 self.metrics.delta("applied");
+                self.last_delta_at = Instant::now();
                 self.head = self.head.max(delta.seq);
                 if let IndexState::CatchingUp { target } = self.index {
                     if delta.seq >= target {
@@ -615,6 +636,19 @@ impl RouterLoop {
         }
     }
 
+    fn on_indexer_polled(&mut self, pulling: Result<bool, BusError>) {
+        self.indexer_poll = false;
+        self.indexer = match pulling {
+            Ok(true) => health::Indexer::Pulling,
+            Ok(false) => health::Indexer::Gone,
+            Err(e) => {
+                tracing::debug!(error = %e, "polling the indexer's KV consumer failed");
+                health::Indexer::Unknown
+            }
+        };
+        self.publish_readiness();
+    }
+
     fn publish_readiness(&self) {
         let applied = self.core.replica().applied();
         let readiness = match &self.index {
@@ -625,10 +659,22 @@ impl RouterLoop {
             IndexState::Ready if !self.workers_listed => {
                 Readiness::not_ready("listing the registered workers")
             }
-            IndexState::Ready => Readiness {
-                ready: true,
-                status: format!("ready: index at delta {applied}"),
-            },
+            IndexState::Ready => health::readiness(
+                &health::Observed {
+                    nats_connected: self.nats_connected,
+                    applied,
+                    head: self.head,
+                    quiet: self.last_delta_at.elapsed(),
+                    indexer: self.indexer,
+                    decode_workers: self
+                        .core
+                        .workers()
+                        .records()
+                        .filter(|r| r.role.decodes())
+                        .count(),
+                },
+                &self.readiness_bounds,
+            ),
         };
         self.readiness.send_if_modified(|r| {
             let changed = *r != readiness;
@@ -814,5 +860,17 @@ impl RouterLoop {
                 let _ = tx.send(Event::DeltaHead(head));
             });
         }
+        if !self.indexer_poll {
+            self.indexer_poll = true;
+            let bus = self.bus.clone();
+            let tx = self.side_tx.clone();
+            tokio::spawn(async move {
+                let pulling = bus.kv_consumer_pulling(subjects::KV_INDEXER_CONSUMER).await;
+                let _ = tx.send(Event::IndexerPolled(pulling));
+            });
+        }
+        self.nats_connected =
+            self.bus.client().connection_state() == async_nats::connection::State::Connected;
+        self.publish_readiness();
     }
 }

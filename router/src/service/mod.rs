@@ -10,6 +10,7 @@ pub mod config;
 pub mod decision_log;
 pub mod dispatch;
 pub mod event_loop;
+pub mod health;
 pub mod http;
 pub mod inputs;
 pub mod metrics;
@@ -88,9 +89,10 @@ pub async fn run(
         "starting the router"
     );
 
-    let bus = Bus::connect(&config.nats_url, &format!("router-{replica}")).await?;
+    let bus =
+        Bus::connect_with(&config.nats_url, &format!("router-{replica}"), &config.nats).await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
-    let registry = Registry::connect(&config.etcd_endpoints).await?;
+    let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let inputs = Inputs::open(&bus, registry).await?;
 
     let metrics = Metrics::new();
@@ -113,6 +115,7 @@ pub async fn run(
         tick: config.timeouts.tick,
         reserve_blocks: config.reserve_blocks,
         decision_log,
+        readiness_bounds: config.readiness,
     });
     let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
 
@@ -136,7 +139,7 @@ pub async fn run(
         default_max_tokens: config.default_max_tokens,
         next_request: AtomicU64::new(0),
     });
-    let routes = http::router(app, config.max_body());
+    let routes = http::router(app, config.max_body(), config.http.clone());
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving HTTP");
     }
@@ -149,6 +152,9 @@ pub async fn run(
     });
     let mut http_task = tokio::spawn(async move {
         let mut stopped = http_stopped;
+        // The peer's address: debug endpoints serve loopback clients only
+        // when no admin token is set.
+        let routes = routes.into_make_service_with_connect_info::<std::net::SocketAddr>();
         axum::serve(listener, routes)
             .with_graceful_shutdown(async move {
                 let _ = stopped.wait_for(|s| *s).await;

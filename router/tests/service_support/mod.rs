@@ -91,6 +91,12 @@ impl Cluster {
                 ..Timeouts::default()
             },
             seed: 7,
+            // No kv-indexer runs in these tests (a stand-in publishes the
+            // deltas): readiness must not fail for it.
+            readiness: service::health::ReadinessConfig {
+                max_quiet: Duration::from_secs(3600),
+                ..Default::default()
+            },
             ..Config::default()
         }
         .validate()
@@ -126,6 +132,21 @@ impl RouterHandle {
     pub async fn ready(config: Config) -> Result<Self> {
         let router = Self::start(config).await?;
         router.wait_ready().await?;
+        Ok(router)
+    }
+
+    /// Starts a replica and waits until its index is loaded and its
+    /// workers listed: ready, or not ready only for want of a
+    /// decode-capable worker.
+    pub async fn loaded(config: Config) -> Result<Self> {
+        let router = Self::start(config).await?;
+        wait_for("the index loaded and the workers listed", || async {
+            let r = router.http.get(router.url("/readyz")).send().await.ok()?;
+            let ready = r.status() == 200;
+            let body = r.text().await.ok()?;
+            (ready || body.contains("no decode-capable worker")).then_some(())
+        })
+        .await?;
         Ok(router)
     }
 

@@ -61,6 +61,57 @@ pub struct Worker {
     pub engine_id: String,
 }
 
+/// The bus with its permissions on (`bus::permissions`, the shipped
+/// model): every service logs in as its role, the test's own clients as
+/// an unrestricted test user.
+pub struct Permissions {
+    /// The server's configuration file, rewritten when a worker joins.
+    config: std::path::PathBuf,
+    agents: Vec<protocol::WorkerId>,
+    _dir: tempfile::TempDir,
+}
+
+/// Every user's password in the tests.
+pub const PASSWORD: &str = "e2e-password";
+/// The unrestricted user of the test's own clients (not in the shipped
+/// configuration).
+pub const TEST_USER: &str = "e2e-test";
+
+impl Permissions {
+    fn new() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let mut permissions = Self {
+            config: dir.path().join("nats.conf"),
+            agents: Vec::new(),
+            _dir: dir,
+        };
+        permissions.write()?;
+        Ok(permissions)
+    }
+
+    fn write(&mut self) -> Result<()> {
+        let config = bus::permissions::nats_server_config(
+            &self.agents,
+            bus::permissions::Passwords::Literal(PASSWORD),
+        );
+        let test_user =
+            format!("  users = [\n    {{ user: {TEST_USER:?}, password: {PASSWORD:?} }}\n");
+        std::fs::write(
+            &self.config,
+            config.replacen("  users = [\n", &test_user, 1),
+        )?;
+        Ok(())
+    }
+}
+
+/// Whether clusters run with the bus's permissions on: always for
+/// [`Cluster::start_secured`], for every cluster with
+/// `SWITCHYARD_E2E_PERMISSIONS=1` (the whole e2e suite against the
+/// permissioned server).
+pub fn permissions_everywhere() -> bool {
+    std::env::var("SWITCHYARD_E2E_PERMISSIONS").is_ok_and(|v| v == "1")
+}
+
 /// Dropped in field order: workers, routers and the indexer first, NATS
 /// and etcd last (services stop quickly while their servers are up).
 pub struct Cluster {
@@ -70,6 +121,7 @@ pub struct Cluster {
     pub http: reqwest::Client,
     pub etcd: EtcdServer,
     pub nats: NatsServer,
+    pub permissions: Option<Permissions>,
 }
 
 impl Cluster {
@@ -86,9 +138,37 @@ impl Cluster {
 
     /// Workers as (name, role, engine); `routers` replicas.
     pub async fn start_with(workers: &[(&str, &str, Engine)], routers: usize) -> Result<Self> {
-        let nats = NatsServer::start()?;
+        Self::start_with_permissions(workers, routers, permissions_everywhere()).await
+    }
+
+    /// [`Cluster::start`] with the bus's permissions on.
+    pub async fn start_secured(prefill: &[&str], decode: &[&str], routers: usize) -> Result<Self> {
+        let workers: Vec<(&str, &str, Engine)> = prefill
+            .iter()
+            .map(|n| (*n, "prefill", Engine::Simulated))
+            .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
+            .collect();
+        Self::start_with_permissions(&workers, routers, true).await
+    }
+
+    async fn start_with_permissions(
+        workers: &[(&str, &str, Engine)],
+        routers: usize,
+        secured: bool,
+    ) -> Result<Self> {
+        let mut permissions = secured.then(Permissions::new).transpose()?;
+        if let Some(permissions) = &mut permissions {
+            for (name, _, _) in workers {
+                permissions.agents.push(name.parse()?);
+            }
+            permissions.write()?;
+        }
+        let nats = match &permissions {
+            Some(p) => NatsServer::start_with_config(&p.config)?,
+            None => NatsServer::start()?,
+        };
         let etcd = EtcdServer::start()?;
-        let indexer = Self::spawn_indexer(&nats, &etcd)?;
+        let indexer = Self::spawn_indexer(&nats, &etcd, permissions.is_some())?;
         let mut cluster = Self {
             nats,
             etcd,
@@ -96,6 +176,7 @@ impl Cluster {
             routers: Vec::new(),
             workers: Vec::new(),
             http: reqwest::Client::new(),
+            permissions,
         };
         for (name, role, engine) in workers {
             cluster.start_worker(name, role, *engine)?;
@@ -107,27 +188,95 @@ impl Cluster {
         Ok(cluster)
     }
 
-    fn spawn_indexer(nats: &NatsServer, etcd: &EtcdServer) -> Result<Node> {
+    /// `--nats-url`, and with the permissions on the login of `user`.
+    fn nats_args(nats: &NatsServer, secured: bool, user: &str) -> Vec<String> {
+        let mut args = vec![format!("--nats-url={}", nats.url())];
+        if secured {
+            args.extend([
+                format!("--nats-user={user}"),
+                format!("--nats-password={PASSWORD}"),
+            ]);
+        }
+        args
+    }
+
+    /// The flags that log a service or tool in as `user` (none with the
+    /// permissions off).
+    pub fn nats_login(&self, user: &str) -> Vec<String> {
+        Self::nats_args(&self.nats, self.permissions.is_some(), user).split_off(1)
+    }
+
+    /// Waits until the server (reloading its configuration) lets `user`
+    /// log in. `start_worker` is not async: the check runs on a thread of
+    /// its own with its own runtime.
+    fn wait_for_user(&self, user: &str) -> Result<()> {
+        let (url, user) = (self.nats.url(), user.to_owned());
+        let check = std::thread::spawn(move || -> Result<()> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let attempt = runtime.block_on(
+                    async_nats::ConnectOptions::new()
+                        .user_and_password(user.clone(), PASSWORD.into())
+                        .connect(url.as_str()),
+                );
+                match attempt {
+                    Ok(_) => return Ok(()),
+                    Err(e) if Instant::now() >= deadline => {
+                        bail!("{user} cannot log in after the reload: {e}")
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        check
+            .join()
+            .map_err(|_| anyhow!("the login check panicked"))?
+    }
+
+    /// A client of the test's own (unrestricted).
+    pub async fn nats_client(&self) -> Result<async_nats::Client> {
+        let options = match self.permissions {
+            Some(_) => async_nats::ConnectOptions::new()
+                .user_and_password(TEST_USER.into(), PASSWORD.into()),
+            None => async_nats::ConnectOptions::new(),
+        };
+        Ok(options.connect(self.nats.url()).await?)
+    }
+
+    fn spawn_indexer(nats: &NatsServer, etcd: &EtcdServer, secured: bool) -> Result<Node> {
         let port = free_port()?;
-        let mut service = Service::start(
-            "kv-indexer",
-            "kv-indexer",
-            &[
-                format!("--nats-url={}", nats.url()),
-                format!("--etcd-endpoints={}", etcd.endpoint()),
-                format!("--http-addr=127.0.0.1:{port}"),
-                "--snapshot-interval=1s".into(),
-                "--worker-grace=3s".into(),
-            ],
-        )?;
+        let mut args = Self::nats_args(nats, secured, bus::permissions::INDEXER_USER);
+        args.extend([
+            format!("--etcd-endpoints={}", etcd.endpoint()),
+            format!("--http-addr=127.0.0.1:{port}"),
+            "--snapshot-interval=1s".into(),
+            "--worker-grace=3s".into(),
+        ]);
+        let mut service = Service::start("kv-indexer", "kv-indexer", &args)?;
         service.wait_http_ok(port, "/healthz", STARTUP)?;
         Ok(Node { service, port })
     }
 
     pub fn start_worker(&mut self, name: &str, role: &str, engine: Engine) -> Result<()> {
         let engine_id = format!("engine-{name}");
-        let mut agent_args = vec![
-            format!("--nats-url={}", self.nats.url()),
+        let worker: protocol::WorkerId = name.parse()?;
+        if let Some(permissions) = &mut self.permissions {
+            if !permissions.agents.contains(&worker) {
+                permissions.agents.push(worker.clone());
+                permissions.write()?;
+                self.nats.reload()?;
+                self.wait_for_user(&bus::permissions::agent_user(&worker))?;
+            }
+        }
+        let mut agent_args = Self::nats_args(
+            &self.nats,
+            self.permissions.is_some(),
+            &bus::permissions::agent_user(&worker),
+        );
+        agent_args.extend([
             format!("--etcd-endpoints={}", self.etcd.endpoint()),
             format!("--worker-name={name}"),
             format!("--role={role}"),
@@ -135,7 +284,7 @@ impl Cluster {
             format!("--preset={PRESET}"),
             format!("--block-size={BLOCK_SIZE}"),
             "--lease-ttl=2s".into(),
-        ];
+        ]);
         let engine_node = match engine {
             Engine::Simulated => {
                 agent_args.push("--speedup=20".into());
@@ -209,19 +358,20 @@ impl Cluster {
 
     pub fn start_router(&mut self, replica: &str) -> Result<usize> {
         let port = free_port()?;
-        let service = Service::start(
-            "router",
-            replica,
-            &[
-                format!("--nats-url={}", self.nats.url()),
-                format!("--etcd-endpoints={}", self.etcd.endpoint()),
-                format!("--http-addr=127.0.0.1:{port}"),
-                format!("--replica-id={replica}"),
-                format!("--model={MODEL}"),
-                format!("--block-size={BLOCK_SIZE}"),
-                "--policy=isl".into(),
-            ],
-        )?;
+        let mut args = Self::nats_args(
+            &self.nats,
+            self.permissions.is_some(),
+            bus::permissions::ROUTER_USER,
+        );
+        args.extend([
+            format!("--etcd-endpoints={}", self.etcd.endpoint()),
+            format!("--http-addr=127.0.0.1:{port}"),
+            format!("--replica-id={replica}"),
+            format!("--model={MODEL}"),
+            format!("--block-size={BLOCK_SIZE}"),
+            "--policy=isl".into(),
+        ]);
+        let service = Service::start("router", replica, &args)?;
         self.routers.push(Node { service, port });
         Ok(self.routers.len() - 1)
     }
@@ -317,7 +467,7 @@ impl Cluster {
     /// and checks that the worker dropped the request: its load reports
     /// show nothing running within 5 s, and its agent counted the cancel.
     pub async fn leave_mid_stream(&self, decode: &str) -> Result<()> {
-        let nats = async_nats::connect(self.nats.url()).await?;
+        let nats = self.nats_client().await?;
         let id: protocol::WorkerId = decode.parse()?;
         let mut reports = nats.subscribe(protocol::subjects::load(&id)).await?;
         let response = self
@@ -424,7 +574,7 @@ impl Cluster {
     /// The digest of an index built here, independently, from every batch
     /// on the KV-event stream: what the indexer must hold.
     pub async fn digest_from_event_log(&self) -> Result<String> {
-        let client = async_nats::connect(self.nats.url()).await?;
+        let client = self.nats_client().await?;
         let js = async_nats::jetstream::new(client);
         let stream = js.get_stream(protocol::subjects::KV_EVENTS_STREAM).await?;
         let last = stream.clone().info().await?.state.last_sequence;

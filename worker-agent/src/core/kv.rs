@@ -15,10 +15,11 @@
 //!   [`ResyncReply`] once that epoch's first batch is acknowledged.
 //!
 //! The shell's clock is a parameter: `now` is the time since the shell's
-//! origin, and the first epoch is the shell's wall clock (ms) at that
-//! origin, so that a later epoch (the first epoch plus `now`, or one more
-//! than the current epoch) is also later than any epoch of an earlier
-//! run of the agent.
+//! origin, and the first epoch is the shell's: its wall clock (ms) at that
+//! origin, raised above every epoch etcd recorded for the worker (a clock
+//! that went back), so that a later epoch (the first epoch plus `now`, or
+//! one more than the current epoch) is also later than any epoch of an
+//! earlier run of the agent.
 
 use std::mem;
 use std::time::Duration;

@@ -34,7 +34,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 const LOAD_PUBLISH_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// Milliseconds since the Unix epoch.
-fn unix_ms() -> u64 {
+pub(super) fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -69,6 +69,14 @@ pub(super) struct Subscriptions {
     pub(super) cancel: Subscriber,
 }
 
+/// The agent's KV epochs in etcd: the first one was taken from there
+/// (later than any recorded, [`bus::Registry::next_epoch`]), later ones
+/// are recorded there.
+pub(super) struct Epochs {
+    pub(super) registry: bus::Registry,
+    pub(super) first: u64,
+}
+
 /// The agent's state, owned by its loop.
 pub(super) struct Agent {
     pub(super) worker: WorkerId,
@@ -98,6 +106,8 @@ pub(super) struct Agent {
     last_load: Option<(EngineLoad, Instant)>,
     /// Stream forwarders and reply senders.
     pub(super) tasks: JoinSet<()>,
+    /// Where new epochs are recorded.
+    pub(super) registry: bus::Registry,
 }
 
 impl std::fmt::Debug for Agent {
@@ -116,6 +126,7 @@ impl Agent {
         bus: Bus,
         kv_updates: BoxStream<'static, KvUpdate>,
         subscriptions: Subscriptions,
+        epochs: Epochs,
     ) -> Self {
         let Subscriptions {
             generate,
@@ -124,10 +135,11 @@ impl Agent {
         } = subscriptions;
         let mut load_tick = tokio::time::interval(settings.load_poll);
         load_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        // A fresh epoch at every start: later than any earlier one.
+        // A fresh epoch at every start: later than any earlier one (etcd
+        // keeps the highest, in case the clock went back).
         let kv = KvCore::new(
             settings.worker.clone(),
-            unix_ms(),
+            epochs.first,
             settings.outbox,
             Backoff::AGENT,
         );
@@ -152,6 +164,7 @@ impl Agent {
             load_poll: settings.load_poll,
             last_load: None,
             tasks: JoinSet::new(),
+            registry: epochs.registry,
         }
     }
 

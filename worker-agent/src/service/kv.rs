@@ -31,10 +31,26 @@ impl Agent {
                 Effect::RetryAt(at) => self.retry_at = Some(self.origin + at),
                 Effect::RequestBlockSet => self.engine.request_block_set(),
                 Effect::Reply { to, reply } => self.send_resync_reply(to, &reply),
-                Effect::Note(note) => record(&note),
+                Effect::Note(note) => {
+                    if let Note::NewEpoch { epoch, .. } = &note {
+                        self.record_epoch(*epoch);
+                    }
+                    record(&note)
+                }
             }
         }
         gauge!(m::KV_QUEUE_EVENTS).set(self.kv.held_events() as f64);
+    }
+
+    /// Records a new epoch in etcd (in the background): a restart starts
+    /// after it.
+    fn record_epoch(&mut self, epoch: u64) {
+        let (registry, worker) = (self.registry.clone(), self.worker.clone());
+        self.tasks.spawn(async move {
+            if let Err(e) = registry.record_epoch(&worker, epoch).await {
+                warn!(epoch, error = %e, "recording the KV epoch in etcd failed");
+            }
+        });
     }
 
     /// A publish ended: its outcome goes to the core.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::{Client, Subscriber};
-use bus::{Bus, Registry, StreamLimits};
+use bus::{Bus, Registry};
 use futures::stream::BoxStream;
 use metrics::counter;
 use protocol::{
@@ -15,7 +15,7 @@ use protocol::{
 };
 use tracing::{error, info, Instrument};
 
-use super::event_loop::{Agent, Subscriptions};
+use super::event_loop::{unix_ms, Agent, Epochs, Subscriptions};
 use crate::config::Config;
 use crate::engine::{Engine, KvUpdate};
 use crate::error::AgentError;
@@ -112,8 +112,13 @@ async fn serve_worker(
 ) -> Result<(), AgentError> {
     let facts = engine.facts();
     let worker = config.worker.clone();
-    let bus = Bus::connect(&config.nats_url, &format!("worker-agent {worker}")).await?;
-    bus.ensure_streams(&StreamLimits::default()).await?;
+    let bus = Bus::connect_with(
+        &config.nats_url,
+        &format!("worker-agent {worker}"),
+        &config.nats,
+    )
+    .await?;
+    bus.ensure_kv_stream().await?;
     let client = bus.client().clone();
     let subscriptions = Subscriptions {
         generate: subscribe(&client, subjects::generate(&worker)).await?,
@@ -153,10 +158,14 @@ async fn serve_worker(
         gpus: facts.gpus,
         subjects: WorkerSubjects::for_worker(&worker),
     };
-    let registry = Registry::connect(&config.etcd_endpoints).await?;
+    let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let registration = registry.register(&record, config.lease_ttl).await?;
+    let epochs = Epochs {
+        first: registry.next_epoch(&worker, unix_ms()).await?,
+        registry: registry.clone(),
+    };
 
-    let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions);
+    let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions, epochs);
     info!(
         role = %config.role,
         epoch = agent.epoch(),

@@ -8,10 +8,14 @@
 //! * `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /debug/ledger`
 //!   ([`ops`]).
 //!
+//! Every route is behind [`access`] (API keys, the admin token, routing
+//! annotations stripped).
+//!
 //! Handlers parse and hash the prompt ([`request`]); the dispatcher asks
 //! the event loop for decisions. Errors are OpenAI's shape ([`error`]);
 //! the JSON types are in [`openai`].
 
+pub mod access;
 mod completions;
 mod error;
 pub mod openai;
@@ -67,7 +71,7 @@ impl std::fmt::Debug for App {
 }
 
 /// The routes.
-pub fn router(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
+pub fn router(app: Arc<App>, max_body_bytes: usize, access: access::Access) -> axum::Router {
     let metrics = app.metrics.clone();
     axum::Router::new()
         .route("/v1/completions", post(completions::completions))
@@ -76,6 +80,10 @@ pub fn router(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .route("/debug/ledger", get(ops::ledger))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::new(access),
+            access::guard,
+        ))
         .route_layer(middleware::from_fn_with_state(metrics, count))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
