@@ -409,6 +409,10 @@ impl RouterLoop {
             Command::Progress { decision, progress } => match progress {
                 Progress::PrefillDone => {
                     self.core.on_prefill_done(decision);
+                    // Our own decision: its prefill time feeds the SLA
+                    // policy's calibration (peers' notices do not: the
+                    // decision is theirs).
+                    self.core.observe_prefill_done(decision, now_ms());
                 }
                 Progress::Finished => {
                     self.core.on_finished(decision);
