@@ -19,7 +19,7 @@ use futures::StreamExt;
 use kv_indexer::DeltaError;
 use protocol::{
     subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, LogEntry, Message,
-    Progress, RequestProgress, Role, RouteDecision, WorkerId,
+    Path, Progress, RequestProgress, Role, RouteDecision, WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -109,6 +109,16 @@ pub enum Command {
     Ledger {
         decision: Option<DecisionId>,
         reply: oneshot::Sender<LedgerView>,
+    },
+    /// What a request this replica dispatched was observed to take, for
+    /// the SLA policy's calibration: its first token and last token (ms on
+    /// the decisions' clock) and its output tokens.
+    Observed {
+        decision: DecisionId,
+        path: Path,
+        first_token_ms: u64,
+        finished_ms: u64,
+        output_tokens: u32,
     },
 }
 
@@ -418,6 +428,21 @@ impl RouterLoop {
                     self.core.on_finished(decision);
                 }
             },
+            Command::Observed {
+                decision,
+                path,
+                first_token_ms,
+                finished_ms,
+                output_tokens,
+            } => {
+                // A remote prefill's end was observed with its notice.
+                if path == Path::Bypass {
+                    self.core.observe_prefill_done(decision, first_token_ms);
+                }
+                let decode_ms = finished_ms.saturating_sub(first_token_ms) as f64;
+                self.core
+                    .observe_decoded(decision, decode_ms, output_tokens);
+            }
             Command::Ledger { decision, reply } => {
                 let _ = reply.send(self.ledger(decision));
             }
