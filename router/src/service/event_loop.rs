@@ -831,6 +831,7 @@ impl RouterLoop {
         let expired = self.core.expire(now_ms());
         self.metrics
             .ledger(self.core.workers().in_flight(), expired);
+        self.metrics.calibration(&self.core.calibration().factors());
         self.metrics.workers_registered(self.core.workers().len());
         self.metrics
             .index_position(self.core.replica().applied(), self.head);
