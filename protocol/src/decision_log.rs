@@ -347,6 +347,10 @@ pub struct LoggedDecision {
     pub avoid: Vec<WorkerId>,
     /// The context's candidates' depths and loads, in its order.
     pub candidates: Columns,
+    /// The policy's calibration factors at the decision (see
+    /// [`DecisionInputs::calibration`]; absent in older entries).
+    #[serde(default)]
+    pub calibration: Vec<(String, f64)>,
 }
 
 /// One entry of the decision log.
@@ -454,6 +458,7 @@ impl LogWriter {
             delta_seq: inputs.delta_seq,
             seed: inputs.seed,
             avoid: inputs.avoid.clone(),
+            calibration: inputs.calibration.clone(),
             candidates: Columns(
                 inputs
                     .candidates
@@ -659,6 +664,7 @@ impl LogReader {
                 policy_params: context.policy_params.clone(),
                 router_params: context.router_params.clone(),
                 candidates,
+                calibration: d.calibration.clone(),
             },
         })
     }

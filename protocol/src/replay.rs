@@ -36,6 +36,10 @@ pub struct DecisionInputs {
     pub router_params: Vec<(String, f64)>,
     /// Every worker the selection looked at.
     pub candidates: Vec<CandidateInput>,
+    /// The policy's online calibration factors the decision used, by name
+    /// (empty for a policy without calibration; absent in older records).
+    #[serde(default)]
+    pub calibration: Vec<(String, f64)>,
 }
 
 /// One candidate worker as the decision saw it.

@@ -325,6 +325,7 @@ mod tests {
                 avoid: Vec::new(),
                 policy_params: Vec::new(),
                 router_params: Vec::new(),
+                calibration: Vec::new(),
                 candidates: vec![CandidateInput {
                     worker: worker.clone(),
                     role: Role::Decode,

@@ -20,6 +20,9 @@
 //!   the decision (and with `explain` every candidate); the decision's
 //!   draws are seeded from the request, as replicas seed them;
 //! - `finish LABEL`, `prefill-done LABEL`; `expire at=MS`;
+//! - `observe LABEL [prefill-at=MS] [decode-ms=MS tokens=N]`: what the
+//!   decision was observed to take, fed to the core's calibration; prints
+//!   the factors after it;
 //! - `held PROMPT`: how many of the prompt's blocks each worker holds;
 //! - `ledger`: every worker's charges and effective load.
 
@@ -170,6 +173,31 @@ fn run(scenario: &mut Option<Scenario>, command: &str) -> String {
             if !released {
                 writeln!(out, "unknown decision").unwrap();
             }
+        }
+        "observe" => {
+            let decision = s.decisions[plain[0]];
+            if let Some(at) = option(&opts, "prefill-at") {
+                let seen = s.core.observe_prefill_done(decision, at.parse().unwrap());
+                if !seen {
+                    writeln!(out, "prefill not awaited").unwrap();
+                }
+            }
+            if let Some(ms) = option(&opts, "decode-ms") {
+                let tokens = number(&opts, "tokens", 2);
+                if !s
+                    .core
+                    .observe_decoded(decision, ms.parse().unwrap(), tokens)
+                {
+                    writeln!(out, "decode not awaited").unwrap();
+                }
+            }
+            let f = s.core.calibration().factors();
+            writeln!(
+                out,
+                "calibration: local TTFT x{:.3}, remote TTFT x{:.3}, ITL x{:.3}",
+                f.local_ttft, f.remote_ttft, f.itl
+            )
+            .unwrap();
         }
         "expire" => {
             let expired = s.core.expire(number(&opts, "at", 0));

@@ -12,14 +12,20 @@ use protocol::{
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use router::{
-    decision_seed, difference, IslBased, Overrides, Replayer, RouteOptions, RouteRequest,
-    RouterConfig, RouterCore,
+    decision_seed, difference, IslBased, Overrides, Policy, Replayer, RouteOptions, RouteRequest,
+    RouterConfig, RouterCore, SlaDynamic,
 };
 
 /// Routes a few conversations, keeping every decision's record and every
 /// delta.
 fn history() -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
-    let mut core = core_with(RouterConfig::new(contract()), IslBased::default());
+    history_with(IslBased::default().into())
+}
+
+/// [`history`] with `policy`; each decision's prefill and decode are
+/// observed (fed to the core's calibration) before the next one.
+fn history_with(policy: Policy) -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
+    let mut core = core_with(RouterConfig::new(contract()), policy);
     let mut indexer = KvIndexer::new(OwnershipIndex::new());
     let mut deltas = Vec::new();
     let mut seqs = std::collections::HashMap::<WorkerId, u64>::new();
@@ -81,8 +87,10 @@ fn history() -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
             records.push(core.record(&decision, &explanation, &request, seed, &[]));
             // Every other request is still in flight at the next decision:
             // the ledger shapes the loads the records must carry.
+            core.observe_prefill_done(DecisionId(n), now + 40 + n * 7 % 90);
             if n % 2 == 0 {
                 core.on_finished(DecisionId(n));
+                core.observe_decoded(DecisionId(n), 8_000.0 + (n * 131 % 5_000) as f64, 200);
             }
             let decode = decision.decode.clone();
             conversation.extend(tokens(1_000 + n, 200));
@@ -134,6 +142,55 @@ fn every_recorded_decision_replays_exactly() {
             replayed.depth_mismatches
         );
     }
+}
+
+/// The SLA policy's decisions depend on its calibration, learnt from
+/// observations the records do not carry: each record carries the factors
+/// its decision used, and replay reproduces every decision (its reason
+/// names the predicted numbers and the factors); without them it does not.
+#[test]
+fn sla_decisions_replay_with_their_calibration() {
+    let (records, deltas) = history_with(SlaDynamic::default().into());
+    let calibrated = records
+        .iter()
+        .filter(|r| r.inputs.calibration.iter().any(|(_, v)| *v != 1.0))
+        .count();
+    assert!(
+        calibrated > records.len() / 2,
+        "{calibrated} of {}",
+        records.len()
+    );
+    for (record, replayed) in
+        records
+            .iter()
+            .zip(replay_all(&records, &deltas, &Overrides::default()))
+    {
+        assert!(
+            record.decision.rule.starts_with("sla."),
+            "{}",
+            record.decision.rule
+        );
+        assert_eq!(
+            difference(&record.decision, &replayed.decision),
+            None,
+            "{}",
+            record.decision.id
+        );
+    }
+    let stripped: Vec<DecisionRecord> = records
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            r.inputs.calibration.clear();
+            r
+        })
+        .collect();
+    let differ = stripped
+        .iter()
+        .zip(replay_all(&stripped, &deltas, &Overrides::default()))
+        .filter(|(r, replayed)| difference(&r.decision, &replayed.decision).is_some())
+        .count();
+    assert!(differ >= calibrated, "{differ} of {calibrated}");
 }
 
 #[test]

@@ -81,6 +81,9 @@ pub struct RunResult {
     /// Virtual time at the end, microseconds.
     pub end_us: u64,
     pub gpus: u32,
+    /// The router core's calibration factors at the end (what the SLA
+    /// policy learnt from the observations the cluster fed it).
+    pub calibration: router::Factors,
 }
 
 #[derive(Debug)]
@@ -192,6 +195,7 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
         records: cluster.records,
         end_us: cluster.now_us,
         gpus,
+        calibration: cluster.router.calibration().factors(),
     })
 }
 
@@ -451,6 +455,7 @@ impl<'w> Cluster<'w> {
                             self.counters.d_prompt_tokens += r.spec.prompt.len() as u64;
                             self.counters.d_cached_tokens += u64::from(cached_tokens);
                             self.router.on_prefill_done(r.decision);
+                            self.router.observe_prefill_done(r.decision, now / 1000);
                         }
                     }
                 }
@@ -511,6 +516,8 @@ impl<'w> Cluster<'w> {
             return;
         };
         self.router.on_prefill_done(r.decision);
+        self.router
+            .observe_prefill_done(r.decision, self.now_us / 1000);
         let decode = &self.engines[r.decode];
         let held = u64::from(decode.cached_prefix_tokens(&r.spec.prompt));
         let bytes = decode
@@ -540,6 +547,11 @@ impl<'w> Cluster<'w> {
             return;
         };
         self.router.on_finished(r.decision);
+        if let Some(first) = r.first_token_us {
+            let decode_ms = self.now_us.saturating_sub(first) as f64 / 1e3;
+            self.router
+                .observe_decoded(r.decision, decode_ms, r.spec.output.len() as u32);
+        }
         self.records.push(RequestRecord {
             id,
             session: r.spec.session,

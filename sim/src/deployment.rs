@@ -1,24 +1,7 @@
 //! Deployments to compare: the same GPUs, organised three ways.
 
-use engine_sim::{KvTransfer, Preset};
 use protocol::Role;
-use router::{AlwaysDisagg, CostModel, NeverDisagg, Policy, SlaDynamic, POLICIES};
-
-/// The SLA policy's cost model, from the preset's constants and the link:
-/// what an operator would calibrate from live metrics.
-pub fn sla_cost_model(preset: &Preset, link: &KvTransfer) -> CostModel {
-    let engine = preset.cost_model();
-    CostModel {
-        prefill_c0_ms: engine.prefill_fixed_ms,
-        prefill_c1_ms: engine.prefill_token_ms,
-        prefill_c2_ms: engine.prefill_attention_ms,
-        decode_t0_ms: engine.decode_fixed_ms,
-        decode_per_seq_ms: 0.0,
-        decode_per_ctx_token_ms: engine.decode_context_token_ms,
-        transfer_setup_ms: link.setup_us as f64 / 1e3,
-        transfer_bytes_per_ms: link.bytes_per_s / 1e3,
-    }
-}
+use router::{AlwaysDisagg, NeverDisagg, Policy, SlaDynamic, POLICIES};
 
 /// How the GPUs are organised.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,17 +97,16 @@ impl Deployment {
 /// The C/D policies a comparison runs: every policy of the registry that
 /// decides per request (not the two fixed ones, which are the aggregated
 /// and disaggregated deployments), with its defaults; the SLA policy with
-/// the comparison's SLO as its targets and its cost model calibrated from
-/// the engines' preset and the link (what an operator would measure).
-pub fn conditional_policies(slo: (f64, f64), preset: &Preset, link: &KvTransfer) -> Vec<Policy> {
+/// the comparison's SLO as its targets and nothing else (its cost model's
+/// defaults, corrected online by the router core's calibration: what an
+/// operator would set).
+pub fn conditional_policies(slo: (f64, f64)) -> Vec<Policy> {
     POLICIES
         .iter()
         .map(|spec| spec.default_policy())
         .filter(|p| !matches!(p, Policy::AlwaysDisagg(_) | Policy::NeverDisagg(_)))
         .map(|p| match p {
-            Policy::SlaDynamic(_) => {
-                SlaDynamic::new(slo.0, slo.1, sla_cost_model(preset, link)).into()
-            }
+            Policy::SlaDynamic(_) => SlaDynamic::with_slo(slo.0, slo.1).into(),
             other => other,
         })
         .collect()

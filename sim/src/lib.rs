@@ -14,6 +14,6 @@ pub mod workload;
 
 pub use capacity::{Capacity, Search};
 pub use cluster::{simulate, RunResult, SimConfig, SimError};
-pub use deployment::{conditional_policies, sla_cost_model, Deployment};
+pub use deployment::{conditional_policies, Deployment};
 pub use metrics::{Percentiles, RequestRecord, RunSummary, Slo};
 pub use worker_agent::core::OutboxLimits;

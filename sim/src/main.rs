@@ -13,7 +13,7 @@ use sim::compare::{
 };
 use sim::tune::{tuned_params, Best, Progress, Tune};
 use sim::workload::{AgenticConfig, Arrivals, MooncakeConfig, SyntheticConfig};
-use sim::{conditional_policies, sla_cost_model, Deployment, OutboxLimits, Search, SimConfig, Slo};
+use sim::{conditional_policies, Deployment, OutboxLimits, Search, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -237,8 +237,8 @@ impl Common {
         })
     }
 
-    fn deployments(&self, config: &SimConfig) -> Vec<Deployment> {
-        let policies = conditional_policies(self.slo(), &config.preset, &config.link);
+    fn deployments(&self) -> Vec<Deployment> {
+        let policies = conditional_policies(self.slo());
         Deployment::all(self.workers, self.prefill_workers, &policies)
     }
 
@@ -283,7 +283,7 @@ fn main() -> anyhow::Result<()> {
                     }
                 })
                 .collect();
-            let deployments = common.deployments(&base);
+            let deployments = common.deployments();
             let threads = threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
             let bar = ProgressBar::new((deployments.len() * points.len()) as u64).with_style(
@@ -371,7 +371,7 @@ fn main() -> anyhow::Result<()> {
         } => {
             let workload = common.workload()?;
             let mut config = common.sim_config()?;
-            config.deployment = deployment_named(&deployment, &params, &common, &config)?;
+            config.deployment = deployment_named(&deployment, &params, &common)?;
             let started = Instant::now();
             let results = sweep(
                 &config,
@@ -403,7 +403,7 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
     let base = common.sim_config()?;
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let policies = conditional_policies(common.slo(), &base.preset, &base.link);
+    let policies = conditional_policies(common.slo());
     let (lo, hi) = common.default_loads();
     let tune = Tune {
         base: &base,
@@ -580,12 +580,12 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
 
 /// `--deployment` and `--param`: aggregated, disaggregated, or C/D with a
 /// policy of the router's registry (the SLA policy's targets are the SLO
-/// and its cost model the preset's unless `--param` says otherwise).
+/// and its cost model the registry's defaults, corrected online by the
+/// router core's calibration, unless `--param` says otherwise).
 fn deployment_named(
     name: &str,
     params: &[(String, f64)],
     common: &Common,
-    config: &SimConfig,
 ) -> anyhow::Result<Deployment> {
     let (w, p) = (common.workers, common.prefill_workers);
     let fixed = match name {
@@ -610,12 +610,9 @@ fn deployment_named(
         );
     }
     let mut policy = match found.spec.default_policy() {
-        router::Policy::SlaDynamic(_) => router::SlaDynamic::new(
-            common.ttft_slo_ms,
-            common.itl_slo_ms,
-            sla_cost_model(&config.preset, &config.link),
-        )
-        .into(),
+        router::Policy::SlaDynamic(_) => {
+            router::SlaDynamic::with_slo(common.ttft_slo_ms, common.itl_slo_ms).into()
+        }
         other => other,
     };
     for (key, value) in params {

@@ -59,6 +59,27 @@ fn same_seed_same_run() {
     assert_ne!(a.records, c.records, "another seed, another workload");
 }
 
+/// The cluster feeds the router core the observations a service does (a
+/// prefill's end, a decode's time and tokens): the SLA policy's
+/// calibration learns from them, the same for the same seed.
+#[test]
+fn the_sla_policy_calibrates_on_what_the_cluster_observes() {
+    let sla = || Deployment::Conditional {
+        prefill: 2,
+        decode: 6,
+        policy: router::SlaDynamic::with_slo(2_000.0, 60.0).into(),
+    };
+    let a = run(sla(), 7);
+    let b = run(sla(), 7);
+    assert_eq!(a.records, b.records);
+    let f = a.calibration;
+    assert_eq!(f, b.calibration);
+    for factor in [f.local_ttft, f.remote_ttft, f.itl] {
+        assert!(factor.is_finite() && factor > 0.0 && factor != 1.0, "{f:?}");
+    }
+    assert_eq!(run(cd_isl(), 7).calibration, router::Factors::default());
+}
+
 #[test]
 fn every_turn_of_every_session_is_served() {
     // Count the requests the workload issues when every turn finishes

@@ -40,6 +40,11 @@ fn record(id: u64, hashes: Vec<BlockHash>, candidates: Vec<CandidateInput>) -> D
             policy_params: vec![("eff_isl_tokens".into(), 2048.0)],
             router_params: vec![("gate.enabled".into(), 1.0)],
             candidates,
+            calibration: if id % 2 == 0 {
+                Vec::new()
+            } else {
+                vec![("itl".into(), 1.0 + 1.0 / id as f64)]
+            },
         },
     }
 }

@@ -8,6 +8,7 @@ use protocol::{
 };
 use rand::Rng;
 
+use super::calibrate::{Calibration, Factors};
 use super::config::{ConfigError, RouterConfig};
 use super::gate::GateCheck;
 use super::policy::{
@@ -152,6 +153,8 @@ pub struct Explanation {
     pub holder: Option<(Side, usize)>,
     /// The policy's parameters.
     pub policy_params: Vec<(&'static str, f64)>,
+    /// The calibration factors the policy was given.
+    pub calibration: Factors,
     /// The policy's verdict, before the gate (`None`: the policy was not
     /// asked, as no prefill worker exists).
     pub verdict: Option<Verdict>,
@@ -175,6 +178,7 @@ pub struct RouterCore {
     policy: Policy,
     workers: Workers,
     replica: IndexReplica,
+    calibration: Calibration,
     scratch: Scratch,
 }
 
@@ -191,6 +195,7 @@ impl RouterCore {
             hasher,
             policy,
             replica: IndexReplica::new(),
+            calibration: Calibration::default(),
             scratch: Scratch::default(),
         })
     }
@@ -268,6 +273,33 @@ impl RouterCore {
     /// See [`Workers::forget`].
     pub fn forget(&mut self, id: DecisionId) -> bool {
         self.workers.forget(id)
+    }
+
+    /// The SLA policy's online calibration (its factors and the
+    /// observations it awaits).
+    pub fn calibration(&self) -> &Calibration {
+        &self.calibration
+    }
+
+    /// Sets the calibration factors (replay of a recorded decision).
+    pub fn set_calibration(&mut self, factors: Factors) {
+        self.calibration.set_factors(factors);
+    }
+
+    /// Observation: decision `id`'s prefill ended at `now_ms` (a bypass's
+    /// first token, the end of a remote prefill on the prefill worker), on
+    /// the clock decisions are made with. Feeds the calibration; false when
+    /// the decision awaits no observation (not ours, or not the SLA
+    /// policy's). Independent of the ledger's [`RouterCore::on_prefill_done`].
+    pub fn observe_prefill_done(&mut self, id: DecisionId, now_ms: u64) -> bool {
+        self.calibration.prefill_done(id, now_ms)
+    }
+
+    /// Observation: decision `id` produced `output_tokens` tokens in
+    /// `decode_ms` from its first token to its last. Feeds the calibration's
+    /// ITL factor and ends the decision's observations.
+    pub fn observe_decoded(&mut self, id: DecisionId, decode_ms: f64, output_tokens: u32) -> bool {
+        self.calibration.decoded(id, decode_ms, output_tokens)
     }
 
     /// See [`Workers::expire`].
@@ -357,6 +389,10 @@ impl RouterCore {
                 policy_params: named(self.policy().params()),
                 router_params: named(self.config().params()),
                 candidates,
+                calibration: match self.policy() {
+                    Policy::SlaDynamic(_) => named(explanation.calibration.named().to_vec()),
+                    _ => Vec::new(),
+                },
             },
         }
     }
@@ -450,16 +486,19 @@ impl RouterCore {
         });
 
         // Policy.
-        let verdict = match &p {
-            Some(p) => self.policy.decide(&PolicyInput {
-                isl_tokens: isl,
-                expected_output_tokens: req.expected_output_tokens,
-                block_size: bs,
-                decode: d,
-                prefill: *p,
-                holder,
-                tier_weights: self.config.decode.tier_weights,
-            }),
+        let factors = self.calibration.factors();
+        let input = p.as_ref().map(|p| PolicyInput {
+            isl_tokens: isl,
+            expected_output_tokens: req.expected_output_tokens,
+            block_size: bs,
+            decode: d,
+            prefill: *p,
+            holder,
+            tier_weights: self.config.decode.tier_weights,
+            calibration: factors,
+        });
+        let verdict = match &input {
+            Some(input) => self.policy.decide(input),
             None => Verdict {
                 path: Path::Bypass,
                 rule: rules::NO_PREFILL_WORKER,
@@ -551,6 +590,7 @@ impl RouterCore {
                 prefill_pick: p_pick,
                 holder: holder_pick,
                 policy_params: self.policy.params(),
+                calibration: factors,
                 verdict: p.is_some().then(|| verdict.clone()),
                 gate: gate_check,
             };
@@ -579,6 +619,14 @@ impl RouterCore {
             reason,
             at_ms: now_ms,
         };
+
+        // What the calibration will compare with the observations: the
+        // prediction for the path taken (the gate's veto included), on the
+        // decode worker the verdict was about.
+        if let (Policy::SlaDynamic(sla), Some(input)) = (&self.policy, &input) {
+            self.calibration
+                .expect(id, now_ms, sla.expected(input, path));
+        }
 
         self.workers.charge(
             id,

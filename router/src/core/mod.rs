@@ -5,11 +5,13 @@
 //! * [`policy`]: bypass or remote prefill, and [`policy::registry`], the
 //!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
+//! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
 //! * [`config`]: [`RouterConfig`], what the core is configured with;
 //! * [`decide`]: [`RouterCore`], which puts them together, and the
 //!   decision record;
 //! * [`replay`]: re-deciding a recorded decision ([`Replayer`]).
 
+pub mod calibrate;
 pub mod config;
 pub mod decide;
 pub mod gate;
@@ -18,6 +20,7 @@ pub mod replay;
 pub mod select;
 pub mod workers;
 
+pub use calibrate::{Calibration, Expected, Factors};
 pub use config::{ConfigError, RouterConfig};
 pub use decide::{
     decision_seed, CandidateScore, Explanation, RouteError, RouteOptions, RouteRequest, Routed,

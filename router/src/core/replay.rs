@@ -15,6 +15,7 @@ use protocol::{
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use super::calibrate::Factors;
 use super::config::{ConfigError, RouterConfig};
 use super::decide::{Explanation, RouteError, RouteOptions, RouteRequest, RouterCore};
 use super::policy::{ParamError, Policy};
@@ -131,6 +132,7 @@ impl Replayer {
             Some(name) => Policy::with_params(name, named(&overrides.policy_params))?,
         };
         let mut core = RouterCore::new(config, policy)?;
+        core.set_calibration(Factors::from_named(named(&inputs.calibration)));
         *core.replica_mut() = std::mem::take(&mut self.replica);
         let result = Self::decide(&mut core, record, &contract);
         self.replica = std::mem::take(core.replica_mut());

@@ -261,6 +261,12 @@ impl Dispatcher {
         });
     }
 
+    /// Tells the loop what a request was observed to take (calibration);
+    /// dropped when the loop is busy: an observation is not owed.
+    fn observed(&self, command: Command) {
+        let _ = self.inner.commands.try_send(command);
+    }
+
     /// Tells this replica's ledger (through the loop) and the peers'.
     fn progress(&self, decision: DecisionId, progress: Progress) {
         let inner = &self.inner;
@@ -473,12 +479,14 @@ impl Dispatcher {
         let mut leg = self
             .open(&decision.decode, &routed.decode_subject, request)
             .await?;
+        let mut first_token_ms = None;
         loop {
             match leg.next().await? {
                 GenerateEvent::Tokens(tokens) => {
                     if tokens.is_empty() {
                         continue;
                     }
+                    first_token_ms.get_or_insert_with(now_ms);
                     *streamed = true;
                     if out.send(Out::Tokens(tokens)).await.is_err() {
                         return Err(DispatchError::ClientGone);
@@ -489,6 +497,15 @@ impl Dispatcher {
                     cached_tokens,
                     reason,
                 } => {
+                    if let Some(first_token_ms) = first_token_ms {
+                        self.observed(Command::Observed {
+                            decision: decision.id,
+                            path: decision.path,
+                            first_token_ms,
+                            finished_ms: now_ms(),
+                            output_tokens,
+                        });
+                    }
                     let done = Out::Done {
                         reason,
                         output_tokens,

@@ -19,7 +19,7 @@ use futures::StreamExt;
 use kv_indexer::DeltaError;
 use protocol::{
     subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, LogEntry, Message,
-    Progress, RequestProgress, Role, RouteDecision, WorkerId,
+    Path, Progress, RequestProgress, Role, RouteDecision, WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -110,6 +110,16 @@ pub enum Command {
     Ledger {
         decision: Option<DecisionId>,
         reply: oneshot::Sender<LedgerView>,
+    },
+    /// What a request this replica dispatched was observed to take, for
+    /// the SLA policy's calibration: its first token and last token (ms on
+    /// the decisions' clock) and its output tokens.
+    Observed {
+        decision: DecisionId,
+        path: Path,
+        first_token_ms: u64,
+        finished_ms: u64,
+        output_tokens: u32,
     },
 }
 
@@ -428,11 +438,30 @@ impl RouterLoop {
             Command::Progress { decision, progress } => match progress {
                 Progress::PrefillDone => {
                     self.core.on_prefill_done(decision);
+                    // Our own decision: its prefill time feeds the SLA
+                    // policy's calibration (peers' notices do not: the
+                    // decision is theirs).
+                    self.core.observe_prefill_done(decision, now_ms());
                 }
                 Progress::Finished => {
                     self.core.on_finished(decision);
                 }
             },
+            Command::Observed {
+                decision,
+                path,
+                first_token_ms,
+                finished_ms,
+                output_tokens,
+            } => {
+                // A remote prefill's end was observed with its notice.
+                if path == Path::Bypass {
+                    self.core.observe_prefill_done(decision, first_token_ms);
+                }
+                let decode_ms = finished_ms.saturating_sub(first_token_ms) as f64;
+                self.core
+                    .observe_decoded(decision, decode_ms, output_tokens);
+            }
             Command::Ledger { decision, reply } => {
                 let _ = reply.send(self.ledger(decision));
             }
@@ -848,6 +877,7 @@ impl RouterLoop {
         let expired = self.core.expire(now_ms());
         self.metrics
             .ledger(self.core.workers().in_flight(), expired);
+        self.metrics.calibration(&self.core.calibration().factors());
         self.metrics.workers_registered(self.core.workers().len());
         self.metrics
             .index_position(self.core.replica().applied(), self.head);

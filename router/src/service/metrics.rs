@@ -25,6 +25,7 @@
 //! | `router_peer_messages_total` | counter | `kind`, `outcome` |
 //! | `router_ledger_in_flight` | gauge | |
 //! | `router_ledger_expired_total` | counter | |
+//! | `router_calibration_factor` | gauge | `factor` (`local_ttft`, `remote_ttft`, `itl`: the SLA policy's observed / predicted) |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -80,6 +81,7 @@ struct Inner {
     head_seq: Gauge,
     seq_lag: Gauge,
     in_flight: Gauge,
+    calibration: [Gauge; 3],
     expired: Counter,
 }
 
@@ -168,6 +170,15 @@ impl Metrics {
             head_seq: gauge("router_index_head_seq"),
             seq_lag: gauge("router_index_delta_seq_lag"),
             in_flight: gauge("router_ledger_in_flight"),
+            calibration: crate::core::Factors::NAMES.map(|name| {
+                recorder.register_gauge(
+                    &Key::from_parts(
+                        "router_calibration_factor",
+                        vec![Label::new("factor", name)],
+                    ),
+                    &METADATA,
+                )
+            }),
             expired: recorder
                 .register_counter(&Key::from_name("router_ledger_expired_total"), &METADATA),
             recorder,
@@ -318,6 +329,13 @@ impl Metrics {
         self.inner.decision_log_lag.record(lag.as_secs_f64());
     }
 
+    /// The SLA policy's calibration factors (1 until observed).
+    pub fn calibration(&self, factors: &crate::core::Factors) {
+        for (gauge, (_, value)) in self.inner.calibration.iter().zip(factors.named()) {
+            gauge.set(value);
+        }
+    }
+
     pub fn ledger(&self, in_flight: usize, expired: usize) {
         self.inner.in_flight.set(in_flight as f64);
         self.inner.expired.increment(expired as u64);
@@ -334,6 +352,10 @@ mod tests {
         m.worker_refused("block_size");
         m.http("/v1/route", 200);
         m.route_latency(Duration::from_micros(300));
+        m.calibration(&crate::core::Factors {
+            itl: 1.5,
+            ..Default::default()
+        });
         m.upkeep();
         let text = m.render();
         assert!(
@@ -342,6 +364,10 @@ mod tests {
         );
         assert!(text.contains("router_http_requests_total{route=\"/v1/route\",status=\"200\"} 1"));
         assert!(text.contains("router_route_seconds_bucket"), "{text}");
+        assert!(
+            text.contains("router_calibration_factor{factor=\"itl\"} 1.5"),
+            "{text}"
+        );
         // Two recorders do not share anything.
         assert!(!Metrics::new().render().contains("block_size"));
     }

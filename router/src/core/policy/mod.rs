@@ -19,6 +19,7 @@ mod sla;
 
 use protocol::{Path, WorkerId, WorkerRecord};
 
+use super::calibrate::Factors;
 use super::select::TierWeights;
 use super::workers::EffectiveLoad;
 
@@ -52,14 +53,22 @@ pub mod rules {
     pub const LOAD_PREFILL_FREE: &str = "load.prefill_free";
     /// Load rule: both sides busy: remote (spare the decodes).
     pub const LOAD_DECODE_BUSY: &str = "load.decode_busy";
-    /// SLA rule: the local prefill meets the TTFT and ITL targets: bypass.
+    /// SLA rule: both paths meet the targets, the local prefill spends less
+    /// compute: bypass.
+    pub const SLA_LOCAL_SAVES_WORK: &str = "sla.local_saves_work";
+    /// SLA rule: both paths meet the targets, remote spends no more: remote.
+    pub const SLA_REMOTE_NO_MORE_WORK: &str = "sla.remote_no_more_work";
+    /// SLA rule: only the local prefill meets the TTFT and ITL targets: bypass.
     pub const SLA_LOCAL_MEETS_TARGETS: &str = "sla.local_meets_targets";
-    /// SLA rule: local misses a target, remote meets TTFT: remote.
+    /// SLA rule: only remote meets the targets: remote.
     pub const SLA_REMOTE_MEETS_TARGETS: &str = "sla.remote_meets_targets";
-    /// SLA rule: both miss; local misses by less: bypass.
-    pub const SLA_LOCAL_SMALLER_VIOLATION: &str = "sla.local_smaller_violation";
-    /// SLA rule: both miss; remote misses by less (or as much): remote.
-    pub const SLA_REMOTE_SMALLER_VIOLATION: &str = "sla.remote_smaller_violation";
+    /// SLA rule: neither meets them; a bypass would push the decode
+    /// worker's running requests over the ITL target: remote.
+    pub const SLA_REMOTE_SPARES_DECODES: &str = "sla.remote_spares_decodes";
+    /// SLA rule: neither meets them; the local first token is sooner: bypass.
+    pub const SLA_LOCAL_SOONER: &str = "sla.local_sooner";
+    /// SLA rule: neither meets them; remote's is no later: remote.
+    pub const SLA_REMOTE_SOONER: &str = "sla.remote_sooner";
     /// The decode gate vetoed a bypass over the decode worker's KV budget.
     pub const GATE_KV_BUDGET: &str = "gate.kv_budget";
     /// The decode gate vetoed a bypass: the decode worker's KV capacity is
@@ -123,6 +132,8 @@ pub struct PolicyInput<'a> {
     /// The decode selection's weights of the offloaded tiers: how much a
     /// host or disk block counts in [`PolicyInput::eff_isl_tokens`].
     pub tier_weights: TierWeights,
+    /// The router core's calibration factors (used by the SLA policy).
+    pub calibration: Factors,
 }
 
 impl PolicyInput<'_> {
@@ -236,6 +247,7 @@ pub(crate) mod tests {
                 },
                 holder: None,
                 tier_weights: TierWeights::default(),
+                calibration: Factors::default(),
             }
         }
     }

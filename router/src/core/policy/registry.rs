@@ -30,7 +30,8 @@ pub struct ParamSpec {
     pub help: &'static str,
     /// The values `sim tune` tries for it (the default is tried too); empty
     /// for a parameter that is not a threshold to tune (the SLA policy's
-    /// targets are the SLO, its cost model is measured).
+    /// targets are the SLO, its cost model a prior the router core's
+    /// calibration corrects online).
     pub tune: &'static [f64],
 }
 
@@ -100,7 +101,7 @@ const SLA_PARAMS: [ParamSpec; 10] = [
     },
     ParamSpec {
         name: "prefill_c0_ms",
-        help: "SLA cost model: fixed cost of a prefill step (ms)",
+        help: "SLA cost model (a prior, corrected online by calibration): fixed cost of a prefill step (ms)",
         tune: &[],
     },
     ParamSpec {
@@ -189,7 +190,7 @@ pub static POLICIES: [PolicySpec; 6] = [
     },
     PolicySpec {
         name: "sla_dynamic",
-        about: "predict TTFT and ITL of both paths against SLA targets; take the smaller violation",
+        about: "predict TTFT of both paths and the ITL a local prefill inflicts, calibrated online; keep the most requests within the SLO (set only the targets)",
         params: &[&SLA_PARAMS],
         aliases: &["sla"],
         dynamo: None,

@@ -5,6 +5,7 @@ use protocol::Path;
 use serde::{Deserialize, Serialize};
 
 use super::{positive, rules, ConditionalDisaggPolicy, ParamError, PolicyInput, Verdict};
+use crate::core::calibrate::{Expected, Factors};
 
 /// Engine timing constants, in milliseconds. The defaults fit Llama-3.3-70B
 /// FP8, TP2 on 2 × H100 (see `engine-timing.md` in the project reference):
@@ -95,44 +96,67 @@ impl CostModel {
     }
 }
 
-/// What [`SlaDynamic`] predicts for one request.
+/// What [`SlaDynamic`] predicts for one request. Times in ms; "model" times
+/// are the cost model's, the others are corrected by the calibration
+/// factors ([`Factors`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SlaPrediction {
-    /// Tokens a bypass prefills on the decode worker.
+    /// Tokens a bypass prefills on the decode worker (after its overlap).
     pub local_prefill_tokens: u64,
-    /// Time to first token on the bypass path: the decode worker's prefill
-    /// queue, the local prefill, and the decode batch run in each of the
-    /// prefill's chunked steps.
+    /// The model's time to a bypass's first token: the decode worker's
+    /// prefill queue, the local prefill, and the decode batch run in each of
+    /// the prefill's chunked steps.
+    pub local_model_ms: f64,
+    /// `local_model_ms` times the local TTFT factor.
     pub local_ttft_ms: f64,
-    /// The decode worker's step time without this request's prefill (0
-    /// when nothing runs there).
+    /// The model's decode step on the decode worker with this request in its
+    /// batch (without any prefill mixed in).
+    pub step_model_ms: f64,
+    /// The decode worker's ITL without this request's prefill:
+    /// `step_model_ms` times the ITL factor (which learnt how much the
+    /// batch's growth and the prefills mixed in lengthen a request's ITL).
     pub itl_base_ms: f64,
-    /// Time the prefills queued on the decode worker and this local
-    /// prefill's chunks add to its steps, in total: every request running
-    /// there waits that much longer.
+    /// The time this local prefill's chunks add to the steps they are mixed
+    /// into: every request running there waits that much longer.
     pub prefill_stall_ms: f64,
-    /// The mean ITL of the requests running on the decode worker while the
-    /// local prefill runs: the base step plus the stall spread over an
-    /// answer of the expected length (the ITL target is a per-request mean,
-    /// TPOT). 0 when nothing runs there: no one to slow.
+    /// The decode worker's ITL with this local prefill: the base plus the
+    /// stall spread over an answer of the expected length (the ITL target
+    /// is a per-request mean).
     pub itl_local_ms: f64,
-    /// Tokens a remote prefill computes on the prefill worker.
+    /// Requests running on the decode worker (whom a local prefill slows).
+    pub running: u32,
+    /// Tokens a remote prefill computes on the prefill worker (after its
+    /// overlap).
     pub remote_prefill_tokens: u64,
-    /// KV transfer time of the prompt (whole prompt: an upper bound, as
-    /// engines differ on skipping what the decode worker holds).
+    /// The model's time to the end of a remote prefill: the prefill worker's
+    /// queue and its prefill.
+    pub remote_model_ms: f64,
+    /// KV transfer time of the whole prompt to the decode worker.
     pub transfer_ms: f64,
-    /// Time to first token on the remote path: the prefill worker's queue,
-    /// its prefill of what it lacks, and the transfer.
+    /// Time to first token on the remote path: `remote_model_ms` times the
+    /// remote TTFT factor, plus the transfer.
     pub remote_ttft_ms: f64,
+    /// The model's compute for the prefill itself on each path (no queue):
+    /// what each path spends of the deployment's prefill capacity.
+    pub local_work_ms: f64,
+    pub remote_work_ms: f64,
+    /// The calibration factors used.
+    pub factors: Factors,
 }
 
-/// Bypass when the local prefill meets the TTFT target and keeps the decode
-/// worker's steps within the ITL target; otherwise take the path with the
-/// smaller predicted violation. Violations are relative to the targets
-/// (`excess / target`) so that TTFT and ITL add up: the bypass's is its
-/// TTFT excess plus the ITL excess it adds beyond what the decode worker
-/// already has; the remote path's is its TTFT excess (it adds no prefill to
-/// the decode worker's steps). Equal violations go remote.
+/// A cost chooser between the two paths, against the SLO (its only
+/// required parameters; the cost model's defaults are corrected online by
+/// the calibration factors the router core learns, [`Factors`]):
+///
+/// 1. both paths meet the targets (local: TTFT, and the decode worker's
+///    ITL with this prefill; remote: TTFT): the one that spends less
+///    prefill compute (a bypass reuses the decode worker's prefix, a remote
+///    prefill what the prefill worker holds); equal work goes remote, which
+///    slows no decode;
+/// 2. only one meets them: that one;
+/// 3. neither: remote when the local prefill would push the decode
+///    worker's running requests over the ITL target (it misses them all,
+///    remote misses one); otherwise the sooner first token (ties remote).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SlaDynamic {
@@ -140,7 +164,7 @@ pub struct SlaDynamic {
     pub ttft_target_ms: f64,
     /// Inter-token latency target (ms). Default 60.
     pub itl_target_ms: f64,
-    /// Engine timing.
+    /// Engine timing (a prior: the calibration corrects it).
     #[serde(flatten)]
     pub cost: CostModel,
 }
@@ -161,6 +185,12 @@ impl SlaDynamic {
         }
     }
 
+    /// The policy for an SLO, with the cost model's defaults (which the
+    /// calibration corrects): all an operator sets.
+    pub fn with_slo(ttft_target_ms: f64, itl_target_ms: f64) -> Self {
+        Self::new(ttft_target_ms, itl_target_ms, CostModel::default())
+    }
+
     /// Checks what the registry's generic check (every parameter finite and
     /// `>= 0`) does not: the targets and the bandwidth are `> 0`.
     pub fn validate(&self) -> Result<(), ParamError> {
@@ -172,59 +202,76 @@ impl SlaDynamic {
     /// The numbers the policy decides on.
     pub fn predict(&self, input: &PolicyInput<'_>) -> SlaPrediction {
         let c = &self.cost;
+        let k = input.calibration;
         let isl = u64::from(input.isl_tokens);
         let bs = u64::from(input.block_size);
 
         let d = &input.decode;
         let d_hit = u64::from(d.held.any()).min(isl);
         let local = (isl - d_hit).max(1);
-        let mbt_d = d.record.max_batched_tokens.max(1);
-        let chunks = local.div_ceil(u64::from(mbt_d));
+        let mbt_d = u64::from(d.record.max_batched_tokens.max(1));
+        let chunks = local.div_ceil(mbt_d);
         let batch = d.load.running;
         let context = d.load.active_decode_blocks.saturating_mul(bs);
-        let itl_base = if batch > 0 {
+        let step_model = c.decode_step_ms(batch.saturating_add(1), context.saturating_add(isl));
+        let step_now = if batch > 0 {
             c.decode_step_ms(batch, context)
         } else {
             0.0
         };
-        let local_ttft = c.queue_ms(d.load.queued_prefill_tokens, mbt_d)
-            + c.prefill_ms(local, isl.saturating_sub(local))
-            + chunks as f64 * itl_base;
-        // Chunk k attends to the cached prefix and the chunks before it;
-        // the queued prefills ahead of it stall the decodes too (linear
-        // term only: their contexts are unknown).
-        let queued_stall = c.prefill_c1_ms * d.load.queued_prefill_tokens as f64;
-        let stall: f64 = queued_stall
-            + (0..chunks)
-                .map(|k| {
-                    let start = k * u64::from(mbt_d);
-                    let chunk = (local - start).min(u64::from(mbt_d));
-                    c.mixed_chunk_ms(chunk, d_hit + start)
-                })
-                .sum::<f64>();
-        let itl_local = if batch > 0 {
-            itl_base + stall / f64::from(input.expected_output_tokens.max(1))
-        } else {
-            0.0
-        };
+        let local_work = c.prefill_ms(local, isl - local);
+        let local_model = c.queue_ms(d.load.queued_prefill_tokens, mbt_d as u32)
+            + local_work
+            + chunks as f64 * step_now;
+        // Chunk k attends to the cached prefix and the chunks before it.
+        let stall: f64 = (0..chunks)
+            .map(|i| {
+                let start = i * mbt_d;
+                let chunk = (local - start).min(mbt_d);
+                c.mixed_chunk_ms(chunk, d_hit + start)
+            })
+            .sum();
+        let itl_base = k.itl * step_model;
+        let itl_local = itl_base + stall / f64::from(input.expected_output_tokens.max(1));
 
         let p = &input.prefill;
         let p_hit = u64::from(p.held.any()).min(isl);
         let remote = (isl - p_hit).max(1);
         let transfer = c.transfer_ms(isl.saturating_mul(p.record.kv_bytes_per_token));
-        let remote_ttft = c.queue_ms(p.load.queued_prefill_tokens, p.record.max_batched_tokens)
-            + c.prefill_ms(remote, isl.saturating_sub(remote))
-            + transfer;
+        let remote_work = c.prefill_ms(remote, isl - remote);
+        let remote_model =
+            c.queue_ms(p.load.queued_prefill_tokens, p.record.max_batched_tokens) + remote_work;
 
         SlaPrediction {
             local_prefill_tokens: local,
-            local_ttft_ms: local_ttft,
+            local_model_ms: local_model,
+            local_ttft_ms: k.local_ttft * local_model,
+            step_model_ms: step_model,
             itl_base_ms: itl_base,
             prefill_stall_ms: stall,
             itl_local_ms: itl_local,
+            running: batch,
             remote_prefill_tokens: remote,
+            remote_model_ms: remote_model,
             transfer_ms: transfer,
-            remote_ttft_ms: remote_ttft,
+            remote_ttft_ms: k.remote_ttft * remote_model + transfer,
+            local_work_ms: local_work,
+            remote_work_ms: remote_work,
+            factors: k,
+        }
+    }
+
+    /// What the calibration compares with what is observed: the model's
+    /// times, uncorrected, for the path taken.
+    pub fn expected(&self, input: &PolicyInput<'_>, path: Path) -> Expected {
+        let s = self.predict(input);
+        Expected {
+            path,
+            prefill_ms: match path {
+                Path::Bypass => s.local_model_ms,
+                Path::Remote => s.remote_model_ms,
+            },
+            itl_ms: s.step_model_ms,
         }
     }
 }
@@ -234,51 +281,76 @@ impl ConditionalDisaggPolicy for SlaDynamic {
         let s = self.predict(input);
         let (tt, it) = (self.ttft_target_ms, self.itl_target_ms);
         let (d, p) = (input.decode.id, input.prefill.id);
-        if s.local_ttft_ms <= tt && s.itl_local_ms <= it {
-            return Verdict {
-                path: Path::Bypass,
-                rule: rules::SLA_LOCAL_MEETS_TARGETS,
-                reason: format!(
-                    "local prefill of {} tokens: TTFT {:.0} ms <= {tt:.0} and ITL {:.1} ms <= {it:.1} on {d} (remote TTFT {:.0} ms): bypass on {d}",
-                    s.local_prefill_tokens, s.local_ttft_ms, s.itl_local_ms, s.remote_ttft_ms
-                ),
-            };
-        }
-        let excess = |v: f64, target: f64| (v - target).max(0.0) / target.max(f64::MIN_POSITIVE);
-        let local_violation =
-            excess(s.local_ttft_ms, tt) + excess(s.itl_local_ms, it.max(s.itl_base_ms));
-        let remote_violation = excess(s.remote_ttft_ms, tt);
-        let local = format!(
-            "local TTFT {:.0} ms / ITL {:.1} ms on {d} vs targets {tt:.0} / {it:.1}",
-            s.local_ttft_ms, s.itl_local_ms
+        let local_ok = s.local_ttft_ms <= tt && s.itl_local_ms <= it;
+        let remote_ok = s.remote_ttft_ms <= tt;
+        let k = s.factors;
+        let numbers = format!(
+            "local on {d}: {} tokens, TTFT {:.0} ms, ITL {:.1} -> {:.1} ms (stall {:.0} ms over {} running); remote on {p}: {} tokens, TTFT {:.0} ms (transfer {:.0} ms); targets {tt:.0} / {it:.1} ms; calibration TTFT x{:.2} local, x{:.2} remote, ITL x{:.2}",
+            s.local_prefill_tokens,
+            s.local_ttft_ms,
+            s.itl_base_ms,
+            s.itl_local_ms,
+            s.prefill_stall_ms,
+            s.running,
+            s.remote_prefill_tokens,
+            s.remote_ttft_ms,
+            s.transfer_ms,
+            k.local_ttft,
+            k.remote_ttft,
+            k.itl,
         );
-        if remote_violation == 0.0 {
-            Verdict {
-                path: Path::Remote,
-                rule: rules::SLA_REMOTE_MEETS_TARGETS,
-                reason: format!(
-                    "{local} miss; remote TTFT {:.0} ms <= {tt:.0} on {p}: remote prefill on {p}",
-                    s.remote_ttft_ms
+        let (path, rule, why) = match (local_ok, remote_ok) {
+            (true, true) if s.local_work_ms < s.remote_work_ms => (
+                Path::Bypass,
+                rules::SLA_LOCAL_SAVES_WORK,
+                format!(
+                    "both meet the targets; local prefill {:.0} ms < remote {:.0} ms of compute: bypass on {d}",
+                    s.local_work_ms, s.remote_work_ms
                 ),
-            }
-        } else if local_violation < remote_violation {
-            Verdict {
-                path: Path::Bypass,
-                rule: rules::SLA_LOCAL_SMALLER_VIOLATION,
-                reason: format!(
-                    "{local} miss by {local_violation:.2} < remote's {remote_violation:.2} (TTFT {:.0} ms on {p}): bypass on {d}",
-                    s.remote_ttft_ms
+            ),
+            (true, true) => (
+                Path::Remote,
+                rules::SLA_REMOTE_NO_MORE_WORK,
+                format!(
+                    "both meet the targets; remote prefill {:.0} ms <= local {:.0} ms of compute and slows no decode: remote prefill on {p}",
+                    s.remote_work_ms, s.local_work_ms
                 ),
-            }
-        } else {
-            Verdict {
-                path: Path::Remote,
-                rule: rules::SLA_REMOTE_SMALLER_VIOLATION,
-                reason: format!(
-                    "{local} miss by {local_violation:.2} >= remote's {remote_violation:.2} (TTFT {:.0} ms on {p}): remote prefill on {p}",
-                    s.remote_ttft_ms
+            ),
+            (true, false) => (
+                Path::Bypass,
+                rules::SLA_LOCAL_MEETS_TARGETS,
+                format!("only local meets the targets: bypass on {d}"),
+            ),
+            (false, true) => (
+                Path::Remote,
+                rules::SLA_REMOTE_MEETS_TARGETS,
+                format!("only remote meets the targets: remote prefill on {p}"),
+            ),
+            (false, false) if s.running > 0 && s.itl_local_ms > it && s.itl_base_ms <= it => (
+                Path::Remote,
+                rules::SLA_REMOTE_SPARES_DECODES,
+                format!(
+                    "neither meets the targets; local would push {} running requests over the ITL target: remote prefill on {p}",
+                    s.running
                 ),
-            }
+            ),
+            (false, false) if s.local_ttft_ms < s.remote_ttft_ms => (
+                Path::Bypass,
+                rules::SLA_LOCAL_SOONER,
+                format!("neither meets the targets; local's first token is sooner: bypass on {d}"),
+            ),
+            (false, false) => (
+                Path::Remote,
+                rules::SLA_REMOTE_SOONER,
+                format!(
+                    "neither meets the targets; remote's first token is no later: remote prefill on {p}"
+                ),
+            ),
+        };
+        Verdict {
+            path,
+            rule,
+            reason: format!("{numbers}: {why}"),
         }
     }
 }
@@ -287,6 +359,7 @@ impl ConditionalDisaggPolicy for SlaDynamic {
 mod tests {
     use super::*;
     use crate::core::policy::tests::Fixture;
+    use crate::core::policy::HeldTokens;
     use crate::core::workers::EffectiveLoad;
 
     fn running(batch: u32, blocks: u64) -> EffectiveLoad {
@@ -311,77 +384,138 @@ mod tests {
         assert!((c.transfer_ms(8_192 * 327_680) - 33.0).abs() < 2.0);
     }
 
-    /// The ITL target is the threshold of interest: with 20 running requests
-    /// of 1k tokens on d0 the base step is 17.8 + 12 + 0.88 = 30.7 ms;
-    /// a local append of `n` tokens on a 7.8k-token cached prompt stalls
-    /// them about 0.065 n + 2.75e-6 n (n + 2 * 7800) ms in total, spread
-    /// over the expected answer.
+    fn decide(policy: &SlaDynamic, input: &PolicyInput<'_>) -> (Path, &'static str, String) {
+        let v = policy.decide(input);
+        (v.path, v.rule, v.reason)
+    }
+
+    /// Both paths meet the targets: the one that spends less prefill
+    /// compute; the same work goes remote.
     #[test]
-    fn sla_rule_at_and_around_the_itl_target() {
+    fn both_meet_the_cheaper_path_wins_ties_go_remote() {
         let f = Fixture::new();
-        let d_load = running(20, 20 * 64);
-        let p_load = EffectiveLoad::default();
-        let isl = 8_000;
-        let hit = 7_800; // append of 200 tokens
-        let policy = SlaDynamic::new(1_000.0, 1_000.0, CostModel::default());
-        let itl = policy
-            .predict(&f.input(isl, hit, d_load, p_load))
-            .itl_local_ms;
-        let ttft = policy
-            .predict(&f.input(isl, hit, d_load, p_load))
-            .local_ttft_ms;
+        let policy = SlaDynamic::default();
+        let (path, rule, why) = decide(
+            &policy,
+            &f.input(8_000, 7_800, running(10, 640), EffectiveLoad::default()),
+        );
+        assert_eq!(
+            (path, rule),
+            (Path::Bypass, rules::SLA_LOCAL_SAVES_WORK),
+            "{why}"
+        );
+        let (path, rule, why) = decide(
+            &policy,
+            &f.input(4_000, 0, running(10, 640), EffectiveLoad::default()),
+        );
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_NO_MORE_WORK),
+            "{why}"
+        );
+    }
+
+    /// The ITL target binds: just above the predicted ITL the append
+    /// bypasses, just below it goes remote (whose TTFT meets the target).
+    #[test]
+    fn the_itl_target_is_the_threshold() {
+        let f = Fixture::new();
+        let input = f.input(8_000, 7_800, running(20, 20 * 64), EffectiveLoad::default());
+        let itl = SlaDynamic::default().predict(&input).itl_local_ms;
         assert!(itl > 30.0 && itl < 60.0, "{itl}");
-        for (target, path, rule) in [
-            (itl + 0.01, Path::Bypass, rules::SLA_LOCAL_MEETS_TARGETS),
-            (itl, Path::Bypass, rules::SLA_LOCAL_MEETS_TARGETS),
-            (itl - 0.01, Path::Remote, rules::SLA_REMOTE_MEETS_TARGETS),
+        for (target, path) in [
+            (itl + 0.01, Path::Bypass),
+            (itl, Path::Bypass),
+            (itl - 0.01, Path::Remote),
         ] {
-            let policy = SlaDynamic::new(1_000.0, target, CostModel::default());
-            let v = policy.decide(&f.input(isl, hit, d_load, p_load));
-            assert_eq!((v.path, v.rule), (path, rule), "{}", v.reason);
-        }
-        // and the TTFT target: just below it local misses, but by far less
-        // than the remote path (a cold 8k prefill) does.
-        for (target, rule) in [
-            (ttft + 0.01, rules::SLA_LOCAL_MEETS_TARGETS),
-            (ttft, rules::SLA_LOCAL_MEETS_TARGETS),
-            (ttft - 0.01, rules::SLA_LOCAL_SMALLER_VIOLATION),
-        ] {
-            let policy = SlaDynamic::new(target, 1_000.0, CostModel::default());
-            let v = policy.decide(&f.input(isl, hit, d_load, p_load));
-            assert_eq!((v.path, v.rule), (Path::Bypass, rule), "{}", v.reason);
+            let policy = SlaDynamic::with_slo(2_000.0, target);
+            let (got, rule, why) = decide(&policy, &input);
+            assert_eq!(got, path, "{why}");
+            if path == Path::Remote {
+                assert_eq!(rule, rules::SLA_REMOTE_MEETS_TARGETS, "{why}");
+            }
         }
     }
 
+    /// Neither meets the targets: remote spares the running decodes, else
+    /// the sooner first token.
     #[test]
-    fn sla_takes_the_smaller_violation() {
+    fn neither_meets() {
         let f = Fixture::new();
-        // Tight TTFT: both paths miss. A short append misses by less locally.
-        let policy = SlaDynamic::new(10.0, 1_000.0, CostModel::default());
-        let v = policy.decide(&f.input(8_000, 7_900, running(4, 256), EffectiveLoad::default()));
+        // A cold 8k prompt on a decode worker at its ITL limit: remote,
+        // even though its own TTFT misses too.
+        let busy_p = EffectiveLoad {
+            queued_prefill_tokens: 400_000,
+            ..EffectiveLoad::default()
+        };
+        let policy = SlaDynamic::with_slo(500.0, 40.0);
+        let (path, rule, why) = decide(&policy, &f.input(8_000, 0, running(30, 30 * 64), busy_p));
         assert_eq!(
-            (v.path, v.rule),
-            (Path::Bypass, rules::SLA_LOCAL_SMALLER_VIOLATION),
-            "{}",
-            v.reason
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_SPARES_DECODES),
+            "{why}"
         );
-        // A cold long prompt on a busy decode worker misses by less remotely.
-        let v = policy.decide(&f.input(8_000, 0, running(60, 6_000), EffectiveLoad::default()));
+        // An idle decode worker (no one to slow): the sooner first token.
+        let (path, rule, why) = decide(
+            &SlaDynamic::with_slo(100.0, 1_000.0),
+            &f.input(8_000, 0, EffectiveLoad::default(), busy_p),
+        );
         assert_eq!(
-            (v.path, v.rule),
-            (Path::Remote, rules::SLA_REMOTE_SMALLER_VIOLATION),
-            "{}",
-            v.reason
+            (path, rule),
+            (Path::Bypass, rules::SLA_LOCAL_SOONER),
+            "{why}"
         );
-        // Idle decode worker: no ITL penalty; a fully cached prompt bypasses.
-        let policy = SlaDynamic::new(500.0, 20.0, CostModel::default());
-        let v = policy.decide(&f.input(
-            8_000,
-            8_000,
-            EffectiveLoad::default(),
-            EffectiveLoad::default(),
-        ));
-        assert_eq!(v.rule, rules::SLA_LOCAL_MEETS_TARGETS, "{}", v.reason);
+        // The prefill worker holds most of the prompt: its first token is
+        // sooner.
+        let mut input = f.input(8_000, 0, EffectiveLoad::default(), EffectiveLoad::default());
+        input.prefill.held = HeldTokens {
+            device: 7_000,
+            host: 7_000,
+            disk: 7_000,
+        };
+        let (path, rule, why) = decide(&SlaDynamic::with_slo(100.0, 1_000.0), &input);
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_SOONER),
+            "{why}"
+        );
+    }
+
+    /// The calibration factors scale the predictions they correct, and the
+    /// explanation names them with the predicted numbers.
+    #[test]
+    fn calibration_factors_move_the_decision_and_are_explained() {
+        let f = Fixture::new();
+        let policy = SlaDynamic::default();
+        let mut input = f.input(8_000, 7_800, running(20, 20 * 64), EffectiveLoad::default());
+        let plain = policy.predict(&input);
+        input.calibration = Factors {
+            local_ttft: 2.0,
+            remote_ttft: 2.0,
+            itl: 1.9,
+        };
+        let s = policy.predict(&input);
+        assert!((s.local_ttft_ms - 2.0 * plain.local_ttft_ms).abs() < 1e-9);
+        assert!(
+            (s.remote_ttft_ms - (2.0 * plain.remote_model_ms + plain.transfer_ms)).abs() < 1e-9
+        );
+        assert!((s.itl_base_ms - 1.9 * plain.itl_base_ms).abs() < 1e-9);
+        // ITL x1.9 takes the decode worker over 60 ms: the append goes remote.
+        let (path, rule, why) = decide(&policy, &input);
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_MEETS_TARGETS),
+            "{why}"
+        );
+        for needle in [
+            "TTFT",
+            "ITL",
+            "stall",
+            "transfer",
+            "calibration TTFT x2.00 local, x2.00 remote, ITL x1.90",
+        ] {
+            assert!(why.contains(needle), "{needle}: {why}");
+        }
         assert_eq!(crate::core::Policy::from(policy).params().len(), 10);
     }
 }
