@@ -39,6 +39,8 @@ pub struct Options {
     pub link_gb_s: f64,
     pub old_metric_names: bool,
     pub engine_id: Option<String>,
+    /// LoRA adapters served beside the model (vLLM's `--lora-modules`).
+    pub lora_modules: Vec<String>,
 }
 
 impl Default for Options {
@@ -64,6 +66,7 @@ impl Default for Options {
             link_gb_s: 87.0,
             old_metric_names: false,
             engine_id: None,
+            lora_modules: Vec::new(),
         }
     }
 }
@@ -131,6 +134,11 @@ pub fn flags() -> Vec<Flag> {
             Kind::Text,
             "Engine id in kv_transfer_params [default: mock-<random>]",
         ),
+        Flag::new(
+            "lora_modules",
+            Kind::List,
+            "LoRA adapter names a request may give as its model (vLLM's --lora-modules)",
+        ),
     ]
     .into_iter()
     .map(|f| f.env_prefix("MOCK_VLLM_"))
@@ -187,6 +195,7 @@ pub struct Config {
     pub link: KvTransfer,
     pub old_metric_names: bool,
     pub engine_id: String,
+    pub lora_modules: Vec<String>,
 }
 
 impl Config {
@@ -255,6 +264,7 @@ impl Options {
                 .engine_id
                 .clone()
                 .unwrap_or_else(|| format!("mock-{:016x}", rand::random::<u64>())),
+            lora_modules: self.lora_modules.clone(),
         })
     }
 }

@@ -41,13 +41,80 @@ pub struct KvTransferParams {
 
 /// A routed request, sent to a worker's generate subject; the worker
 /// streams [`GenerateChunk`]s to the message's reply subject.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerateRequest {
     pub request_id: String,
     pub annotation: Annotation,
     pub stage: Stage,
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
+    /// How to sample and when to stop: every field the client set, for
+    /// the engine to honour or refuse (never to drop).
+    pub sampling: Sampling,
+}
+
+/// The sampling and stopping parameters of a request, as the client set
+/// them (`None`, empty or `false`: not set, the engine's default). Names
+/// and meanings are OpenAI's and vLLM's `SamplingParams`'; the router
+/// checked types and ranges.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// `-1` (or `0`): no top-k.
+    pub top_k: Option<i32>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    /// Stop strings (the engine detokenizes to find them).
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    /// Generate past the end-of-sequence token.
+    pub ignore_eos: bool,
+    /// No EOS or stop token before this many output tokens.
+    pub min_tokens: u32,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    /// Log-probabilities of this many most likely tokens per position.
+    pub logprobs: Option<u32>,
+    /// Token id and bias, in token order.
+    pub logit_bias: Vec<(u32, f64)>,
+    /// OpenAI's `response_format` object, as JSON text.
+    pub response_format: Option<String>,
+    /// vLLM's `cache_salt`: the request's KV blocks are shared only with
+    /// requests of the same salt.
+    pub cache_salt: Option<String>,
+    /// The LoRA adapter to generate with (vLLM selects it by `model`).
+    pub lora: Option<String>,
+}
+
+impl Sampling {
+    /// The names (as in the HTTP body) of the fields set, in declaration
+    /// order: what an engine must honour.
+    pub fn fields_set(&self) -> Vec<&'static str> {
+        let set = [
+            ("temperature", self.temperature.is_some()),
+            ("top_p", self.top_p.is_some()),
+            ("top_k", self.top_k.is_some()),
+            ("min_p", self.min_p.is_some()),
+            ("seed", self.seed.is_some()),
+            ("stop", !self.stop.is_empty()),
+            ("stop_token_ids", !self.stop_token_ids.is_empty()),
+            ("ignore_eos", self.ignore_eos),
+            ("min_tokens", self.min_tokens > 0),
+            ("presence_penalty", self.presence_penalty.is_some()),
+            ("frequency_penalty", self.frequency_penalty.is_some()),
+            ("repetition_penalty", self.repetition_penalty.is_some()),
+            ("logprobs", self.logprobs.is_some()),
+            ("logit_bias", !self.logit_bias.is_empty()),
+            ("response_format", self.response_format.is_some()),
+            ("cache_salt", self.cache_salt.is_some()),
+            ("lora", self.lora.is_some()),
+        ];
+        set.into_iter()
+            .filter_map(|(name, on)| on.then_some(name))
+            .collect()
+    }
 }
 
 /// Why a stream ended normally.
@@ -110,6 +177,15 @@ pub enum GenerateEvent {
         cached_tokens: u32,
         reason: FinishReason,
     },
+    /// Last message of a stream the engine (or its agent) refused as
+    /// asked: a client error (a field it cannot honour, a value it
+    /// rejects), answered with `status` (4xx) and not retried elsewhere.
+    Rejected {
+        status: u16,
+        /// The request field at fault, when known.
+        param: Option<String>,
+        error: String,
+    },
     /// Last message of a failed stream.
     Failed {
         error: String,
@@ -124,7 +200,9 @@ impl GenerateEvent {
     pub fn is_last(&self) -> bool {
         matches!(
             self,
-            GenerateEvent::Finished { .. } | GenerateEvent::Failed { .. }
+            GenerateEvent::Finished { .. }
+                | GenerateEvent::Failed { .. }
+                | GenerateEvent::Rejected { .. }
         )
     }
 }

@@ -57,6 +57,7 @@ fn record() -> WorkerRecord {
         max_batched_tokens: 8192,
         kv_bytes_per_token: 131_072,
         gpus: 1,
+        max_model_len: 0,
     }
 }
 
@@ -120,6 +121,19 @@ fn generate() -> GenerateRequest {
         },
         prompt: vec![1, 2, 3],
         max_tokens: 5,
+        sampling: Sampling {
+            temperature: Some(0.5),
+            seed: Some(-7),
+            stop: vec!["\n".into()],
+            stop_token_ids: vec![2],
+            ignore_eos: true,
+            min_tokens: 1,
+            logit_bias: vec![(5, -100.0)],
+            response_format: Some(r#"{"type":"json_object"}"#.into()),
+            cache_salt: Some("s".into()),
+            lora: Some("adapter".into()),
+            ..Sampling::default()
+        },
     }
 }
 
@@ -152,6 +166,11 @@ fn every_message_round_trips() {
         GenerateEvent::Failed {
             error: "engine down".into(),
             retryable: true,
+        },
+        GenerateEvent::Rejected {
+            status: 400,
+            param: Some("top_k".into()),
+            error: "top_k is not supported".into(),
         },
     ] {
         let chunk = GenerateChunk { index: 4, event };

@@ -182,6 +182,8 @@ async fn registers_and_revokes_at_shutdown() -> Result<()> {
             max_batched_tokens: PRESET.max_batched_tokens,
             kv_bytes_per_token: PRESET.kv_bytes_per_token,
             gpus: PRESET.gpus,
+            // The simulated engine takes what its whole cache holds.
+            max_model_len: PRESET.kv_capacity_blocks(BLOCK_SIZE) * BLOCK_SIZE,
             subjects: WorkerSubjects::for_worker(&id),
         }
     );

@@ -106,6 +106,10 @@ pub struct Config {
     pub max_body_bytes: u64,
     /// `max_tokens` of a request that does not say.
     pub default_max_tokens: u32,
+    /// The context length (prompt plus output) requests are checked
+    /// against before routing; without it, the registered workers'
+    /// smallest (`WorkerRecord::max_model_len`).
+    pub max_model_len: Option<u32>,
     /// The bypass-or-remote policy, with its parameters.
     #[serde(skip_serializing)]
     pub policy: Policy,
@@ -132,6 +136,7 @@ impl Default for Config {
             reserve_blocks: kv_indexer::DEFAULT_RESERVE_BLOCKS,
             max_body_bytes: 32 << 20,
             default_max_tokens: 16,
+            max_model_len: None,
             policy: Policy::default(),
             decode: DecodeSelection::default(),
             prefill: PrefillSelection::default(),
@@ -183,6 +188,11 @@ fn fixed_flags() -> Vec<Flag> {
         "default_max_tokens",
         Kind::Number,
         "max_tokens of a request that gives none (also its expected output)",
+    ),
+    Flag::new(
+        "max_model_len",
+        Kind::Number,
+        "Context length (prompt + max_tokens) requests are checked against before routing [default: the workers' smallest]",
     ),
     Flag::new("policy.name", Kind::Text, "")
         .long("policy")
@@ -439,6 +449,9 @@ impl Config {
                 self.max_body_bytes,
                 "must be at least 1KiB",
             ));
+        }
+        if self.max_model_len == Some(0) {
+            return Err(invalid("max_model_len", 0, "must be at least 1"));
         }
         if self.default_max_tokens == 0 {
             return Err(invalid("default_max_tokens", 0, "must be at least 1"));

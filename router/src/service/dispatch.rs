@@ -29,7 +29,8 @@ use bus::Bus;
 use futures::StreamExt;
 use protocol::{
     subjects, BlockHash, CancelRequest, DecisionId, FinishReason, GenerateChunk, GenerateEvent,
-    GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Stage, WorkerId,
+    GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Sampling, Stage,
+    WorkerId,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -88,6 +89,17 @@ pub enum DispatchError {
         stage: &'static str,
         error: String,
     },
+    /// The worker's engine refused the request as asked (a field it
+    /// cannot honour, a value it rejects): the client's error.
+    #[error("{worker} refused the {stage} leg: {error}")]
+    Rejected {
+        worker: WorkerId,
+        stage: &'static str,
+        /// The status for the client (4xx).
+        status: u16,
+        param: Option<String>,
+        error: String,
+    },
     #[error("the client went away")]
     ClientGone,
 }
@@ -123,7 +135,8 @@ impl DispatchError {
             | DispatchError::MissingChunk { worker, .. }
             | DispatchError::Malformed { worker, .. }
             | DispatchError::Protocol { worker, .. }
-            | DispatchError::Nats { worker, .. } => Some(worker),
+            | DispatchError::Nats { worker, .. }
+            | DispatchError::Rejected { worker, .. } => Some(worker),
             DispatchError::ClientGone => None,
         }
     }
@@ -139,6 +152,7 @@ impl DispatchError {
             DispatchError::Malformed { .. } => "malformed_chunk",
             DispatchError::Protocol { .. } => "protocol_error",
             DispatchError::Nats { .. } => "nats_error",
+            DispatchError::Rejected { .. } => "rejected",
             DispatchError::ClientGone => "client_gone",
         }
     }
@@ -181,6 +195,8 @@ pub struct Prepared {
     pub hashes: Arc<[BlockHash]>,
     /// Also the decisions' expected output.
     pub max_tokens: u32,
+    /// Passed to the engine with every leg.
+    pub sampling: Sampling,
 }
 
 /// What a decision is for.
@@ -369,6 +385,7 @@ impl Dispatcher {
             stage: Stage::Local,
             prompt,
             max_tokens: request.max_tokens,
+            sampling: request.sampling.clone(),
         };
         let mut retried = false;
         loop {
@@ -458,6 +475,19 @@ impl Dispatcher {
                         retryable,
                     })
                 }
+                GenerateEvent::Rejected {
+                    status,
+                    param,
+                    error,
+                } => {
+                    return Err(DispatchError::Rejected {
+                        worker: prefill.clone(),
+                        stage: "prefill",
+                        status,
+                        param,
+                        error,
+                    })
+                }
                 GenerateEvent::Finished { .. } => {
                     return Err(leg.protocol("the prefill leg finished without Prefilled"))
                 }
@@ -505,6 +535,19 @@ impl Dispatcher {
                         stage: leg.stage,
                         error,
                         retryable,
+                    })
+                }
+                GenerateEvent::Rejected {
+                    status,
+                    param,
+                    error,
+                } => {
+                    return Err(DispatchError::Rejected {
+                        worker: decision.decode.clone(),
+                        stage: leg.stage,
+                        status,
+                        param,
+                        error,
                     })
                 }
                 GenerateEvent::Prefilled { .. } => {

@@ -96,6 +96,7 @@ pub async fn run(
     let metrics = Metrics::new();
     let upkeep = tokio::spawn(metrics.clone().upkeep_every(METRICS_UPKEEP));
     let (ready_tx, ready_rx) = watch::channel(Readiness::not_ready("starting"));
+    let (context_tx, context_rx) = watch::channel(0);
     let (commands, command_rx) = mpsc::channel(COMMAND_QUEUE);
     let (stop_loop, loop_stopped) = watch::channel(false);
     let (stop_http, http_stopped) = watch::channel(false);
@@ -110,6 +111,7 @@ pub async fn run(
         bus: bus.clone(),
         metrics: metrics.clone(),
         readiness: ready_tx,
+        context: context_tx,
         tick: config.timeouts.tick,
         reserve_blocks: config.reserve_blocks,
         decision_log,
@@ -134,6 +136,8 @@ pub async fn run(
         dispatcher,
         route_timeout: config.timeouts.route,
         default_max_tokens: config.default_max_tokens,
+        max_model_len: config.max_model_len,
+        context: context_rx,
         next_request: AtomicU64::new(0),
     });
     let routes = http::router(app, config.max_body());

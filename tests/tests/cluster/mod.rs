@@ -22,6 +22,8 @@ use tests::{free_port, EtcdServer, NatsServer, Service};
 pub const MODEL: &str = "Llama-3.3-70B-Instruct-FP8";
 pub const PRESET: &str = "llama70b_fp8_tp2_h100";
 pub const BLOCK_SIZE: u32 = 16;
+/// The LoRA adapter every mock-vllm engine serves beside the model.
+pub const LORA: &str = "sql-adapter";
 const STARTUP: Duration = Duration::from_secs(30);
 
 pub struct Node {
@@ -159,6 +161,7 @@ impl Cluster {
                         format!("--hash-flavour={}", wire.hash_flavour),
                         format!("--replay-topic-frame={}", wire.replay_topic_frame),
                         format!("--engine-id={engine_id}"),
+                        format!("--lora-modules={LORA}"),
                         "--speedup=20".into(),
                     ],
                 )?;

@@ -93,6 +93,7 @@ impl RequestContext {
             &self.model,
             &request.prompt,
             request.max_tokens,
+            &request.sampling,
             &kind,
             self.return_token_ids,
         );
@@ -132,6 +133,20 @@ impl RequestContext {
                 .ok()
                 .and_then(Result::ok)
                 .unwrap_or_default();
+            if let Some(field) = openai::client_error(status.as_u16(), &text, &request.sampling) {
+                // The engine refused a field the client set (a value out
+                // of its range, an adapter it does not have): the client's
+                // error, passed on as such.
+                let _ = out.send(GenerateEvent::Rejected {
+                    status: status.as_u16(),
+                    param: Some(field.to_owned()),
+                    error: format!(
+                        "the engine refused the request ({status}): {}",
+                        openai::error_message(&text)
+                    ),
+                });
+                return;
+            }
             return fail(
                 out,
                 openai::retryable_status(status.as_u16()),

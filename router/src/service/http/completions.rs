@@ -331,6 +331,7 @@ impl Streamed {
             error: ErrorDetail {
                 message,
                 kind: kind_of(status),
+                param: None,
                 code: status.as_u16(),
             },
             switchyard: Some(&self.answer.info),

@@ -14,6 +14,7 @@
 
 mod completions;
 mod error;
+pub mod fields;
 pub mod openai;
 mod ops;
 mod request;
@@ -55,6 +56,11 @@ pub struct App {
     pub dispatcher: Dispatcher,
     pub route_timeout: std::time::Duration,
     pub default_max_tokens: u32,
+    /// `--max-model-len`: the context length requests are checked
+    /// against, whatever the workers say.
+    pub max_model_len: Option<u32>,
+    /// The registered workers' smallest context length (0: none said).
+    pub context: watch::Receiver<u32>,
     pub next_request: AtomicU64,
 }
 

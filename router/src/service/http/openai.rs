@@ -9,77 +9,62 @@ use protocol::RouteDecision;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-/// `POST /v1/completions` and `POST /v1/route`. Other OpenAI fields
-/// (temperature, stop, ...) are accepted and passed over: sampling is the
-/// engine's business. `model` is accepted whatever it says: a router
-/// serves the one model of its hashing contract.
+use super::fields::{FieldError, Fields, Members};
+
+/// `POST /v1/completions` and `POST /v1/route`: the prompt, and every
+/// other field read and checked by name ([`super::fields`]). `model` is
+/// accepted whatever it says: a router serves the one model of its
+/// hashing contract.
 #[derive(Debug, Clone)]
 pub struct CompletionRequest {
-    pub model: Option<String>,
     pub prompt: Prompt,
-    pub max_tokens: Option<u32>,
-    pub stream: bool,
-}
-
-/// The body, all of it through serde: text prompts, and the messages of
-/// every error.
-#[derive(Deserialize)]
-struct Body {
-    #[serde(default)]
-    model: Option<String>,
-    prompt: Prompt,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
-}
-
-/// The body without its prompt (replaced by `0` once scanned).
-#[derive(Deserialize)]
-struct Head {
-    #[serde(default)]
-    model: Option<String>,
-    #[allow(dead_code)]
-    prompt: de::IgnoredAny,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
+    pub fields: Fields,
 }
 
 impl CompletionRequest {
-    /// Parses a request body; the error is the message for a 400.
+    /// Parses a request body; the error is the message (and field) for a
+    /// 400.
     ///
     /// A prompt of token ids, the common and the long case, is read by a
     /// dedicated scanner (about 5 times faster than serde's generic path
     /// on an 8k-token prompt); serde reads the rest. Anything the scanner
     /// does not expect goes through serde whole, which also words every
     /// error.
-    pub fn parse(body: &[u8]) -> Result<Self, String> {
+    pub fn parse(body: &[u8]) -> Result<Self, FieldError> {
         if body.is_empty() {
-            return Err("the request body is empty: expected a JSON completion request".into());
+            return Err(FieldError::body(
+                "the request body is empty: expected a JSON completion request",
+            ));
         }
         if let Some((tokens, start, end)) = scan_prompt(body) {
             let mut head = Vec::with_capacity(body.len() - (end - start) + 1);
             head.extend_from_slice(&body[..start]);
             head.push(b'0');
             head.extend_from_slice(&body[end..]);
-            if let Ok(h) = serde_json::from_slice::<Head>(&head) {
+            if let Ok(Members(members)) = serde_json::from_slice::<Members>(&head) {
                 return Ok(Self {
-                    model: h.model,
                     prompt: Prompt::Tokens(tokens),
-                    max_tokens: h.max_tokens,
-                    stream: h.stream,
+                    fields: Fields::read(members)?,
                 });
             }
         }
-        let b: Body =
-            serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+        Self::parse_whole(body)
+    }
+
+    /// The body, all of it through serde: text prompts, and the messages
+    /// of every malformed one.
+    fn parse_whole(body: &[u8]) -> Result<Self, FieldError> {
+        let Members(mut members) = serde_json::from_slice(body)
+            .map_err(|e| FieldError::body(format!("invalid request body: {e}")))?;
+        let at = members
+            .iter()
+            .position(|(k, _)| k == "prompt")
+            .ok_or_else(|| FieldError::field("prompt", "missing field `prompt`"))?;
+        let (_, prompt) = members.remove(at);
+        let prompt = Prompt::deserialize(prompt).map_err(|e| FieldError::field("prompt", e))?;
         Ok(Self {
-            model: b.model,
-            prompt: b.prompt,
-            max_tokens: b.max_tokens,
-            stream: b.stream,
+            prompt,
+            fields: Fields::read(members)?,
         })
     }
 }
@@ -428,6 +413,8 @@ pub struct ErrorDetail<'a> {
     pub message: &'a str,
     #[serde(rename = "type")]
     pub kind: &'static str,
+    /// The request field at fault, when one is.
+    pub param: Option<&'a str>,
     pub code: u16,
 }
 
@@ -518,10 +505,9 @@ mod tests {
         ];
         for body in bodies {
             let fast = CompletionRequest::parse(body.as_bytes());
-            let slow = serde_json::from_slice::<Body>(body.as_bytes())
-                .map(|b| (b.model, b.prompt, b.max_tokens, b.stream))
-                .map_err(|e| format!("invalid request body: {e}"));
-            let fast = fast.map(|r| (r.model, r.prompt, r.max_tokens, r.stream));
+            let slow = CompletionRequest::parse_whole(body.as_bytes());
+            let fast = fast.map(|r| (r.prompt, r.fields));
+            let slow = slow.map(|r| (r.prompt, r.fields));
             assert_eq!(fast, slow, "{body}");
         }
         let big: Vec<u32> = (0..10_000).map(|i| i * 429_497).collect();
@@ -573,7 +559,7 @@ mod tests {
     fn prompts_parse_with_clear_errors() {
         let r = CompletionRequest::parse(br#"{"prompt":[1,2,3],"max_tokens":4}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
-        assert_eq!((r.max_tokens, r.stream), (Some(4), false));
+        assert_eq!((r.fields.max_tokens, r.fields.stream), (Some(4), false));
         let r =
             CompletionRequest::parse(br#"{"prompt":"hi","stream":true,"temperature":0}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Text("hi".into()));
@@ -589,7 +575,7 @@ mod tests {
             (br#"{"prompt":[1]"#, "EOF"),
             (b"", "empty"),
         ] {
-            let e = CompletionRequest::parse(body).unwrap_err();
+            let e = CompletionRequest::parse(body).unwrap_err().message;
             assert!(e.contains(needle), "{}: {e}", String::from_utf8_lossy(body));
         }
     }

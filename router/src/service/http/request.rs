@@ -7,6 +7,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 
 use super::error::ApiError;
+use super::fields::FieldError;
 use super::openai::{CompletionRequest, Prompt};
 use super::App;
 use crate::service::dispatch::Prepared;
@@ -22,6 +23,37 @@ pub(super) struct Parsed {
 }
 
 impl App {
+    /// The context length requests are checked against: `--max-model-len`,
+    /// else the registered workers' smallest, if any said.
+    pub(super) fn context_len(&self) -> Option<u32> {
+        self.max_model_len
+            .or_else(|| Some(*self.context.borrow()).filter(|&n| n > 0))
+    }
+
+    /// The request's `max_tokens` (asked for, or the default cut to what
+    /// the context leaves), if the prompt and it fit the context: else an
+    /// error naming the field, before anything is routed or charged.
+    fn fit_context(&self, isl_tokens: u32, asked: Option<u32>) -> Result<u32, FieldError> {
+        let Some(context) = self.context_len() else {
+            return Ok(asked.unwrap_or(self.default_max_tokens));
+        };
+        if isl_tokens >= context {
+            return Err(FieldError::field(
+                "prompt",
+                format!("{isl_tokens} tokens, but the model's context length is {context} tokens (prompt and output)"),
+            ));
+        }
+        let room = context - isl_tokens;
+        match asked {
+            Some(n) if n > room => Err(FieldError::field(
+                "max_tokens",
+                format!("{n} output tokens and the prompt's {isl_tokens} exceed the model's context length of {context} tokens: at most {room}"),
+            )),
+            Some(n) => Ok(n),
+            None => Ok(self.default_max_tokens.min(room)),
+        }
+    }
+
     /// Reads a completion request; a bad one is a 4xx naming what is wrong.
     pub(super) fn parse(
         &self,
@@ -31,22 +63,21 @@ impl App {
         let body = body.map_err(|rejection| {
             ApiError::new(rejection.status(), &request_id, rejection.body_text())
         })?;
-        let request = CompletionRequest::parse(&body)
-            .map_err(|message| ApiError::bad_request(&request_id, message))?;
-        // One router serves one model (its hashing contract): the `model`
-        // field is not checked (clients and load generators send aliases),
-        // and responses name the served model.
-        let max_tokens = match request.max_tokens {
-            Some(0) => {
-                return Err(ApiError::bad_request(
-                    &request_id,
-                    "max_tokens must be at least 1",
-                ))
-            }
-            Some(n) => n,
-            None => self.default_max_tokens,
-        };
-        let prompt = match request.prompt {
+        let CompletionRequest { prompt, fields } =
+            CompletionRequest::parse(&body).map_err(|e| ApiError::field(&request_id, e))?;
+        // One router serves one model (its hashing contract): a request
+        // for another is a 404 before anything is routed; one without a
+        // model gets the served one.
+        if let Some(asked) = fields.model.as_deref().filter(|m| *m != self.model) {
+            return Err(ApiError::unknown_model(&request_id, asked, &self.model));
+        }
+        if fields.max_tokens == Some(0) {
+            return Err(ApiError::field(
+                &request_id,
+                FieldError::field("max_tokens", "must be at least 1"),
+            ));
+        }
+        let prompt = match prompt {
             Prompt::Tokens(tokens) => tokens,
             Prompt::Text(text) => match &self.text {
                 Some(t) => t
@@ -72,6 +103,9 @@ impl App {
                 format!("a prompt of {} tokens is too long", prompt.len()),
             )
         })?;
+        let max_tokens = self
+            .fit_context(isl_tokens, fields.max_tokens)
+            .map_err(|e| ApiError::field(&request_id, e))?;
         let hashes: Arc<[protocol::BlockHash]> = self.hasher.hash_prompt(&prompt).into();
         Ok(Parsed {
             prepared: Prepared {
@@ -79,9 +113,10 @@ impl App {
                 isl_tokens,
                 hashes,
                 max_tokens,
+                sampling: fields.sampling,
             },
             prompt,
-            stream: request.stream,
+            stream: fields.stream,
         })
     }
 }
