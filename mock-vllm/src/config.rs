@@ -41,6 +41,8 @@ pub struct Options {
     pub engine_id: Option<String>,
     /// LoRA adapters served beside the model (vLLM's `--lora-modules`).
     pub lora_modules: Vec<String>,
+    /// The context length `/v1/models` reports and requests are held to.
+    pub max_model_len: u32,
 }
 
 impl Default for Options {
@@ -67,6 +69,7 @@ impl Default for Options {
             old_metric_names: false,
             engine_id: None,
             lora_modules: Vec::new(),
+            max_model_len: 131_072,
         }
     }
 }
@@ -139,6 +142,11 @@ pub fn flags() -> Vec<Flag> {
             Kind::List,
             "LoRA adapter names a request may give as its model (vLLM's --lora-modules)",
         ),
+        Flag::new(
+            "max_model_len",
+            Kind::Number,
+            "Context length (prompt + max_tokens) it reports in /v1/models and enforces, as vLLM's --max-model-len",
+        ),
     ]
     .into_iter()
     .map(|f| f.env_prefix("MOCK_VLLM_"))
@@ -196,6 +204,7 @@ pub struct Config {
     pub old_metric_names: bool,
     pub engine_id: String,
     pub lora_modules: Vec<String>,
+    pub max_model_len: u32,
 }
 
 impl Config {
@@ -265,6 +274,7 @@ impl Options {
                 .clone()
                 .unwrap_or_else(|| format!("mock-{:016x}", rand::random::<u64>())),
             lora_modules: self.lora_modules.clone(),
+            max_model_len: self.max_model_len,
         })
     }
 }

@@ -126,6 +126,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/switchyard/config", get(switchyard_config))
         .route("/switchyard/debug", get(switchyard_debug))
+        // vLLM reads bodies of any size: a 256k-token prompt is about 2 MB
+        // of JSON, axum's default limit.
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(app)
 }
 
@@ -156,7 +159,7 @@ async fn models(State(app): State<Arc<App>>) -> Response {
             "owned_by": "mock-vllm",
             "root": s.model,
             "parent": null,
-            "max_model_len": 131_072,
+            "max_model_len": s.max_model_len,
         }],
     }))
     .into_response()
@@ -315,7 +318,8 @@ struct Completion {
 /// A request the engine refuses: its status and message.
 type Refusal = (StatusCode, String);
 
-fn parse_completion(body: &[u8], model: &str, lora: &[String]) -> Result<Completion, Refusal> {
+fn parse_completion(body: &[u8], s: &Config) -> Result<Completion, Refusal> {
+    let (model, lora) = (&s.model, &s.lora_modules);
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         refusal(
             StatusCode::BAD_REQUEST,
@@ -370,6 +374,17 @@ fn parse_completion(body: &[u8], model: &str, lora: &[String]) -> Result<Complet
             .filter(|n| *n >= 1)
             .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "max_tokens must be at least 1"))?,
     };
+    let asked = prompt.len() as u64 + u64::from(max_tokens);
+    if asked > u64::from(s.max_model_len) {
+        return Err(refusal(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {asked} tokens ({} in the messages, {max_tokens} in the completion).",
+                s.max_model_len,
+                prompt.len()
+            ),
+        ));
+    }
     let kv_transfer_params = match o.get("kv_transfer_params") {
         None | Some(Value::Null) => None,
         Some(Value::Object(p)) => Some(p.clone()),
@@ -450,7 +465,7 @@ fn flag(params: &Map<String, Value>, key: &str) -> bool {
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     let s = &app.settings;
-    let c = match parse_completion(&body, &s.model, &s.lora_modules) {
+    let c = match parse_completion(&body, s) {
         Ok(c) => c,
         Err((status, message)) => {
             lock(&app.debug).errors += 1;

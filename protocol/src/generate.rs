@@ -46,11 +46,78 @@ pub struct GenerateRequest {
     pub request_id: String,
     pub annotation: Annotation,
     pub stage: Stage,
+    /// On the wire as packed bytes ([`packed_tokens`]): 3 bytes a token
+    /// for vocabularies below 16M, so that a 256k-token prompt (768 KiB)
+    /// fits NATS's default 1 MiB payload.
+    #[serde(with = "packed_tokens")]
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
     /// How to sample and when to stop: every field the client set, for
     /// the engine to honour or refuse (never to drop).
     pub sampling: Sampling,
+}
+
+/// Token ids as one byte string: a width byte (1 to 4: the bytes of the
+/// largest id), then each id in that many little-endian bytes. A msgpack
+/// array of ids takes 5 bytes for each id of 65,536 and above (most of a
+/// 128k vocabulary).
+pub mod packed_tokens {
+    use serde::de::{self, Deserializer, Visitor};
+    use serde::Serializer;
+
+    /// The bytes of `tokens`.
+    pub fn pack(tokens: &[u32]) -> Vec<u8> {
+        let max = tokens.iter().copied().max().unwrap_or(0);
+        let width = (4 - max.leading_zeros() as usize / 8).max(1);
+        let mut out = Vec::with_capacity(1 + tokens.len() * width);
+        out.push(width as u8);
+        for t in tokens {
+            out.extend_from_slice(&t.to_le_bytes()[..width]);
+        }
+        out
+    }
+
+    /// The tokens of [`pack`]'s bytes; an error for any other.
+    pub fn unpack(bytes: &[u8]) -> Result<Vec<u32>, String> {
+        let (&width, ids) = bytes
+            .split_first()
+            .ok_or("packed tokens without their width byte")?;
+        let width = usize::from(width);
+        if !(1..=4).contains(&width) || ids.len() % width != 0 {
+            return Err(format!(
+                "packed tokens of width {width}: {} bytes is not a whole number of ids",
+                ids.len()
+            ));
+        }
+        Ok(ids
+            .chunks_exact(width)
+            .map(|c| {
+                let mut b = [0u8; 4];
+                b[..width].copy_from_slice(c);
+                u32::from_le_bytes(b)
+            })
+            .collect())
+    }
+
+    pub fn serialize<S: Serializer>(tokens: &[u32], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(&pack(tokens))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Vec<u32>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("packed token ids (a byte string)")
+            }
+
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u32>, E> {
+                unpack(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_bytes(V)
+    }
 }
 
 /// The sampling and stopping parameters of a request, as the client set

@@ -294,3 +294,30 @@ proptest! {
         prop_assert_eq!(KvEventBatch::decode(&b.encode()).unwrap(), b);
     }
 }
+
+/// A 256k-token prompt of a 128k vocabulary fits NATS's default 1 MiB
+/// payload as a generation request, and reads back exactly.
+#[test]
+fn a_long_prompt_packs_under_the_payload_limit() {
+    let mut request = generate();
+    request.prompt = (0..262_144u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 128_256)
+        .collect();
+    let bytes = request.encode();
+    assert!(bytes.len() < 800 << 10, "{} bytes", bytes.len());
+    assert_eq!(GenerateRequest::decode(&bytes).unwrap(), request);
+}
+
+proptest! {
+    #[test]
+    fn packed_tokens_round_trip(tokens in proptest::collection::vec(any::<u32>(), 0..64), small in proptest::collection::vec(0u32..300, 0..64)) {
+        for t in [tokens, small] {
+            prop_assert_eq!(generate::packed_tokens::unpack(&generate::packed_tokens::pack(&t)).unwrap(), t);
+        }
+    }
+
+    #[test]
+    fn packed_garbage_is_an_error_not_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..32)) {
+        let _ = generate::packed_tokens::unpack(&bytes);
+    }
+}

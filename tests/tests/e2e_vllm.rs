@@ -7,7 +7,7 @@ mod cluster;
 use anyhow::{ensure, Context, Result};
 use cluster::{
     conversation, decode, output, path, tokens, Cluster, Engine, Wire, ANSWER, BLOCK_SIZE,
-    COLD_PROMPT, LORA, MODEL,
+    COLD_PROMPT, LORA, MAX_MODEL_LEN, MODEL,
 };
 use serde_json::{json, Value};
 
@@ -224,6 +224,46 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
         let error: Value = response.json().await?;
         ensure!(
             status == 400 && error["error"]["param"] == "logprobs",
+            "HTTP {status}: {error}"
+        );
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+/// A 256k-token prompt (about 1.8 MB of JSON) completes end to end: the
+/// router hashes it, each leg carries it over NATS packed below the 1 MiB
+/// payload limit, the prefill and decode engines take it; one past the
+/// engines' registered context length is a 400 before routing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_256k_token_prompt_completes() -> Result<()> {
+    let cluster = Cluster::start_with(
+        &[
+            ("p0", "prefill", VLLM_ARRAYS),
+            ("d0", "decode", VLLM_ARRAYS),
+        ],
+        1,
+    )
+    .await?;
+    let result = async {
+        let prompt = tokens(11, 256 * 1024);
+        let answer = cluster.complete(0, "long", &prompt, 4).await?;
+        ensure!(
+            output(&answer).len() == 4 && answer["usage"]["prompt_tokens"] == 256 * 1024,
+            "{}",
+            answer["usage"]
+        );
+        let response = cluster
+            .http
+            .post(format!("{}/v1/completions", cluster.routers[0].url()))
+            .json(&json!({"prompt": tokens(12, MAX_MODEL_LEN as usize - 2), "max_tokens": 4}))
+            .send()
+            .await?;
+        let status = response.status();
+        let error: Value = response.json().await?;
+        ensure!(
+            status == 400 && error["error"]["param"] == "max_tokens",
             "HTTP {status}: {error}"
         );
         Ok(())

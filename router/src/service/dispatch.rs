@@ -100,6 +100,14 @@ pub enum DispatchError {
         param: Option<String>,
         error: String,
     },
+    /// The leg does not fit the NATS server's payload limit (the prompt
+    /// is packed; past about 349k tokens of a vocabulary below 16M).
+    #[error("the {stage} leg is {bytes} bytes, more than the NATS server's payload limit of {max} bytes: the prompt is too long for this deployment's bus (raise nats-server's max_payload)")]
+    TooLarge {
+        stage: &'static str,
+        bytes: usize,
+        max: usize,
+    },
     #[error("the client went away")]
     ClientGone,
 }
@@ -137,7 +145,7 @@ impl DispatchError {
             | DispatchError::Protocol { worker, .. }
             | DispatchError::Nats { worker, .. }
             | DispatchError::Rejected { worker, .. } => Some(worker),
-            DispatchError::ClientGone => None,
+            DispatchError::ClientGone | DispatchError::TooLarge { .. } => None,
         }
     }
 
@@ -153,6 +161,7 @@ impl DispatchError {
             DispatchError::Protocol { .. } => "protocol_error",
             DispatchError::Nats { .. } => "nats_error",
             DispatchError::Rejected { .. } => "rejected",
+            DispatchError::TooLarge { .. } => "too_large",
             DispatchError::ClientGone => "client_gone",
         }
     }
@@ -571,6 +580,15 @@ impl Dispatcher {
             stage,
             error: e.to_string(),
         };
+        let payload = request.encode();
+        let max = inner.client.server_info().max_payload;
+        if payload.len() > max {
+            return Err(DispatchError::TooLarge {
+                stage,
+                bytes: payload.len(),
+                max,
+            });
+        }
         let inbox = inner.client.new_inbox();
         // The subscription reaches the server before the request (same
         // connection, in order).
@@ -581,7 +599,7 @@ impl Dispatcher {
             .map_err(|e| nats(&e))?;
         inner
             .client
-            .publish_with_reply(subject.to_owned(), inbox, request.encode().into())
+            .publish_with_reply(subject.to_owned(), inbox, payload.into())
             .await
             .map_err(|e| nats(&e))?;
         tracing::debug!(%worker, stage, %subject, "leg sent");

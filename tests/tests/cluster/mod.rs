@@ -24,6 +24,8 @@ pub const PRESET: &str = "llama70b_fp8_tp2_h100";
 pub const BLOCK_SIZE: u32 = 16;
 /// The LoRA adapter every mock-vllm engine serves beside the model.
 pub const LORA: &str = "sql-adapter";
+/// Every mock-vllm engine's context length (above 256k tokens).
+pub const MAX_MODEL_LEN: u32 = 300_000;
 const STARTUP: Duration = Duration::from_secs(30);
 
 pub struct Node {
@@ -162,6 +164,7 @@ impl Cluster {
                         format!("--replay-topic-frame={}", wire.replay_topic_frame),
                         format!("--engine-id={engine_id}"),
                         format!("--lora-modules={LORA}"),
+                        format!("--max-model-len={MAX_MODEL_LEN}"),
                         "--speedup=20".into(),
                     ],
                 )?;

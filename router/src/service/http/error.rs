@@ -112,6 +112,9 @@ pub(super) fn dispatch_status(error: &DispatchError) -> StatusCode {
             .filter(StatusCode::is_client_error)
             .unwrap_or(StatusCode::BAD_REQUEST);
     }
+    if let DispatchError::TooLarge { .. } = error {
+        return StatusCode::PAYLOAD_TOO_LARGE;
+    }
     if error.is_timeout() {
         StatusCode::GATEWAY_TIMEOUT
     } else {
