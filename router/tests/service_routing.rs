@@ -229,6 +229,31 @@ async fn route_returns_the_decision_without_dispatching() -> Result<()> {
         .unwrap()
         .iter()
         .all(|w| w["charged_requests"] == 0));
+
+    // What clients ask before their first request: the served model (and
+    // no other), and health under both names.
+    let models: serde_json::Value = serde_json::from_str(&router.get_text("/v1/models").await?)?;
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(models["data"].as_array().map(Vec::len), Some(1));
+    let one: serde_json::Value =
+        serde_json::from_str(&router.get_text(&format!("/v1/models/{MODEL}")).await?)?;
+    assert_eq!(
+        (&one["id"], &one["object"]),
+        (&MODEL.into(), &"model".into())
+    );
+    let other = router
+        .http
+        .get(router.url("/v1/models/gpt-4"))
+        .send()
+        .await?;
+    assert_eq!(other.status(), 404);
+    let error: serde_json::Value = other.json().await?;
+    assert_eq!(error["error"]["type"], "not_found_error");
+    assert_eq!(
+        router.get_text("/health").await?,
+        router.get_text("/healthz").await?
+    );
     router.stop().await
 }
 

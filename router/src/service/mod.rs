@@ -138,6 +138,9 @@ pub async fn run(
         default_max_tokens: config.default_max_tokens,
         max_model_len: config.max_model_len,
         context: context_rx,
+        started_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
         next_request: AtomicU64::new(0),
     });
     let routes = http::router(app, config.max_body());

@@ -5,8 +5,10 @@
 //!   the decision.
 //! * `POST /v1/route` ([`route`]): the decision for a completion request,
 //!   without dispatching it (its ledger reservation is released at once).
-//! * `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /debug/ledger`
-//!   ([`ops`]).
+//! * `GET /v1/models`, `GET /v1/models/{id}` ([`models`]): the served
+//!   model.
+//! * `GET /healthz` (also `/health`), `GET /readyz`, `GET /metrics`,
+//!   `GET /debug/ledger` ([`ops`]).
 //!
 //! Handlers parse and hash the prompt ([`request`]); the dispatcher asks
 //! the event loop for decisions. Errors are OpenAI's shape ([`error`]);
@@ -15,6 +17,7 @@
 mod completions;
 mod error;
 pub mod fields;
+mod models;
 pub mod openai;
 mod ops;
 mod request;
@@ -61,6 +64,8 @@ pub struct App {
     pub max_model_len: Option<u32>,
     /// The registered workers' smallest context length (0: none said).
     pub context: watch::Receiver<u32>,
+    /// When the replica started (Unix seconds): the model's `created`.
+    pub started_unix: u64,
     pub next_request: AtomicU64,
 }
 
@@ -78,7 +83,10 @@ pub fn router(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
     axum::Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/route", post(route::route))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{id}", get(models::one))
         .route("/healthz", get(ops::healthz))
+        .route("/health", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .route("/debug/ledger", get(ops::ledger))

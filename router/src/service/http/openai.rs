@@ -418,6 +418,27 @@ pub struct ErrorDetail<'a> {
     pub code: u16,
 }
 
+/// `GET /v1/models/{id}`, and each of `GET /v1/models`'s.
+#[derive(Debug, Serialize)]
+pub struct ModelCard<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub root: &'a str,
+    pub parent: Option<&'a str>,
+    /// The context length requests are checked against (vLLM's field),
+    /// when known.
+    pub max_model_len: Option<u32>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub struct ModelList<'a> {
+    pub object: &'static str,
+    pub data: [ModelCard<'a>; 1],
+}
+
 /// `POST /v1/route`: the decision's own JSON (`RouteDecision` reads it
 /// back) plus the annotation.
 #[derive(Debug, Serialize)]
