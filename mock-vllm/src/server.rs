@@ -730,13 +730,13 @@ async fn collect(mut events: BoxStream<'static, GenerateEvent>) -> Outcome {
     while let Some(event) = events.next().await {
         match event {
             GenerateEvent::Tokens(t) => o.tokens.extend(t),
-            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens,
+            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens.unwrap_or(0),
             GenerateEvent::Finished {
                 cached_tokens,
                 reason,
                 ..
             } => {
-                o.cached = cached_tokens;
+                o.cached = cached_tokens.unwrap_or(0);
                 o.finish = Some(finish_reason(reason));
                 break;
             }
@@ -787,13 +787,13 @@ async fn stream_events(
                     return;
                 }
             }
-            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens,
+            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens.unwrap_or(0),
             GenerateEvent::Finished {
                 cached_tokens,
                 reason,
                 ..
             } => {
-                o.cached = cached_tokens;
+                o.cached = cached_tokens.unwrap_or(0);
                 let mut c = chunk(
                     json!({"index": 0, "text": "", "token_ids": [], "logprobs": null, "finish_reason": finish_reason(reason), "stop_reason": null}),
                 );

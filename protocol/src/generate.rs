@@ -233,15 +233,16 @@ pub enum GenerateEvent {
     /// The prefill leg is done: the decode worker fetches the KV with these.
     Prefilled {
         transfer: KvTransferParams,
-        /// Prompt tokens the prefill worker found cached.
-        cached_tokens: u32,
+        /// Prompt tokens the prefill worker's engine found cached, when it
+        /// says (`None`: it did not).
+        cached_tokens: Option<u32>,
     },
     /// Last message of a successful stream.
     Finished {
         output_tokens: u32,
         /// Prompt tokens the engine found cached (to set beside the router's
-        /// prediction).
-        cached_tokens: u32,
+        /// prediction), when it says (`None`: it did not).
+        cached_tokens: Option<u32>,
         reason: FinishReason,
     },
     /// Last message of a stream the engine (or its agent) refused as

@@ -160,7 +160,7 @@ fn every_message_round_trips() {
         GenerateEvent::Tokens(vec![1, 2]),
         GenerateEvent::Finished {
             output_tokens: 2,
-            cached_tokens: 1,
+            cached_tokens: Some(1),
             reason: FinishReason::Length,
         },
         GenerateEvent::Failed {

@@ -68,6 +68,13 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
     assert_eq!(choice["finish_reason"], "length");
     assert_eq!(body["usage"]["prompt_tokens"], 1050);
     assert_eq!(body["usage"]["completion_tokens"], 5);
+    // The fake engine says nothing of its cache: the router's overlap.
+    let details = &body["usage"]["prompt_tokens_details"];
+    assert_eq!(details["cached_tokens_source"], "router");
+    assert_eq!(
+        details["cached_tokens"],
+        body["switchyard"]["decode_overlap_tokens"]
+    );
 
     let d1 = &mut workers[2];
     let request = d1.next_request().await?;

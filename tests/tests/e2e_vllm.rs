@@ -196,6 +196,14 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
             output(&answer) == plain[..=at] && answer["choices"][0]["finish_reason"] == "stop",
             "stopped at {stop} (position {at}) of {plain:?}: {answer}"
         );
+        // The engine says what it found cached (the first answer's blocks).
+        let details = &answer["usage"]["prompt_tokens_details"];
+        ensure!(
+            details["cached_tokens_source"] == "engine"
+                && details["cached_tokens"].as_u64() >= Some(32),
+            "{}",
+            answer["usage"]
+        );
         let home = decode(&answer).to_owned();
         let debug = cluster.engine_debug(&home).await?;
         let received = debug["received"]

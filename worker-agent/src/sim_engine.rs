@@ -432,7 +432,7 @@ impl Driver {
                     if let Some(live) = self.live.remove(&id) {
                         live.send(GenerateEvent::Finished {
                             output_tokens,
-                            cached_tokens,
+                            cached_tokens: Some(cached_tokens),
                             reason: live.reason,
                         });
                     }
@@ -449,11 +449,11 @@ impl Driver {
                                 prompt_tokens,
                                 engine: None,
                             },
-                            cached_tokens,
+                            cached_tokens: Some(cached_tokens),
                         });
                         live.send(GenerateEvent::Finished {
                             output_tokens: 0,
-                            cached_tokens,
+                            cached_tokens: Some(cached_tokens),
                             reason: FinishReason::Prefilled,
                         });
                     }
@@ -580,7 +580,7 @@ mod tests {
             events.last(),
             Some(&GenerateEvent::Finished {
                 output_tokens: 3,
-                cached_tokens: 0,
+                cached_tokens: Some(0),
                 reason: FinishReason::Length
             })
         );
@@ -596,11 +596,11 @@ mod tests {
                         prompt_tokens: 64,
                         engine: None
                     },
-                    cached_tokens: 48,
+                    cached_tokens: Some(48),
                 },
                 GenerateEvent::Finished {
                     output_tokens: 0,
-                    cached_tokens: 48,
+                    cached_tokens: Some(48),
                     reason: FinishReason::Prefilled
                 },
             ]

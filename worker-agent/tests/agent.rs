@@ -252,7 +252,7 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
         events.last(),
         Some(&GenerateEvent::Finished {
             output_tokens: 5,
-            cached_tokens: 0,
+            cached_tokens: Some(0),
             reason: FinishReason::Length
         })
     );
@@ -267,7 +267,7 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
     assert!(matches!(
         again.last(),
         Some(GenerateEvent::Finished {
-            cached_tokens: 64,
+            cached_tokens: Some(64),
             ..
         })
     ));
@@ -289,11 +289,11 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
                     prompt_tokens: 64,
                     engine: None
                 },
-                cached_tokens: 0
+                cached_tokens: Some(0)
             },
             GenerateEvent::Finished {
                 output_tokens: 0,
-                cached_tokens: 0,
+                cached_tokens: Some(0),
                 reason: FinishReason::Prefilled
             },
         ]

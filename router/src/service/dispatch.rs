@@ -185,7 +185,9 @@ pub enum Out {
     Done {
         reason: FinishReason,
         output_tokens: u32,
-        cached_tokens: u32,
+        /// Prompt tokens the engine that prefilled found cached (the
+        /// prefill worker's on the remote path), when it said.
+        cached_tokens: Option<u32>,
     },
     /// The stream failed (after a retry, if one was allowed).
     Failed {
@@ -469,13 +471,20 @@ impl Dispatcher {
     ) -> Result<(), DispatchError> {
         let decision = &routed.decision;
         request.stage = Stage::Local;
+        let mut prefill_cached = None;
         if let (Path::Remote, Some(prefill), Some(subject)) =
             (decision.path, &decision.prefill, &routed.prefill_subject)
         {
             request.stage = Stage::Prefill;
             let mut leg = self.open(prefill, subject, request).await?;
             let transfer = match leg.next().await? {
-                GenerateEvent::Prefilled { transfer, .. } => transfer,
+                GenerateEvent::Prefilled {
+                    transfer,
+                    cached_tokens,
+                } => {
+                    prefill_cached = cached_tokens;
+                    transfer
+                }
                 GenerateEvent::Failed { error, retryable } => {
                     return Err(DispatchError::WorkerFailed {
                         worker: prefill.clone(),
@@ -531,7 +540,10 @@ impl Dispatcher {
                     let done = Out::Done {
                         reason,
                         output_tokens,
-                        cached_tokens,
+                        cached_tokens: match decision.path {
+                            Path::Remote => prefill_cached,
+                            Path::Bypass => cached_tokens,
+                        },
                     };
                     return match out.send(done).await {
                         Ok(()) => Ok(()),

@@ -222,7 +222,8 @@ pub enum SseError {
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
-    pub cached_tokens: u32,
+    /// `prompt_tokens_details.cached_tokens`, when the engine says.
+    pub cached_tokens: Option<u32>,
 }
 
 /// What one completion chunk (or a whole response) says.
@@ -307,9 +308,11 @@ pub fn parse_chunk(v: &Value) -> Result<Chunk, String> {
         chunk.usage = Some(Usage {
             prompt_tokens: n(u.get("prompt_tokens")),
             completion_tokens: n(u.get("completion_tokens")),
-            cached_tokens: n(u
+            cached_tokens: u
                 .get("prompt_tokens_details")
-                .and_then(|d| d.get("cached_tokens"))),
+                .and_then(|d| d.get("cached_tokens"))
+                .filter(|c| !c.is_null())
+                .map(|c| n(Some(c))),
         });
     }
     chunk.kv_transfer_params = o
@@ -499,7 +502,7 @@ mod tests {
             Some(Usage {
                 prompt_tokens: 10,
                 completion_tokens: 3,
-                cached_tokens: 8
+                cached_tokens: Some(8)
             })
         );
         let Event::Chunk(c) = parse_event(r#"{"choices":[{"text":"","finish_reason":"length"}],"kv_transfer_params":{"remote_engine_id":"p"}}"#).unwrap() else {

@@ -198,7 +198,7 @@ impl RequestContext {
                 "the prefill engine returned no kv_transfer_params: is it started with a KV connector (e.g. --kv-transfer-config with NixlConnector, kv_role kv_producer or kv_both)?".into(),
             );
         };
-        let cached = chunk.usage.map_or(0, |u| u.cached_tokens);
+        let cached = chunk.usage.and_then(|u| u.cached_tokens);
         let _ = out.send(GenerateEvent::Prefilled {
             transfer: KvTransferParams {
                 source: self.worker.clone(),
@@ -326,7 +326,7 @@ fn finished(
 ) {
     let _ = out.send(GenerateEvent::Finished {
         output_tokens: usage.map_or(produced, |u| u.completion_tokens.max(produced)),
-        cached_tokens: usage.map_or(0, |u| u.cached_tokens),
+        cached_tokens: usage.and_then(|u| u.cached_tokens),
         reason: if reason == "length" {
             FinishReason::Length
         } else {

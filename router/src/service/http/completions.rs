@@ -155,6 +155,17 @@ impl Answer {
         }
     }
 
+    /// The usage, with the engine's cached figure or the decision's
+    /// overlap on the worker that prefilled.
+    fn usage(&self, output_tokens: u32, engine_cached: Option<u32>) -> Usage {
+        let overlap = if self.info.path == "remote" {
+            self.info.prefill_overlap_tokens
+        } else {
+            self.info.decode_overlap_tokens
+        };
+        Usage::new(self.prompt_tokens, output_tokens, engine_cached, overlap)
+    }
+
     fn headers(&self, response: &mut Response) {
         set_header(response, DECISION_HEADER, &self.info.decision);
         set_header(response, REQUEST_ID_HEADER, &self.request_id);
@@ -176,14 +187,18 @@ impl Answer {
             };
             match event {
                 Some(Out::Tokens(t)) => tokens.extend_from_slice(&t),
-                Some(Out::Done { reason, .. }) => {
+                Some(Out::Done {
+                    reason,
+                    cached_tokens,
+                    ..
+                }) => {
                     let text = self
                         .app
                         .text
                         .as_ref()
                         .map(|t| t.decode(&tokens))
                         .unwrap_or_default();
-                    let usage = Usage::new(self.prompt_tokens, tokens.len() as u32);
+                    let usage = self.usage(tokens.len() as u32, cached_tokens);
                     tracing::info!(
                         output_tokens = tokens.len(),
                         finish = reason.as_str(),
@@ -290,11 +305,15 @@ impl Streamed {
                     let annotate = !std::mem::replace(&mut self.annotated, true);
                     json_event(&self.answer.completion(&text, &tokens, None, None, annotate))
                 }
-                Some(Out::Done { reason, .. }) => {
+                Some(Out::Done {
+                    reason,
+                    cached_tokens,
+                    ..
+                }) => {
                     self.end = End::Done;
                     let text = self.text.as_mut().map(|t| t.finish()).unwrap_or_default();
                     let annotate = !std::mem::replace(&mut self.annotated, true);
-                    let usage = Usage::new(self.answer.prompt_tokens, self.output_tokens);
+                    let usage = self.answer.usage(self.output_tokens, cached_tokens);
                     tracing::info!(
                         output_tokens = self.output_tokens,
                         finish = reason.as_str(),

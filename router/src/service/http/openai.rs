@@ -363,14 +363,41 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens found cached: the engine's figure when it reported
+    /// one, else the router's predicted overlap.
+    pub cached_tokens: u32,
+    /// `engine` or `router`: whose figure `cached_tokens` is (a Switchyard
+    /// extension).
+    pub cached_tokens_source: &'static str,
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+    /// `engine_cached`: what the engine that prefilled said it found
+    /// cached, if it said; `router_overlap`: the decision's prediction.
+    pub fn new(
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        engine_cached: Option<u32>,
+        router_overlap: u32,
+    ) -> Self {
+        let (cached_tokens, cached_tokens_source) = match engine_cached {
+            Some(n) => (n, "engine"),
+            None => (router_overlap.min(prompt_tokens), "router"),
+        };
         Self {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens,
+                cached_tokens_source,
+            },
         }
     }
 }
