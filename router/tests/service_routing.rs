@@ -134,14 +134,37 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
     assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
     assert_eq!(workers[2].next_request().await?.max_tokens, 7);
 
+    // With stream_options.include_usage: after the finish, one more chunk
+    // with the usage and no choice, then [DONE].
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": prompt, "max_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}}),
+        )
+        .await?;
+    let text = r.text().await?;
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("an SSE data line"))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let usage_only: serde_json::Value = serde_json::from_str(events[events.len() - 2])?;
+    assert_eq!(usage_only["choices"], serde_json::json!([]));
+    assert_eq!(usage_only["usage"]["completion_tokens"], 3);
+    let finish: serde_json::Value = serde_json::from_str(events[events.len() - 3])?;
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert_eq!(workers[2].next_request().await?.max_tokens, 3);
+
     let metrics = router.get_text("/metrics").await?;
     assert!(
-        metrics.contains("router_decisions_total{path=\"bypass\",rule=\"isl.short_append\"} 2"),
+        metrics.contains("router_decisions_total{path=\"bypass\",rule=\"isl.short_append\"} 3"),
         "{metrics}"
     );
-    assert!(metrics.contains("router_dispatch_total{outcome=\"ok\"} 2"));
+    assert!(metrics.contains("router_dispatch_total{outcome=\"ok\"} 3"));
     assert!(
-        metrics.contains("router_http_requests_total{route=\"/v1/completions\",status=\"200\"} 2")
+        metrics.contains("router_http_requests_total{route=\"/v1/completions\",status=\"200\"} 3")
     );
     router.stop().await
 }

@@ -61,6 +61,7 @@ async fn serve(
         prepared,
         prompt,
         stream,
+        include_usage,
     } = app.parse(request_id.clone(), body)?;
     let prompt_tokens = prepared.isl_tokens;
     let span = tracing::Span::current();
@@ -107,7 +108,7 @@ async fn serve(
         prompt_tokens,
     };
     if stream {
-        Ok(answer.sse(first, rx, span))
+        Ok(answer.sse(first, rx, span, include_usage))
     } else {
         answer.collect(first, rx).await
     }
@@ -143,7 +144,7 @@ impl Answer {
             object: "text_completion",
             created: self.created,
             model: &self.app.model,
-            choices: [Choice {
+            choices: vec![Choice {
                 index: 0,
                 text,
                 token_ids,
@@ -228,9 +229,17 @@ impl Answer {
 
     /// Server-sent events: one `data: {json}` per token chunk (the first
     /// with the `switchyard` annotation, the last with `finish_reason` and
-    /// `usage`), then `data: [DONE]`. A failure mid-stream is a last
+    /// `usage`), with `stream_options.include_usage` a last chunk with the
+    /// usage and `choices: []` (what OpenAI sends, and `vllm bench serve`
+    /// and AIPerf read), then `data: [DONE]`. A failure mid-stream is a last
     /// `data: {"error": ...}` event without `[DONE]`.
-    fn sse(self, first: Out, rx: mpsc::Receiver<Out>, span: tracing::Span) -> Response {
+    fn sse(
+        self,
+        first: Out,
+        rx: mpsc::Receiver<Out>,
+        span: tracing::Span,
+        include_usage: bool,
+    ) -> Response {
         let text = self.app.text.as_ref().map(|t| t.stream());
         let mut headers = Response::new(axum::body::Body::empty());
         self.headers(&mut headers);
@@ -242,6 +251,8 @@ impl Answer {
             output_tokens: 0,
             annotated: false,
             end: End::Streaming,
+            usage_chunk: None,
+            include_usage,
             span,
         };
         let mut response = Sse::new(stream.events()).into_response();
@@ -268,6 +279,10 @@ struct Streamed {
     output_tokens: u32,
     annotated: bool,
     end: End,
+    /// With `include_usage`: the usage, for a last chunk without choices
+    /// (after the one with `finish_reason`, before `[DONE]`).
+    usage_chunk: Option<Usage>,
+    include_usage: bool,
     span: tracing::Span,
 }
 
@@ -284,6 +299,11 @@ impl Streamed {
         match self.end {
             End::Ended => return None,
             End::Done => {
+                if let Some(usage) = self.usage_chunk.take() {
+                    let mut chunk = self.answer.completion("", &[], None, Some(usage), false);
+                    chunk.choices.clear();
+                    return Some(json_event(&chunk));
+                }
                 self.end = End::Ended;
                 return Some(Event::default().data("[DONE]"));
             }
@@ -314,6 +334,7 @@ impl Streamed {
                     let text = self.text.as_mut().map(|t| t.finish()).unwrap_or_default();
                     let annotate = !std::mem::replace(&mut self.annotated, true);
                     let usage = self.answer.usage(self.output_tokens, cached_tokens);
+                    self.usage_chunk = self.include_usage.then_some(usage);
                     tracing::info!(
                         output_tokens = self.output_tokens,
                         finish = reason.as_str(),

@@ -420,7 +420,8 @@ pub struct Completion<'a> {
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
-    pub choices: [Choice<'a>; 1],
+    /// One choice; none in a stream's usage-only last chunk.
+    pub choices: Vec<Choice<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
     #[serde(skip_serializing_if = "Option::is_none")]

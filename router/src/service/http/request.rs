@@ -22,6 +22,9 @@ pub(super) struct Parsed {
     pub(super) prompt: Vec<u32>,
     /// Whether the answer is streamed (SSE).
     pub(super) stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage and no
+    /// choice.
+    pub(super) include_usage: bool,
 }
 
 impl App {
@@ -130,6 +133,7 @@ impl App {
             },
             prompt,
             stream: fields.stream,
+            include_usage: fields.include_usage,
         })
     }
 }
