@@ -261,20 +261,83 @@ impl<'de> Visitor<'de> for PromptVisitor {
         Ok(Prompt::Text(v))
     }
 
-    /// The slow path of a token-id list: reached only when the scanner
-    /// refused it, to say what is wrong.
+    /// The slow path of a token-id list (reached only when the scanner
+    /// refused it, to say what is wrong), and OpenAI's batch forms: a list
+    /// of one string or of one token-id list is that one prompt (as AIPerf
+    /// sends it); a batch of several is refused.
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
         let mut tokens = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
-        while let Some(token) = seq.next_element::<TokenId>()? {
-            tokens.push(token.0);
+        let mut batch: Option<Prompt> = None;
+        while let Some(item) = seq.next_element::<Item>()? {
+            match (item, &batch) {
+                (Item::Token(t), None) => tokens.push(t),
+                (Item::Prompt(p), None) if tokens.is_empty() => batch = Some(p),
+                _ => {
+                    return Err(de::Error::custom(
+                        "a list of several prompts is a batch, which is not supported: send one prompt per request",
+                    ))
+                }
+            }
         }
-        Ok(Prompt::Tokens(tokens))
+        Ok(batch.unwrap_or(Prompt::Tokens(tokens)))
+    }
+}
+
+/// One element of a prompt list: a token id, or a whole prompt of a
+/// batch (a string, a token-id list).
+enum Item {
+    Token(u32),
+    Prompt(Prompt),
+}
+
+impl<'de> Deserialize<'de> for Item {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Item;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a token id (an integer in 0..2^32), or one prompt of a batch")
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Item, E> {
+                TokenId::from_u64(v).map(|t| Item::Token(t.0))
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Item, E> {
+                if v < 0 {
+                    return Err(E::custom(format!("token id {v} is negative")));
+                }
+                self.visit_u64(v as u64)
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Item, E> {
+                Ok(Item::Prompt(Prompt::Text(v.to_owned())))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+                let mut tokens = Vec::new();
+                while let Some(token) = seq.next_element::<TokenId>()? {
+                    tokens.push(token.0);
+                }
+                Ok(Item::Prompt(Prompt::Tokens(tokens)))
+            }
+        }
+        deserializer.deserialize_any(V)
     }
 }
 
 /// One element of a token-id prompt, with a clear error for the batched
 /// forms OpenAI also accepts.
 struct TokenId(u32);
+
+impl TokenId {
+    fn from_u64<E: de::Error>(v: u64) -> Result<Self, E> {
+        u32::try_from(v)
+            .map(TokenId)
+            .map_err(|_| E::custom(format!("token id {v} does not fit in 32 bits")))
+    }
+}
 
 impl<'de> Deserialize<'de> for TokenId {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -612,11 +675,18 @@ mod tests {
         let r =
             CompletionRequest::parse(br#"{"prompt":"hi","stream":true,"temperature":0}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Text("hi".into()));
+        // A batch of one prompt is that prompt.
+        let r = CompletionRequest::parse(br#"{"prompt":["hi there"]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Text("hi there".into()));
+        let r = CompletionRequest::parse(br#"{"prompt":[[4,5]]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![4, 5]));
         for (body, needle) in [
             (&br#"{"prompt":[1,-2]}"#[..], "negative"),
             (br#"{"prompt":[1,4294967296]}"#, "32 bits"),
             (br#"{"prompt":["a","b"]}"#, "batch"),
             (br#"{"prompt":[[1],[2]]}"#, "batch"),
+            (br#"{"prompt":[1,"a"]}"#, "batch"),
+            (br#"{"prompt":["a",1]}"#, "batch"),
             (br#"{"prompt":1}"#, "a prompt"),
             (br#"{"prompt":[1.5]}"#, "floating point"),
             (br#"{"prompt":[1,,2]}"#, "expected value"),
