@@ -309,6 +309,14 @@ async fn text_prompts_and_text_output_with_a_tokenizer() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("tokenizer.json");
     std::fs::write(&path, TOKENIZER)?;
+    // Its chat template, where HuggingFace puts it: each message's content,
+    // then the assistant's turn ("world").
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::json!({"chat_template":
+            "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}world{% endif %}"})
+        .to_string(),
+    )?;
     let cluster = Cluster::start().await?;
     let mut worker =
         FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
@@ -349,5 +357,78 @@ async fn text_prompts_and_text_output_with_a_tokenizer() -> Result<()> {
         pieces.split_whitespace().collect::<Vec<_>>(),
         ["alpha", "beta", "gamma", "delta"]
     );
+
+    worker.next_request().await?;
+
+    // Chat: the messages through the template ("hello hello world"),
+    // max_completion_tokens, the answer as a chat.completion.
+    let r = router
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"model": MODEL, "messages": [
+                {"role": "system", "content": "hello"},
+                {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+            ], "max_completion_tokens": 2}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(body["choices"][0]["message"]["content"], "alpha beta");
+    assert_eq!(body["usage"]["prompt_tokens"], 3);
+    let sent = worker.next_request().await?;
+    assert_eq!((sent.prompt, sent.max_tokens), (vec![1, 1, 2], 2));
+
+    // Streamed, with the usage-only last chunk.
+    let r = router
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"messages": [{"role": "user", "content": "hello"}],
+                "max_completion_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}}),
+        )
+        .await?;
+    let text = r.text().await?;
+    let chunks: Vec<serde_json::Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    let said: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        said.split_whitespace().collect::<Vec<_>>(),
+        ["alpha", "beta", "gamma"]
+    );
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], serde_json::json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 3);
+    worker.next_request().await?;
+
+    // Bad chat bodies are 400s naming the field.
+    for (body, param) in [
+        (serde_json::json!({"max_tokens": 2}), "messages"),
+        (serde_json::json!({"messages": []}), "messages"),
+        (
+            serde_json::json!({"messages": [{"content": "x"}]}),
+            "messages",
+        ),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+            "temperature",
+        ),
+    ] {
+        let r = router.post("/v1/chat/completions", body.clone()).await?;
+        assert_eq!(r.status(), 400, "{body}");
+        let error: serde_json::Value = r.json().await?;
+        assert_eq!(error["error"]["param"], param, "{body}: {error}");
+    }
     router.stop().await
 }

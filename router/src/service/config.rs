@@ -97,6 +97,9 @@ pub struct Config {
     pub block_size: u32,
     /// HuggingFace `tokenizer.json`: text prompts and text output.
     pub tokenizer: Option<PathBuf>,
+    /// The chat template (a Jinja file) of `/v1/chat/completions`; without
+    /// it, `tokenizer_config.json`'s beside the tokenizer.
+    pub chat_template: Option<PathBuf>,
     /// The deployment's seed of decisions' draws (the same on every replica).
     pub seed: u64,
     /// Blocks the index replica is sized for.
@@ -132,6 +135,7 @@ impl Default for Config {
             model: String::new(),
             block_size: 16,
             tokenizer: None,
+            chat_template: None,
             seed: 0,
             reserve_blocks: kv_indexer::DEFAULT_RESERVE_BLOCKS,
             max_body_bytes: 32 << 20,
@@ -172,6 +176,11 @@ fn fixed_flags() -> Vec<Flag> {
         "tokenizer",
         Kind::Text,
         "HuggingFace tokenizer.json: enables text prompts and text output",
+    ),
+    Flag::new(
+        "chat_template",
+        Kind::Text,
+        "Chat template (Jinja file) for /v1/chat/completions [default: chat_template of the tokenizer_config.json beside --tokenizer]",
     ),
     Flag::new(
         "seed",

@@ -6,6 +6,7 @@
 //! ([`http`]) until `shutdown` resolves. See the crate's README section in
 //! `router/README.md` for the API and the settings.
 
+pub mod chat_template;
 pub mod config;
 pub mod decision_log;
 pub mod dispatch;
@@ -30,6 +31,7 @@ pub use config::{Args, Config, ConfigError, Loaded, Timeouts};
 pub use http::{DECISION_HEADER, REQUEST_ID_HEADER};
 
 use crate::core::RouterCore;
+use chat_template::ChatTemplate;
 use decision_log::DecisionLog;
 use dispatch::Dispatcher;
 use event_loop::{LoopParts, Readiness, RouterLoop};
@@ -53,6 +55,8 @@ pub enum ServiceError {
     #[error(transparent)]
     Tokenizer(#[from] TextError),
     #[error(transparent)]
+    ChatTemplate(#[from] chat_template::TemplateError),
+    #[error(transparent)]
     Bus(#[from] BusError),
     #[error(transparent)]
     Registry(#[from] RegistryError),
@@ -73,6 +77,18 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServiceError> {
     let text = config.tokenizer.as_deref().map(Text::load).transpose()?;
+    let chat = match (&config.chat_template, &config.tokenizer) {
+        (Some(path), _) => Some(ChatTemplate::from_file(path)?),
+        (None, Some(tokenizer)) => {
+            let beside = tokenizer.with_file_name("tokenizer_config.json");
+            if beside.exists() {
+                ChatTemplate::from_tokenizer_config(&beside)?
+            } else {
+                None
+            }
+        }
+        (None, None) => None,
+    };
     let core = RouterCore::new(config.router(), config.policy.clone())?;
     let hasher = *core.hasher();
     let seed = config.seed;
@@ -129,6 +145,7 @@ pub async fn run(
         commands,
         hasher,
         text,
+        chat,
         model: config.model.clone(),
         replica: replica.clone(),
         metrics,

@@ -22,7 +22,10 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::error::{dispatch_status, kind_of, ApiError};
-use super::openai::{Choice, Completion, ErrorBody, ErrorDetail, SwitchyardInfo, Usage};
+use super::openai::{
+    AnyChoice, ChatChoice, ChatMessage, Choice, Completion, ErrorBody, ErrorDetail, SwitchyardInfo,
+    Usage,
+};
 use super::request::Parsed;
 use super::{json_response, set_header, App, DECISION_HEADER, REQUEST_ID_HEADER};
 use crate::service::dispatch::{DispatchError, Out};
@@ -33,6 +36,25 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    handle(app, headers, body, false).await
+}
+
+/// `POST /v1/chat/completions`: the messages through the chat template,
+/// then as a completion, answered in chat's shapes.
+pub(super) async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(app, headers, body, true).await
+}
+
+async fn handle(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    chat: bool,
+) -> Response {
     let request_id = app.request_id(&headers);
     let span = tracing::info_span!(
         "completion",
@@ -40,7 +62,7 @@ pub(super) async fn completions(
         decision = tracing::field::Empty
     );
     async move {
-        match serve(&app, request_id, body).await {
+        match serve(&app, request_id, body, chat).await {
             Ok(response) => response,
             Err(e) => {
                 tracing::info!(status = e.status.as_u16(), error = %e.message, "request refused");
@@ -56,13 +78,19 @@ async fn serve(
     app: &Arc<App>,
     request_id: String,
     body: Result<Bytes, BytesRejection>,
+    chat: bool,
 ) -> Result<Response, ApiError> {
+    let parsed = if chat {
+        app.parse_chat(request_id.clone(), body)?
+    } else {
+        app.parse(request_id.clone(), body)?
+    };
     let Parsed {
         prepared,
         prompt,
         stream,
         include_usage,
-    } = app.parse(request_id.clone(), body)?;
+    } = parsed;
     let prompt_tokens = prepared.isl_tokens;
     let span = tracing::Span::current();
     let (tx, mut rx) = mpsc::channel(64);
@@ -101,7 +129,13 @@ async fn serve(
     }
     let answer = Answer {
         app: app.clone(),
-        id: format!("cmpl-{request_id}"),
+        id: if chat {
+            format!("chatcmpl-{request_id}")
+        } else {
+            format!("cmpl-{request_id}")
+        },
+        chat,
+        stream,
         request_id,
         info,
         created: unix_now(),
@@ -124,6 +158,9 @@ fn unix_now() -> u64 {
 struct Answer {
     app: Arc<App>,
     id: String,
+    /// A chat completion (`chat.completion` shapes).
+    chat: bool,
+    stream: bool,
     request_id: String,
     info: SwitchyardInfo,
     created: u64,
@@ -139,18 +176,47 @@ impl Answer {
         usage: Option<Usage>,
         annotate: bool,
     ) -> Completion<'a> {
+        let finish_reason = finish.map(FinishReason::as_str);
+        let (object, choice) = match (self.chat, self.stream) {
+            (false, _) => (
+                "text_completion",
+                AnyChoice::Text(Choice {
+                    index: 0,
+                    text,
+                    token_ids,
+                    logprobs: None,
+                    finish_reason,
+                }),
+            ),
+            (true, stream) => {
+                let said = Some(ChatMessage {
+                    role: "assistant",
+                    content: text,
+                });
+                let (message, delta) = if stream { (None, said) } else { (said, None) };
+                (
+                    if stream {
+                        "chat.completion.chunk"
+                    } else {
+                        "chat.completion"
+                    },
+                    AnyChoice::Chat(ChatChoice {
+                        index: 0,
+                        message,
+                        delta,
+                        token_ids,
+                        logprobs: None,
+                        finish_reason,
+                    }),
+                )
+            }
+        };
         Completion {
             id: &self.id,
-            object: "text_completion",
+            object,
             created: self.created,
             model: &self.app.model,
-            choices: vec![Choice {
-                index: 0,
-                text,
-                token_ids,
-                logprobs: None,
-                finish_reason: finish.map(FinishReason::as_str),
-            }],
+            choices: vec![choice],
             usage,
             switchyard: annotate.then_some(&self.info),
         }

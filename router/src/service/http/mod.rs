@@ -52,6 +52,8 @@ pub struct App {
     pub commands: mpsc::Sender<Command>,
     pub hasher: BlockHasher,
     pub text: Option<Text>,
+    /// The chat template of `/v1/chat/completions`.
+    pub chat: Option<super::chat_template::ChatTemplate>,
     pub model: String,
     pub replica: Arc<str>,
     pub metrics: Metrics,
@@ -82,6 +84,7 @@ pub fn router(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
     let metrics = app.metrics.clone();
     axum::Router::new()
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/route", post(route::route))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{id}", get(models::one))

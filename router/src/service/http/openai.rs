@@ -476,6 +476,34 @@ pub struct Choice<'a> {
     pub finish_reason: Option<&'static str>,
 }
 
+/// A completion's choice or a chat completion's.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum AnyChoice<'a> {
+    Text(Choice<'a>),
+    Chat(ChatChoice<'a>),
+}
+
+/// A chat completion's choice: the whole `message`, or a chunk's `delta`.
+#[derive(Debug, Serialize)]
+pub struct ChatChoice<'a> {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<ChatMessage<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ChatMessage<'a>>,
+    /// The generated token ids (a Switchyard extension).
+    pub token_ids: &'a [u32],
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatMessage<'a> {
+    pub role: &'static str,
+    pub content: &'a str,
+}
+
 /// A non-streamed response, or one SSE chunk of a streamed one.
 #[derive(Debug, Serialize)]
 pub struct Completion<'a> {
@@ -484,7 +512,7 @@ pub struct Completion<'a> {
     pub created: u64,
     pub model: &'a str,
     /// One choice; none in a stream's usage-only last chunk.
-    pub choices: Vec<Choice<'a>>,
+    pub choices: Vec<AnyChoice<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -9,9 +9,10 @@ use axum::extract::rejection::BytesRejection;
 use protocol::{BlockHasher, HashSalt};
 
 use super::error::ApiError;
-use super::fields::FieldError;
+use super::fields::{FieldError, Fields, Members};
 use super::openai::{CompletionRequest, Prompt};
 use super::App;
+use crate::service::chat_template::Message;
 use crate::service::dispatch::Prepared;
 
 /// A parsed, tokenized and hashed completion request.
@@ -78,6 +79,58 @@ impl App {
         })?;
         let CompletionRequest { prompt, fields } =
             CompletionRequest::parse(&body).map_err(|e| ApiError::field(&request_id, e))?;
+        self.prepare(request_id, Source::Prompt(prompt), fields)
+    }
+
+    /// Reads a chat completion request: its messages through the chat
+    /// template, `max_completion_tokens` as `max_tokens`, the other fields
+    /// as a completion's.
+    pub(super) fn parse_chat(
+        &self,
+        request_id: String,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Result<Parsed, ApiError> {
+        let body = body.map_err(|rejection| {
+            ApiError::new(rejection.status(), &request_id, rejection.body_text())
+        })?;
+        let field = |e: FieldError| ApiError::field(&request_id, e);
+        if body.is_empty() {
+            return Err(field(FieldError::body(
+                "the request body is empty: expected a JSON chat completion request",
+            )));
+        }
+        let Members(mut members) = serde_json::from_slice(&body)
+            .map_err(|e| field(FieldError::body(format!("invalid request body: {e}"))))?;
+        let mut take = |key: &str| {
+            members
+                .iter()
+                .position(|(k, _)| k == key)
+                .map(|at| members.remove(at).1)
+        };
+        let messages = take("messages")
+            .ok_or_else(|| field(FieldError::field("messages", "missing field `messages`")))?;
+        let messages = chat_messages(messages).map_err(field)?;
+        let completion_tokens = take("max_completion_tokens");
+        if let Some(n) = completion_tokens.filter(|v| !v.is_null()) {
+            if members.iter().any(|(k, _)| k == "max_tokens") {
+                return Err(field(FieldError::field(
+                    "max_completion_tokens",
+                    "give max_tokens or max_completion_tokens, not both",
+                )));
+            }
+            members.push(("max_tokens".into(), n));
+        }
+        let fields = Fields::read(members).map_err(field)?;
+        self.prepare(request_id, Source::Chat(messages), fields)
+    }
+
+    /// The common part of both: model, limits, tokens and block hashes.
+    fn prepare(
+        &self,
+        request_id: String,
+        prompt: Source,
+        fields: Fields,
+    ) -> Result<Parsed, ApiError> {
         // One router serves one model (its hashing contract): a request
         // for another is a 404 before anything is routed; one without a
         // model gets the served one.
@@ -91,8 +144,21 @@ impl App {
             ));
         }
         let prompt = match prompt {
-            Prompt::Tokens(tokens) => tokens,
-            Prompt::Text(text) => match &self.text {
+            Source::Chat(messages) => {
+                let (Some(template), Some(text)) = (&self.chat, &self.text) else {
+                    return Err(ApiError::bad_request(
+                        &request_id,
+                        "chat completions need a tokenizer and a chat template: start the router with --tokenizer tokenizer.json (and a tokenizer_config.json beside it with a chat_template, or --chat-template file.jinja)",
+                    ));
+                };
+                let rendered = template
+                    .render(&messages)
+                    .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?;
+                text.encode_rendered(&rendered)
+                    .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?
+            }
+            Source::Prompt(Prompt::Tokens(tokens)) => tokens,
+            Source::Prompt(Prompt::Text(text)) => match &self.text {
                 Some(t) => t
                     .encode(&text)
                     .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?,
@@ -136,6 +202,52 @@ impl App {
             include_usage: fields.include_usage,
         })
     }
+}
+
+/// What a request's prompt is made of.
+enum Source {
+    Prompt(Prompt),
+    Chat(Vec<Message>),
+}
+
+/// A chat request's `messages`: each a `role` and a `content` (a string,
+/// or a list of `{"type": "text", "text"}` parts).
+fn chat_messages(value: serde_json::Value) -> Result<Vec<Message>, FieldError> {
+    let bad = |what: String| FieldError::field("messages", what);
+    let serde_json::Value::Array(items) = value else {
+        return Err(bad("must be a list of messages".into()));
+    };
+    if items.is_empty() {
+        return Err(bad("must have at least one message".into()));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = m["role"]
+                .as_str()
+                .ok_or_else(|| bad(format!("message {i} has no string `role`")))?;
+            let content = match &m["content"] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Null => String::new(),
+                serde_json::Value::Array(parts) => parts
+                    .iter()
+                    .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
+                        (Some("text"), Some(t)) => Ok(t),
+                        _ => Err(bad(format!(
+                            "message {i}: only text content parts are supported"
+                        ))),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat(),
+                _ => return Err(bad(format!("message {i}'s content is not text"))),
+            };
+            Ok(Message {
+                role: role.to_owned(),
+                content,
+            })
+        })
+        .collect()
 }
 
 /// `hasher` for `model`, salted with the request's LoRA adapter and cache
