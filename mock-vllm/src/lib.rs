@@ -33,6 +33,10 @@
 //!   logit bias, stop strings and response formats are recorded but
 //!   change nothing; `cache_salt` and the adapter do not change its block
 //!   hashes;
+//! - `--max-model-len` (default 131,072): reported in `/v1/models` (the
+//!   agent registers it, routers check requests against it) and enforced
+//!   with vLLM's 400; request bodies of any size (a 256k-token prompt is
+//!   about 2 MB of JSON);
 //! - data-parallel ranks: one engine and one publisher per rank, ports
 //!   offset by the rank, requests pinned with `X-data-parallel-rank`
 //!   (round robin without it).
