@@ -82,7 +82,6 @@ async fn complete(
 ) -> anyhow::Result<(Streamed, Instant)> {
     let started = Instant::now();
     let body = serde_json::json!({
-        "model": "switchyard",
         "prompt": &spec.prompt[..],
         "max_tokens": max_tokens,
         "stream": true,

@@ -139,6 +139,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
             max_batched_tokens: 8192,
             kv_bytes_per_token: 1,
             gpus: 1,
+            max_model_len: 0,
         };
         registrations.push(registry.register(&record, Duration::from_secs(10)).await?);
     }

@@ -49,7 +49,9 @@ async fn leg(
         match GenerateChunk::decode(&message.payload)?.event {
             GenerateEvent::Prefilled { transfer: t, .. } => transfer = Some(t),
             GenerateEvent::Finished { .. } => return Ok(transfer),
-            GenerateEvent::Failed { error, .. } => bail!("{worker} failed: {error}"),
+            GenerateEvent::Failed { error, .. } | GenerateEvent::Rejected { error, .. } => {
+                bail!("{worker} failed: {error}")
+            }
             GenerateEvent::Tokens(_) => {}
         }
     }
@@ -82,6 +84,7 @@ async fn direct(
         stage: Stage::Local,
         prompt: prompt.to_vec(),
         max_tokens,
+        sampling: Default::default(),
     };
     if let Some(p) = prefill {
         request.stage = Stage::Prefill;

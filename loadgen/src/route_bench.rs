@@ -47,8 +47,7 @@ fn bodies(prompt_tokens: usize, distinct: usize) -> Vec<bytes::Bytes> {
                 prompt_tokens - shared,
                 &mut prompt,
             );
-            let body =
-                serde_json::json!({"model": "switchyard", "prompt": prompt, "max_tokens": 128});
+            let body = serde_json::json!({"prompt": prompt, "max_tokens": 128});
             bytes::Bytes::from(serde_json::to_vec(&body).expect("JSON"))
         })
         .collect()

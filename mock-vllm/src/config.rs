@@ -39,6 +39,10 @@ pub struct Options {
     pub link_gb_s: f64,
     pub old_metric_names: bool,
     pub engine_id: Option<String>,
+    /// LoRA adapters served beside the model (vLLM's `--lora-modules`).
+    pub lora_modules: Vec<String>,
+    /// The context length `/v1/models` reports and requests are held to.
+    pub max_model_len: u32,
 }
 
 impl Default for Options {
@@ -64,6 +68,8 @@ impl Default for Options {
             link_gb_s: 87.0,
             old_metric_names: false,
             engine_id: None,
+            lora_modules: Vec::new(),
+            max_model_len: 131_072,
         }
     }
 }
@@ -131,6 +137,16 @@ pub fn flags() -> Vec<Flag> {
             Kind::Text,
             "Engine id in kv_transfer_params [default: mock-<random>]",
         ),
+        Flag::new(
+            "lora_modules",
+            Kind::List,
+            "LoRA adapter names a request may give as its model (vLLM's --lora-modules)",
+        ),
+        Flag::new(
+            "max_model_len",
+            Kind::Number,
+            "Context length (prompt + max_tokens) it reports in /v1/models and enforces, as vLLM's --max-model-len",
+        ),
     ]
     .into_iter()
     .map(|f| f.env_prefix("MOCK_VLLM_"))
@@ -187,6 +203,8 @@ pub struct Config {
     pub link: KvTransfer,
     pub old_metric_names: bool,
     pub engine_id: String,
+    pub lora_modules: Vec<String>,
+    pub max_model_len: u32,
 }
 
 impl Config {
@@ -255,6 +273,8 @@ impl Options {
                 .engine_id
                 .clone()
                 .unwrap_or_else(|| format!("mock-{:016x}", rand::random::<u64>())),
+            lora_modules: self.lora_modules.clone(),
+            max_model_len: self.max_model_len,
         })
     }
 }

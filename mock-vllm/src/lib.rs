@@ -20,6 +20,23 @@
 //!   as a real engine would publish them, with engine-private hashes, the
 //!   blocks' tokens, the parent's engine hash, the block size and the
 //!   medium ([`relabel`]);
+//! - sampling and stopping fields (`server::SAMPLING_FIELDS`, vLLM's
+//!   names, and `model` naming a LoRA adapter of `--lora-modules`): every
+//!   one is accepted and recorded per request (`/switchyard/debug`'s
+//!   `received`, the last 64 requests by `x-request-id`), so a test checks
+//!   what arrived. The simulated engine honours what it models: it has no
+//!   end-of-sequence token (every request runs to `max_tokens`, as with
+//!   `ignore_eos`), `min_tokens` (checked against `max_tokens` as vLLM
+//!   does), and `stop_token_ids` (the answer ends with the first one
+//!   emitted at or after `min_tokens` tokens, `finish_reason: "stop"`).
+//!   It draws no tokens, so temperature, top-p/k, min-p, penalties, seed,
+//!   logit bias, stop strings and response formats are recorded but
+//!   change nothing; `cache_salt` and the adapter do not change its block
+//!   hashes;
+//! - `--max-model-len` (default 131,072): reported in `/v1/models` (the
+//!   agent registers it, routers check requests against it) and enforced
+//!   with vLLM's 400; request bodies of any size (a 256k-token prompt is
+//!   about 2 MB of JSON);
 //! - data-parallel ranks: one engine and one publisher per rank, ports
 //!   offset by the rank, requests pinned with `X-data-parallel-rank`
 //!   (round robin without it).

@@ -4,6 +4,7 @@
 //! `/switchyard/config` (block size, capacity) and `/switchyard/debug`
 //! (what the engine was sent, e.g. the `kv_transfer_params` it received).
 
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,7 +20,7 @@ use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use protocol::{
     Annotation, DecisionId, FinishReason, GenerateEvent, GenerateRequest, KvTransferParams, Path,
-    Role, Stage, WorkerId,
+    Role, Sampling, Stage, WorkerId,
 };
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
@@ -54,7 +55,36 @@ struct DebugState {
     kv_transfer_params_received: u64,
     last_kv_transfer_params: Option<Value>,
     errors: u64,
+    /// The last requests' sampling fields as received, by request id
+    /// (the newest last, at most [`RECEIVED_KEPT`]).
+    received: VecDeque<(String, Map<String, Value>)>,
 }
+
+/// How many requests' sampling fields `/switchyard/debug` keeps.
+const RECEIVED_KEPT: usize = 64;
+
+/// vLLM's sampling and stopping fields of `/v1/completions` (with
+/// `cache_salt`): mock-vllm accepts each, records it for tests, and
+/// honours those the simulated engine models
+/// ([`worker_agent::sim_engine::SIM_HONOURS`]).
+pub const SAMPLING_FIELDS: [&str; 16] = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "logit_bias",
+    "response_format",
+    "cache_salt",
+];
 
 /// The server's state.
 #[derive(Debug)]
@@ -96,6 +126,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/switchyard/config", get(switchyard_config))
         .route("/switchyard/debug", get(switchyard_debug))
+        // vLLM reads bodies of any size: a 256k-token prompt is about 2 MB
+        // of JSON, axum's default limit.
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(app)
 }
 
@@ -126,7 +159,7 @@ async fn models(State(app): State<Arc<App>>) -> Response {
             "owned_by": "mock-vllm",
             "root": s.model,
             "parent": null,
-            "max_model_len": 131_072,
+            "max_model_len": s.max_model_len,
         }],
     }))
     .into_response()
@@ -161,6 +194,7 @@ async fn switchyard_debug(State(app): State<Arc<App>>) -> Response {
         "kv_transfer_params_received": d.kv_transfer_params_received,
         "last_kv_transfer_params": d.last_kv_transfer_params,
         "errors": d.errors,
+        "received": d.received.iter().map(|(id, fields)| json!({"request_id": id, "model": fields.get("model"), "fields": fields})).collect::<Vec<_>>(),
         "kv_batches_published": published,
         "blocks_held": blocks,
     }))
@@ -275,12 +309,17 @@ struct Completion {
     stream: bool,
     include_usage: bool,
     kv_transfer_params: Option<Map<String, Value>>,
+    /// Every sampling field received (and `model`), as sent.
+    received: Map<String, Value>,
+    /// What the simulated engine honours of them.
+    sampling: Sampling,
 }
 
 /// A request the engine refuses: its status and message.
 type Refusal = (StatusCode, String);
 
-fn parse_completion(body: &[u8], model: &str) -> Result<Completion, Refusal> {
+fn parse_completion(body: &[u8], s: &Config) -> Result<Completion, Refusal> {
+    let (model, lora) = (&s.model, &s.lora_modules);
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         refusal(
             StatusCode::BAD_REQUEST,
@@ -291,7 +330,7 @@ fn parse_completion(body: &[u8], model: &str) -> Result<Completion, Refusal> {
         .as_object()
         .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "the body is not a JSON object"))?;
     if let Some(m) = o.get("model").and_then(Value::as_str) {
-        if m != model {
+        if m != model && !lora.iter().any(|l| l == m) {
             return Err(refusal(
                 StatusCode::NOT_FOUND,
                 format!("The model `{m}` does not exist."),
@@ -335,6 +374,17 @@ fn parse_completion(body: &[u8], model: &str) -> Result<Completion, Refusal> {
             .filter(|n| *n >= 1)
             .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "max_tokens must be at least 1"))?,
     };
+    let asked = prompt.len() as u64 + u64::from(max_tokens);
+    if asked > u64::from(s.max_model_len) {
+        return Err(refusal(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {asked} tokens ({} in the messages, {max_tokens} in the completion).",
+                s.max_model_len,
+                prompt.len()
+            ),
+        ));
+    }
     let kv_transfer_params = match o.get("kv_transfer_params") {
         None | Some(Value::Null) => None,
         Some(Value::Object(p)) => Some(p.clone()),
@@ -345,9 +395,19 @@ fn parse_completion(body: &[u8], model: &str) -> Result<Completion, Refusal> {
             ))
         }
     };
+    let mut received: Map<String, Value> = SAMPLING_FIELDS
+        .iter()
+        .filter_map(|&k| Some((k.to_owned(), o.get(k)?.clone())))
+        .collect();
+    if let Some(m) = o.get("model") {
+        received.insert("model".into(), m.clone());
+    }
+    let sampling = honoured(o, max_tokens)?;
     Ok(Completion {
         prompt,
         max_tokens,
+        received,
+        sampling,
         stream: o.get("stream").and_then(Value::as_bool).unwrap_or(false),
         include_usage: o
             .get("stream_options")
@@ -355,6 +415,43 @@ fn parse_completion(body: &[u8], model: &str) -> Result<Completion, Refusal> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
         kv_transfer_params,
+    })
+}
+
+/// The fields the simulated engine honours, checked as vLLM checks them.
+fn honoured(o: &Map<String, Value>, max_tokens: u32) -> Result<Sampling, Refusal> {
+    let bad =
+        |field: &str, what: &str| refusal(StatusCode::BAD_REQUEST, format!("{field}: {what}"));
+    let min_tokens = match o.get("min_tokens") {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad("min_tokens", "must be a non-negative integer"))?,
+    };
+    if min_tokens > max_tokens {
+        return Err(bad("min_tokens", "must be at most max_tokens"));
+    }
+    let stop_token_ids = match o.get("stop_token_ids") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(ids)) => ids
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| bad("stop_token_ids", "token ids must be integers in 0..2^32"))?,
+        Some(_) => return Err(bad("stop_token_ids", "must be a list of token ids")),
+    };
+    let ignore_eos = match o.get("ignore_eos") {
+        None | Some(Value::Null) => false,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| bad("ignore_eos", "must be a boolean"))?,
+    };
+    Ok(Sampling {
+        stop_token_ids,
+        ignore_eos,
+        min_tokens,
+        ..Sampling::default()
     })
 }
 
@@ -368,7 +465,7 @@ fn flag(params: &Map<String, Value>, key: &str) -> bool {
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     let s = &app.settings;
-    let c = match parse_completion(&body, &s.model) {
+    let c = match parse_completion(&body, s) {
         Ok(c) => c,
         Err((status, message)) => {
             lock(&app.debug).errors += 1;
@@ -445,6 +542,14 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
             Stage::Decode { .. } => d.decode += 1,
         }
     }
+    {
+        let mut d = lock(&app.debug);
+        if d.received.len() == RECEIVED_KEPT {
+            d.received.pop_front();
+        }
+        d.received
+            .push_back((request_id.clone(), c.received.clone()));
+    }
     let r = &app.ranks[rank];
     // The tokens of every block the engine may store for this request.
     let output = worker_agent::sim_engine::output_tokens(&request_id, c.max_tokens);
@@ -474,6 +579,7 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
         stage,
         prompt: c.prompt.clone(),
         max_tokens: c.max_tokens,
+        sampling: c.sampling.clone(),
     };
     let mut events = r.engine.generate(request);
     // The first event decides the status.
@@ -624,18 +730,22 @@ async fn collect(mut events: BoxStream<'static, GenerateEvent>) -> Outcome {
     while let Some(event) = events.next().await {
         match event {
             GenerateEvent::Tokens(t) => o.tokens.extend(t),
-            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens,
+            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens.unwrap_or(0),
             GenerateEvent::Finished {
                 cached_tokens,
                 reason,
                 ..
             } => {
-                o.cached = cached_tokens;
+                o.cached = cached_tokens.unwrap_or(0);
                 o.finish = Some(finish_reason(reason));
                 break;
             }
             GenerateEvent::Failed { error, retryable } => {
                 o.failed = Some((error, retryable));
+                break;
+            }
+            GenerateEvent::Rejected { error, .. } => {
+                o.failed = Some((error, false));
                 break;
             }
         }
@@ -677,13 +787,13 @@ async fn stream_events(
                     return;
                 }
             }
-            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens,
+            GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens.unwrap_or(0),
             GenerateEvent::Finished {
                 cached_tokens,
                 reason,
                 ..
             } => {
-                o.cached = cached_tokens;
+                o.cached = cached_tokens.unwrap_or(0);
                 let mut c = chunk(
                     json!({"index": 0, "text": "", "token_ids": [], "logprobs": null, "finish_reason": finish_reason(reason), "stop_reason": null}),
                 );
@@ -694,7 +804,7 @@ async fn stream_events(
                 o.finish = Some(finish_reason(reason));
                 break;
             }
-            GenerateEvent::Failed { error, .. } => {
+            GenerateEvent::Failed { error, .. } | GenerateEvent::Rejected { error, .. } => {
                 // Headers are out: an error object in the stream, then the end.
                 send(
                     &json!({"error": {"message": error, "type": "InternalServerError", "code": 500}}),

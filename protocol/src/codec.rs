@@ -109,8 +109,8 @@ message! {
     RouteDecision => "RouteDecision", version 1;
     IndexDelta => "IndexDelta", version 1;
     IndexSnapshot => "IndexSnapshot", version 1;
-    GenerateRequest => "GenerateRequest", version 1;
-    GenerateChunk => "GenerateChunk", version 1;
+    GenerateRequest => "GenerateRequest", version 2;
+    GenerateChunk => "GenerateChunk", version 2;
     CancelRequest => "CancelRequest", version 1;
     ResyncReply => "ResyncReply", version 1;
     OverlapQuery => "OverlapQuery", version 1;

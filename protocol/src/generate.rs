@@ -41,13 +41,147 @@ pub struct KvTransferParams {
 
 /// A routed request, sent to a worker's generate subject; the worker
 /// streams [`GenerateChunk`]s to the message's reply subject.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerateRequest {
     pub request_id: String,
     pub annotation: Annotation,
     pub stage: Stage,
+    /// On the wire as packed bytes ([`packed_tokens`]): 3 bytes a token
+    /// for vocabularies below 16M, so that a 256k-token prompt (768 KiB)
+    /// fits NATS's default 1 MiB payload.
+    #[serde(with = "packed_tokens")]
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
+    /// How to sample and when to stop: every field the client set, for
+    /// the engine to honour or refuse (never to drop).
+    pub sampling: Sampling,
+}
+
+/// Token ids as one byte string: a width byte (1 to 4: the bytes of the
+/// largest id), then each id in that many little-endian bytes. A msgpack
+/// array of ids takes 5 bytes for each id of 65,536 and above (most of a
+/// 128k vocabulary).
+pub mod packed_tokens {
+    use serde::de::{self, Deserializer, Visitor};
+    use serde::Serializer;
+
+    /// The bytes of `tokens`.
+    pub fn pack(tokens: &[u32]) -> Vec<u8> {
+        let max = tokens.iter().copied().max().unwrap_or(0);
+        let width = (4 - max.leading_zeros() as usize / 8).max(1);
+        let mut out = Vec::with_capacity(1 + tokens.len() * width);
+        out.push(width as u8);
+        for t in tokens {
+            out.extend_from_slice(&t.to_le_bytes()[..width]);
+        }
+        out
+    }
+
+    /// The tokens of [`pack`]'s bytes; an error for any other.
+    pub fn unpack(bytes: &[u8]) -> Result<Vec<u32>, String> {
+        let (&width, ids) = bytes
+            .split_first()
+            .ok_or("packed tokens without their width byte")?;
+        let width = usize::from(width);
+        if !(1..=4).contains(&width) || ids.len() % width != 0 {
+            return Err(format!(
+                "packed tokens of width {width}: {} bytes is not a whole number of ids",
+                ids.len()
+            ));
+        }
+        Ok(ids
+            .chunks_exact(width)
+            .map(|c| {
+                let mut b = [0u8; 4];
+                b[..width].copy_from_slice(c);
+                u32::from_le_bytes(b)
+            })
+            .collect())
+    }
+
+    pub fn serialize<S: Serializer>(tokens: &[u32], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(&pack(tokens))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Vec<u32>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("packed token ids (a byte string)")
+            }
+
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u32>, E> {
+                unpack(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_bytes(V)
+    }
+}
+
+/// The sampling and stopping parameters of a request, as the client set
+/// them (`None`, empty or `false`: not set, the engine's default). Names
+/// and meanings are OpenAI's and vLLM's `SamplingParams`'; the router
+/// checked types and ranges.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// `-1` (or `0`): no top-k.
+    pub top_k: Option<i32>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    /// Stop strings (the engine detokenizes to find them).
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    /// Generate past the end-of-sequence token.
+    pub ignore_eos: bool,
+    /// No EOS or stop token before this many output tokens.
+    pub min_tokens: u32,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    /// Log-probabilities of this many most likely tokens per position.
+    pub logprobs: Option<u32>,
+    /// Token id and bias, in token order.
+    pub logit_bias: Vec<(u32, f64)>,
+    /// OpenAI's `response_format` object, as JSON text.
+    pub response_format: Option<String>,
+    /// vLLM's `cache_salt`: the request's KV blocks are shared only with
+    /// requests of the same salt.
+    pub cache_salt: Option<String>,
+    /// The LoRA adapter to generate with (vLLM selects it by `model`).
+    pub lora: Option<String>,
+}
+
+impl Sampling {
+    /// The names (as in the HTTP body) of the fields set, in declaration
+    /// order: what an engine must honour.
+    pub fn fields_set(&self) -> Vec<&'static str> {
+        let set = [
+            ("temperature", self.temperature.is_some()),
+            ("top_p", self.top_p.is_some()),
+            ("top_k", self.top_k.is_some()),
+            ("min_p", self.min_p.is_some()),
+            ("seed", self.seed.is_some()),
+            ("stop", !self.stop.is_empty()),
+            ("stop_token_ids", !self.stop_token_ids.is_empty()),
+            ("ignore_eos", self.ignore_eos),
+            ("min_tokens", self.min_tokens > 0),
+            ("presence_penalty", self.presence_penalty.is_some()),
+            ("frequency_penalty", self.frequency_penalty.is_some()),
+            ("repetition_penalty", self.repetition_penalty.is_some()),
+            ("logprobs", self.logprobs.is_some()),
+            ("logit_bias", !self.logit_bias.is_empty()),
+            ("response_format", self.response_format.is_some()),
+            ("cache_salt", self.cache_salt.is_some()),
+            ("lora", self.lora.is_some()),
+        ];
+        set.into_iter()
+            .filter_map(|(name, on)| on.then_some(name))
+            .collect()
+    }
 }
 
 /// Why a stream ended normally.
@@ -99,16 +233,26 @@ pub enum GenerateEvent {
     /// The prefill leg is done: the decode worker fetches the KV with these.
     Prefilled {
         transfer: KvTransferParams,
-        /// Prompt tokens the prefill worker found cached.
-        cached_tokens: u32,
+        /// Prompt tokens the prefill worker's engine found cached, when it
+        /// says (`None`: it did not).
+        cached_tokens: Option<u32>,
     },
     /// Last message of a successful stream.
     Finished {
         output_tokens: u32,
         /// Prompt tokens the engine found cached (to set beside the router's
-        /// prediction).
-        cached_tokens: u32,
+        /// prediction), when it says (`None`: it did not).
+        cached_tokens: Option<u32>,
         reason: FinishReason,
+    },
+    /// Last message of a stream the engine (or its agent) refused as
+    /// asked: a client error (a field it cannot honour, a value it
+    /// rejects), answered with `status` (4xx) and not retried elsewhere.
+    Rejected {
+        status: u16,
+        /// The request field at fault, when known.
+        param: Option<String>,
+        error: String,
     },
     /// Last message of a failed stream.
     Failed {
@@ -124,7 +268,9 @@ impl GenerateEvent {
     pub fn is_last(&self) -> bool {
         matches!(
             self,
-            GenerateEvent::Finished { .. } | GenerateEvent::Failed { .. }
+            GenerateEvent::Finished { .. }
+                | GenerateEvent::Failed { .. }
+                | GenerateEvent::Rejected { .. }
         )
     }
 }

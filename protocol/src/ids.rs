@@ -134,10 +134,48 @@ impl fmt::Display for BlockHash {
 }
 
 /// Identifies one routing decision across the cluster (logs, decision log,
-/// in-flight ledgers of every router replica). Shown as 16 hex digits.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
+/// in-flight ledgers of every router replica). Shown as 16 hex digits,
+/// and so written in JSON (and other human-readable formats: a u64 there
+/// is rounded by JavaScript and `jq`); a u64 in msgpack. JSON readers
+/// take the string or a number.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DecisionId(pub u64);
+
+impl Serialize for DecisionId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.collect_str(self)
+        } else {
+            s.serialize_u64(self.0)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DecisionId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = DecisionId;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a decision id (16 hex digits, or a u64)")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<DecisionId, E> {
+                Ok(DecisionId(v))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<DecisionId, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        if d.is_human_readable() {
+            d.deserialize_any(V)
+        } else {
+            d.deserialize_u64(V)
+        }
+    }
+}
 
 impl fmt::Debug for DecisionId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -210,5 +248,18 @@ mod tests {
         assert_eq!(id.to_string(), "0000000000000abc");
         assert_eq!("0000000000000abc".parse::<DecisionId>().unwrap(), id);
         assert!("xyz".parse::<DecisionId>().is_err());
+    }
+
+    /// A string in JSON (no rounding in JavaScript), a number still read.
+    #[test]
+    fn decision_ids_are_strings_in_json() {
+        let id = DecisionId(7_638_884_515_054_312_043);
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(json, "\"6a02c4fe700b5a6b\"");
+        assert_eq!(serde_json::from_str::<DecisionId>(&json).unwrap(), id);
+        assert_eq!(
+            serde_json::from_str::<DecisionId>("7638884515054312043").unwrap(),
+            id
+        );
     }
 }

@@ -176,6 +176,11 @@ pub struct WorkerRecord {
     pub gpus: u32,
     /// Where the worker takes requests and resync requests.
     pub subjects: WorkerSubjects,
+    /// The engine's context length (prompt plus output tokens), as it
+    /// said (vLLM's `max_model_len`); 0: it did not say. Records written
+    /// before this field read as 0.
+    #[serde(default)]
+    pub max_model_len: u32,
 }
 
 /// The NATS subjects a worker serves.

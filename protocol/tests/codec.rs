@@ -57,6 +57,7 @@ fn record() -> WorkerRecord {
         max_batched_tokens: 8192,
         kv_bytes_per_token: 131_072,
         gpus: 1,
+        max_model_len: 0,
     }
 }
 
@@ -120,6 +121,19 @@ fn generate() -> GenerateRequest {
         },
         prompt: vec![1, 2, 3],
         max_tokens: 5,
+        sampling: Sampling {
+            temperature: Some(0.5),
+            seed: Some(-7),
+            stop: vec!["\n".into()],
+            stop_token_ids: vec![2],
+            ignore_eos: true,
+            min_tokens: 1,
+            logit_bias: vec![(5, -100.0)],
+            response_format: Some(r#"{"type":"json_object"}"#.into()),
+            cache_salt: Some("s".into()),
+            lora: Some("adapter".into()),
+            ..Sampling::default()
+        },
     }
 }
 
@@ -146,12 +160,17 @@ fn every_message_round_trips() {
         GenerateEvent::Tokens(vec![1, 2]),
         GenerateEvent::Finished {
             output_tokens: 2,
-            cached_tokens: 1,
+            cached_tokens: Some(1),
             reason: FinishReason::Length,
         },
         GenerateEvent::Failed {
             error: "engine down".into(),
             retryable: true,
+        },
+        GenerateEvent::Rejected {
+            status: 400,
+            param: Some("top_k".into()),
+            error: "top_k is not supported".into(),
         },
     ] {
         let chunk = GenerateChunk { index: 4, event };
@@ -273,5 +292,32 @@ proptest! {
             }],
         };
         prop_assert_eq!(KvEventBatch::decode(&b.encode()).unwrap(), b);
+    }
+}
+
+/// A 256k-token prompt of a 128k vocabulary fits NATS's default 1 MiB
+/// payload as a generation request, and reads back exactly.
+#[test]
+fn a_long_prompt_packs_under_the_payload_limit() {
+    let mut request = generate();
+    request.prompt = (0..262_144u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 128_256)
+        .collect();
+    let bytes = request.encode();
+    assert!(bytes.len() < 800 << 10, "{} bytes", bytes.len());
+    assert_eq!(GenerateRequest::decode(&bytes).unwrap(), request);
+}
+
+proptest! {
+    #[test]
+    fn packed_tokens_round_trip(tokens in proptest::collection::vec(any::<u32>(), 0..64), small in proptest::collection::vec(0u32..300, 0..64)) {
+        for t in [tokens, small] {
+            prop_assert_eq!(generate::packed_tokens::unpack(&generate::packed_tokens::pack(&t)).unwrap(), t);
+        }
+    }
+
+    #[test]
+    fn packed_garbage_is_an_error_not_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..32)) {
+        let _ = generate::packed_tokens::unpack(&bytes);
     }
 }

@@ -31,6 +31,7 @@ fn record(name: String, role: Role, contract: &HashingContract) -> WorkerRecord 
         kv_capacity_blocks: 100_000,
         kv_bytes_per_token: 163_840,
         gpus: 2,
+        max_model_len: 0,
         ..tests::fixtures::registration(&name, role, contract.clone())
     }
 }

@@ -75,6 +75,7 @@ async fn main() -> Result<()> {
             kv_capacity_blocks: 100_000,
             kv_bytes_per_token: 163_840,
             gpus: 2,
+            max_model_len: 0,
             ..tests::fixtures::registration(&name, role, contract.clone())
         };
         registrations.push(registry.register(&record, Duration::from_secs(30)).await?);

@@ -26,6 +26,7 @@
 //!         max_batched_tokens: 8192,
 //!         kv_bytes_per_token: 163_840,
 //!         gpus: 1,
+//!         max_model_len: 0,
 //!     })
 //!     .unwrap();
 //! }

@@ -347,3 +347,19 @@ fn offloaded_tiers_count_for_less() {
     assert_eq!(d.decode, id("d0"));
     assert_eq!(d.decode_overlap_tokens, 960);
 }
+
+/// A request asking for more blocks than a worker's whole cache charges
+/// the cache, not more, and releases exactly what it charged.
+#[test]
+fn the_ledger_never_charges_more_than_the_cache() {
+    let mut core = disagg(LedgerConfig::default());
+    let huge = RouteDecision {
+        reserved_decode_blocks: 62_500_000,
+        ..peer_decision(9, 0)
+    };
+    assert!(core.on_decision(&huge));
+    let charges = |core: &RouterCore| core.workers().ledger_charges(&id("d0"));
+    assert_eq!(charges(&core).decode_blocks, 10_000);
+    assert!(core.on_finished(huge.id));
+    assert_eq!(charges(&core).decode_blocks, 0);
+}

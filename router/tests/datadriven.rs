@@ -132,6 +132,7 @@ fn run(scenario: &mut Option<Scenario>, command: &str) -> String {
                     max_batched_tokens: number(&opts, "mbt", 8192),
                     kv_bytes_per_token: 163_840,
                     gpus: 2,
+                    max_model_len: 0,
                     ..tests::fixtures::registration(plain[0], role, contract())
                 })
                 .unwrap();

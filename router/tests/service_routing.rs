@@ -68,6 +68,13 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
     assert_eq!(choice["finish_reason"], "length");
     assert_eq!(body["usage"]["prompt_tokens"], 1050);
     assert_eq!(body["usage"]["completion_tokens"], 5);
+    // The fake engine says nothing of its cache: the router's overlap.
+    let details = &body["usage"]["prompt_tokens_details"];
+    assert_eq!(details["cached_tokens_source"], "router");
+    assert_eq!(
+        details["cached_tokens"],
+        body["switchyard"]["decode_overlap_tokens"]
+    );
 
     let d1 = &mut workers[2];
     let request = d1.next_request().await?;
@@ -127,14 +134,37 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
     assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
     assert_eq!(workers[2].next_request().await?.max_tokens, 7);
 
+    // With stream_options.include_usage: after the finish, one more chunk
+    // with the usage and no choice, then [DONE].
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": prompt, "max_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}}),
+        )
+        .await?;
+    let text = r.text().await?;
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("an SSE data line"))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let usage_only: serde_json::Value = serde_json::from_str(events[events.len() - 2])?;
+    assert_eq!(usage_only["choices"], serde_json::json!([]));
+    assert_eq!(usage_only["usage"]["completion_tokens"], 3);
+    let finish: serde_json::Value = serde_json::from_str(events[events.len() - 3])?;
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert_eq!(workers[2].next_request().await?.max_tokens, 3);
+
     let metrics = router.get_text("/metrics").await?;
     assert!(
-        metrics.contains("router_decisions_total{path=\"bypass\",rule=\"isl.short_append\"} 2"),
+        metrics.contains("router_decisions_total{path=\"bypass\",rule=\"isl.short_append\"} 3"),
         "{metrics}"
     );
-    assert!(metrics.contains("router_dispatch_total{outcome=\"ok\"} 2"));
+    assert!(metrics.contains("router_dispatch_total{outcome=\"ok\"} 3"));
     assert!(
-        metrics.contains("router_http_requests_total{route=\"/v1/completions\",status=\"200\"} 2")
+        metrics.contains("router_http_requests_total{route=\"/v1/completions\",status=\"200\"} 3")
     );
     router.stop().await
 }
@@ -229,6 +259,31 @@ async fn route_returns_the_decision_without_dispatching() -> Result<()> {
         .unwrap()
         .iter()
         .all(|w| w["charged_requests"] == 0));
+
+    // What clients ask before their first request: the served model (and
+    // no other), and health under both names.
+    let models: serde_json::Value = serde_json::from_str(&router.get_text("/v1/models").await?)?;
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(models["data"].as_array().map(Vec::len), Some(1));
+    let one: serde_json::Value =
+        serde_json::from_str(&router.get_text(&format!("/v1/models/{MODEL}")).await?)?;
+    assert_eq!(
+        (&one["id"], &one["object"]),
+        (&MODEL.into(), &"model".into())
+    );
+    let other = router
+        .http
+        .get(router.url("/v1/models/gpt-4"))
+        .send()
+        .await?;
+    assert_eq!(other.status(), 404);
+    let error: serde_json::Value = other.json().await?;
+    assert_eq!(error["error"]["type"], "not_found_error");
+    assert_eq!(
+        router.get_text("/health").await?,
+        router.get_text("/healthz").await?
+    );
     router.stop().await
 }
 
@@ -254,6 +309,14 @@ async fn text_prompts_and_text_output_with_a_tokenizer() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("tokenizer.json");
     std::fs::write(&path, TOKENIZER)?;
+    // Its chat template, where HuggingFace puts it: each message's content,
+    // then the assistant's turn ("world").
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::json!({"chat_template":
+            "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}world{% endif %}"})
+        .to_string(),
+    )?;
     let cluster = Cluster::start().await?;
     let mut worker =
         FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
@@ -294,5 +357,78 @@ async fn text_prompts_and_text_output_with_a_tokenizer() -> Result<()> {
         pieces.split_whitespace().collect::<Vec<_>>(),
         ["alpha", "beta", "gamma", "delta"]
     );
+
+    worker.next_request().await?;
+
+    // Chat: the messages through the template ("hello hello world"),
+    // max_completion_tokens, the answer as a chat.completion.
+    let r = router
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"model": MODEL, "messages": [
+                {"role": "system", "content": "hello"},
+                {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+            ], "max_completion_tokens": 2}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(body["choices"][0]["message"]["content"], "alpha beta");
+    assert_eq!(body["usage"]["prompt_tokens"], 3);
+    let sent = worker.next_request().await?;
+    assert_eq!((sent.prompt, sent.max_tokens), (vec![1, 1, 2], 2));
+
+    // Streamed, with the usage-only last chunk.
+    let r = router
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"messages": [{"role": "user", "content": "hello"}],
+                "max_completion_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}}),
+        )
+        .await?;
+    let text = r.text().await?;
+    let chunks: Vec<serde_json::Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    let said: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        said.split_whitespace().collect::<Vec<_>>(),
+        ["alpha", "beta", "gamma"]
+    );
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], serde_json::json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 3);
+    worker.next_request().await?;
+
+    // Bad chat bodies are 400s naming the field.
+    for (body, param) in [
+        (serde_json::json!({"max_tokens": 2}), "messages"),
+        (serde_json::json!({"messages": []}), "messages"),
+        (
+            serde_json::json!({"messages": [{"content": "x"}]}),
+            "messages",
+        ),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+            "temperature",
+        ),
+    ] {
+        let r = router.post("/v1/chat/completions", body.clone()).await?;
+        assert_eq!(r.status(), 400, "{body}");
+        let error: serde_json::Value = r.json().await?;
+        assert_eq!(error["error"]["param"], param, "{body}: {error}");
+    }
     router.stop().await
 }

@@ -228,6 +228,7 @@ impl<'w> Cluster<'w> {
                 max_batched_tokens: engine_config.max_batched_tokens,
                 kv_bytes_per_token: engine_config.kv_bytes_per_token,
                 gpus: engine_config.gpus,
+                max_model_len: 0,
             })?;
             worker_index.insert(id.clone(), i);
             engines.push(Engine::new(id.clone(), role, engine_config)?);

@@ -44,6 +44,7 @@ pub fn generate_request(
         stage,
         prompt,
         max_tokens,
+        sampling: Default::default(),
     }
 }
 
@@ -80,6 +81,7 @@ pub fn registration(name: &str, role: Role, contract: HashingContract) -> Worker
         max_batched_tokens: 8192,
         kv_bytes_per_token: 1,
         gpus: 1,
+        max_model_len: 0,
     }
 }
 

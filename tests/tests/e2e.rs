@@ -137,26 +137,73 @@ async fn conversations_replicas_late_joiners_and_bad_input() -> Result<()> {
             })
             .await?;
         ensure!(cluster.converged_digest().await? == cluster.digest_from_event_log().await?);
-        for body in [
-            "{not json",
-            r#"{"prompt": []}"#,
-            r#"{"prompt": "text without a tokenizer"}"#,
-        ] {
+        // Limits fail fast: an unknown model is a 404, output past the
+        // context length (the workers' registrations) a 400, both before
+        // routing: the ledger is untouched. Wrong types and unknown fields
+        // are refused at the door, naming the field; a field the simulated
+        // engine cannot honour is refused by its agent (after the
+        // decision), naming it too.
+        let ledger_url = format!("{}/debug/ledger", cluster.routers[0].url());
+        let ledger = |l: Value| (l["in_flight"].clone(), l["workers"].clone());
+        let before = ledger(cluster.get_json(ledger_url.clone()).await?);
+        let too_long = format!(
+            r#"{{"prompt": {:?}, "max_tokens": 1000000000}}"#,
+            tokens(3, 40)
+        );
+        let fail_fast = [
+            (r#"{"model": "gpt-4", "prompt": [1, 2, 3]}"#, Some("model")),
+            (too_long.as_str(), Some("max_tokens")),
+        ];
+        let refused: [(&str, Option<&str>); 8] = [
+            ("{not json", None),
+            (r#"{"prompt": []}"#, None),
+            (r#"{"prompt": "text without a tokenizer"}"#, None),
+            (
+                r#"{"prompt": [1, 2, 3], "temperature": "hot"}"#,
+                Some("temperature"),
+            ),
+            (
+                r#"{"prompt": [1, 2, 3], "temprature": 0}"#,
+                Some("temprature"),
+            ),
+            (r#"{"prompt": [1, 2, 3], "n": 3}"#, Some("n")),
+            (
+                r#"{"prompt": [1, 2, 3], "stop_token_ids": "2"}"#,
+                Some("stop_token_ids"),
+            ),
+            (
+                r#"{"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0.7}"#,
+                Some("temperature"),
+            ),
+        ];
+        for (k, (body, param)) in fail_fast.into_iter().chain(refused).enumerate() {
+            if k == 2 {
+                let after = ledger(cluster.get_json(ledger_url.clone()).await?);
+                ensure!(before == after, "the ledger moved: {before:?} -> {after:?}");
+            }
             let response = cluster
                 .http
                 .post(format!("{}/v1/completions", cluster.routers[0].url()))
                 .header("content-type", "application/json")
-                .body(body)
+                .body(body.to_owned())
                 .send()
                 .await?;
             let status = response.status();
             let error: Value = response.json().await?;
-            ensure!(status.as_u16() == 400, "{body}: HTTP {status}");
+            let (want, kind) = match param {
+                Some("model") => (404, "not_found_error"),
+                _ => (400, "invalid_request_error"),
+            };
+            ensure!(status.as_u16() == want, "{body}: HTTP {status}");
             ensure!(
                 error["error"]["message"]
                     .as_str()
                     .is_some_and(|m| !m.is_empty()),
                 "{error}"
+            );
+            ensure!(
+                error["error"]["type"] == kind && error["error"]["param"].as_str() == param,
+                "{body}: {error}"
             );
         }
         Ok(())

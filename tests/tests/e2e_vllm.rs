@@ -6,8 +6,10 @@ mod cluster;
 
 use anyhow::{ensure, Context, Result};
 use cluster::{
-    conversation, decode, output, path, Cluster, Engine, Wire, ANSWER, BLOCK_SIZE, COLD_PROMPT,
+    conversation, decode, output, path, tokens, Cluster, Engine, Wire, ANSWER, BLOCK_SIZE,
+    COLD_PROMPT, LORA, MAX_MODEL_LEN, MODEL,
 };
+use serde_json::{json, Value};
 
 const VLLM_ARRAYS: Engine = Engine::MockVllm(Wire {
     encoding: "array",
@@ -139,5 +141,141 @@ async fn a_client_that_leaves_cancels_its_request_on_the_engine() -> Result<()> 
     )
     .await?;
     let result = cluster.leave_mid_stream("d0").await;
+    result.with_context(|| cluster.logs())
+}
+
+/// Every sampling and stopping field a client sets reaches the vLLM
+/// engine, under vLLM's name, through the router and the adapter; what
+/// the simulated engine behind mock-vllm models (stop token ids after
+/// `min_tokens`) shapes the output.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_sampling_field_reaches_the_engine() -> Result<()> {
+    let cluster = Cluster::start_with(
+        &[
+            ("p0", "prefill", VLLM_ARRAYS),
+            ("d0", "decode", VLLM_ARRAYS),
+        ],
+        1,
+    )
+    .await?;
+    let result = async {
+        let prompt = tokens(5, 48);
+        // Output tokens are the simulated engine's function of the request
+        // id: both requests have the same.
+        let first = cluster.complete(0, "sampled", &prompt, 8).await?;
+        let plain = output(&first);
+        ensure!(plain.len() == 8, "{first}");
+        // A stop token the plain answer emits at position 5: with
+        // `min_tokens` 3 the answer ends there (unless it came earlier
+        // too, past 3).
+        let stop = plain[5];
+        let at = plain.iter().skip(3).position(|&t| t == stop).unwrap() + 3;
+        let fields = json!({
+            "temperature": 0.25, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 1234,
+            "stop": ["\n\n"], "stop_token_ids": [stop], "ignore_eos": true, "min_tokens": 3,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+            "logit_bias": {"5": -100.0}, "response_format": {"type": "json_object"},
+            "cache_salt": "tenant-a",
+        });
+        let mut body = fields.clone();
+        body["model"] = json!(MODEL);
+        body["prompt"] = json!(prompt);
+        body["max_tokens"] = json!(8);
+        body["lora"] = json!(LORA);
+        let response = cluster
+            .http
+            .post(format!("{}/v1/completions", cluster.routers[0].url()))
+            .header("x-request-id", "sampled")
+            .json(&body)
+            .send()
+            .await?;
+        let status = response.status();
+        let answer: Value = response.json().await?;
+        ensure!(status.is_success(), "HTTP {status}: {answer}");
+        ensure!(
+            output(&answer) == plain[..=at] && answer["choices"][0]["finish_reason"] == "stop",
+            "stopped at {stop} (position {at}) of {plain:?}: {answer}"
+        );
+        // The engine says what it found cached (the first answer's blocks).
+        let details = &answer["usage"]["prompt_tokens_details"];
+        ensure!(
+            details["cached_tokens_source"] == "engine"
+                && details["cached_tokens"].as_u64() >= Some(32),
+            "{}",
+            answer["usage"]
+        );
+        let home = decode(&answer).to_owned();
+        let debug = cluster.engine_debug(&home).await?;
+        let received = debug["received"]
+            .as_array()
+            .and_then(|r| r.iter().rev().find(|r| r["request_id"] == "sampled"))
+            .with_context(|| format!("{home}'s engine has no request \"sampled\": {debug}"))?;
+        for (key, value) in fields.as_object().unwrap() {
+            ensure!(
+                &received["fields"][key] == value,
+                "{key}: sent {value}, {home}'s engine got {}",
+                received["fields"][key]
+            );
+        }
+        ensure!(received["model"] == LORA, "{received}");
+
+        // Log-probabilities cannot come back yet: a 400 naming the field,
+        // not a silent `null`.
+        body["logprobs"] = json!(1);
+        let response = cluster
+            .http
+            .post(format!("{}/v1/completions", cluster.routers[0].url()))
+            .json(&body)
+            .send()
+            .await?;
+        let status = response.status();
+        let error: Value = response.json().await?;
+        ensure!(
+            status == 400 && error["error"]["param"] == "logprobs",
+            "HTTP {status}: {error}"
+        );
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+/// A 256k-token prompt (about 1.8 MB of JSON) completes end to end: the
+/// router hashes it, each leg carries it over NATS packed below the 1 MiB
+/// payload limit, the prefill and decode engines take it; one past the
+/// engines' registered context length is a 400 before routing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_256k_token_prompt_completes() -> Result<()> {
+    let cluster = Cluster::start_with(
+        &[
+            ("p0", "prefill", VLLM_ARRAYS),
+            ("d0", "decode", VLLM_ARRAYS),
+        ],
+        1,
+    )
+    .await?;
+    let result = async {
+        let prompt = tokens(11, 256 * 1024);
+        let answer = cluster.complete(0, "long", &prompt, 4).await?;
+        ensure!(
+            output(&answer).len() == 4 && answer["usage"]["prompt_tokens"] == 256 * 1024,
+            "{}",
+            answer["usage"]
+        );
+        let response = cluster
+            .http
+            .post(format!("{}/v1/completions", cluster.routers[0].url()))
+            .json(&json!({"prompt": tokens(12, MAX_MODEL_LEN as usize - 2), "max_tokens": 4}))
+            .send()
+            .await?;
+        let status = response.status();
+        let error: Value = response.json().await?;
+        ensure!(
+            status == 400 && error["error"]["param"] == "max_tokens",
+            "HTTP {status}: {error}"
+        );
+        Ok(())
+    }
+    .await;
     result.with_context(|| cluster.logs())
 }

@@ -10,7 +10,9 @@
 use std::fmt;
 
 use futures::stream::BoxStream;
-use protocol::{GenerateEvent, GenerateRequest, HashingContract, KvEvent, LoadReport, WorkerId};
+use protocol::{
+    GenerateEvent, GenerateRequest, HashingContract, KvEvent, LoadReport, Sampling, WorkerId,
+};
 
 /// Facts about the engine that do not change while it runs (they go into
 /// the worker's [`protocol::WorkerRecord`]).
@@ -27,6 +29,8 @@ pub struct EngineFacts {
     pub kv_bytes_per_token: u64,
     /// GPUs behind the worker.
     pub gpus: u32,
+    /// The longest prompt plus output the engine takes (0: unknown).
+    pub max_model_len: u32,
 }
 
 /// The engine's load now: a [`LoadReport`] without the worker and clock,
@@ -109,6 +113,12 @@ pub trait Engine: Send + Sync + fmt::Debug {
     /// without one (the engine stopped), the agent sends a retryable
     /// failure.
     fn generate(&self, request: GenerateRequest) -> BoxStream<'static, GenerateEvent>;
+
+    /// The first field of `sampling` (its HTTP name) this engine cannot
+    /// honour: the agent answers such a request with a
+    /// [`GenerateEvent::Rejected`] naming it rather than serve it
+    /// without.
+    fn unsupported(&self, sampling: &Sampling) -> Option<&'static str>;
 
     /// Stops serving: in-flight generation streams and the KV stream end.
     fn stop(&self);

@@ -22,7 +22,7 @@ pub const KV_QUEUE_OVERFLOWS: &str = "worker_agent_kv_queue_overflows_total";
 pub const KV_EPOCH: &str = "worker_agent_kv_epoch";
 /// New epochs started from the full block set, by `reason` (request, overflow).
 pub const RESYNCS: &str = "worker_agent_resyncs_total";
-/// Generation requests by `stage` and `outcome` (finished, failed,
+/// Generation requests by `stage` and `outcome` (finished, failed, rejected,
 /// interrupted, refused).
 pub const GENERATE_REQUESTS: &str = "worker_agent_generate_requests_total";
 /// Messages that are not valid requests, by `reason` (decode, no_reply,

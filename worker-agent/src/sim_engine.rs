@@ -21,8 +21,8 @@ use engine_sim::{EngineRequest, KvTransfer, Mode, Preset, StepOutput};
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use protocol::{
-    FinishReason, GenerateEvent, GenerateRequest, HashingContract, KvTransferParams, Role, Stage,
-    WorkerId, HASH_SCHEME,
+    FinishReason, GenerateEvent, GenerateRequest, HashingContract, KvTransferParams, Role,
+    Sampling, Stage, WorkerId, HASH_SCHEME,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -84,6 +84,10 @@ impl SimEngine {
             max_batched_tokens: engine_config.max_batched_tokens,
             kv_bytes_per_token: engine_config.kv_bytes_per_token,
             gpus: engine_config.gpus,
+            // A request longer than the whole cache can never run.
+            max_model_len: engine_config
+                .kv_capacity_blocks
+                .saturating_mul(engine_config.block_size),
         };
         let (commands_tx, commands) = mpsc::unbounded_channel();
         let (kv_tx, kv_rx) = mpsc::unbounded_channel();
@@ -161,8 +165,38 @@ impl Engine for SimEngine {
         stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed()
     }
 
+    fn unsupported(&self, sampling: &Sampling) -> Option<&'static str> {
+        sampling
+            .fields_set()
+            .into_iter()
+            .find(|f| !SIM_HONOURS.contains(f))
+    }
+
     fn stop(&self) {
         let _ = self.commands.send(Command::Stop);
+    }
+}
+
+/// The sampling fields the simulated engine models: it has no
+/// end-of-sequence token (every request runs to `max_tokens`, as with
+/// `ignore_eos`), and stops at the first of `stop_token_ids` it emits at
+/// or after `min_tokens` output tokens. It draws no tokens, so it cannot
+/// honour temperature, penalties, seeds, logprobs and the like.
+pub const SIM_HONOURS: [&str; 3] = ["stop_token_ids", "ignore_eos", "min_tokens"];
+
+/// The tokens a simulated request emits and why it ends: `output`
+/// up to and including its first stop token at or after `min_tokens`
+/// tokens.
+pub fn stop_at(output: Arc<[u32]>, sampling: &Sampling) -> (Arc<[u32]>, FinishReason) {
+    let skip = sampling.min_tokens as usize;
+    match output
+        .iter()
+        .enumerate()
+        .skip(skip)
+        .find(|(_, t)| sampling.stop_token_ids.contains(t))
+    {
+        Some((at, _)) => (output[..=at].into(), FinishReason::Stop),
+        None => (output, FinishReason::Length),
     }
 }
 
@@ -207,6 +241,7 @@ struct Live {
     events: mpsc::UnboundedSender<GenerateEvent>,
     output: Arc<[u32]>,
     produced: usize,
+    reason: FinishReason,
 }
 
 impl Live {
@@ -296,7 +331,7 @@ impl Driver {
     fn accept(&mut self, request: GenerateRequest, events: mpsc::UnboundedSender<GenerateEvent>) {
         let id = self.next_id;
         self.next_id += 1;
-        let (mode, output) = match &request.stage {
+        let (mode, full) = match &request.stage {
             Stage::Local => (
                 Mode::LocalPrefill,
                 output_tokens(&request.request_id, request.max_tokens),
@@ -307,6 +342,7 @@ impl Driver {
                 output_tokens(&request.request_id, request.max_tokens),
             ),
         };
+        let (output, reason) = stop_at(full, &request.sampling);
         let engine_request = EngineRequest {
             id,
             prompt: request.prompt.into(),
@@ -320,6 +356,7 @@ impl Driver {
                 events,
                 output,
                 produced: 0,
+                reason,
             },
         );
         if mode == Mode::KvReceived {
@@ -395,8 +432,8 @@ impl Driver {
                     if let Some(live) = self.live.remove(&id) {
                         live.send(GenerateEvent::Finished {
                             output_tokens,
-                            cached_tokens,
-                            reason: FinishReason::Length,
+                            cached_tokens: Some(cached_tokens),
+                            reason: live.reason,
                         });
                     }
                 }
@@ -412,11 +449,11 @@ impl Driver {
                                 prompt_tokens,
                                 engine: None,
                             },
-                            cached_tokens,
+                            cached_tokens: Some(cached_tokens),
                         });
                         live.send(GenerateEvent::Finished {
                             output_tokens: 0,
-                            cached_tokens,
+                            cached_tokens: Some(cached_tokens),
                             reason: FinishReason::Prefilled,
                         });
                     }
@@ -480,6 +517,26 @@ mod tests {
     use std::time::Duration;
 
     use ::tests::fixtures::{generate_request as request, output_tokens as tokens_of};
+
+    /// The simulated engine stops at the first stop token at or after
+    /// `min_tokens`, and runs to `max_tokens` without one.
+    #[test]
+    fn stop_token_ids_and_min_tokens() {
+        let out = output_tokens("r", 12);
+        let stop = out[3];
+        let sampling = |min_tokens| Sampling {
+            stop_token_ids: vec![stop],
+            min_tokens,
+            ..Sampling::default()
+        };
+        let first = out.iter().position(|&t| t == stop).unwrap();
+        let (got, reason) = stop_at(out.clone(), &sampling(0));
+        assert_eq!((&got[..], reason), (&out[..=first], FinishReason::Stop));
+        let (got, reason) = stop_at(out.clone(), &sampling(12));
+        assert_eq!((&got[..], reason), (&out[..], FinishReason::Length));
+        let (got, _) = stop_at(out.clone(), &Sampling::default());
+        assert_eq!(got.len(), 12);
+    }
     use protocol::{BlockHasher, KvEvent};
 
     use super::*;
@@ -523,7 +580,7 @@ mod tests {
             events.last(),
             Some(&GenerateEvent::Finished {
                 output_tokens: 3,
-                cached_tokens: 0,
+                cached_tokens: Some(0),
                 reason: FinishReason::Length
             })
         );
@@ -539,11 +596,11 @@ mod tests {
                         prompt_tokens: 64,
                         engine: None
                     },
-                    cached_tokens: 48,
+                    cached_tokens: Some(48),
                 },
                 GenerateEvent::Finished {
                     output_tokens: 0,
-                    cached_tokens: 48,
+                    cached_tokens: Some(48),
                     reason: FinishReason::Prefilled
                 },
             ]

@@ -194,6 +194,8 @@ async fn registers_and_revokes_at_shutdown() -> Result<()> {
             max_batched_tokens: PRESET.max_batched_tokens,
             kv_bytes_per_token: PRESET.kv_bytes_per_token,
             gpus: PRESET.gpus,
+            // The simulated engine takes what its whole cache holds.
+            max_model_len: PRESET.kv_capacity_blocks(BLOCK_SIZE) * BLOCK_SIZE,
             subjects: WorkerSubjects::for_worker(&id),
         }
     );
@@ -262,7 +264,7 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
         events.last(),
         Some(&GenerateEvent::Finished {
             output_tokens: 5,
-            cached_tokens: 0,
+            cached_tokens: Some(0),
             reason: FinishReason::Length
         })
     );
@@ -277,7 +279,7 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
     assert!(matches!(
         again.last(),
         Some(GenerateEvent::Finished {
-            cached_tokens: 64,
+            cached_tokens: Some(64),
             ..
         })
     ));
@@ -299,11 +301,11 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
                     prompt_tokens: 64,
                     engine: None
                 },
-                cached_tokens: 0
+                cached_tokens: Some(0)
             },
             GenerateEvent::Finished {
                 output_tokens: 0,
-                cached_tokens: 0,
+                cached_tokens: Some(0),
                 reason: FinishReason::Prefilled
             },
         ]

@@ -172,7 +172,7 @@ async fn every_failure_ends_clearly_and_in_time() -> Result<()> {
     ensure!(
         e == vec![GenerateEvent::Finished {
             output_tokens: 2,
-            cached_tokens: 0,
+            cached_tokens: None,
             reason: FinishReason::Stop
         }],
         "text-only: no ids, the count from usage: {e:?}"
@@ -187,7 +187,7 @@ async fn every_failure_ends_clearly_and_in_time() -> Result<()> {
             GenerateEvent::Tokens(vec![9, 10]),
             GenerateEvent::Finished {
                 output_tokens: 2,
-                cached_tokens: 1,
+                cached_tokens: Some(1),
                 reason: FinishReason::Length
             }
         ],

@@ -206,6 +206,7 @@ fn register(
         max_batched_tokens: c.max_batched_tokens,
         kv_bytes_per_token: c.kv_bytes_per_token,
         gpus: 1,
+        max_model_len: 0,
     };
     core.register(record).map_err(|e| ReplayError::Candidate {
         worker: c.worker.clone(),

@@ -574,6 +574,13 @@ impl Workers {
             return false;
         }
         let deadline = c.at_ms.saturating_add(self.config.ttl_ms);
+        // One request never holds more than the whole cache: a charge past
+        // it would only repel every other request from the worker.
+        let decode_blocks = match &self.slots[c.decode as usize].record {
+            Some(r) => c.decode_blocks.min(r.kv_capacity_blocks),
+            None => c.decode_blocks,
+        };
+        let c = Charge { decode_blocks, ..c };
         let mut live = Live {
             decode: c.decode,
             prefiller: c.prefiller,

@@ -105,6 +105,9 @@ pub struct Config {
     pub block_size: u32,
     /// HuggingFace `tokenizer.json`: text prompts and text output.
     pub tokenizer: Option<PathBuf>,
+    /// The chat template (a Jinja file) of `/v1/chat/completions`; without
+    /// it, `tokenizer_config.json`'s beside the tokenizer.
+    pub chat_template: Option<PathBuf>,
     /// The deployment's seed of decisions' draws (the same on every replica).
     pub seed: u64,
     /// Blocks the index replica is sized for.
@@ -114,6 +117,10 @@ pub struct Config {
     pub max_body_bytes: u64,
     /// `max_tokens` of a request that does not say.
     pub default_max_tokens: u32,
+    /// The context length (prompt plus output) requests are checked
+    /// against before routing; without it, the registered workers'
+    /// smallest (`WorkerRecord::max_model_len`).
+    pub max_model_len: Option<u32>,
     /// The bypass-or-remote policy, with its parameters.
     #[serde(skip_serializing)]
     pub policy: Policy,
@@ -140,10 +147,12 @@ impl Default for Config {
             model: String::new(),
             block_size: 16,
             tokenizer: None,
+            chat_template: None,
             seed: 0,
             reserve_blocks: kv_indexer::DEFAULT_RESERVE_BLOCKS,
             max_body_bytes: 32 << 20,
             default_max_tokens: 16,
+            max_model_len: None,
             policy: Policy::default(),
             decode: DecodeSelection::default(),
             prefill: PrefillSelection::default(),
@@ -201,6 +210,11 @@ fn fixed_flags() -> Vec<Flag> {
         "HuggingFace tokenizer.json: enables text prompts and text output",
     ),
     Flag::new(
+        "chat_template",
+        Kind::Text,
+        "Chat template (Jinja file) for /v1/chat/completions [default: chat_template of the tokenizer_config.json beside --tokenizer]",
+    ),
+    Flag::new(
         "seed",
         Kind::Number,
         "Seed of the decisions' random draws (tie-breaks, sampling): the same on every replica",
@@ -215,6 +229,11 @@ fn fixed_flags() -> Vec<Flag> {
         "default_max_tokens",
         Kind::Number,
         "max_tokens of a request that gives none (also its expected output)",
+    ),
+    Flag::new(
+        "max_model_len",
+        Kind::Number,
+        "Context length (prompt + max_tokens) requests are checked against before routing [default: the workers' smallest]",
     ),
     Flag::new("policy.name", Kind::Text, "")
         .long("policy")
@@ -472,6 +491,9 @@ impl Config {
                 self.max_body_bytes,
                 "must be at least 1KiB",
             ));
+        }
+        if self.max_model_len == Some(0) {
+            return Err(invalid("max_model_len", 0, "must be at least 1"));
         }
         if self.default_max_tokens == 0 {
             return Err(invalid("default_max_tokens", 0, "must be at least 1"));

@@ -29,7 +29,8 @@ use bus::Bus;
 use futures::StreamExt;
 use protocol::{
     subjects, BlockHash, CancelRequest, DecisionId, FinishReason, GenerateChunk, GenerateEvent,
-    GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Stage, WorkerId,
+    GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Sampling, Stage,
+    WorkerId,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -88,6 +89,25 @@ pub enum DispatchError {
         stage: &'static str,
         error: String,
     },
+    /// The worker's engine refused the request as asked (a field it
+    /// cannot honour, a value it rejects): the client's error.
+    #[error("{worker} refused the {stage} leg: {error}")]
+    Rejected {
+        worker: WorkerId,
+        stage: &'static str,
+        /// The status for the client (4xx).
+        status: u16,
+        param: Option<String>,
+        error: String,
+    },
+    /// The leg does not fit the NATS server's payload limit (the prompt
+    /// is packed; past about 349k tokens of a vocabulary below 16M).
+    #[error("the {stage} leg is {bytes} bytes, more than the NATS server's payload limit of {max} bytes: the prompt is too long for this deployment's bus (raise nats-server's max_payload)")]
+    TooLarge {
+        stage: &'static str,
+        bytes: usize,
+        max: usize,
+    },
     #[error("the client went away")]
     ClientGone,
 }
@@ -123,8 +143,9 @@ impl DispatchError {
             | DispatchError::MissingChunk { worker, .. }
             | DispatchError::Malformed { worker, .. }
             | DispatchError::Protocol { worker, .. }
-            | DispatchError::Nats { worker, .. } => Some(worker),
-            DispatchError::ClientGone => None,
+            | DispatchError::Nats { worker, .. }
+            | DispatchError::Rejected { worker, .. } => Some(worker),
+            DispatchError::ClientGone | DispatchError::TooLarge { .. } => None,
         }
     }
 
@@ -139,6 +160,8 @@ impl DispatchError {
             DispatchError::Malformed { .. } => "malformed_chunk",
             DispatchError::Protocol { .. } => "protocol_error",
             DispatchError::Nats { .. } => "nats_error",
+            DispatchError::Rejected { .. } => "rejected",
+            DispatchError::TooLarge { .. } => "too_large",
             DispatchError::ClientGone => "client_gone",
         }
     }
@@ -162,7 +185,9 @@ pub enum Out {
     Done {
         reason: FinishReason,
         output_tokens: u32,
-        cached_tokens: u32,
+        /// Prompt tokens the engine that prefilled found cached (the
+        /// prefill worker's on the remote path), when it said.
+        cached_tokens: Option<u32>,
     },
     /// The stream failed (after a retry, if one was allowed).
     Failed {
@@ -181,6 +206,8 @@ pub struct Prepared {
     pub hashes: Arc<[BlockHash]>,
     /// Also the decisions' expected output.
     pub max_tokens: u32,
+    /// Passed to the engine with every leg.
+    pub sampling: Sampling,
 }
 
 /// What a decision is for.
@@ -375,6 +402,7 @@ impl Dispatcher {
             stage: Stage::Local,
             prompt,
             max_tokens: request.max_tokens,
+            sampling: request.sampling.clone(),
         };
         let mut retried = false;
         loop {
@@ -449,19 +477,39 @@ impl Dispatcher {
     ) -> Result<(), DispatchError> {
         let decision = &routed.decision;
         request.stage = Stage::Local;
+        let mut prefill_cached = None;
         if let (Path::Remote, Some(prefill), Some(subject)) =
             (decision.path, &decision.prefill, &routed.prefill_subject)
         {
             request.stage = Stage::Prefill;
             let mut leg = self.open(prefill, subject, request).await?;
             let transfer = match leg.next().await? {
-                GenerateEvent::Prefilled { transfer, .. } => transfer,
+                GenerateEvent::Prefilled {
+                    transfer,
+                    cached_tokens,
+                } => {
+                    prefill_cached = cached_tokens;
+                    transfer
+                }
                 GenerateEvent::Failed { error, retryable } => {
                     return Err(DispatchError::WorkerFailed {
                         worker: prefill.clone(),
                         stage: "prefill",
                         error,
                         retryable,
+                    })
+                }
+                GenerateEvent::Rejected {
+                    status,
+                    param,
+                    error,
+                } => {
+                    return Err(DispatchError::Rejected {
+                        worker: prefill.clone(),
+                        stage: "prefill",
+                        status,
+                        param,
+                        error,
                     })
                 }
                 GenerateEvent::Finished { .. } => {
@@ -509,7 +557,10 @@ impl Dispatcher {
                     let done = Out::Done {
                         reason,
                         output_tokens,
-                        cached_tokens,
+                        cached_tokens: match decision.path {
+                            Path::Remote => prefill_cached,
+                            Path::Bypass => cached_tokens,
+                        },
                     };
                     return match out.send(done).await {
                         Ok(()) => Ok(()),
@@ -522,6 +573,19 @@ impl Dispatcher {
                         stage: leg.stage,
                         error,
                         retryable,
+                    })
+                }
+                GenerateEvent::Rejected {
+                    status,
+                    param,
+                    error,
+                } => {
+                    return Err(DispatchError::Rejected {
+                        worker: decision.decode.clone(),
+                        stage: leg.stage,
+                        status,
+                        param,
+                        error,
                     })
                 }
                 GenerateEvent::Prefilled { .. } => {
@@ -545,6 +609,15 @@ impl Dispatcher {
             stage,
             error: e.to_string(),
         };
+        let payload = request.encode();
+        let max = inner.client.server_info().max_payload;
+        if payload.len() > max {
+            return Err(DispatchError::TooLarge {
+                stage,
+                bytes: payload.len(),
+                max,
+            });
+        }
         let inbox = inner.client.new_inbox();
         // The subscription reaches the server before the request (same
         // connection, in order).
@@ -555,7 +628,7 @@ impl Dispatcher {
             .map_err(|e| nats(&e))?;
         inner
             .client
-            .publish_with_reply(subject.to_owned(), inbox, request.encode().into())
+            .publish_with_reply(subject.to_owned(), inbox, payload.into())
             .await
             .map_err(|e| nats(&e))?;
         tracing::debug!(%worker, stage, %subject, "leg sent");

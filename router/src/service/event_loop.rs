@@ -237,6 +237,8 @@ pub struct LoopParts {
     pub bus: Bus,
     pub metrics: Metrics,
     pub readiness: watch::Sender<Readiness>,
+    /// The registered workers' smallest context length (0: none said).
+    pub context: watch::Sender<u32>,
     pub tick: Duration,
     /// Blocks the index replica is sized for.
     pub reserve_blocks: usize,
@@ -258,6 +260,7 @@ pub struct RouterLoop {
     bus: Bus,
     metrics: Metrics,
     readiness: watch::Sender<Readiness>,
+    context: watch::Sender<u32>,
     tick: Duration,
     reserve_blocks: usize,
     decision_log: DecisionLog,
@@ -298,6 +301,7 @@ impl RouterLoop {
             bus,
             metrics,
             readiness,
+            context,
             tick,
             reserve_blocks,
             decision_log,
@@ -313,6 +317,7 @@ impl RouterLoop {
             bus,
             metrics,
             readiness,
+            context,
             tick,
             reserve_blocks,
             decision_log,
@@ -756,6 +761,25 @@ impl RouterLoop {
             }
         }
         self.metrics.workers_registered(self.core.workers().len());
+        self.publish_context();
+    }
+
+    /// The smallest context length the registered workers said, for the
+    /// HTTP layer's checks before routing.
+    fn publish_context(&self) {
+        let smallest = self
+            .core
+            .workers()
+            .records()
+            .map(|r| r.max_model_len)
+            .filter(|&n| n > 0)
+            .min()
+            .unwrap_or(0);
+        self.context.send_if_modified(|c| {
+            let changed = *c != smallest;
+            *c = smallest;
+            changed
+        });
     }
 
     fn on_worker_change(&mut self, change: WorkerChange) {

@@ -49,6 +49,126 @@ const LAG_BUCKETS: &[f64] = &[
     1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+/// Every metric family and its `# HELP` text (`promtool check metrics`
+/// wants one for each).
+const FAMILIES: &[(&str, &str)] = &[
+    (
+        "router_decisions_total",
+        "Routing decisions (dispatched or dry runs) by path and rule",
+    ),
+    (
+        "router_bypass_share",
+        "Share of bypass decisions since the replica started",
+    ),
+    (
+        "router_overlap_tokens",
+        "Prompt tokens the chosen worker already held, per decision",
+    ),
+    (
+        "router_decision_seconds",
+        "Time the core took to decide (in the event loop)",
+    ),
+    (
+        "router_route_seconds",
+        "Time from the parsed request to the decision (hashing, queueing, deciding)",
+    ),
+    (
+        "router_route_errors_total",
+        "Requests no decision could be made for, by reason",
+    ),
+    ("router_dispatch_total", "Dispatched requests by outcome"),
+    (
+        "router_http_requests_total",
+        "HTTP responses by route and status",
+    ),
+    (
+        "router_workers_registered",
+        "Workers registered with this replica",
+    ),
+    (
+        "router_workers_refused_total",
+        "Worker registrations refused, by hashing-contract mismatch",
+    ),
+    (
+        "router_workers_malformed_total",
+        "Malformed worker records in the registry, ignored",
+    ),
+    ("router_index_applied_seq", "The last index delta applied"),
+    (
+        "router_index_head_seq",
+        "The last index delta in the stream (polled every tick)",
+    ),
+    (
+        "router_index_delta_seq_lag",
+        "Index deltas published but not applied yet (head polled every tick)",
+    ),
+    (
+        "router_index_reloads_total",
+        "Index reloads from a snapshot, by reason",
+    ),
+    ("router_deltas_total", "Index deltas received, by outcome"),
+    (
+        "router_decision_log_lag_seconds",
+        "Time from a peer decision's publication to its application here",
+    ),
+    (
+        "router_peer_messages_total",
+        "Messages from peers and workers (load reports, progress, decisions) by kind and outcome",
+    ),
+    (
+        "router_ledger_in_flight",
+        "Decisions in this replica's in-flight ledger",
+    ),
+    (
+        "router_ledger_expired_total",
+        "Ledger entries dropped at their time-to-live without a finish notice",
+    ),
+];
+
+/// Counters at zero from the start, for each documented label value (so
+/// that a rate or an alert has a series before the first occurrence).
+const ZEROED: &[(&str, &str, &[&str])] = &[
+    (
+        "router_dispatch_total",
+        "outcome",
+        &[
+            "ok",
+            "retried",
+            "client_gone",
+            "decision_log_dropped",
+            "decision_log_error",
+            "no_responders",
+            "first_chunk_timeout",
+            "idle_timeout",
+            "worker_failed",
+            "missing_chunk",
+            "malformed_chunk",
+            "protocol_error",
+            "nats_error",
+            "rejected",
+            "too_large",
+        ],
+    ),
+    (
+        "router_route_errors_total",
+        "reason",
+        &[
+            "no_decode_worker",
+            "no_other_decode_worker",
+            "empty_prompt",
+            "prompt_too_long",
+            "internal",
+            "stopping",
+            "overloaded",
+        ],
+    ),
+    (
+        "router_deltas_total",
+        "outcome",
+        &["applied", "duplicate", "gap", "error"],
+    ),
+];
+
 static METADATA: metrics::Metadata<'static> =
     metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
@@ -107,46 +227,21 @@ impl Metrics {
         });
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
-        let describe = |name: &'static str, text: &'static str| {
-            recorder.describe_counter(name.into(), None, text.into());
-        };
-        describe(
-            "router_decisions_total",
-            "Routing decisions (dispatched or dry runs) by path and rule",
-        );
-        describe(
-            "router_bypass_share",
-            "Share of bypass decisions since the replica started",
-        );
-        describe(
-            "router_overlap_tokens",
-            "Prompt tokens the chosen worker already held, per decision",
-        );
-        describe(
-            "router_decision_seconds",
-            "Time the core took to decide (in the event loop)",
-        );
-        describe(
-            "router_route_seconds",
-            "Time from the parsed request to the decision (hashing, queueing, deciding)",
-        );
-        describe("router_dispatch_total", "Dispatched requests by outcome");
-        describe(
-            "router_http_requests_total",
-            "HTTP responses by route and status",
-        );
-        describe(
-            "router_workers_refused_total",
-            "Worker registrations refused, by hashing-contract mismatch",
-        );
-        describe(
-            "router_index_delta_seq_lag",
-            "Index deltas published but not applied yet (head polled every tick)",
-        );
-        describe(
-            "router_decision_log_lag_seconds",
-            "Time from a peer decision's publication to its application here",
-        );
+        for (name, help) in FAMILIES {
+            // One description per name, whatever the metric's kind.
+            recorder.describe_counter((*name).into(), None, (*help).into());
+        }
+        // The documented counters exist from the start, at zero.
+        for (name, label, values) in ZEROED {
+            for value in *values {
+                recorder
+                    .register_counter(
+                        &Key::from_parts(*name, vec![Label::new(*label, *value)]),
+                        &METADATA,
+                    )
+                    .absolute(0);
+            }
+        }
         let histogram = |name: &'static str, labels: Vec<Label>| {
             recorder.register_histogram(&Key::from_parts(name, labels), &METADATA)
         };
@@ -370,5 +465,65 @@ mod tests {
         );
         // Two recorders do not share anything.
         assert!(!Metrics::new().render().contains("block_size"));
+    }
+
+    /// Every family rendered has its HELP, and a new replica already
+    /// shows the documented counters at zero; `promtool check metrics`
+    /// (when installed) finds nothing to say.
+    #[test]
+    fn every_family_has_help_and_the_counters_start_at_zero() {
+        let m = Metrics::new();
+        m.decision_log_lag(Duration::from_millis(3));
+        m.route_error("overloaded");
+        m.index_reload("gap");
+        m.peer_message("load", "applied");
+        m.http("/v1/completions", 200);
+        m.worker_refused("block_size");
+        m.worker_malformed();
+        m.ledger(1, 0);
+        m.upkeep();
+        let text = m.render();
+        for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+            let family = line.split(' ').next().unwrap();
+            assert!(
+                text.contains(&format!("# HELP {family} ")),
+                "{family} has no HELP:\n{text}"
+            );
+            assert!(
+                FAMILIES.iter().any(|(name, _)| *name == family),
+                "{family} is not in FAMILIES"
+            );
+        }
+        let fresh = Metrics::new().render();
+        for (name, label, values) in ZEROED {
+            for value in *values {
+                let series = format!("{name}{{{label}=\"{value}\"}} 0");
+                assert!(fresh.contains(&series), "no {series}:\n{fresh}");
+            }
+        }
+        let promtool = std::process::Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn();
+        let Ok(mut promtool) = promtool else {
+            eprintln!("promtool is not installed: its check is skipped");
+            return;
+        };
+        use std::io::Write as _;
+        promtool
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let out = promtool.wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && said.trim().is_empty(),
+            "promtool: {said}"
+        );
     }
 }

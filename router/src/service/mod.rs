@@ -6,6 +6,7 @@
 //! ([`http`]) until `shutdown` resolves. See the crate's README section in
 //! `router/README.md` for the API and the settings.
 
+pub mod chat_template;
 pub mod config;
 pub mod decision_log;
 pub mod dispatch;
@@ -31,6 +32,7 @@ pub use config::{Args, Config, ConfigError, Loaded, Timeouts};
 pub use http::{DECISION_HEADER, REQUEST_ID_HEADER};
 
 use crate::core::RouterCore;
+use chat_template::ChatTemplate;
 use decision_log::DecisionLog;
 use dispatch::Dispatcher;
 use event_loop::{LoopParts, Readiness, RouterLoop};
@@ -54,6 +56,8 @@ pub enum ServiceError {
     #[error(transparent)]
     Tokenizer(#[from] TextError),
     #[error(transparent)]
+    ChatTemplate(#[from] chat_template::TemplateError),
+    #[error(transparent)]
     Bus(#[from] BusError),
     #[error(transparent)]
     Registry(#[from] RegistryError),
@@ -74,6 +78,18 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServiceError> {
     let text = config.tokenizer.as_deref().map(Text::load).transpose()?;
+    let chat = match (&config.chat_template, &config.tokenizer) {
+        (Some(path), _) => Some(ChatTemplate::from_file(path)?),
+        (None, Some(tokenizer)) => {
+            let beside = tokenizer.with_file_name("tokenizer_config.json");
+            if beside.exists() {
+                ChatTemplate::from_tokenizer_config(&beside)?
+            } else {
+                None
+            }
+        }
+        (None, None) => None,
+    };
     let core = RouterCore::new(config.router(), config.policy.clone())?;
     let hasher = *core.hasher();
     let seed = config.seed;
@@ -98,6 +114,7 @@ pub async fn run(
     let metrics = Metrics::new();
     let upkeep = tokio::spawn(metrics.clone().upkeep_every(METRICS_UPKEEP));
     let (ready_tx, ready_rx) = watch::channel(Readiness::not_ready("starting"));
+    let (context_tx, context_rx) = watch::channel(0);
     let (commands, command_rx) = mpsc::channel(COMMAND_QUEUE);
     let (stop_loop, loop_stopped) = watch::channel(false);
     let (stop_http, http_stopped) = watch::channel(false);
@@ -112,6 +129,7 @@ pub async fn run(
         bus: bus.clone(),
         metrics: metrics.clone(),
         readiness: ready_tx,
+        context: context_tx,
         tick: config.timeouts.tick,
         reserve_blocks: config.reserve_blocks,
         decision_log,
@@ -130,6 +148,7 @@ pub async fn run(
         commands,
         hasher,
         text,
+        chat,
         model: config.model.clone(),
         replica: replica.clone(),
         metrics,
@@ -137,6 +156,11 @@ pub async fn run(
         dispatcher,
         route_timeout: config.timeouts.route,
         default_max_tokens: config.default_max_tokens,
+        max_model_len: config.max_model_len,
+        context: context_rx,
+        started_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
         next_request: AtomicU64::new(0),
     });
     let routes = http::router(app, config.max_body(), config.http.clone());

@@ -45,6 +45,15 @@ impl Text {
             .map_err(|e| TextError::Encode(e.to_string()))
     }
 
+    /// The token ids of a rendered chat template (whose text has the
+    /// special tokens it needs already).
+    pub fn encode_rendered(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        self.tokenizer
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TextError::Encode(e.to_string()))
+    }
+
     /// The text of output tokens (special tokens skipped). Undecodable ids
     /// give an empty string rather than an error: the ids are in the
     /// response anyway.

@@ -29,6 +29,7 @@ pub fn record(name: &str, role: Role, capacity: u64) -> WorkerRecord {
         kv_capacity_blocks: capacity,
         kv_bytes_per_token: 163_840,
         gpus: 2,
+        max_model_len: 0,
         ..tests::fixtures::registration(name, role, contract())
     }
 }

@@ -376,11 +376,11 @@ async fn answer(
                     prompt_tokens: request.prompt.len() as u32,
                     engine: Some(ENGINE_PARAMS.into()),
                 },
-                cached_tokens: 0,
+                cached_tokens: Some(0),
             },
             GenerateEvent::Finished {
                 output_tokens: 0,
-                cached_tokens: 0,
+                cached_tokens: Some(0),
                 reason: FinishReason::Prefilled,
             },
         ];
@@ -390,9 +390,10 @@ async fn answer(
         .chunks(2)
         .map(|c| GenerateEvent::Tokens(c.to_vec()))
         .collect();
+    // An engine that does not say what it found cached.
     events.push(GenerateEvent::Finished {
         output_tokens: request.max_tokens,
-        cached_tokens: 0,
+        cached_tokens: None,
         reason: FinishReason::Length,
     });
     events

@@ -22,6 +22,10 @@ use tests::{free_port, EtcdServer, NatsServer, Service};
 pub const MODEL: &str = "Llama-3.3-70B-Instruct-FP8";
 pub const PRESET: &str = "llama70b_fp8_tp2_h100";
 pub const BLOCK_SIZE: u32 = 16;
+/// The LoRA adapter every mock-vllm engine serves beside the model.
+pub const LORA: &str = "sql-adapter";
+/// Every mock-vllm engine's context length (above 256k tokens).
+pub const MAX_MODEL_LEN: u32 = 300_000;
 const STARTUP: Duration = Duration::from_secs(30);
 
 pub struct Node {
@@ -308,6 +312,8 @@ impl Cluster {
                         format!("--hash-flavour={}", wire.hash_flavour),
                         format!("--replay-topic-frame={}", wire.replay_topic_frame),
                         format!("--engine-id={engine_id}"),
+                        format!("--lora-modules={LORA}"),
+                        format!("--max-model-len={MAX_MODEL_LEN}"),
                         "--speedup=20".into(),
                     ],
                 )?;

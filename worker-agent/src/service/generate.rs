@@ -79,10 +79,29 @@ impl Agent {
                 .spawn(async move { out.send(0, failure).await }.in_current_span());
             return;
         }
+        if let Some(field) = self.engine.unsupported(&request.sampling) {
+            counter!(m::GENERATE_REQUESTS, "stage" => stage, "outcome" => "rejected").increment(1);
+            warn!(
+                request_id = %request.request_id,
+                decision = %request.annotation.decision,
+                stage,
+                field,
+                "generate request rejected: the engine cannot honour a field"
+            );
+            let rejected = GenerateEvent::Rejected {
+                status: 400,
+                param: Some(field.to_owned()),
+                error: format!("{field}: this worker's engine cannot honour it"),
+            };
+            self.tasks
+                .spawn(async move { out.send(0, rejected).await }.in_current_span());
+            return;
+        }
         info!(
             request_id = %request.request_id,
             decision = %request.annotation.decision,
             stage,
+            sampling = ?request.sampling.fields_set(),
             prompt_tokens = request.prompt.len(),
             max_tokens = request.max_tokens,
             "generate"
@@ -224,6 +243,22 @@ async fn forward(out: ChunkSender, mut events: BoxStream<'static, GenerateEvent>
                     error,
                     retryable,
                     "generate failed"
+                );
+            }
+            GenerateEvent::Rejected {
+                status,
+                param,
+                error,
+            } => {
+                outcome = "rejected";
+                warn!(
+                    request_id,
+                    decision,
+                    stage = out.stage,
+                    status,
+                    param,
+                    error,
+                    "generate rejected"
                 );
             }
             GenerateEvent::Tokens(_) | GenerateEvent::Prefilled { .. } => {}

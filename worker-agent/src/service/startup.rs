@@ -157,6 +157,7 @@ async fn serve_worker(
         kv_bytes_per_token: facts.kv_bytes_per_token,
         gpus: facts.gpus,
         subjects: WorkerSubjects::for_worker(&worker),
+        max_model_len: facts.max_model_len,
     };
     let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let registration = registry.register(&record, config.lease_ttl).await?;

@@ -75,6 +75,14 @@ impl VllmEngine {
                     .collect()
             })
             .unwrap_or_default();
+        let max_model_len = |model: &str| {
+            models["data"]
+                .as_array()?
+                .iter()
+                .find(|m| m["id"] == model)?["max_model_len"]
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+        };
         let served_model = if served.contains(&config.model) {
             config.model.clone()
         } else {
@@ -117,6 +125,7 @@ impl VllmEngine {
             .or_else(|| sy.as_ref().and_then(|c| c["kv_capacity_blocks"].as_u64()))
             .or_else(|| scraped.and_then(|s| s.num_gpu_blocks))
             .unwrap_or_else(|| u64::from(config.preset.kv_capacity_blocks(block_size.max(1))));
+        let max_model_len = max_model_len(&served_model).unwrap_or(0);
         let learned = Learned {
             served_model,
             block_size,
@@ -130,6 +139,7 @@ impl VllmEngine {
             block_size = learned.block_size,
             block_size_from = learned.block_size_from,
             kv_capacity_blocks = learned.capacity,
+            max_model_len,
             "engine API up"
         );
         let facts = EngineFacts {
@@ -138,6 +148,7 @@ impl VllmEngine {
             max_batched_tokens: config.preset.max_batched_tokens,
             kv_bytes_per_token: config.preset.kv_bytes_per_token,
             gpus: config.preset.gpus,
+            max_model_len,
         };
 
         // A model or block size the deployment does not use is refused

@@ -13,7 +13,7 @@ use std::time::Duration;
 use engine_sim::Preset;
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
-use protocol::{GenerateEvent, GenerateRequest, HashingContract, Role, WorkerId};
+use protocol::{GenerateEvent, GenerateRequest, HashingContract, Role, Sampling, WorkerId};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
@@ -37,6 +37,21 @@ impl EngineKind {
         match self {
             EngineKind::Vllm => "vllm",
             EngineKind::Sglang => "sglang",
+        }
+    }
+
+    /// The first sampling field the adapter cannot pass to this kind of
+    /// engine. vLLM's `/v1/completions` takes every one (`lora` as the
+    /// `model`); SGLang's OpenAI API has no `cache_salt`, and selects
+    /// adapters in a way this adapter does not speak.
+    pub fn unsupported(self, sampling: &Sampling) -> Option<&'static str> {
+        const SGLANG_LACKS: [&str; 2] = ["cache_salt", "lora"];
+        match self {
+            EngineKind::Vllm => None,
+            EngineKind::Sglang => sampling
+                .fields_set()
+                .into_iter()
+                .find(|f| SGLANG_LACKS.contains(f)),
         }
     }
 }
@@ -181,6 +196,10 @@ impl Engine for VllmEngine {
             .in_current_span(),
         );
         stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed()
+    }
+
+    fn unsupported(&self, sampling: &Sampling) -> Option<&'static str> {
+        self.ctx.kind.unsupported(sampling)
     }
 
     fn stop(&self) {

@@ -17,6 +17,7 @@
 //!   `KvTransferParams.engine`, and the decode request sends them back
 //!   with `do_remote_prefill: true`.
 
+use protocol::Sampling;
 use serde_json::{json, Map, Value};
 
 /// What a request is for.
@@ -36,15 +37,17 @@ pub fn completion_body(
     model: &str,
     prompt: &[u32],
     max_tokens: u32,
+    sampling: &Sampling,
     kind: &Kind,
     return_token_ids: bool,
 ) -> Value {
     let mut body = json!({
-        "model": model,
+        "model": sampling.lora.as_deref().unwrap_or(model),
         "prompt": prompt,
         "max_tokens": max_tokens,
     });
     let o = body.as_object_mut().expect("an object");
+    insert_sampling(o, sampling, kind == &Kind::Prefill);
     match kind {
         Kind::Local | Kind::Decode(_) => {
             o.insert("stream".into(), json!(true));
@@ -76,6 +79,64 @@ pub fn completion_body(
         o.insert("return_token_ids".into(), json!(true));
     }
     body
+}
+
+/// Every sampling field set, under vLLM's names (`lora` is the `model`).
+/// A prefill leg (one discarded token) gets only what shapes the prompt's
+/// KV, `cache_salt`; the decode leg gets the rest.
+fn insert_sampling(o: &mut Map<String, Value>, s: &Sampling, prefill: bool) {
+    if let Some(salt) = &s.cache_salt {
+        o.insert("cache_salt".into(), json!(salt));
+    }
+    if prefill {
+        return;
+    }
+    let numbers = [
+        ("temperature", s.temperature),
+        ("top_p", s.top_p),
+        ("min_p", s.min_p),
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+        ("repetition_penalty", s.repetition_penalty),
+    ];
+    for (name, value) in numbers {
+        if let Some(v) = value {
+            o.insert(name.into(), json!(v));
+        }
+    }
+    if let Some(k) = s.top_k {
+        o.insert("top_k".into(), json!(k));
+    }
+    if let Some(seed) = s.seed {
+        o.insert("seed".into(), json!(seed));
+    }
+    if !s.stop.is_empty() {
+        o.insert("stop".into(), json!(s.stop));
+    }
+    if !s.stop_token_ids.is_empty() {
+        o.insert("stop_token_ids".into(), json!(s.stop_token_ids));
+    }
+    if s.ignore_eos {
+        o.insert("ignore_eos".into(), json!(true));
+    }
+    if s.min_tokens > 0 {
+        o.insert("min_tokens".into(), json!(s.min_tokens));
+    }
+    if let Some(n) = s.logprobs {
+        o.insert("logprobs".into(), json!(n));
+    }
+    if !s.logit_bias.is_empty() {
+        let bias: Map<String, Value> = s
+            .logit_bias
+            .iter()
+            .map(|(token, bias)| (token.to_string(), json!(bias)))
+            .collect();
+        o.insert("logit_bias".into(), Value::Object(bias));
+    }
+    if let Some(format) = &s.response_format {
+        let value = serde_json::from_str(format).unwrap_or_else(|_| json!(format));
+        o.insert("response_format".into(), value);
+    }
 }
 
 /// Splits an SSE byte stream into the `data` of its events.
@@ -161,7 +222,8 @@ pub enum SseError {
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
-    pub cached_tokens: u32,
+    /// `prompt_tokens_details.cached_tokens`, when the engine says.
+    pub cached_tokens: Option<u32>,
 }
 
 /// What one completion chunk (or a whole response) says.
@@ -246,9 +308,11 @@ pub fn parse_chunk(v: &Value) -> Result<Chunk, String> {
         chunk.usage = Some(Usage {
             prompt_tokens: n(u.get("prompt_tokens")),
             completion_tokens: n(u.get("completion_tokens")),
-            cached_tokens: n(u
+            cached_tokens: u
                 .get("prompt_tokens_details")
-                .and_then(|d| d.get("cached_tokens"))),
+                .and_then(|d| d.get("cached_tokens"))
+                .filter(|c| !c.is_null())
+                .map(|c| n(Some(c))),
         });
     }
     chunk.kv_transfer_params = o
@@ -262,6 +326,34 @@ pub fn parse_chunk(v: &Value) -> Result<Chunk, String> {
 /// are; other 4xx (a request the engine refuses) are not.
 pub fn retryable_status(status: u16) -> bool {
     status >= 500 || status == 408 || status == 429
+}
+
+/// The sampling field the client set that an engine's 4xx refuses (its
+/// error's `param`, or the first such field its message names; the
+/// adapter's name for `lora`), if any: then the refusal is the client's
+/// error. Any other 4xx (a bad `kv_transfer_params`, a wrong URL) is the
+/// deployment's. Timeouts and overload are neither.
+pub fn client_error(status: u16, body: &str, sampling: &Sampling) -> Option<&'static str> {
+    if !(400..500).contains(&status) || retryable_status(status) {
+        return None;
+    }
+    let error = serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| v.get("error").cloned());
+    let param = error
+        .as_ref()
+        .and_then(|e| e.get("param"))
+        .and_then(Value::as_str);
+    let message = error_message(body);
+    sampling.fields_set().into_iter().find(|&field| {
+        param == Some(field)
+            || message.contains(field)
+            || (field == "lora"
+                && sampling
+                    .lora
+                    .as_deref()
+                    .is_some_and(|l| message.contains(l)))
+    })
 }
 
 /// The message of an error body (OpenAI `{"error": {"message"}}`, FastAPI
@@ -292,13 +384,13 @@ mod tests {
 
     #[test]
     fn bodies_per_stage() {
-        let b = completion_body("m", &[1, 2], 8, &Kind::Local, true);
+        let b = completion_body("m", &[1, 2], 8, &Sampling::default(), &Kind::Local, true);
         assert_eq!(b["prompt"], json!([1, 2]));
         assert_eq!(b["stream"], json!(true));
         assert_eq!(b["return_token_ids"], json!(true));
         assert!(b.get("kv_transfer_params").is_none());
 
-        let b = completion_body("m", &[1], 8, &Kind::Prefill, false);
+        let b = completion_body("m", &[1], 8, &Sampling::default(), &Kind::Prefill, false);
         assert_eq!(b["max_tokens"], json!(1));
         assert_eq!(b["stream"], json!(false));
         assert_eq!(b["kv_transfer_params"]["do_remote_decode"], json!(true));
@@ -309,6 +401,7 @@ mod tests {
             "m",
             &[1],
             8,
+            &Sampling::default(),
             &Kind::Decode(params.as_object().unwrap().clone()),
             true,
         );
@@ -316,6 +409,64 @@ mod tests {
         assert_eq!(b["kv_transfer_params"]["remote_block_ids"], json!([1, 2]));
         assert_eq!(b["kv_transfer_params"]["do_remote_prefill"], json!(true));
         assert_eq!(b["kv_transfer_params"]["do_remote_decode"], json!(false));
+    }
+
+    /// Each sampling field under vLLM's name; the prefill leg gets only
+    /// the salt.
+    #[test]
+    fn sampling_fields_reach_the_body() {
+        let s = Sampling {
+            temperature: Some(0.25),
+            top_p: Some(0.9),
+            top_k: Some(40),
+            min_p: Some(0.05),
+            seed: Some(-3),
+            stop: vec!["\n\n".into()],
+            stop_token_ids: vec![7, 8],
+            ignore_eos: true,
+            min_tokens: 2,
+            presence_penalty: Some(0.5),
+            frequency_penalty: Some(-0.5),
+            repetition_penalty: Some(1.1),
+            logprobs: Some(3),
+            logit_bias: vec![(5, -100.0), (9, 2.5)],
+            response_format: Some(r#"{"type":"json_object"}"#.into()),
+            cache_salt: Some("tenant-a".into()),
+            lora: Some("sql-adapter".into()),
+        };
+        let b = completion_body("base", &[1], 8, &s, &Kind::Local, true);
+        let expected = json!({
+            "model": "sql-adapter", "temperature": 0.25, "top_p": 0.9, "top_k": 40,
+            "min_p": 0.05, "seed": -3, "stop": ["\n\n"], "stop_token_ids": [7, 8],
+            "ignore_eos": true, "min_tokens": 2, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logprobs": 3,
+            "logit_bias": {"5": -100.0, "9": 2.5},
+            "response_format": {"type": "json_object"}, "cache_salt": "tenant-a",
+        });
+        for (key, value) in expected.as_object().unwrap() {
+            assert_eq!(&b[key], value, "{key}");
+        }
+        let p = completion_body("base", &[1], 8, &s, &Kind::Prefill, false);
+        assert_eq!(p["cache_salt"], json!("tenant-a"));
+        assert_eq!(p["model"], json!("sql-adapter"));
+        assert!(p.get("min_tokens").is_none() && p.get("temperature").is_none());
+    }
+
+    #[test]
+    fn engine_refusals_of_client_fields() {
+        let s = Sampling {
+            top_k: Some(-5),
+            lora: Some("sql".into()),
+            ..Sampling::default()
+        };
+        let vllm = r#"{"error":{"message":"top_k must be -1 (disable), or at least 1, got -5.","type":"BadRequestError","param":null,"code":400}}"#;
+        assert_eq!(client_error(400, vllm, &s), Some("top_k"));
+        let lora = r#"{"error":{"message":"The model `sql` does not exist.","param":"model"}}"#;
+        assert_eq!(client_error(404, lora, &s), Some("lora"));
+        // Not about a field the client set, or not the client's to fix.
+        assert_eq!(client_error(404, "Not Found", &s), None);
+        assert_eq!(client_error(429, vllm, &s), None);
+        assert_eq!(client_error(400, vllm, &Sampling::default()), None);
     }
 
     #[test]
@@ -351,7 +502,7 @@ mod tests {
             Some(Usage {
                 prompt_tokens: 10,
                 completion_tokens: 3,
-                cached_tokens: 8
+                cached_tokens: Some(8)
             })
         );
         let Event::Chunk(c) = parse_event(r#"{"choices":[{"text":"","finish_reason":"length"}],"kv_transfer_params":{"remote_engine_id":"p"}}"#).unwrap() else {

@@ -93,6 +93,7 @@ impl RequestContext {
             &self.model,
             &request.prompt,
             request.max_tokens,
+            &request.sampling,
             &kind,
             self.return_token_ids,
         );
@@ -132,6 +133,20 @@ impl RequestContext {
                 .ok()
                 .and_then(Result::ok)
                 .unwrap_or_default();
+            if let Some(field) = openai::client_error(status.as_u16(), &text, &request.sampling) {
+                // The engine refused a field the client set (a value out
+                // of its range, an adapter it does not have): the client's
+                // error, passed on as such.
+                let _ = out.send(GenerateEvent::Rejected {
+                    status: status.as_u16(),
+                    param: Some(field.to_owned()),
+                    error: format!(
+                        "the engine refused the request ({status}): {}",
+                        openai::error_message(&text)
+                    ),
+                });
+                return;
+            }
             return fail(
                 out,
                 openai::retryable_status(status.as_u16()),
@@ -183,7 +198,7 @@ impl RequestContext {
                 "the prefill engine returned no kv_transfer_params: is it started with a KV connector (e.g. --kv-transfer-config with NixlConnector, kv_role kv_producer or kv_both)?".into(),
             );
         };
-        let cached = chunk.usage.map_or(0, |u| u.cached_tokens);
+        let cached = chunk.usage.and_then(|u| u.cached_tokens);
         let _ = out.send(GenerateEvent::Prefilled {
             transfer: KvTransferParams {
                 source: self.worker.clone(),
@@ -311,7 +326,7 @@ fn finished(
 ) {
     let _ = out.send(GenerateEvent::Finished {
         output_tokens: usage.map_or(produced, |u| u.completion_tokens.max(produced)),
-        cached_tokens: usage.map_or(0, |u| u.cached_tokens),
+        cached_tokens: usage.and_then(|u| u.cached_tokens),
         reason: if reason == "length" {
             FinishReason::Length
         } else {

@@ -199,6 +199,7 @@ pub(crate) mod tests {
             kv_capacity_blocks: 10_000,
             kv_bytes_per_token: 163_840,
             gpus: 2,
+            max_model_len: 0,
             ..::tests::fixtures::registration(name, role, HashingContract::for_model("m", 16))
         }
     }

@@ -22,7 +22,10 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::error::{dispatch_status, kind_of, ApiError};
-use super::openai::{Choice, Completion, ErrorBody, ErrorDetail, SwitchyardInfo, Usage};
+use super::openai::{
+    AnyChoice, ChatChoice, ChatMessage, Choice, Completion, ErrorBody, ErrorDetail, SwitchyardInfo,
+    Usage,
+};
 use super::request::Parsed;
 use super::{json_response, set_header, App, DECISION_HEADER, REQUEST_ID_HEADER};
 use crate::service::dispatch::{DispatchError, Out};
@@ -33,6 +36,25 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    handle(app, headers, body, false).await
+}
+
+/// `POST /v1/chat/completions`: the messages through the chat template,
+/// then as a completion, answered in chat's shapes.
+pub(super) async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(app, headers, body, true).await
+}
+
+async fn handle(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    chat: bool,
+) -> Response {
     let request_id = app.request_id(&headers);
     let span = tracing::info_span!(
         "completion",
@@ -40,7 +62,7 @@ pub(super) async fn completions(
         decision = tracing::field::Empty
     );
     async move {
-        match serve(&app, request_id, body).await {
+        match serve(&app, request_id, body, chat).await {
             Ok(response) => response,
             Err(e) => {
                 tracing::info!(status = e.status.as_u16(), error = %e.message, "request refused");
@@ -56,12 +78,19 @@ async fn serve(
     app: &Arc<App>,
     request_id: String,
     body: Result<Bytes, BytesRejection>,
+    chat: bool,
 ) -> Result<Response, ApiError> {
+    let parsed = if chat {
+        app.parse_chat(request_id.clone(), body)?
+    } else {
+        app.parse(request_id.clone(), body)?
+    };
     let Parsed {
         prepared,
         prompt,
         stream,
-    } = app.parse(request_id.clone(), body)?;
+        include_usage,
+    } = parsed;
     let prompt_tokens = prepared.isl_tokens;
     let span = tracing::Span::current();
     let (tx, mut rx) = mpsc::channel(64);
@@ -100,14 +129,20 @@ async fn serve(
     }
     let answer = Answer {
         app: app.clone(),
-        id: format!("cmpl-{request_id}"),
+        id: if chat {
+            format!("chatcmpl-{request_id}")
+        } else {
+            format!("cmpl-{request_id}")
+        },
+        chat,
+        stream,
         request_id,
         info,
         created: unix_now(),
         prompt_tokens,
     };
     if stream {
-        Ok(answer.sse(first, rx, span))
+        Ok(answer.sse(first, rx, span, include_usage))
     } else {
         answer.collect(first, rx).await
     }
@@ -123,6 +158,9 @@ fn unix_now() -> u64 {
 struct Answer {
     app: Arc<App>,
     id: String,
+    /// A chat completion (`chat.completion` shapes).
+    chat: bool,
+    stream: bool,
     request_id: String,
     info: SwitchyardInfo,
     created: u64,
@@ -138,21 +176,61 @@ impl Answer {
         usage: Option<Usage>,
         annotate: bool,
     ) -> Completion<'a> {
+        let finish_reason = finish.map(FinishReason::as_str);
+        let (object, choice) = match (self.chat, self.stream) {
+            (false, _) => (
+                "text_completion",
+                AnyChoice::Text(Choice {
+                    index: 0,
+                    text,
+                    token_ids,
+                    logprobs: None,
+                    finish_reason,
+                }),
+            ),
+            (true, stream) => {
+                let said = Some(ChatMessage {
+                    role: "assistant",
+                    content: text,
+                });
+                let (message, delta) = if stream { (None, said) } else { (said, None) };
+                (
+                    if stream {
+                        "chat.completion.chunk"
+                    } else {
+                        "chat.completion"
+                    },
+                    AnyChoice::Chat(ChatChoice {
+                        index: 0,
+                        message,
+                        delta,
+                        token_ids,
+                        logprobs: None,
+                        finish_reason,
+                    }),
+                )
+            }
+        };
         Completion {
             id: &self.id,
-            object: "text_completion",
+            object,
             created: self.created,
             model: &self.app.model,
-            choices: [Choice {
-                index: 0,
-                text,
-                token_ids,
-                logprobs: None,
-                finish_reason: finish.map(FinishReason::as_str),
-            }],
+            choices: vec![choice],
             usage,
             switchyard: annotate.then_some(&self.info),
         }
+    }
+
+    /// The usage, with the engine's cached figure or the decision's
+    /// overlap on the worker that prefilled.
+    fn usage(&self, output_tokens: u32, engine_cached: Option<u32>) -> Usage {
+        let overlap = if self.info.path == "remote" {
+            self.info.prefill_overlap_tokens
+        } else {
+            self.info.decode_overlap_tokens
+        };
+        Usage::new(self.prompt_tokens, output_tokens, engine_cached, overlap)
     }
 
     fn headers(&self, response: &mut Response) {
@@ -176,14 +254,18 @@ impl Answer {
             };
             match event {
                 Some(Out::Tokens(t)) => tokens.extend_from_slice(&t),
-                Some(Out::Done { reason, .. }) => {
+                Some(Out::Done {
+                    reason,
+                    cached_tokens,
+                    ..
+                }) => {
                     let text = self
                         .app
                         .text
                         .as_ref()
                         .map(|t| t.decode(&tokens))
                         .unwrap_or_default();
-                    let usage = Usage::new(self.prompt_tokens, tokens.len() as u32);
+                    let usage = self.usage(tokens.len() as u32, cached_tokens);
                     tracing::info!(
                         output_tokens = tokens.len(),
                         finish = reason.as_str(),
@@ -213,9 +295,17 @@ impl Answer {
 
     /// Server-sent events: one `data: {json}` per token chunk (the first
     /// with the `switchyard` annotation, the last with `finish_reason` and
-    /// `usage`), then `data: [DONE]`. A failure mid-stream is a last
+    /// `usage`), with `stream_options.include_usage` a last chunk with the
+    /// usage and `choices: []` (what OpenAI sends, and `vllm bench serve`
+    /// and AIPerf read), then `data: [DONE]`. A failure mid-stream is a last
     /// `data: {"error": ...}` event without `[DONE]`.
-    fn sse(self, first: Out, rx: mpsc::Receiver<Out>, span: tracing::Span) -> Response {
+    fn sse(
+        self,
+        first: Out,
+        rx: mpsc::Receiver<Out>,
+        span: tracing::Span,
+        include_usage: bool,
+    ) -> Response {
         let text = self.app.text.as_ref().map(|t| t.stream());
         let mut headers = Response::new(axum::body::Body::empty());
         self.headers(&mut headers);
@@ -227,6 +317,8 @@ impl Answer {
             output_tokens: 0,
             annotated: false,
             end: End::Streaming,
+            usage_chunk: None,
+            include_usage,
             span,
         };
         let mut response = Sse::new(stream.events()).into_response();
@@ -253,6 +345,10 @@ struct Streamed {
     output_tokens: u32,
     annotated: bool,
     end: End,
+    /// With `include_usage`: the usage, for a last chunk without choices
+    /// (after the one with `finish_reason`, before `[DONE]`).
+    usage_chunk: Option<Usage>,
+    include_usage: bool,
     span: tracing::Span,
 }
 
@@ -269,6 +365,11 @@ impl Streamed {
         match self.end {
             End::Ended => return None,
             End::Done => {
+                if let Some(usage) = self.usage_chunk.take() {
+                    let mut chunk = self.answer.completion("", &[], None, Some(usage), false);
+                    chunk.choices.clear();
+                    return Some(json_event(&chunk));
+                }
                 self.end = End::Ended;
                 return Some(Event::default().data("[DONE]"));
             }
@@ -290,11 +391,16 @@ impl Streamed {
                     let annotate = !std::mem::replace(&mut self.annotated, true);
                     json_event(&self.answer.completion(&text, &tokens, None, None, annotate))
                 }
-                Some(Out::Done { reason, .. }) => {
+                Some(Out::Done {
+                    reason,
+                    cached_tokens,
+                    ..
+                }) => {
                     self.end = End::Done;
                     let text = self.text.as_mut().map(|t| t.finish()).unwrap_or_default();
                     let annotate = !std::mem::replace(&mut self.annotated, true);
-                    let usage = Usage::new(self.answer.prompt_tokens, self.output_tokens);
+                    let usage = self.answer.usage(self.output_tokens, cached_tokens);
+                    self.usage_chunk = self.include_usage.then_some(usage);
                     tracing::info!(
                         output_tokens = self.output_tokens,
                         finish = reason.as_str(),
@@ -331,6 +437,7 @@ impl Streamed {
             error: ErrorDetail {
                 message,
                 kind: kind_of(status),
+                param: None,
                 code: status.as_u16(),
             },
             switchyard: Some(&self.answer.info),

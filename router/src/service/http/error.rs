@@ -4,6 +4,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+use super::fields::FieldError;
 use super::openai::{ErrorBody, ErrorDetail, SwitchyardInfo};
 use super::{json_response, set_header, DECISION_HEADER, REQUEST_ID_HEADER};
 use crate::core::RouteError;
@@ -16,6 +17,7 @@ pub struct ApiError {
     pub(super) status: StatusCode,
     kind: &'static str,
     pub(super) message: String,
+    param: Option<String>,
     request_id: String,
     info: Option<Box<SwitchyardInfo>>,
 }
@@ -37,6 +39,7 @@ impl ApiError {
             status,
             kind: kind_of(status),
             message: message.into(),
+            param: None,
             request_id: request_id.to_owned(),
             info: None,
         }
@@ -44,6 +47,25 @@ impl ApiError {
 
     pub(super) fn bad_request(request_id: &str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, request_id, message)
+    }
+
+    /// A field (or the body) is wrong: a 400 naming it.
+    pub(super) fn field(request_id: &str, error: FieldError) -> Self {
+        let mut e = Self::bad_request(request_id, error.message);
+        e.param = error.param;
+        e
+    }
+
+    /// The request names a model this router does not serve: OpenAI's
+    /// 404.
+    pub(super) fn unknown_model(request_id: &str, asked: &str, served: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            request_id,
+            format!("The model `{asked}` does not exist: this router serves `{served}` (LoRA adapters go in `lora`)"),
+        );
+        e.param = Some("model".into());
+        e
     }
 
     /// No decision could be made.
@@ -68,7 +90,11 @@ impl ApiError {
 
     /// The dispatch failed before any header was sent.
     pub(super) fn dispatch(error: &DispatchError, request_id: &str, message: String) -> Self {
-        Self::new(dispatch_status(error), request_id, message)
+        let mut e = Self::new(dispatch_status(error), request_id, message);
+        if let DispatchError::Rejected { param, .. } = error {
+            e.param.clone_from(param);
+        }
+        e
     }
 
     pub(super) fn with_info(mut self, info: SwitchyardInfo) -> Self {
@@ -77,8 +103,18 @@ impl ApiError {
     }
 }
 
-/// 504 for a worker that timed out, else 502.
+/// The engine's own 4xx for a request it refused, 504 for a worker that
+/// timed out, else 502.
 pub(super) fn dispatch_status(error: &DispatchError) -> StatusCode {
+    if let DispatchError::Rejected { status, .. } = error {
+        return StatusCode::from_u16(*status)
+            .ok()
+            .filter(StatusCode::is_client_error)
+            .unwrap_or(StatusCode::BAD_REQUEST);
+    }
+    if let DispatchError::TooLarge { .. } = error {
+        return StatusCode::PAYLOAD_TOO_LARGE;
+    }
     if error.is_timeout() {
         StatusCode::GATEWAY_TIMEOUT
     } else {
@@ -92,6 +128,7 @@ impl IntoResponse for ApiError {
             error: ErrorDetail {
                 message: &self.message,
                 kind: self.kind,
+                param: self.param.as_deref(),
                 code: self.status.as_u16(),
             },
             switchyard: self.info.as_deref(),

@@ -5,8 +5,10 @@
 //!   the decision.
 //! * `POST /v1/route` ([`route`]): the decision for a completion request,
 //!   without dispatching it (its ledger reservation is released at once).
-//! * `GET /healthz`, `GET /readyz`, `GET /metrics`, `GET /debug/ledger`
-//!   ([`ops`]).
+//! * `GET /v1/models`, `GET /v1/models/{id}` ([`models`]): the served
+//!   model.
+//! * `GET /healthz` (also `/health`), `GET /readyz`, `GET /metrics`,
+//!   `GET /debug/ledger` ([`ops`]).
 //!
 //! Every route is behind [`access`] (API keys, the admin token, routing
 //! annotations stripped).
@@ -18,6 +20,8 @@
 pub mod access;
 mod completions;
 mod error;
+pub mod fields;
+mod models;
 pub mod openai;
 mod ops;
 mod request;
@@ -52,6 +56,8 @@ pub struct App {
     pub commands: mpsc::Sender<Command>,
     pub hasher: BlockHasher,
     pub text: Option<Text>,
+    /// The chat template of `/v1/chat/completions`.
+    pub chat: Option<super::chat_template::ChatTemplate>,
     pub model: String,
     pub replica: Arc<str>,
     pub metrics: Metrics,
@@ -59,6 +65,13 @@ pub struct App {
     pub dispatcher: Dispatcher,
     pub route_timeout: std::time::Duration,
     pub default_max_tokens: u32,
+    /// `--max-model-len`: the context length requests are checked
+    /// against, whatever the workers say.
+    pub max_model_len: Option<u32>,
+    /// The registered workers' smallest context length (0: none said).
+    pub context: watch::Receiver<u32>,
+    /// When the replica started (Unix seconds): the model's `created`.
+    pub started_unix: u64,
     pub next_request: AtomicU64,
 }
 
@@ -75,8 +88,12 @@ pub fn router(app: Arc<App>, max_body_bytes: usize, access: access::Access) -> a
     let metrics = app.metrics.clone();
     axum::Router::new()
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/route", post(route::route))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{id}", get(models::one))
         .route("/healthz", get(ops::healthz))
+        .route("/health", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .route("/debug/ledger", get(ops::ledger))

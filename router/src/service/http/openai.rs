@@ -9,77 +9,62 @@ use protocol::RouteDecision;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-/// `POST /v1/completions` and `POST /v1/route`. Other OpenAI fields
-/// (temperature, stop, ...) are accepted and passed over: sampling is the
-/// engine's business. `model` is accepted whatever it says: a router
-/// serves the one model of its hashing contract.
+use super::fields::{FieldError, Fields, Members};
+
+/// `POST /v1/completions` and `POST /v1/route`: the prompt, and every
+/// other field read and checked by name ([`super::fields`]). `model` is
+/// accepted whatever it says: a router serves the one model of its
+/// hashing contract.
 #[derive(Debug, Clone)]
 pub struct CompletionRequest {
-    pub model: Option<String>,
     pub prompt: Prompt,
-    pub max_tokens: Option<u32>,
-    pub stream: bool,
-}
-
-/// The body, all of it through serde: text prompts, and the messages of
-/// every error.
-#[derive(Deserialize)]
-struct Body {
-    #[serde(default)]
-    model: Option<String>,
-    prompt: Prompt,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
-}
-
-/// The body without its prompt (replaced by `0` once scanned).
-#[derive(Deserialize)]
-struct Head {
-    #[serde(default)]
-    model: Option<String>,
-    #[allow(dead_code)]
-    prompt: de::IgnoredAny,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
+    pub fields: Fields,
 }
 
 impl CompletionRequest {
-    /// Parses a request body; the error is the message for a 400.
+    /// Parses a request body; the error is the message (and field) for a
+    /// 400.
     ///
     /// A prompt of token ids, the common and the long case, is read by a
     /// dedicated scanner (about 5 times faster than serde's generic path
     /// on an 8k-token prompt); serde reads the rest. Anything the scanner
     /// does not expect goes through serde whole, which also words every
     /// error.
-    pub fn parse(body: &[u8]) -> Result<Self, String> {
+    pub fn parse(body: &[u8]) -> Result<Self, FieldError> {
         if body.is_empty() {
-            return Err("the request body is empty: expected a JSON completion request".into());
+            return Err(FieldError::body(
+                "the request body is empty: expected a JSON completion request",
+            ));
         }
         if let Some((tokens, start, end)) = scan_prompt(body) {
             let mut head = Vec::with_capacity(body.len() - (end - start) + 1);
             head.extend_from_slice(&body[..start]);
             head.push(b'0');
             head.extend_from_slice(&body[end..]);
-            if let Ok(h) = serde_json::from_slice::<Head>(&head) {
+            if let Ok(Members(members)) = serde_json::from_slice::<Members>(&head) {
                 return Ok(Self {
-                    model: h.model,
                     prompt: Prompt::Tokens(tokens),
-                    max_tokens: h.max_tokens,
-                    stream: h.stream,
+                    fields: Fields::read(members)?,
                 });
             }
         }
-        let b: Body =
-            serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+        Self::parse_whole(body)
+    }
+
+    /// The body, all of it through serde: text prompts, and the messages
+    /// of every malformed one.
+    fn parse_whole(body: &[u8]) -> Result<Self, FieldError> {
+        let Members(mut members) = serde_json::from_slice(body)
+            .map_err(|e| FieldError::body(format!("invalid request body: {e}")))?;
+        let at = members
+            .iter()
+            .position(|(k, _)| k == "prompt")
+            .ok_or_else(|| FieldError::field("prompt", "missing field `prompt`"))?;
+        let (_, prompt) = members.remove(at);
+        let prompt = Prompt::deserialize(prompt).map_err(|e| FieldError::field("prompt", e))?;
         Ok(Self {
-            model: b.model,
-            prompt: b.prompt,
-            max_tokens: b.max_tokens,
-            stream: b.stream,
+            prompt,
+            fields: Fields::read(members)?,
         })
     }
 }
@@ -276,20 +261,83 @@ impl<'de> Visitor<'de> for PromptVisitor {
         Ok(Prompt::Text(v))
     }
 
-    /// The slow path of a token-id list: reached only when the scanner
-    /// refused it, to say what is wrong.
+    /// The slow path of a token-id list (reached only when the scanner
+    /// refused it, to say what is wrong), and OpenAI's batch forms: a list
+    /// of one string or of one token-id list is that one prompt (as AIPerf
+    /// sends it); a batch of several is refused.
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
         let mut tokens = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
-        while let Some(token) = seq.next_element::<TokenId>()? {
-            tokens.push(token.0);
+        let mut batch: Option<Prompt> = None;
+        while let Some(item) = seq.next_element::<Item>()? {
+            match (item, &batch) {
+                (Item::Token(t), None) => tokens.push(t),
+                (Item::Prompt(p), None) if tokens.is_empty() => batch = Some(p),
+                _ => {
+                    return Err(de::Error::custom(
+                        "a list of several prompts is a batch, which is not supported: send one prompt per request",
+                    ))
+                }
+            }
         }
-        Ok(Prompt::Tokens(tokens))
+        Ok(batch.unwrap_or(Prompt::Tokens(tokens)))
+    }
+}
+
+/// One element of a prompt list: a token id, or a whole prompt of a
+/// batch (a string, a token-id list).
+enum Item {
+    Token(u32),
+    Prompt(Prompt),
+}
+
+impl<'de> Deserialize<'de> for Item {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Item;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a token id (an integer in 0..2^32), or one prompt of a batch")
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Item, E> {
+                TokenId::from_u64(v).map(|t| Item::Token(t.0))
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Item, E> {
+                if v < 0 {
+                    return Err(E::custom(format!("token id {v} is negative")));
+                }
+                self.visit_u64(v as u64)
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Item, E> {
+                Ok(Item::Prompt(Prompt::Text(v.to_owned())))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+                let mut tokens = Vec::new();
+                while let Some(token) = seq.next_element::<TokenId>()? {
+                    tokens.push(token.0);
+                }
+                Ok(Item::Prompt(Prompt::Tokens(tokens)))
+            }
+        }
+        deserializer.deserialize_any(V)
     }
 }
 
 /// One element of a token-id prompt, with a clear error for the batched
 /// forms OpenAI also accepts.
 struct TokenId(u32);
+
+impl TokenId {
+    fn from_u64<E: de::Error>(v: u64) -> Result<Self, E> {
+        u32::try_from(v)
+            .map(TokenId)
+            .map_err(|_| E::custom(format!("token id {v} does not fit in 32 bits")))
+    }
+}
 
 impl<'de> Deserialize<'de> for TokenId {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -378,14 +426,41 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens found cached: the engine's figure when it reported
+    /// one, else the router's predicted overlap.
+    pub cached_tokens: u32,
+    /// `engine` or `router`: whose figure `cached_tokens` is (a Switchyard
+    /// extension).
+    pub cached_tokens_source: &'static str,
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+    /// `engine_cached`: what the engine that prefilled said it found
+    /// cached, if it said; `router_overlap`: the decision's prediction.
+    pub fn new(
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        engine_cached: Option<u32>,
+        router_overlap: u32,
+    ) -> Self {
+        let (cached_tokens, cached_tokens_source) = match engine_cached {
+            Some(n) => (n, "engine"),
+            None => (router_overlap.min(prompt_tokens), "router"),
+        };
         Self {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens,
+                cached_tokens_source,
+            },
         }
     }
 }
@@ -401,6 +476,34 @@ pub struct Choice<'a> {
     pub finish_reason: Option<&'static str>,
 }
 
+/// A completion's choice or a chat completion's.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum AnyChoice<'a> {
+    Text(Choice<'a>),
+    Chat(ChatChoice<'a>),
+}
+
+/// A chat completion's choice: the whole `message`, or a chunk's `delta`.
+#[derive(Debug, Serialize)]
+pub struct ChatChoice<'a> {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<ChatMessage<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ChatMessage<'a>>,
+    /// The generated token ids (a Switchyard extension).
+    pub token_ids: &'a [u32],
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatMessage<'a> {
+    pub role: &'static str,
+    pub content: &'a str,
+}
+
 /// A non-streamed response, or one SSE chunk of a streamed one.
 #[derive(Debug, Serialize)]
 pub struct Completion<'a> {
@@ -408,7 +511,8 @@ pub struct Completion<'a> {
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
-    pub choices: [Choice<'a>; 1],
+    /// One choice; none in a stream's usage-only last chunk.
+    pub choices: Vec<AnyChoice<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -428,7 +532,30 @@ pub struct ErrorDetail<'a> {
     pub message: &'a str,
     #[serde(rename = "type")]
     pub kind: &'static str,
+    /// The request field at fault, when one is.
+    pub param: Option<&'a str>,
     pub code: u16,
+}
+
+/// `GET /v1/models/{id}`, and each of `GET /v1/models`'s.
+#[derive(Debug, Serialize)]
+pub struct ModelCard<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub root: &'a str,
+    pub parent: Option<&'a str>,
+    /// The context length requests are checked against (vLLM's field),
+    /// when known.
+    pub max_model_len: Option<u32>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub struct ModelList<'a> {
+    pub object: &'static str,
+    pub data: [ModelCard<'a>; 1],
 }
 
 /// `POST /v1/route`: the decision's own JSON (`RouteDecision` reads it
@@ -518,10 +645,9 @@ mod tests {
         ];
         for body in bodies {
             let fast = CompletionRequest::parse(body.as_bytes());
-            let slow = serde_json::from_slice::<Body>(body.as_bytes())
-                .map(|b| (b.model, b.prompt, b.max_tokens, b.stream))
-                .map_err(|e| format!("invalid request body: {e}"));
-            let fast = fast.map(|r| (r.model, r.prompt, r.max_tokens, r.stream));
+            let slow = CompletionRequest::parse_whole(body.as_bytes());
+            let fast = fast.map(|r| (r.prompt, r.fields));
+            let slow = slow.map(|r| (r.prompt, r.fields));
             assert_eq!(fast, slow, "{body}");
         }
         let big: Vec<u32> = (0..10_000).map(|i| i * 429_497).collect();
@@ -573,15 +699,22 @@ mod tests {
     fn prompts_parse_with_clear_errors() {
         let r = CompletionRequest::parse(br#"{"prompt":[1,2,3],"max_tokens":4}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
-        assert_eq!((r.max_tokens, r.stream), (Some(4), false));
+        assert_eq!((r.fields.max_tokens, r.fields.stream), (Some(4), false));
         let r =
             CompletionRequest::parse(br#"{"prompt":"hi","stream":true,"temperature":0}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Text("hi".into()));
+        // A batch of one prompt is that prompt.
+        let r = CompletionRequest::parse(br#"{"prompt":["hi there"]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Text("hi there".into()));
+        let r = CompletionRequest::parse(br#"{"prompt":[[4,5]]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![4, 5]));
         for (body, needle) in [
             (&br#"{"prompt":[1,-2]}"#[..], "negative"),
             (br#"{"prompt":[1,4294967296]}"#, "32 bits"),
             (br#"{"prompt":["a","b"]}"#, "batch"),
             (br#"{"prompt":[[1],[2]]}"#, "batch"),
+            (br#"{"prompt":[1,"a"]}"#, "batch"),
+            (br#"{"prompt":["a",1]}"#, "batch"),
             (br#"{"prompt":1}"#, "a prompt"),
             (br#"{"prompt":[1.5]}"#, "floating point"),
             (br#"{"prompt":[1,,2]}"#, "expected value"),
@@ -589,7 +722,7 @@ mod tests {
             (br#"{"prompt":[1]"#, "EOF"),
             (b"", "empty"),
         ] {
-            let e = CompletionRequest::parse(body).unwrap_err();
+            let e = CompletionRequest::parse(body).unwrap_err().message;
             assert!(e.contains(needle), "{}: {e}", String::from_utf8_lossy(body));
         }
     }

@@ -6,9 +6,13 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 
+use protocol::{BlockHasher, HashSalt};
+
 use super::error::ApiError;
+use super::fields::{FieldError, Fields, Members};
 use super::openai::{CompletionRequest, Prompt};
 use super::App;
+use crate::service::chat_template::Message;
 use crate::service::dispatch::Prepared;
 
 /// A parsed, tokenized and hashed completion request.
@@ -19,9 +23,51 @@ pub(super) struct Parsed {
     pub(super) prompt: Vec<u32>,
     /// Whether the answer is streamed (SSE).
     pub(super) stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage and no
+    /// choice.
+    pub(super) include_usage: bool,
 }
 
 impl App {
+    /// The context length requests are checked against: `--max-model-len`,
+    /// else the registered workers' smallest, if any said.
+    pub(super) fn context_len(&self) -> Option<u32> {
+        self.max_model_len
+            .or_else(|| Some(*self.context.borrow()).filter(|&n| n > 0))
+    }
+
+    /// The hasher of a request's blocks: the deployment's, or salted with
+    /// its LoRA adapter and `cache_salt` as the agent salts the blocks an
+    /// engine stores for it (from the `BlockStored`'s `lora_name` and
+    /// `cache_salt`), so that they match each other and nothing else.
+    pub(super) fn hasher_for(&self, sampling: &protocol::Sampling) -> BlockHasher {
+        salted(self.hasher, &self.model, sampling)
+    }
+
+    /// The request's `max_tokens` (asked for, or the default cut to what
+    /// the context leaves), if the prompt and it fit the context: else an
+    /// error naming the field, before anything is routed or charged.
+    fn fit_context(&self, isl_tokens: u32, asked: Option<u32>) -> Result<u32, FieldError> {
+        let Some(context) = self.context_len() else {
+            return Ok(asked.unwrap_or(self.default_max_tokens));
+        };
+        if isl_tokens >= context {
+            return Err(FieldError::field(
+                "prompt",
+                format!("{isl_tokens} tokens, but the model's context length is {context} tokens (prompt and output)"),
+            ));
+        }
+        let room = context - isl_tokens;
+        match asked {
+            Some(n) if n > room => Err(FieldError::field(
+                "max_tokens",
+                format!("{n} output tokens and the prompt's {isl_tokens} exceed the model's context length of {context} tokens: at most {room}"),
+            )),
+            Some(n) => Ok(n),
+            None => Ok(self.default_max_tokens.min(room)),
+        }
+    }
+
     /// Reads a completion request; a bad one is a 4xx naming what is wrong.
     pub(super) fn parse(
         &self,
@@ -31,24 +77,88 @@ impl App {
         let body = body.map_err(|rejection| {
             ApiError::new(rejection.status(), &request_id, rejection.body_text())
         })?;
-        let request = CompletionRequest::parse(&body)
-            .map_err(|message| ApiError::bad_request(&request_id, message))?;
-        // One router serves one model (its hashing contract): the `model`
-        // field is not checked (clients and load generators send aliases),
-        // and responses name the served model.
-        let max_tokens = match request.max_tokens {
-            Some(0) => {
-                return Err(ApiError::bad_request(
-                    &request_id,
-                    "max_tokens must be at least 1",
-                ))
-            }
-            Some(n) => n,
-            None => self.default_max_tokens,
+        let CompletionRequest { prompt, fields } =
+            CompletionRequest::parse(&body).map_err(|e| ApiError::field(&request_id, e))?;
+        self.prepare(request_id, Source::Prompt(prompt), fields)
+    }
+
+    /// Reads a chat completion request: its messages through the chat
+    /// template, `max_completion_tokens` as `max_tokens`, the other fields
+    /// as a completion's.
+    pub(super) fn parse_chat(
+        &self,
+        request_id: String,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Result<Parsed, ApiError> {
+        let body = body.map_err(|rejection| {
+            ApiError::new(rejection.status(), &request_id, rejection.body_text())
+        })?;
+        let field = |e: FieldError| ApiError::field(&request_id, e);
+        if body.is_empty() {
+            return Err(field(FieldError::body(
+                "the request body is empty: expected a JSON chat completion request",
+            )));
+        }
+        let Members(mut members) = serde_json::from_slice(&body)
+            .map_err(|e| field(FieldError::body(format!("invalid request body: {e}"))))?;
+        let mut take = |key: &str| {
+            members
+                .iter()
+                .position(|(k, _)| k == key)
+                .map(|at| members.remove(at).1)
         };
-        let prompt = match request.prompt {
-            Prompt::Tokens(tokens) => tokens,
-            Prompt::Text(text) => match &self.text {
+        let messages = take("messages")
+            .ok_or_else(|| field(FieldError::field("messages", "missing field `messages`")))?;
+        let messages = chat_messages(messages).map_err(field)?;
+        let completion_tokens = take("max_completion_tokens");
+        if let Some(n) = completion_tokens.filter(|v| !v.is_null()) {
+            if members.iter().any(|(k, _)| k == "max_tokens") {
+                return Err(field(FieldError::field(
+                    "max_completion_tokens",
+                    "give max_tokens or max_completion_tokens, not both",
+                )));
+            }
+            members.push(("max_tokens".into(), n));
+        }
+        let fields = Fields::read(members).map_err(field)?;
+        self.prepare(request_id, Source::Chat(messages), fields)
+    }
+
+    /// The common part of both: model, limits, tokens and block hashes.
+    fn prepare(
+        &self,
+        request_id: String,
+        prompt: Source,
+        fields: Fields,
+    ) -> Result<Parsed, ApiError> {
+        // One router serves one model (its hashing contract): a request
+        // for another is a 404 before anything is routed; one without a
+        // model gets the served one.
+        if let Some(asked) = fields.model.as_deref().filter(|m| *m != self.model) {
+            return Err(ApiError::unknown_model(&request_id, asked, &self.model));
+        }
+        if fields.max_tokens == Some(0) {
+            return Err(ApiError::field(
+                &request_id,
+                FieldError::field("max_tokens", "must be at least 1"),
+            ));
+        }
+        let prompt = match prompt {
+            Source::Chat(messages) => {
+                let (Some(template), Some(text)) = (&self.chat, &self.text) else {
+                    return Err(ApiError::bad_request(
+                        &request_id,
+                        "chat completions need a tokenizer and a chat template: start the router with --tokenizer tokenizer.json (and a tokenizer_config.json beside it with a chat_template, or --chat-template file.jinja)",
+                    ));
+                };
+                let rendered = template
+                    .render(&messages)
+                    .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?;
+                text.encode_rendered(&rendered)
+                    .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?
+            }
+            Source::Prompt(Prompt::Tokens(tokens)) => tokens,
+            Source::Prompt(Prompt::Text(text)) => match &self.text {
                 Some(t) => t
                     .encode(&text)
                     .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?,
@@ -72,16 +182,119 @@ impl App {
                 format!("a prompt of {} tokens is too long", prompt.len()),
             )
         })?;
-        let hashes: Arc<[protocol::BlockHash]> = self.hasher.hash_prompt(&prompt).into();
+        let max_tokens = self
+            .fit_context(isl_tokens, fields.max_tokens)
+            .map_err(|e| ApiError::field(&request_id, e))?;
+        let hashes: Arc<[protocol::BlockHash]> = self
+            .hasher_for(&fields.sampling)
+            .hash_prompt(&prompt)
+            .into();
         Ok(Parsed {
             prepared: Prepared {
                 request_id,
                 isl_tokens,
                 hashes,
                 max_tokens,
+                sampling: fields.sampling,
             },
             prompt,
-            stream: request.stream,
+            stream: fields.stream,
+            include_usage: fields.include_usage,
         })
+    }
+}
+
+/// What a request's prompt is made of.
+enum Source {
+    Prompt(Prompt),
+    Chat(Vec<Message>),
+}
+
+/// A chat request's `messages`: each a `role` and a `content` (a string,
+/// or a list of `{"type": "text", "text"}` parts).
+fn chat_messages(value: serde_json::Value) -> Result<Vec<Message>, FieldError> {
+    let bad = |what: String| FieldError::field("messages", what);
+    let serde_json::Value::Array(items) = value else {
+        return Err(bad("must be a list of messages".into()));
+    };
+    if items.is_empty() {
+        return Err(bad("must have at least one message".into()));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = m["role"]
+                .as_str()
+                .ok_or_else(|| bad(format!("message {i} has no string `role`")))?;
+            let content = match &m["content"] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Null => String::new(),
+                serde_json::Value::Array(parts) => parts
+                    .iter()
+                    .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
+                        (Some("text"), Some(t)) => Ok(t),
+                        _ => Err(bad(format!(
+                            "message {i}: only text content parts are supported"
+                        ))),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat(),
+                _ => return Err(bad(format!("message {i}'s content is not text"))),
+            };
+            Ok(Message {
+                role: role.to_owned(),
+                content,
+            })
+        })
+        .collect()
+}
+
+/// `hasher` for `model`, salted with the request's LoRA adapter and cache
+/// salt when it has either (the agent's `Translator` salts an engine's
+/// `BlockStored` with its `lora_name` and `cache_salt` the same way).
+fn salted(hasher: BlockHasher, model: &str, sampling: &protocol::Sampling) -> BlockHasher {
+    let (lora, cache_salt) = (sampling.lora.as_deref(), sampling.cache_salt.as_deref());
+    if lora.is_none() && cache_salt.is_none() {
+        return hasher;
+    }
+    BlockHasher::new(hasher.block_size(), HashSalt::new(model, lora, cache_salt)).unwrap_or(hasher)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protocol::{HashingContract, Sampling};
+
+    /// A salted request's blocks match blocks stored under the same
+    /// adapter and salt, not the base model's nor another tenant's.
+    #[test]
+    fn lora_and_cache_salt_salt_the_hashes() {
+        let contract = HashingContract::for_model("m", 4);
+        let base = BlockHasher::new(4, contract.salt).unwrap();
+        let prompt: Vec<u32> = (0..12).collect();
+        let with = |lora: Option<&str>, salt: Option<&str>| {
+            let s = Sampling {
+                lora: lora.map(str::to_owned),
+                cache_salt: salt.map(str::to_owned),
+                ..Sampling::default()
+            };
+            salted(base, "m", &s).hash_prompt(&prompt)
+        };
+        assert_eq!(with(None, None), base.hash_prompt(&prompt));
+        let stored = BlockHasher::new(4, HashSalt::new("m", Some("a"), Some("t1"))).unwrap();
+        assert_eq!(with(Some("a"), Some("t1")), stored.hash_prompt(&prompt));
+        let all = [
+            with(None, None),
+            with(Some("a"), None),
+            with(None, Some("t1")),
+            with(Some("a"), Some("t1")),
+            with(Some("a"), Some("t2")),
+        ];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a[0], b[0]);
+            }
+        }
     }
 }
