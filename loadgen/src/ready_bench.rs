@@ -71,6 +71,7 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
         max_batched_tokens: 8192,
         kv_bytes_per_token: 1,
         gpus: 1,
+        max_model_len: 0,
     };
     let registration = registry.register(&record, Duration::from_secs(10)).await?;
 
