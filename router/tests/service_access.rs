@@ -1,7 +1,8 @@
 //! Who may call what, on a router replica with API keys and an admin
 //! token: completions and decisions need a key, debug endpoints and
 //! explanations the admin token, health and metrics are open; a client's
-//! routing annotations do not steer the decision.
+//! routing annotations do not steer the decision (headers are stripped,
+//! body fields refused by name).
 
 mod service_support;
 
@@ -85,8 +86,30 @@ async fn keys_and_the_admin_token_guard_the_endpoints() -> Result<()> {
     let metrics = get("/metrics", None).await?.text().await?;
     assert!(metrics.contains("status=\"401\""), "{metrics}");
 
-    // A client asking for a bypass by header and by body gets the
-    // router's decision: a long cold prompt goes to remote prefill.
+    // A client asking for a bypass in the body is refused, naming the
+    // field, before anything is routed (no field is dropped silently).
+    for field in ["kv_transfer_params", "switchyard"] {
+        let mut body = serde_json::json!({
+            "model": MODEL,
+            "prompt": tokens(6, 3000),
+            "max_tokens": 2,
+        });
+        body[field] = serde_json::json!({"do_remote_prefill": false, "path": "bypass"});
+        let r = router
+            .http
+            .post(router.url("/v1/completions"))
+            .bearer_auth("key-1")
+            .json(&body)
+            .send()
+            .await?;
+        assert_eq!(r.status(), 400, "{field}");
+        let error: serde_json::Value = r.json().await?;
+        assert_eq!(error["error"]["param"], field, "{error}");
+    }
+
+    // A client asking for a bypass by header gets the router's decision:
+    // the headers are stripped, and a long cold prompt goes to remote
+    // prefill.
     let r = router
         .http
         .post(router.url("/v1/completions"))
@@ -97,8 +120,6 @@ async fn keys_and_the_admin_token_guard_the_endpoints() -> Result<()> {
             "model": MODEL,
             "prompt": tokens(6, 3000),
             "max_tokens": 2,
-            "kv_transfer_params": {"do_remote_prefill": false},
-            "switchyard": {"path": "bypass", "decode": "d0"},
         }))
         .send()
         .await?;

@@ -123,6 +123,10 @@ const FAMILIES: &[(&str, &str)] = &[
         "router_ledger_expired_total",
         "Ledger entries dropped at their time-to-live without a finish notice",
     ),
+    (
+        "router_calibration_factor",
+        "The SLA policy's calibration factors (observed / predicted) by factor: local_ttft, remote_ttft, itl",
+    ),
 ];
 
 /// Counters at zero from the start, for each documented label value (so
