@@ -64,27 +64,10 @@ struct DebugState {
 const RECEIVED_KEPT: usize = 64;
 
 /// vLLM's sampling and stopping fields of `/v1/completions` (with
-/// `cache_salt`): mock-vllm accepts each, records it for tests, and
-/// honours those the simulated engine models
+/// `cache_salt`; the wire contract's list): mock-vllm accepts each, records
+/// it for tests, and honours those the simulated engine models
 /// ([`worker_agent::sim_engine::SIM_HONOURS`]).
-pub const SAMPLING_FIELDS: [&str; 16] = [
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logprobs",
-    "logit_bias",
-    "response_format",
-    "cache_salt",
-];
+pub const SAMPLING_FIELDS: [&str; 16] = Sampling::ENGINE_FIELDS;
 
 /// The server's state.
 #[derive(Debug)]

@@ -156,29 +156,53 @@ pub struct Sampling {
 }
 
 impl Sampling {
+    /// The fields an engine receives under these names (OpenAI's and vLLM's,
+    /// as in the HTTP body), in declaration order; `lora` is apart, since
+    /// vLLM selects an adapter by `model`.
+    pub const ENGINE_FIELDS: [&'static str; 16] = [
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logprobs",
+        "logit_bias",
+        "response_format",
+        "cache_salt",
+    ];
+
     /// The names (as in the HTTP body) of the fields set, in declaration
     /// order: what an engine must honour.
     pub fn fields_set(&self) -> Vec<&'static str> {
         let set = [
-            ("temperature", self.temperature.is_some()),
-            ("top_p", self.top_p.is_some()),
-            ("top_k", self.top_k.is_some()),
-            ("min_p", self.min_p.is_some()),
-            ("seed", self.seed.is_some()),
-            ("stop", !self.stop.is_empty()),
-            ("stop_token_ids", !self.stop_token_ids.is_empty()),
-            ("ignore_eos", self.ignore_eos),
-            ("min_tokens", self.min_tokens > 0),
-            ("presence_penalty", self.presence_penalty.is_some()),
-            ("frequency_penalty", self.frequency_penalty.is_some()),
-            ("repetition_penalty", self.repetition_penalty.is_some()),
-            ("logprobs", self.logprobs.is_some()),
-            ("logit_bias", !self.logit_bias.is_empty()),
-            ("response_format", self.response_format.is_some()),
-            ("cache_salt", self.cache_salt.is_some()),
-            ("lora", self.lora.is_some()),
+            self.temperature.is_some(),
+            self.top_p.is_some(),
+            self.top_k.is_some(),
+            self.min_p.is_some(),
+            self.seed.is_some(),
+            !self.stop.is_empty(),
+            !self.stop_token_ids.is_empty(),
+            self.ignore_eos,
+            self.min_tokens > 0,
+            self.presence_penalty.is_some(),
+            self.frequency_penalty.is_some(),
+            self.repetition_penalty.is_some(),
+            self.logprobs.is_some(),
+            !self.logit_bias.is_empty(),
+            self.response_format.is_some(),
+            self.cache_salt.is_some(),
         ];
-        set.into_iter()
+        Self::ENGINE_FIELDS
+            .into_iter()
+            .zip(set)
+            .chain([("lora", self.lora.is_some())])
             .filter_map(|(name, on)| on.then_some(name))
             .collect()
     }

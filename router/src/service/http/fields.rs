@@ -80,8 +80,9 @@ pub struct Fields {
     pub sampling: Sampling,
 }
 
-/// Every field a completion request may have, the prompt included.
-pub const KNOWN: [&str; 26] = [
+/// The fields a completion request may have besides the sampling ones
+/// (`Sampling::ENGINE_FIELDS` and `lora`), the prompt included.
+pub const REQUEST_FIELDS: [&str; 10] = [
     "model",
     "prompt",
     "max_tokens",
@@ -92,22 +93,6 @@ pub const KNOWN: [&str; 26] = [
     "best_of",
     "echo",
     "suffix",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logprobs",
-    "logit_bias",
-    "response_format",
-    "cache_salt",
 ];
 
 /// The LoRA adapter's field (a Switchyard extension: vLLM names it in
@@ -269,8 +254,9 @@ impl Fields {
                 return Err(FieldError::field(
                     other,
                     format!(
-                        "unknown field (a completion request has: {}, {LORA})",
-                        KNOWN.join(", ")
+                        "unknown field (a completion request has: {}, {}, {LORA})",
+                        REQUEST_FIELDS.join(", "),
+                        Sampling::ENGINE_FIELDS.join(", ")
                     ),
                 ))
             }
