@@ -6,9 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{DecisionId, WorkerId};
 
-/// The two ways to serve a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(into = "u8", try_from = "u8")]
+/// The two ways to serve a request. Its name (`"bypass"`, `"remote"`) in
+/// JSON and other human-readable formats, a byte in msgpack; JSON readers
+/// take the name or the byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Path {
     /// Straight to the decode worker, which prefills locally what it lacks.
     Bypass = 0,
@@ -34,6 +35,48 @@ impl fmt::Display for Path {
 impl From<Path> for u8 {
     fn from(p: Path) -> u8 {
         p as u8
+    }
+}
+
+impl Serialize for Path {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.serialize_str(self.as_str())
+        } else {
+            s.serialize_u8(*self as u8)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Path {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Path;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a path (\"bypass\", \"remote\", or its byte)")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Path, E> {
+                u8::try_from(v)
+                    .map_err(|_| E::custom(format!("unknown path {v}")))
+                    .and_then(|b| Path::try_from(b).map_err(E::custom))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Path, E> {
+                match v {
+                    "bypass" => Ok(Path::Bypass),
+                    "remote" => Ok(Path::Remote),
+                    other => Err(E::custom(format!("unknown path {other:?}"))),
+                }
+            }
+        }
+        if d.is_human_readable() {
+            d.deserialize_any(V)
+        } else {
+            d.deserialize_u8(V)
+        }
     }
 }
 
@@ -113,4 +156,27 @@ pub struct Annotation {
     /// beside the engine's actual cached tokens).
     pub decode_overlap_tokens: u32,
     pub prefill_overlap_tokens: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_is_its_name_in_json_and_a_byte_in_msgpack() {
+        assert_eq!(serde_json::to_string(&Path::Remote).unwrap(), "\"remote\"");
+        assert_eq!(
+            serde_json::from_str::<Path>("\"bypass\"").unwrap(),
+            Path::Bypass
+        );
+        assert_eq!(serde_json::from_str::<Path>("1").unwrap(), Path::Remote);
+        assert!(serde_json::from_str::<Path>("\"sideways\"").is_err());
+        assert!(serde_json::from_str::<Path>("7").is_err());
+        let packed = rmp_serde::to_vec(&Path::Remote).unwrap();
+        assert_eq!(packed, [1]);
+        assert_eq!(
+            rmp_serde::from_slice::<Path>(&packed).unwrap(),
+            Path::Remote
+        );
+    }
 }
