@@ -237,6 +237,12 @@ impl KvTask {
                 "BlockStored events whose parent is unknown: their blocks are not reported (rebuilding from the engine's history when it has it)"
             );
         }
+        if now.other_block_sizes > old.other_block_sizes {
+            warn!(
+                total = now.other_block_sizes,
+                "BlockStored events of another block size than the deployment's skipped (a hybrid model's partial tails): their blocks are not indexed"
+            );
+        }
         if now.malformed_batches > old.malformed_batches {
             warn!(
                 total = now.malformed_batches,

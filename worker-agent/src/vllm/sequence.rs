@@ -98,6 +98,8 @@ pub struct Stats {
     pub token_mismatches: u64,
     pub unknown_media: u64,
     pub other_groups: u64,
+    /// `BlockStored` events of another block size (partial tails), skipped.
+    pub other_block_sizes: u64,
     /// Batches whose `data_parallel_rank` is not this publisher's.
     pub rank_mismatches: u64,
     /// Live batches already applied from a replay.
@@ -124,7 +126,7 @@ pub struct Stats {
 impl Stats {
     /// The plain counters with their metric labels (`skipped_events` has
     /// its own, by reason).
-    pub fn counters(&self) -> [(&'static str, u64); 21] {
+    pub fn counters(&self) -> [(&'static str, u64); 22] {
         [
             ("batches", self.batches),
             ("malformed_batches", self.malformed_batches),
@@ -133,6 +135,7 @@ impl Stats {
             ("token_mismatches", self.token_mismatches),
             ("unknown_media", self.unknown_media),
             ("other_groups", self.other_groups),
+            ("other_block_sizes", self.other_block_sizes),
             ("rank_mismatches", self.rank_mismatches),
             ("duplicates", self.duplicates),
             ("gaps", self.gaps),
@@ -540,6 +543,7 @@ impl RankCore {
         s.token_mismatches += o.token_mismatches;
         s.unknown_media += o.unknown_media;
         s.other_groups += o.other_groups;
+        s.other_block_sizes += o.other_block_sizes;
         if !o.events.is_empty() {
             match out.last_mut() {
                 Some(Action::Events(events)) => events.extend(o.events),

@@ -65,7 +65,12 @@ pub struct Outcome {
     pub unknown_media: u64,
     /// Events of another KV-cache group (skipped).
     pub other_groups: u64,
-    /// The engine's block size when it is not the deployment's.
+    /// `BlockStored` events of another block size (skipped): a hybrid
+    /// model's partial tails, once the engine has stored blocks of the
+    /// deployment's size.
+    pub other_block_sizes: u64,
+    /// The engine's block size when it is not the deployment's: a batch of
+    /// another size before any block of the deployment's.
     pub fatal: Option<BlockSizeMismatch>,
 }
 
@@ -94,6 +99,10 @@ pub struct Translator {
     refs: HashMap<(BlockHash, Tier), u32>,
     mirror: BlockMirror,
     group: Option<Option<i64>>,
+    /// Whether the engine ever stored a block of the deployment's size:
+    /// after that, a block of another size is a partial tail, not a
+    /// misconfigured engine. Kept across engine restarts.
+    seen_deployment_size: bool,
 }
 
 impl Translator {
@@ -107,6 +116,7 @@ impl Translator {
             refs: HashMap::new(),
             mirror: BlockMirror::new(),
             group: None,
+            seen_deployment_size: false,
         }
     }
 
@@ -146,9 +156,17 @@ impl Translator {
     /// Translates one batch.
     pub fn apply(&mut self, batch: &WireBatch) -> Outcome {
         let mut out = Outcome::default();
+        let mut first_other_size = None;
         for event in &batch.events {
             match event {
-                WireEvent::Stored(stored) => self.stored(stored, &mut out),
+                WireEvent::Stored(stored) if stored.block_size != self.hasher.block_size() => {
+                    out.other_block_sizes += 1;
+                    first_other_size.get_or_insert(stored.block_size);
+                }
+                WireEvent::Stored(stored) => {
+                    self.seen_deployment_size = true;
+                    self.stored(stored, &mut out);
+                }
                 WireEvent::Removed {
                     block_hashes,
                     medium,
@@ -171,6 +189,12 @@ impl Translator {
             }
         }
         self.mirror.apply(&out.events);
+        if let Some(engine) = first_other_size.filter(|_| !self.seen_deployment_size) {
+            out.fatal = Some(BlockSizeMismatch {
+                engine,
+                deployment: self.hasher.block_size(),
+            });
+        }
         out
     }
 
@@ -192,13 +216,6 @@ impl Translator {
     }
 
     fn stored(&mut self, e: &BlockStored, out: &mut Outcome) {
-        if e.block_size != self.hasher.block_size() {
-            out.fatal.get_or_insert(BlockSizeMismatch {
-                engine: e.block_size,
-                deployment: self.hasher.block_size(),
-            });
-            return;
-        }
         if !self.tracks_group(e.group_idx, e.kv_cache_spec_kind.as_deref(), true) {
             out.other_groups += 1;
             return;
@@ -228,7 +245,7 @@ impl Translator {
             self.hasher.salt()
         };
         let hasher = BlockHasher::new(self.hasher.block_size(), salt)
-            .expect("the block size was checked above");
+            .expect("apply passes only blocks of the deployment's size");
         // Runs of blocks new to the tier, each with its parent.
         let mut run_parent = parent;
         let mut run: Vec<BlockHash> = Vec::new();
@@ -526,6 +543,30 @@ mod tests {
         );
         let out = t.apply(&batch(vec![stored(&[1, 2], None, &tokens(5, 1), None)]));
         assert_eq!(out.token_mismatches, 1);
+        assert!(out.events.is_empty());
+    }
+
+    #[test]
+    fn partial_tails_of_another_size_are_skipped_once_the_deployments_size_was_seen() {
+        // vLLM 0.33 with hash_block_size != block_size (hybrid models):
+        // full blocks of the deployment's size, and a tail of another size,
+        // in one batch and in either order.
+        let mut tail = stored(&[9], Some(1), &tokens(2, 9), None);
+        if let WireEvent::Stored(s) = &mut tail {
+            s.block_size = 2;
+        }
+        let mut t = translator();
+        let out = t.apply(&batch(vec![
+            tail.clone(),
+            stored(&[1], None, &tokens(BS, 1), None),
+        ]));
+        assert_eq!(out.fatal, None);
+        assert_eq!(out.other_block_sizes, 1);
+        assert_eq!(out.events.len(), 1, "{:?}", out.events);
+        assert_eq!(t.len(), 1);
+        // Later tails alone are skipped too.
+        let out = t.apply(&batch(vec![tail]));
+        assert_eq!((out.fatal, out.other_block_sizes), (None, 1));
         assert!(out.events.is_empty());
     }
 
