@@ -492,26 +492,13 @@ impl Dispatcher {
                     transfer
                 }
                 GenerateEvent::Failed { error, retryable } => {
-                    return Err(DispatchError::WorkerFailed {
-                        worker: prefill.clone(),
-                        stage: "prefill",
-                        error,
-                        retryable,
-                    })
+                    return Err(leg.failed(error, retryable))
                 }
                 GenerateEvent::Rejected {
                     status,
                     param,
                     error,
-                } => {
-                    return Err(DispatchError::Rejected {
-                        worker: prefill.clone(),
-                        stage: "prefill",
-                        status,
-                        param,
-                        error,
-                    })
-                }
+                } => return Err(leg.rejected(status, param, error)),
                 GenerateEvent::Finished { .. } => {
                     return Err(leg.protocol("the prefill leg finished without Prefilled"))
                 }
@@ -568,26 +555,13 @@ impl Dispatcher {
                     };
                 }
                 GenerateEvent::Failed { error, retryable } => {
-                    return Err(DispatchError::WorkerFailed {
-                        worker: decision.decode.clone(),
-                        stage: leg.stage,
-                        error,
-                        retryable,
-                    })
+                    return Err(leg.failed(error, retryable))
                 }
                 GenerateEvent::Rejected {
                     status,
                     param,
                     error,
-                } => {
-                    return Err(DispatchError::Rejected {
-                        worker: decision.decode.clone(),
-                        stage: leg.stage,
-                        status,
-                        param,
-                        error,
-                    })
-                }
+                } => return Err(leg.rejected(status, param, error)),
                 GenerateEvent::Prefilled { .. } => {
                     return Err(leg.protocol("a decode leg sent Prefilled"))
                 }
@@ -694,6 +668,27 @@ impl Leg {
             worker: self.worker.clone(),
             stage: self.stage,
             what,
+        }
+    }
+
+    /// The worker failed this leg.
+    fn failed(&self, error: String, retryable: bool) -> DispatchError {
+        DispatchError::WorkerFailed {
+            worker: self.worker.clone(),
+            stage: self.stage,
+            error,
+            retryable,
+        }
+    }
+
+    /// The engine refused a field of the request on this leg.
+    fn rejected(&self, status: u16, param: Option<String>, error: String) -> DispatchError {
+        DispatchError::Rejected {
+            worker: self.worker.clone(),
+            stage: self.stage,
+            status,
+            param,
+            error,
         }
     }
 

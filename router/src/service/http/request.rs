@@ -74,9 +74,7 @@ impl App {
         request_id: String,
         body: Result<Bytes, BytesRejection>,
     ) -> Result<Parsed, ApiError> {
-        let body = body.map_err(|rejection| {
-            ApiError::new(rejection.status(), &request_id, rejection.body_text())
-        })?;
+        let body = read_body(&request_id, body)?;
         let CompletionRequest { prompt, fields } =
             CompletionRequest::parse(&body).map_err(|e| ApiError::field(&request_id, e))?;
         self.prepare(request_id, Source::Prompt(prompt), fields)
@@ -90,9 +88,7 @@ impl App {
         request_id: String,
         body: Result<Bytes, BytesRejection>,
     ) -> Result<Parsed, ApiError> {
-        let body = body.map_err(|rejection| {
-            ApiError::new(rejection.status(), &request_id, rejection.body_text())
-        })?;
+        let body = read_body(&request_id, body)?;
         let field = |e: FieldError| ApiError::field(&request_id, e);
         if body.is_empty() {
             return Err(field(FieldError::body(
@@ -202,6 +198,11 @@ impl App {
             include_usage: fields.include_usage,
         })
     }
+}
+
+/// The body axum read, or the 4xx it refused it with.
+fn read_body(request_id: &str, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| ApiError::new(rejection.status(), request_id, rejection.body_text()))
 }
 
 /// What a request's prompt is made of.
