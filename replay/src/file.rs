@@ -86,7 +86,15 @@ pub enum ExportError {
 }
 
 fn frame(out: &mut Vec<u8>, kind: Kind, payload: &[u8]) {
-    out.push(kind as u8);
+    raw_frame(out, kind as u8, payload);
+}
+
+/// Writes one frame with any kind byte and its checksum: the fuzzers build
+/// files of arbitrary frames this way, so that they reach the payloads'
+/// decoders past the checksum.
+#[doc(hidden)]
+pub fn raw_frame(out: &mut Vec<u8>, kind: u8, payload: &[u8]) {
+    out.push(kind);
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     out.extend_from_slice(&xxh3_64(payload).to_le_bytes());
     out.extend_from_slice(payload);
