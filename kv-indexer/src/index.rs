@@ -547,15 +547,13 @@ impl OwnershipIndex {
 
     /// Drops a run and the table entries of its blocks.
     fn delete_run(&mut self, run: u32) -> Vec<BlockHash> {
+        let base = self.runs[run as usize].base;
         for i in 0..self.runs[run as usize].blocks.len() {
-            let key = Key::of(self.runs[run as usize].blocks[i]);
-            let runs = &self.runs;
-            if let Ok(entry) = self
-                .table
-                .find_entry(key.hash, |slot| key.matches(runs, slot))
-            {
-                entry.remove();
-            }
+            let loc = Loc {
+                run,
+                offset: base + i as u32,
+            };
+            self.drop_entry(self.runs[run as usize].blocks[i], loc);
         }
         let r = std::mem::take(&mut self.runs[run as usize]);
         let n = r.blocks.len() as u64;
@@ -739,6 +737,9 @@ impl OwnershipIndex {
     }
 
     fn remove_owner(&mut self, run: u32, from: u32, len: u32, slot: u32, tier: Tier) {
+        if self.trim_sole_owner(run, from, len, slot, tier) {
+            return;
+        }
         let run = self.isolate(run, from, len);
         let r = &mut self.runs[run as usize];
         let i = r
@@ -758,6 +759,59 @@ impl OwnershipIndex {
         self.stats.pairs -= u64::from(len);
         if let Some(w) = self.workers[slot as usize].as_mut() {
             w.pairs -= u64::from(len);
+        }
+    }
+
+    /// The common eviction, leaves first: the run's only owner loses its
+    /// only tier on a stretch at the run's tail (or head). The stretch's
+    /// blocks leave the index in place, without cutting them off into a
+    /// run of their own first (which moves each block's table entry once
+    /// more and allocates a run only to free it). Returns whether it
+    /// applied; the run keeps at least one block.
+    fn trim_sole_owner(&mut self, run: u32, from: u32, len: u32, slot: u32, tier: Tier) -> bool {
+        let r = &self.runs[run as usize];
+        let sole = r.owners.len() == 1
+            && r.owners[0].slot == slot
+            && r.owners[0].tiers.without(tier).is_empty();
+        let (base, end) = (r.base, r.end());
+        let tail = from + len == end && from > base;
+        let head = from == base && from + len < end;
+        if !sole || !(tail || head) {
+            return false;
+        }
+        let first = (from - base) as usize;
+        for i in first..first + len as usize {
+            let loc = Loc {
+                run,
+                offset: base + i as u32,
+            };
+            self.drop_entry(self.runs[run as usize].blocks[i], loc);
+        }
+        let r = &mut self.runs[run as usize];
+        if tail {
+            r.blocks.truncate(first);
+        } else {
+            r.parent = Some(r.blocks[len as usize - 1]);
+            r.blocks.drain(..len as usize);
+            r.base = from + len;
+        }
+        if r.blocks.capacity() > 2 * r.blocks.len() + 8 {
+            r.blocks.shrink_to_fit();
+        }
+        let n = u64::from(len);
+        self.stats.blocks -= n;
+        self.stats.pairs -= n;
+        if let Some(w) = self.workers[slot as usize].as_mut() {
+            w.pairs -= n;
+        }
+        true
+    }
+
+    /// Removes the table entry of `block`, which lives at `loc`.
+    fn drop_entry(&mut self, block: BlockHash, loc: Loc) {
+        let key = Key::of(block);
+        if let Ok(entry) = self.table.find_entry(key.hash, |slot| slot.loc() == loc) {
+            entry.remove();
         }
     }
 
