@@ -6,6 +6,8 @@
 //!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
+//! * [`peers`]: the peer replicas' presence and the decisions of theirs
+//!   the ledger holds ([`Peers`]);
 //! * [`config`]: [`RouterConfig`], what the core is configured with;
 //! * [`decide`]: [`RouterCore`], which puts them together, and the
 //!   decision record;
@@ -15,6 +17,7 @@ pub mod calibrate;
 pub mod config;
 pub mod decide;
 pub mod gate;
+pub mod peers;
 pub mod policy;
 pub mod replay;
 pub mod select;
@@ -27,6 +30,7 @@ pub use decide::{
     RouterCore,
 };
 pub use gate::{GateCheck, GateConfig};
+pub use peers::{Heard, PeerConfig, PeerGone, Peers};
 pub use policy::{
     parse_param, rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens,
     IslBased, IslOrLoad, LoadBased, NeverDisagg, ParamError, ParamSpec, Policy, PolicyInput,

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    DecodeSelection, GateConfig, LedgerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig,
+    DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig,
     TierWeights, POLICIES,
 };
 
@@ -59,6 +59,11 @@ pub struct Timeouts {
     /// Default 2 s.
     #[serde(with = "settings::duration")]
     pub route: Duration,
+    /// A leg quiet this long has its worker probed (and is failed at once
+    /// when no agent listens any more); also the probe's own wait.
+    /// Default 1 s.
+    #[serde(with = "settings::duration")]
+    pub probe: Duration,
     /// Grace for in-flight HTTP requests at shutdown. Default 10 s.
     #[serde(with = "settings::duration")]
     pub drain: Duration,
@@ -73,6 +78,7 @@ impl Default for Timeouts {
             first_chunk: Duration::from_secs(30),
             idle: Duration::from_secs(30),
             route: Duration::from_secs(2),
+            probe: Duration::from_secs(1),
             drain: Duration::from_secs(10),
             tick: Duration::from_secs(1),
         }
@@ -130,6 +136,8 @@ pub struct Config {
     pub tier_weights: TierWeights,
     pub gate: GateConfig,
     pub ledger: LedgerConfig,
+    /// Heartbeats between replicas (`[peers]`).
+    pub peers: PeerConfig,
     pub timeouts: Timeouts,
 }
 
@@ -159,6 +167,7 @@ impl Default for Config {
             tier_weights: TierWeights::default(),
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
+            peers: PeerConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -307,6 +316,18 @@ fn fixed_flags() -> Vec<Flag> {
     .long("report-grace")
     .legacy(Legacy::millis("report-grace-ms")),
     Flag::new(
+        "peers.heartbeat",
+        Kind::Duration,
+        "Peers: how often this replica tells the others it is alive",
+    )
+    .long("peer-heartbeat"),
+    Flag::new(
+        "peers.timeout",
+        Kind::Duration,
+        "Peers: a replica not heard of for this long is taken for dead and its reservations released",
+    )
+    .long("peer-timeout"),
+    Flag::new(
         "timeouts.first_chunk",
         Kind::Duration,
         "Dispatch: longest wait for a worker's first chunk",
@@ -327,6 +348,12 @@ fn fixed_flags() -> Vec<Flag> {
     )
     .long("route-timeout")
     .legacy(Legacy::millis("route-timeout-ms")),
+    Flag::new(
+        "timeouts.probe",
+        Kind::Duration,
+        "Dispatch: a leg quiet this long has its worker probed; a worker whose agent is gone fails the leg at once",
+    )
+    .long("probe-interval"),
     Flag::new(
         "timeouts.drain",
         Kind::Duration,
@@ -503,6 +530,7 @@ impl Config {
             ("timeouts.first_chunk", t.first_chunk),
             ("timeouts.idle", t.idle),
             ("timeouts.route", t.route),
+            ("timeouts.probe", t.probe),
             ("timeouts.tick", t.tick),
         ] {
             if value.is_zero() {
@@ -511,6 +539,16 @@ impl Config {
         }
         if self.ledger.ttl_ms == 0 {
             return Err(invalid("ledger.ttl", "0s", "must be longer than 0"));
+        }
+        if self.peers.heartbeat_ms == 0 {
+            return Err(invalid("peers.heartbeat", "0s", "must be longer than 0"));
+        }
+        if self.peers.timeout_ms < 2 * self.peers.heartbeat_ms {
+            return Err(invalid(
+                "peers.timeout",
+                format!("{}ms", self.peers.timeout_ms),
+                "must be at least two heartbeats (peers.heartbeat)",
+            ));
         }
         self.router().validate()?;
         self.policy

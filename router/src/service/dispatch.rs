@@ -21,8 +21,18 @@
 //! (`subjects::progress(replica)`). A failure before any token, when
 //! retryable, is retried once on a new decision that avoids the worker
 //! that failed.
+//!
+//! A leg quiet for `probe` has its worker probed (`subjects::ping`): when
+//! no agent listens there any more (NATS answers "no responders" at once
+//! for a subject nobody subscribes to: the agent died or left), the leg
+//! fails at once ([`DispatchError::WorkerGone`]) instead of at its
+//! timeout, and is retried when nothing has streamed. Only a worker seen
+//! answering a probe before (each is probed once at its first leg) is
+//! taken for gone: an agent too old to answer probes is left to the
+//! timeouts.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bus::Bus;
@@ -45,6 +55,12 @@ use super::metrics::Metrics;
 pub enum DispatchError {
     #[error("no agent listens on {worker}'s generate subject {subject}")]
     NoResponders { worker: WorkerId, subject: String },
+    #[error("{worker}'s agent is gone: no one answers its probe subject after {after:?} without a chunk of the {stage} leg")]
+    WorkerGone {
+        worker: WorkerId,
+        stage: &'static str,
+        after: Duration,
+    },
     #[error("{worker} sent no chunk of the {stage} leg within {after:?}")]
     FirstChunkTimeout {
         worker: WorkerId,
@@ -118,6 +134,7 @@ impl DispatchError {
     pub fn retryable(&self) -> bool {
         match self {
             DispatchError::NoResponders { .. }
+            | DispatchError::WorkerGone { .. }
             | DispatchError::FirstChunkTimeout { .. }
             | DispatchError::Nats { .. } => true,
             DispatchError::WorkerFailed { retryable, .. } => *retryable,
@@ -137,6 +154,7 @@ impl DispatchError {
     pub fn worker(&self) -> Option<&WorkerId> {
         match self {
             DispatchError::NoResponders { worker, .. }
+            | DispatchError::WorkerGone { worker, .. }
             | DispatchError::FirstChunkTimeout { worker, .. }
             | DispatchError::IdleTimeout { worker, .. }
             | DispatchError::WorkerFailed { worker, .. }
@@ -153,6 +171,7 @@ impl DispatchError {
     pub fn outcome(&self) -> &'static str {
         match self {
             DispatchError::NoResponders { .. } => "no_responders",
+            DispatchError::WorkerGone { .. } => "worker_gone",
             DispatchError::FirstChunkTimeout { .. } => "first_chunk_timeout",
             DispatchError::IdleTimeout { .. } => "idle_timeout",
             DispatchError::WorkerFailed { .. } => "worker_failed",
@@ -227,6 +246,19 @@ struct Inner {
     commands: mpsc::Sender<Command>,
     timeouts: Timeouts,
     metrics: Metrics,
+    /// Workers whose agent answered a probe (true) or said nothing of
+    /// probes (false: no responders at its first leg, an older agent).
+    probes: Mutex<HashMap<WorkerId, bool>>,
+}
+
+/// What a probe of a worker's agent found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    Alive,
+    /// No one subscribes to its probe subject.
+    NoResponders,
+    /// No answer in time, or a NATS error: nothing learnt.
+    Unknown,
 }
 
 /// Sends routed requests to workers; cheap to clone.
@@ -259,8 +291,74 @@ impl Dispatcher {
                 commands,
                 timeouts,
                 metrics,
+                probes: Mutex::new(HashMap::new()),
             }),
         }
+    }
+
+    /// Asks `worker`'s agent whether it is there, waiting at most the
+    /// probe period.
+    async fn ping(&self, worker: &WorkerId) -> Probe {
+        let inner = &self.inner;
+        let request = inner
+            .client
+            .request(subjects::ping(worker), Default::default());
+        let probe = match tokio::time::timeout(inner.timeouts.probe, request).await {
+            Ok(Ok(_)) => Probe::Alive,
+            Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                Probe::NoResponders
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(%worker, error = %e, "probing a worker failed");
+                Probe::Unknown
+            }
+            Err(_) => Probe::Unknown,
+        };
+        if probe != Probe::Unknown {
+            let mut probes = inner.probes.lock().expect("no panic while held");
+            let answered = probes.entry(worker.clone()).or_insert(false);
+            *answered |= probe == Probe::Alive;
+        }
+        probe
+    }
+
+    /// Probes a worker not probed yet, in the background (so that a later
+    /// silence of it can be told apart from an agent that cannot answer).
+    fn first_probe(&self, worker: &WorkerId) {
+        let known = self
+            .inner
+            .probes
+            .lock()
+            .expect("no panic while held")
+            .contains_key(worker);
+        if !known {
+            let (this, worker) = (self.clone(), worker.clone());
+            spawn(async move {
+                this.ping(&worker).await;
+            });
+        }
+    }
+
+    /// Whether a quiet leg's worker is gone: no one listens on its probe
+    /// subject, and its agent answered probes before.
+    async fn gone(&self, worker: &WorkerId) -> bool {
+        let probe = self.ping(worker).await;
+        let answers = self
+            .inner
+            .probes
+            .lock()
+            .expect("no panic while held")
+            .get(worker)
+            .copied()
+            .unwrap_or(false);
+        let outcome = match probe {
+            Probe::Alive => "alive",
+            Probe::NoResponders if answers => "gone",
+            Probe::NoResponders => "unsupported",
+            Probe::Unknown => "no_answer",
+        };
+        self.inner.metrics.worker_probe(outcome);
+        outcome == "gone"
     }
 
     /// Asks the decision's workers to stop generating it (only the one
@@ -606,6 +704,7 @@ impl Dispatcher {
             .await
             .map_err(|e| nats(&e))?;
         tracing::debug!(%worker, stage, %subject, "leg sent");
+        self.first_probe(worker);
         Ok(Leg {
             worker: worker.clone(),
             subject: subject.to_owned(),
@@ -613,6 +712,7 @@ impl Dispatcher {
             replies,
             next_index: 0,
             timeouts: inner.timeouts,
+            dispatcher: self.clone(),
         })
     }
 }
@@ -660,6 +760,8 @@ struct Leg {
     replies: async_nats::Subscriber,
     next_index: u32,
     timeouts: Timeouts,
+    /// Probes the worker when the leg is quiet.
+    dispatcher: Dispatcher,
 }
 
 impl Leg {
@@ -700,28 +802,44 @@ impl Leg {
         } else {
             self.timeouts.idle
         };
-        let message = match tokio::time::timeout(wait, self.replies.next()).await {
-            Ok(Some(message)) => message,
-            Ok(None) => {
-                return Err(DispatchError::Nats {
-                    worker: self.worker.clone(),
-                    stage: self.stage,
-                    error: "the reply subscription ended (connection closed)".into(),
-                })
-            }
-            Err(_) if first => {
-                return Err(DispatchError::FirstChunkTimeout {
-                    worker: self.worker.clone(),
-                    stage: self.stage,
-                    after: wait,
-                })
-            }
-            Err(_) => {
-                return Err(DispatchError::IdleTimeout {
-                    worker: self.worker.clone(),
-                    stage: self.stage,
-                    after: wait,
-                })
+        let started = Instant::now();
+        let deadline = started + wait;
+        // Quiet for a probe period: is the worker still there?
+        let message = loop {
+            let now = Instant::now();
+            let quiet = self.timeouts.probe.min(deadline.saturating_duration_since(now));
+            match tokio::time::timeout(quiet, self.replies.next()).await {
+                Ok(Some(message)) => break message,
+                Ok(None) => {
+                    return Err(DispatchError::Nats {
+                        worker: self.worker.clone(),
+                        stage: self.stage,
+                        error: "the reply subscription ended (connection closed)".into(),
+                    })
+                }
+                Err(_) if Instant::now() < deadline => {
+                    if self.dispatcher.gone(&self.worker).await {
+                        return Err(DispatchError::WorkerGone {
+                            worker: self.worker.clone(),
+                            stage: self.stage,
+                            after: started.elapsed(),
+                        });
+                    }
+                }
+                Err(_) if first => {
+                    return Err(DispatchError::FirstChunkTimeout {
+                        worker: self.worker.clone(),
+                        stage: self.stage,
+                        after: wait,
+                    })
+                }
+                Err(_) => {
+                    return Err(DispatchError::IdleTimeout {
+                        worker: self.worker.clone(),
+                        stage: self.stage,
+                        after: wait,
+                    })
+                }
             }
         };
         if message.status == Some(async_nats::StatusCode::NO_RESPONDERS) {

@@ -19,7 +19,7 @@ use futures::StreamExt;
 use kv_indexer::DeltaError;
 use protocol::{
     subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, LogEntry, Message,
-    Path, Progress, RequestProgress, Role, RouteDecision, WorkerId,
+    Path, Presence, Progress, RequestProgress, Role, RouteDecision, RouterHeartbeat, WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -31,8 +31,8 @@ use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::replica::{self, LoadError, LoadedIndex};
 use crate::core::{
-    decision_seed, Charges, EffectiveLoad, Explanation, RouteError, RouteOptions, RouteRequest,
-    RouterCore,
+    decision_seed, Charges, EffectiveLoad, Explanation, Heard, PeerGone, Peers, RouteError,
+    RouteOptions, RouteRequest, RouterCore,
 };
 
 /// The router clock: milliseconds since the Unix epoch (decisions carry it
@@ -83,6 +83,9 @@ pub struct LedgerView {
     /// Whether the ledger holds the decision asked about (in flight or
     /// recently finished).
     pub knows_decision: Option<bool>,
+    /// The peer replicas alive, in id order, with how many of their
+    /// decisions the ledger holds.
+    pub peers: Vec<(Arc<str>, usize)>,
 }
 
 /// One worker in a [`LedgerView`].
@@ -196,6 +199,10 @@ enum Event {
     Workers(WorkerEvent),
     Load(async_nats::Message),
     Progress(async_nats::Message),
+    /// A replica's heartbeat (this one's too).
+    Heartbeat(async_nats::Message),
+    /// Time to say this replica is alive.
+    Beat,
     PeerDecision(Result<jetstream::Message, String>),
     InputEnded(Input),
     Tick,
@@ -208,6 +215,7 @@ enum Input {
     Workers,
     Loads,
     Progress,
+    Heartbeats,
     Decisions,
 }
 
@@ -246,6 +254,8 @@ pub struct LoopParts {
     pub decision_log: DecisionLog,
     /// The bounds of readiness.
     pub readiness_bounds: ReadinessConfig,
+    /// The peer replicas (heartbeats, their held decisions).
+    pub peers: Peers,
 }
 
 /// The event loop's state.
@@ -257,6 +267,8 @@ pub struct RouterLoop {
     replica: Arc<str>,
     own_decisions: String,
     own_progress: String,
+    own_heartbeat: String,
+    peers: Peers,
     bus: Bus,
     metrics: Metrics,
     readiness: watch::Sender<Readiness>,
@@ -306,6 +318,7 @@ impl RouterLoop {
             reserve_blocks,
             decision_log,
             readiness_bounds,
+            peers,
         } = parts;
         Self {
             core,
@@ -313,6 +326,8 @@ impl RouterLoop {
             ids: ChaCha8Rng::seed_from_u64(id_seed),
             own_decisions: subjects::decisions(&replica),
             own_progress: subjects::progress(&replica),
+            own_heartbeat: subjects::router_heartbeat(&replica),
+            peers,
             replica,
             bus,
             metrics,
@@ -350,6 +365,9 @@ impl RouterLoop {
         self.publish_readiness();
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut beat =
+            tokio::time::interval(Duration::from_millis(self.peers.config().heartbeat_ms));
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let event = tokio::select! {
                 _ = stop.wait_for(|s| *s) => Event::Shutdown,
@@ -374,6 +392,11 @@ impl RouterLoop {
                     Some(m) => Event::Progress(m),
                     None => Event::InputEnded(Input::Progress),
                 },
+                heartbeat = inputs.heartbeats.next() => match heartbeat {
+                    Some(m) => Event::Heartbeat(m),
+                    None => Event::InputEnded(Input::Heartbeats),
+                },
+                _ = beat.tick() => Event::Beat,
                 decision = inputs.decisions.next() => match decision {
                     Some(m) => Event::PeerDecision(m),
                     None => Event::InputEnded(Input::Decisions),
@@ -395,6 +418,8 @@ impl RouterLoop {
                 Event::Workers(w) => self.on_workers(w),
                 Event::Load(m) => self.on_load(&m),
                 Event::Progress(m) => self.on_progress(&m),
+                Event::Heartbeat(m) => self.on_heartbeat(&m),
+                Event::Beat => self.beat(Presence::Alive),
                 Event::PeerDecision(m) => self.on_peer_decision(m),
                 Event::InputEnded(input) => {
                     // Subscriptions end only with the NATS connection, the
@@ -407,11 +432,22 @@ impl RouterLoop {
                         Input::Workers => inputs.workers = stream::pending().boxed(),
                         Input::Loads => inputs.loads = stream::pending().boxed(),
                         Input::Progress => inputs.progress = stream::pending().boxed(),
+                        Input::Heartbeats => inputs.heartbeats = stream::pending().boxed(),
                         Input::Decisions => inputs.decisions = stream::pending().boxed(),
                     }
                 }
                 Event::Tick => self.on_tick(),
             }
+        }
+        // Drained (the HTTP server stopped first): whatever the peers still
+        // hold of this replica's is void.
+        self.beat(Presence::Leaving);
+        let flush = self.bus.client().flush();
+        if tokio::time::timeout(Duration::from_secs(1), flush)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the leaving notice was not flushed in time; peers will time this replica out");
         }
         tracing::info!(replica = %self.replica, "event loop stopped");
     }
@@ -551,6 +587,7 @@ impl RouterLoop {
             index_blocks: index.stats().blocks,
             workers: list,
             knows_decision: decision.map(|d| workers.knows_decision(d)),
+            peers: self.peers.list(),
         }
     }
 
@@ -840,7 +877,10 @@ impl RouterLoop {
             Ok(p) => {
                 let released = match p.progress {
                     Progress::PrefillDone => self.core.on_prefill_done(p.decision),
-                    Progress::Finished => self.core.on_finished(p.decision),
+                    Progress::Finished => {
+                        self.peers.on_finished(p.decision);
+                        self.core.on_finished(p.decision)
+                    }
                 };
                 self.metrics
                     .peer_message("progress", if released { "applied" } else { "ignored" });
@@ -880,6 +920,14 @@ impl RouterLoop {
                     self.metrics.decision_log_lag(Duration::from_nanos(lag));
                 }
                 let charged = self.core.on_decision(&decision);
+                if charged {
+                    let replica = message
+                        .subject
+                        .as_str()
+                        .strip_prefix(subjects::DECISIONS_ALL.trim_end_matches('>'))
+                        .unwrap_or(message.subject.as_str());
+                    self.peers.on_decision(replica, decision.id, now_ms());
+                }
                 tracing::debug!(
                     decision = %decision.id,
                     request_id = %decision.request_id,
@@ -897,7 +945,81 @@ impl RouterLoop {
         }
     }
 
+    /// Publishes this replica's heartbeat (or its leaving notice).
+    fn beat(&self, state: Presence) {
+        let payload = RouterHeartbeat {
+            replica: self.replica.to_string(),
+            state,
+            every_ms: self.peers.config().heartbeat_ms,
+            at_ms: now_ms(),
+        }
+        .encode();
+        let client = self.bus.client().clone();
+        let subject = self.own_heartbeat.clone();
+        if state == Presence::Leaving {
+            tracing::info!(replica = %self.replica, "telling the peers this replica leaves");
+        }
+        tokio::spawn(async move {
+            if let Err(e) = client.publish(subject, payload.into()).await {
+                tracing::debug!(error = %e, "publishing the heartbeat failed");
+            }
+        });
+    }
+
+    fn on_heartbeat(&mut self, message: &async_nats::Message) {
+        if message.subject.as_str() == self.own_heartbeat {
+            return;
+        }
+        let heartbeat = match RouterHeartbeat::decode(&message.payload) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(subject = %message.subject, error = %e, "malformed router heartbeat");
+                self.metrics.peer_message("heartbeat", "malformed");
+                return;
+            }
+        };
+        if message.subject.as_str() != subjects::router_heartbeat(&heartbeat.replica) {
+            tracing::warn!(subject = %message.subject, replica = %heartbeat.replica, "a heartbeat names another replica than its subject; ignored");
+            self.metrics.peer_message("heartbeat", "ignored");
+            return;
+        }
+        self.metrics.peer_message("heartbeat", "applied");
+        match self.peers.on_heartbeat(&heartbeat, now_ms()) {
+            Heard::Joined => {
+                tracing::info!(peer = %heartbeat.replica, every_ms = heartbeat.every_ms, "peer replica heard")
+            }
+            Heard::Alive => {}
+            Heard::Left(gone) => self.release_peer(gone),
+        }
+        self.metrics.peers(self.peers.list().len());
+    }
+
+    /// Releases what a peer that left or fell silent still held here.
+    fn release_peer(&mut self, gone: PeerGone) {
+        let released = gone
+            .decisions
+            .iter()
+            .filter(|id| self.core.on_finished(**id))
+            .count();
+        let why = if gone.left { "left" } else { "silent" };
+        self.metrics.peer_released(why, released);
+        if gone.left {
+            tracing::info!(peer = %gone.replica, released, "peer replica left; its reservations are released");
+        } else {
+            tracing::warn!(
+                peer = %gone.replica,
+                released,
+                silent_ms = gone.silent_ms,
+                "peer replica fell silent (crashed?); its reservations are released"
+            );
+        }
+    }
+
     fn on_tick(&mut self) {
+        for gone in self.peers.expire(now_ms()) {
+            self.release_peer(gone);
+        }
+        self.metrics.peers(self.peers.list().len());
         let expired = self.core.expire(now_ms());
         self.metrics
             .ledger(self.core.workers().in_flight(), expired);

@@ -25,6 +25,9 @@
 //! | `router_peer_messages_total` | counter | `kind`, `outcome` |
 //! | `router_ledger_in_flight` | gauge | |
 //! | `router_ledger_expired_total` | counter | |
+//! | `router_peers` | gauge | (peer replicas heard of, alive) |
+//! | `router_peer_released_total` | counter | `why` (`left`, `silent`): peers' reservations released when the peer stopped or fell silent |
+//! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
 //! | `router_calibration_factor` | gauge | `factor` (`local_ttft`, `remote_ttft`, `itl`: the SLA policy's observed / predicted) |
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -124,6 +127,18 @@ const FAMILIES: &[(&str, &str)] = &[
         "Ledger entries dropped at their time-to-live without a finish notice",
     ),
     (
+        "router_peers",
+        "Peer router replicas heard of and alive (heartbeats)",
+    ),
+    (
+        "router_peer_released_total",
+        "Ledger reservations of peer replicas released because the peer left or fell silent, by why",
+    ),
+    (
+        "router_worker_probes_total",
+        "Liveness probes of the worker of a quiet leg, by outcome (gone: no agent listens any more, the leg failed at once)",
+    ),
+    (
         "router_calibration_factor",
         "The SLA policy's calibration factors (observed / predicted) by factor: local_ttft, remote_ttft, itl",
     ),
@@ -142,6 +157,7 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
             "decision_log_dropped",
             "decision_log_error",
             "no_responders",
+            "worker_gone",
             "first_chunk_timeout",
             "idle_timeout",
             "worker_failed",
@@ -170,6 +186,12 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
         "router_deltas_total",
         "outcome",
         &["applied", "duplicate", "gap", "error"],
+    ),
+    ("router_peer_released_total", "why", &["left", "silent"]),
+    (
+        "router_worker_probes_total",
+        "outcome",
+        &["alive", "gone", "unsupported", "no_answer"],
     ),
 ];
 
@@ -205,6 +227,7 @@ struct Inner {
     head_seq: Gauge,
     seq_lag: Gauge,
     in_flight: Gauge,
+    peers: Gauge,
     calibration: [Gauge; 3],
     expired: Counter,
 }
@@ -269,6 +292,7 @@ impl Metrics {
             head_seq: gauge("router_index_head_seq"),
             seq_lag: gauge("router_index_delta_seq_lag"),
             in_flight: gauge("router_ledger_in_flight"),
+            peers: gauge("router_peers"),
             calibration: crate::core::Factors::NAMES.map(|name| {
                 recorder.register_gauge(
                     &Key::from_parts(
@@ -435,6 +459,29 @@ impl Metrics {
         }
     }
 
+    /// Peer replicas alive.
+    pub fn peers(&self, n: usize) {
+        self.inner.peers.set(n as f64);
+    }
+
+    /// Reservations of a peer released (`why`: `left`, `silent`).
+    pub fn peer_released(&self, why: &'static str, n: usize) {
+        self.counter(
+            "router_peer_released_total",
+            vec![Label::new("why", why)],
+        )
+        .increment(n as u64);
+    }
+
+    /// A liveness probe of a quiet leg's worker.
+    pub fn worker_probe(&self, outcome: &'static str) {
+        self.counter(
+            "router_worker_probes_total",
+            vec![Label::new("outcome", outcome)],
+        )
+        .increment(1);
+    }
+
     pub fn ledger(&self, in_flight: usize, expired: usize) {
         self.inner.in_flight.set(in_flight as f64);
         self.inner.expired.increment(expired as u64);
@@ -485,6 +532,7 @@ mod tests {
         m.worker_refused("block_size");
         m.worker_malformed();
         m.ledger(1, 0);
+        m.peers(1);
         m.upkeep();
         let text = m.render();
         for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {

@@ -134,6 +134,7 @@ pub async fn run(
         reserve_blocks: config.reserve_blocks,
         decision_log,
         readiness_bounds: config.readiness,
+        peers: crate::core::Peers::new(config.peers),
     });
     let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
 

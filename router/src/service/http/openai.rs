@@ -613,6 +613,16 @@ pub struct LedgerBody {
     /// recently finished).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub knows_decision: Option<bool>,
+    /// The peer replicas alive (heartbeats), in id order.
+    pub peers: Vec<LedgerPeer>,
+}
+
+/// `GET /debug/ledger`: a peer replica alive.
+#[derive(Debug, Serialize)]
+pub struct LedgerPeer {
+    pub replica: String,
+    /// Its decisions this ledger holds (in flight, no finish notice yet).
+    pub held_decisions: usize,
 }
 
 #[cfg(test)]

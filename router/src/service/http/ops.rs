@@ -11,7 +11,7 @@ use protocol::{DecisionId, Role};
 use tokio::sync::oneshot;
 
 use super::error::ApiError;
-use super::openai::{LedgerBody, LedgerQuery, LedgerWorker, ReadyBody};
+use super::openai::{LedgerBody, LedgerPeer, LedgerQuery, LedgerWorker, ReadyBody};
 use super::{json_response, App};
 use crate::service::event_loop::{Command, LedgerView};
 
@@ -107,5 +107,13 @@ fn render(replica: &str, view: LedgerView) -> LedgerBody {
             })
             .collect(),
         knows_decision: view.knows_decision,
+        peers: view
+            .peers
+            .into_iter()
+            .map(|(replica, held)| LedgerPeer {
+                replica: replica.to_string(),
+                held_decisions: held,
+            })
+            .collect(),
     }
 }
