@@ -225,12 +225,18 @@ mod tests {
     #[test]
     fn a_silent_peer_is_dropped_with_its_open_decisions_after_the_timeout() {
         let mut p = peers();
-        assert_eq!(p.on_heartbeat(&beat("a", Presence::Alive), 0), Heard::Joined);
+        assert_eq!(
+            p.on_heartbeat(&beat("a", Presence::Alive), 0),
+            Heard::Joined
+        );
         p.on_decision("a", DecisionId(2), 100);
         p.on_decision("a", DecisionId(1), 200);
         p.on_decision("a", DecisionId(3), 300);
         p.on_finished(DecisionId(3));
-        assert_eq!(p.on_heartbeat(&beat("a", Presence::Alive), 4_000), Heard::Alive);
+        assert_eq!(
+            p.on_heartbeat(&beat("a", Presence::Alive), 4_000),
+            Heard::Alive
+        );
         // Heard at 4 000: alive until 9 000.
         assert!(p.expire(9_000).is_empty());
         let gone = p.expire(9_001);
@@ -246,7 +252,10 @@ mod tests {
         assert_eq!(p.held(), 0);
         assert!(p.list().is_empty());
         // Back again: a new peer, holding nothing.
-        assert_eq!(p.on_heartbeat(&beat("a", Presence::Alive), 10_000), Heard::Joined);
+        assert_eq!(
+            p.on_heartbeat(&beat("a", Presence::Alive), 10_000),
+            Heard::Joined
+        );
         assert!(p.expire(10_000).is_empty());
     }
 

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig,
-    TierWeights, POLICIES,
+    DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy, PolicySpec, PrefillSelection,
+    RouterConfig, TierWeights, POLICIES,
 };
 
 pub use settings::Args;

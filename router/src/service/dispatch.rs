@@ -807,7 +807,10 @@ impl Leg {
         // Quiet for a probe period: is the worker still there?
         let message = loop {
             let now = Instant::now();
-            let quiet = self.timeouts.probe.min(deadline.saturating_duration_since(now));
+            let quiet = self
+                .timeouts
+                .probe
+                .min(deadline.saturating_duration_since(now));
             match tokio::time::timeout(quiet, self.replies.next()).await {
                 Ok(Some(message)) => break message,
                 Ok(None) => {

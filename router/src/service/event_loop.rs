@@ -447,7 +447,9 @@ impl RouterLoop {
             .await
             .is_err()
         {
-            tracing::warn!("the leaving notice was not flushed in time; peers will time this replica out");
+            tracing::warn!(
+                "the leaving notice was not flushed in time; peers will time this replica out"
+            );
         }
         tracing::info!(replica = %self.replica, "event loop stopped");
     }

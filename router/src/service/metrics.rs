@@ -466,11 +466,8 @@ impl Metrics {
 
     /// Reservations of a peer released (`why`: `left`, `silent`).
     pub fn peer_released(&self, why: &'static str, n: usize) {
-        self.counter(
-            "router_peer_released_total",
-            vec![Label::new("why", why)],
-        )
-        .increment(n as u64);
+        self.counter("router_peer_released_total", vec![Label::new("why", why)])
+            .increment(n as u64);
     }
 
     /// A liveness probe of a quiet leg's worker.
