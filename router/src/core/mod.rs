@@ -5,6 +5,8 @@
 //! * [`policy`]: bypass or remote prefill, and [`policy::registry`], the
 //!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
+//! * [`admission`]: the bounded queue of requests waiting while every
+//!   decode worker is busy ([`Admission`]);
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
 //! * [`peers`]: the peer replicas' presence and the decisions of theirs
 //!   the ledger holds ([`Peers`]);
@@ -13,6 +15,7 @@
 //!   decision record;
 //! * [`replay`]: re-deciding a recorded decision ([`Replayer`]).
 
+pub mod admission;
 pub mod calibrate;
 pub mod config;
 pub mod decide;
@@ -23,6 +26,7 @@ pub mod replay;
 pub mod select;
 pub mod workers;
 
+pub use admission::{Admission, AdmissionConfig, Offer};
 pub use calibrate::{Calibration, Expected, Factors};
 pub use config::{ConfigError, RouterConfig};
 pub use decide::{

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy, PolicySpec, PrefillSelection,
-    RouterConfig, TierWeights, POLICIES,
+    AdmissionConfig, DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy, PolicySpec,
+    PrefillSelection, RouterConfig, TierWeights, POLICIES,
 };
 
 pub use settings::Args;
@@ -138,6 +138,9 @@ pub struct Config {
     pub ledger: LedgerConfig,
     /// Heartbeats between replicas (`[peers]`).
     pub peers: PeerConfig,
+    /// The queue at the door while every decode worker is busy
+    /// (`[admission]`).
+    pub admission: AdmissionConfig,
     pub timeouts: Timeouts,
 }
 
@@ -168,6 +171,7 @@ impl Default for Config {
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
             peers: PeerConfig::default(),
+            admission: AdmissionConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -327,6 +331,24 @@ fn fixed_flags() -> Vec<Flag> {
         "Peers: a replica not heard of for this long is taken for dead and its reservations released",
     )
     .long("peer-timeout"),
+    Flag::new(
+        "admission.max_queued",
+        Kind::Number,
+        "Admission: requests that may wait while every decode worker is busy; one more gets 429 (0: none waits)",
+    )
+    .long("admission-queue"),
+    Flag::new(
+        "admission.max_wait",
+        Kind::Duration,
+        "Admission: longest wait in the queue before a 429",
+    )
+    .long("admission-max-wait"),
+    Flag::new(
+        "admission.retry_after_s",
+        Kind::Number,
+        "Admission: the Retry-After (seconds) of a 429",
+    )
+    .long("admission-retry-after"),
     Flag::new(
         "timeouts.first_chunk",
         Kind::Duration,

@@ -245,6 +245,9 @@ struct Inner {
     progress_subject: String,
     commands: mpsc::Sender<Command>,
     timeouts: Timeouts,
+    /// Longest wait in the admission queue (a first decision's ask waits
+    /// it on top of the route timeout).
+    admission_wait: Duration,
     metrics: Metrics,
     /// Workers whose agent answered a probe (true) or said nothing of
     /// probes (false: no responders at its first leg, an older agent).
@@ -281,6 +284,7 @@ impl Dispatcher {
         replica: Arc<str>,
         commands: mpsc::Sender<Command>,
         timeouts: Timeouts,
+        admission_wait: Duration,
         metrics: Metrics,
     ) -> Self {
         Self {
@@ -290,6 +294,7 @@ impl Dispatcher {
                 replica,
                 commands,
                 timeouts,
+                admission_wait,
                 metrics,
                 probes: Mutex::new(HashMap::new()),
             }),
@@ -437,6 +442,12 @@ impl Dispatcher {
             Purpose::Dispatch => (false, false),
             Purpose::DryRun { explain } => (true, explain),
         };
+        // A first decision may wait at the door (and the queue is expired
+        // on the loop's tick).
+        let wait = match (dry_run, avoid.is_empty()) {
+            (false, true) => inner.timeouts.route + inner.admission_wait + inner.timeouts.tick,
+            _ => inner.timeouts.route,
+        };
         let job = RouteJob {
             request_id: request.request_id.clone(),
             isl_tokens: request.isl_tokens,
@@ -446,7 +457,7 @@ impl Dispatcher {
             dry_run,
             explain,
         };
-        let assignment = ask_route(&inner.commands, job, inner.timeouts.route)
+        let assignment = ask_route(&inner.commands, job, wait)
             .await
             .inspect_err(|e| inner.metrics.route_error(e.label()))?;
         inner.metrics.route_latency(started.elapsed());

@@ -31,9 +31,12 @@ use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::replica::{self, LoadError, LoadedIndex};
 use crate::core::{
-    decision_seed, Charges, EffectiveLoad, Explanation, Heard, PeerGone, Peers, RouteError,
-    RouteOptions, RouteRequest, RouterCore,
+    admission, decision_seed, Admission, Charges, EffectiveLoad, Explanation, Heard, Offer,
+    PeerGone, Peers, RouteError, RouteOptions, RouteRequest, RouterCore,
 };
+
+/// A route command's job and where its answer goes.
+type RouteReply = oneshot::Sender<Result<Assignment, RouteError>>;
 
 /// The router clock: milliseconds since the Unix epoch (decisions carry it
 /// to peers, whose ledgers expire entries against their own clock).
@@ -256,6 +259,8 @@ pub struct LoopParts {
     pub readiness_bounds: ReadinessConfig,
     /// The peer replicas (heartbeats, their held decisions).
     pub peers: Peers,
+    /// Requests waiting while every decode worker is busy.
+    pub admission: Admission<(RouteJob, RouteReply)>,
 }
 
 /// The event loop's state.
@@ -269,6 +274,7 @@ pub struct RouterLoop {
     own_progress: String,
     own_heartbeat: String,
     peers: Peers,
+    admission: Admission<(RouteJob, RouteReply)>,
     bus: Bus,
     metrics: Metrics,
     readiness: watch::Sender<Readiness>,
@@ -319,6 +325,7 @@ impl RouterLoop {
             decision_log,
             readiness_bounds,
             peers,
+            admission,
         } = parts;
         Self {
             core,
@@ -328,6 +335,7 @@ impl RouterLoop {
             own_progress: subjects::progress(&replica),
             own_heartbeat: subjects::router_heartbeat(&replica),
             peers,
+            admission,
             replica,
             bus,
             metrics,
@@ -456,28 +464,33 @@ impl RouterLoop {
 
     fn on_command(&mut self, command: Command) {
         match command {
-            Command::Route { job, reply } => {
-                let dry_run = job.dry_run;
-                let (result, record) = match self.route(job) {
-                    Ok((assignment, record)) => (Ok(assignment), record),
-                    Err(e) => (Err(e), None),
-                };
-                match reply.send(result) {
-                    // Dispatched: to the decision log, where the peers
-                    // charge their ledgers from it.
-                    Ok(()) => {
-                        if let Some(record) = record {
-                            self.decision_log.write(record);
-                        }
+            // First attempts pass the door; dry runs and retries (already
+            // admitted) are decided at once.
+            Command::Route { job, reply } if !job.dry_run && job.avoid.is_empty() => {
+                let saturated = self.saturated();
+                let request_id = job.request_id.clone();
+                match self.admission.offer((job, reply), saturated, now_ms()) {
+                    Offer::Admit((job, reply)) => {
+                        self.metrics.admission("admitted", self.admission.len());
+                        self.decide(job, reply);
                     }
-                    // The requester is gone (timed out, client closed):
-                    // nothing will run, and no peer is told.
-                    Err(Ok(assignment)) if !dry_run => {
-                        self.core.on_finished(assignment.decision.id);
+                    Offer::Queued(position) => {
+                        self.metrics.admission("queued", self.admission.len());
+                        tracing::debug!(%request_id, position, "every decode worker is busy: queued");
                     }
-                    Err(_) => {}
+                    Offer::Rejected((_, reply)) => {
+                        let queued = self.admission.len();
+                        self.metrics.admission("rejected", queued);
+                        tracing::warn!(%request_id, queued, "every decode worker is busy and the admission queue is full: turned away");
+                        let _ = reply.send(Err(RouteError::Saturated {
+                            queued,
+                            waited_ms: 0,
+                            retry_after_s: self.admission.config().retry_after_s,
+                        }));
+                    }
                 }
             }
+            Command::Route { job, reply } => self.decide(job, reply),
             Command::Progress { decision, progress } => match progress {
                 Progress::PrefillDone => {
                     self.core.on_prefill_done(decision);
@@ -488,6 +501,7 @@ impl RouterLoop {
                 }
                 Progress::Finished => {
                     self.core.on_finished(decision);
+                    self.admit();
                 }
             },
             Command::Observed {
@@ -509,6 +523,68 @@ impl RouterLoop {
                 let _ = reply.send(self.ledger(decision));
             }
         }
+    }
+
+    /// Decides a job and answers its requester.
+    fn decide(&mut self, job: RouteJob, reply: RouteReply) {
+        let dry_run = job.dry_run;
+        let (result, record) = match self.route(job) {
+            Ok((assignment, record)) => (Ok(assignment), record),
+            Err(e) => (Err(e), None),
+        };
+        match reply.send(result) {
+            // Dispatched: to the decision log, where the peers
+            // charge their ledgers from it.
+            Ok(()) => {
+                if let Some(record) = record {
+                    self.decision_log.write(record);
+                }
+            }
+            // The requester is gone (timed out, client closed):
+            // nothing will run, and no peer is told.
+            Err(Ok(assignment)) if !dry_run => {
+                self.core.on_finished(assignment.decision.id);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Whether every decode worker is busy (see [`admission::saturated`]).
+    fn saturated(&self) -> bool {
+        admission::saturated(self.core.workers(), &self.core.config().decode, &[])
+    }
+
+    /// Decides the queued requests while a decode worker is free (after
+    /// anything that may have freed one: a finish, a load report, a
+    /// worker, a tick).
+    fn admit(&mut self) {
+        if self.admission.is_empty() {
+            return;
+        }
+        while let Some((job, reply)) = self.admission.next(self.saturated()) {
+            if !reply.is_closed() {
+                self.decide(job, reply);
+            }
+        }
+        self.metrics.admission_queued(self.admission.len());
+    }
+
+    /// Turns away the requests that waited in the queue their longest, and
+    /// forgets those whose requester left.
+    fn expire_queue(&mut self) {
+        let retry_after_s = self.admission.config().retry_after_s;
+        for ((job, reply), waited_ms) in self.admission.expire(now_ms()) {
+            let queued = self.admission.len();
+            self.metrics.admission("timed_out", queued);
+            tracing::warn!(request_id = %job.request_id, waited_ms, queued, "every decode worker stayed busy: turned away after waiting in the admission queue");
+            let _ = reply.send(Err(RouteError::Saturated {
+                queued,
+                waited_ms,
+                retry_after_s,
+            }));
+        }
+        self.admission.retain(|(_, reply)| !reply.is_closed());
+        self.metrics.admission_queued(self.admission.len());
     }
 
     /// A decision, and its record when it is to be dispatched.
@@ -801,6 +877,7 @@ impl RouterLoop {
         }
         self.metrics.workers_registered(self.core.workers().len());
         self.publish_context();
+        self.admit();
     }
 
     /// The smallest context length the registered workers said, for the
@@ -863,6 +940,9 @@ impl RouterLoop {
                 let applied = self.core.on_load(report, now_ms());
                 self.metrics
                     .peer_message("load", if applied { "applied" } else { "ignored" });
+                if applied {
+                    self.admit();
+                }
             }
             Err(e) => {
                 tracing::warn!(subject = %message.subject, error = %e, "malformed load report");
@@ -886,6 +966,9 @@ impl RouterLoop {
                 };
                 self.metrics
                     .peer_message("progress", if released { "applied" } else { "ignored" });
+                if released {
+                    self.admit();
+                }
             }
             Err(e) => {
                 tracing::warn!(subject = %message.subject, error = %e, "malformed progress notice");
@@ -1025,6 +1108,8 @@ impl RouterLoop {
         let expired = self.core.expire(now_ms());
         self.metrics
             .ledger(self.core.workers().in_flight(), expired);
+        self.admit();
+        self.expire_queue();
         self.metrics.calibration(&self.core.calibration().factors());
         self.metrics.workers_registered(self.core.workers().len());
         self.metrics

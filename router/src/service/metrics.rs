@@ -28,6 +28,8 @@
 //! | `router_peers` | gauge | (peer replicas heard of, alive) |
 //! | `router_peer_released_total` | counter | `why` (`left`, `silent`): peers' reservations released when the peer stopped or fell silent |
 //! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
+//! | `router_admission_queued` | gauge | (requests waiting while every decode worker is busy) |
+//! | `router_admission_total` | counter | `outcome` (`admitted`, `queued`, `rejected`: queue full, `timed_out`: waited `max_wait`) |
 //! | `router_calibration_factor` | gauge | `factor` (`local_ttft`, `remote_ttft`, `itl`: the SLA policy's observed / predicted) |
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -139,6 +141,14 @@ const FAMILIES: &[(&str, &str)] = &[
         "Liveness probes of the worker of a quiet leg, by outcome (gone: no agent listens any more, the leg failed at once)",
     ),
     (
+        "router_admission_queued",
+        "Requests waiting in the admission queue while every decode worker is busy",
+    ),
+    (
+        "router_admission_total",
+        "Requests at the door by outcome: admitted at once, queued, rejected (queue full: 429), timed_out (waited max_wait in the queue: 429)",
+    ),
+    (
         "router_calibration_factor",
         "The SLA policy's calibration factors (observed / predicted) by factor: local_ttft, remote_ttft, itl",
     ),
@@ -180,6 +190,8 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
             "internal",
             "stopping",
             "overloaded",
+            "saturated",
+            "queue_timeout",
         ],
     ),
     (
@@ -188,6 +200,11 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
         &["applied", "duplicate", "gap", "error"],
     ),
     ("router_peer_released_total", "why", &["left", "silent"]),
+    (
+        "router_admission_total",
+        "outcome",
+        &["admitted", "queued", "rejected", "timed_out"],
+    ),
     (
         "router_worker_probes_total",
         "outcome",
@@ -228,6 +245,7 @@ struct Inner {
     seq_lag: Gauge,
     in_flight: Gauge,
     peers: Gauge,
+    admission_queued: Gauge,
     calibration: [Gauge; 3],
     expired: Counter,
 }
@@ -293,6 +311,7 @@ impl Metrics {
             seq_lag: gauge("router_index_delta_seq_lag"),
             in_flight: gauge("router_ledger_in_flight"),
             peers: gauge("router_peers"),
+            admission_queued: gauge("router_admission_queued"),
             calibration: crate::core::Factors::NAMES.map(|name| {
                 recorder.register_gauge(
                     &Key::from_parts(
@@ -468,6 +487,21 @@ impl Metrics {
     pub fn peer_released(&self, why: &'static str, n: usize) {
         self.counter("router_peer_released_total", vec![Label::new("why", why)])
             .increment(n as u64);
+    }
+
+    /// A request at the door (`admitted`, `queued`, `rejected`,
+    /// `timed_out`), and the queue's length after it.
+    pub fn admission(&self, outcome: &'static str, queued: usize) {
+        self.counter(
+            "router_admission_total",
+            vec![Label::new("outcome", outcome)],
+        )
+        .increment(1);
+        self.inner.admission_queued.set(queued as f64);
+    }
+
+    pub fn admission_queued(&self, queued: usize) {
+        self.inner.admission_queued.set(queued as f64);
     }
 
     /// A liveness probe of a quiet leg's worker.

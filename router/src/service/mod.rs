@@ -135,6 +135,7 @@ pub async fn run(
         decision_log,
         readiness_bounds: config.readiness,
         peers: crate::core::Peers::new(config.peers),
+        admission: crate::core::Admission::new(config.admission),
     });
     let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
 
@@ -143,6 +144,7 @@ pub async fn run(
         replica.clone(),
         commands.clone(),
         config.timeouts,
+        std::time::Duration::from_millis(config.admission.max_wait_ms),
         metrics.clone(),
     );
     let app = Arc::new(http::App {
