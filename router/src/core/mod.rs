@@ -5,6 +5,8 @@
 //! * [`policy`]: bypass or remote prefill, and [`policy::registry`], the
 //!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
+//! * [`breaker`]: the circuit breaker taking a repeatedly failing worker
+//!   out of rotation ([`Breakers`]);
 //! * [`admission`]: the bounded queue of requests waiting while every
 //!   decode worker is busy ([`Admission`]);
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
@@ -16,6 +18,7 @@
 //! * [`replay`]: re-deciding a recorded decision ([`Replayer`]).
 
 pub mod admission;
+pub mod breaker;
 pub mod calibrate;
 pub mod config;
 pub mod decide;
@@ -27,6 +30,7 @@ pub mod select;
 pub mod workers;
 
 pub use admission::{Admission, AdmissionConfig, Offer};
+pub use breaker::{BreakerConfig, BreakerState, Breakers, Transition};
 pub use calibrate::{Calibration, Expected, Factors};
 pub use config::{ConfigError, RouterConfig};
 pub use decide::{

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    AdmissionConfig, DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy, PolicySpec,
-    PrefillSelection, RouterConfig, TierWeights, POLICIES,
+    AdmissionConfig, BreakerConfig, DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy,
+    PolicySpec, PrefillSelection, RouterConfig, TierWeights, POLICIES,
 };
 
 pub use settings::Args;
@@ -43,6 +43,28 @@ pub enum ConfigError {
     },
     #[error(transparent)]
     Core(#[from] crate::core::ConfigError),
+}
+
+/// Retries of a dispatch that failed before its first token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Retry {
+    /// Further attempts, each on a new decision avoiding every worker that
+    /// failed the request. Default 2.
+    pub attempts: u32,
+    /// Wait before the first retry, doubled before each next one.
+    /// Default 50 ms.
+    #[serde(with = "settings::duration")]
+    pub backoff: Duration,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self {
+            attempts: 2,
+            backoff: Duration::from_millis(50),
+        }
+    }
 }
 
 /// Dispatch and service timing.
@@ -141,6 +163,10 @@ pub struct Config {
     /// The queue at the door while every decode worker is busy
     /// (`[admission]`).
     pub admission: AdmissionConfig,
+    /// Retries before the first token (`[retry]`).
+    pub retry: Retry,
+    /// The circuit breaker (`[breaker]`).
+    pub breaker: BreakerConfig,
     pub timeouts: Timeouts,
 }
 
@@ -172,6 +198,8 @@ impl Default for Config {
             ledger: LedgerConfig::default(),
             peers: PeerConfig::default(),
             admission: AdmissionConfig::default(),
+            retry: Retry::default(),
+            breaker: BreakerConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -349,6 +377,30 @@ fn fixed_flags() -> Vec<Flag> {
         "Admission: the Retry-After (seconds) of a 429",
     )
     .long("admission-retry-after"),
+    Flag::new(
+        "retry.attempts",
+        Kind::Number,
+        "Dispatch: further attempts of a request that failed before its first token, each on another worker",
+    )
+    .long("retry-attempts"),
+    Flag::new(
+        "retry.backoff",
+        Kind::Duration,
+        "Dispatch: wait before the first retry, doubled before each next one",
+    )
+    .long("retry-backoff"),
+    Flag::new(
+        "breaker.failures",
+        Kind::Number,
+        "Circuit breaker: failed dispatches in a row that take a worker out of rotation (0: off)",
+    )
+    .long("breaker-failures"),
+    Flag::new(
+        "breaker.open_for",
+        Kind::Duration,
+        "Circuit breaker: how long a worker stays out before one trial request",
+    )
+    .long("breaker-open-for"),
     Flag::new(
         "timeouts.first_chunk",
         Kind::Duration,

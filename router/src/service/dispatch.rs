@@ -19,8 +19,10 @@
 //! once their requester has them); `PrefillDone` and `Finished` go to this
 //! replica's ledger (through the event loop) and to the peers'
 //! (`subjects::progress(replica)`). A failure before any token, when
-//! retryable, is retried once on a new decision that avoids the worker
-//! that failed.
+//! retryable, is retried (up to `retry.attempts` times, after a backoff
+//! that doubles) on a new decision that avoids every worker that failed
+//! it. Every leg's end is told to the loop's circuit breakers
+//! (`Command::Outcome`): a success, or a failure that is the worker's.
 //!
 //! A leg quiet for `probe` has its worker probed (`subjects::ping`): when
 //! no agent listens there any more (NATS answers "no responders" at once
@@ -46,7 +48,7 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tracing::Instrument;
 
-use super::config::Timeouts;
+use super::config::{Retry, Timeouts};
 use super::event_loop::{ask_route, now_ms, AskError, Assignment, Command, RouteJob};
 use super::metrics::Metrics;
 
@@ -140,6 +142,22 @@ impl DispatchError {
             DispatchError::WorkerFailed { retryable, .. } => *retryable,
             _ => false,
         }
+    }
+
+    /// Whether the failure is the worker's (the circuit breaker counts
+    /// it): not the client's, not this router's connection.
+    pub fn blames_worker(&self) -> bool {
+        matches!(
+            self,
+            DispatchError::NoResponders { .. }
+                | DispatchError::WorkerGone { .. }
+                | DispatchError::FirstChunkTimeout { .. }
+                | DispatchError::IdleTimeout { .. }
+                | DispatchError::WorkerFailed { .. }
+                | DispatchError::MissingChunk { .. }
+                | DispatchError::Malformed { .. }
+                | DispatchError::Protocol { .. }
+        )
     }
 
     /// Whether the failure is a timeout (504 rather than 502).
@@ -245,6 +263,7 @@ struct Inner {
     progress_subject: String,
     commands: mpsc::Sender<Command>,
     timeouts: Timeouts,
+    retry: Retry,
     /// Longest wait in the admission queue (a first decision's ask waits
     /// it on top of the route timeout).
     admission_wait: Duration,
@@ -284,6 +303,7 @@ impl Dispatcher {
         replica: Arc<str>,
         commands: mpsc::Sender<Command>,
         timeouts: Timeouts,
+        retry: Retry,
         admission_wait: Duration,
         metrics: Metrics,
     ) -> Self {
@@ -294,6 +314,7 @@ impl Dispatcher {
                 replica,
                 commands,
                 timeouts,
+                retry,
                 admission_wait,
                 metrics,
                 probes: Mutex::new(HashMap::new()),
@@ -395,6 +416,15 @@ impl Dispatcher {
     /// dropped when the loop is busy: an observation is not owed.
     fn observed(&self, command: Command) {
         let _ = self.inner.commands.try_send(command);
+    }
+
+    /// Tells the loop's circuit breakers how a worker did; dropped when the
+    /// loop is busy.
+    fn outcome(&self, worker: &WorkerId, ok: bool) {
+        let _ = self.inner.commands.try_send(Command::Outcome {
+            worker: worker.clone(),
+            ok,
+        });
     }
 
     /// Tells this replica's ledger (through the loop) and the peers'.
@@ -513,7 +543,8 @@ impl Dispatcher {
             max_tokens: request.max_tokens,
             sampling: request.sampling.clone(),
         };
-        let mut retried = false;
+        let mut retries = 0;
+        let mut avoid: Vec<WorkerId> = Vec::new();
         loop {
             generate.annotation = assignment.decision.annotation();
             let mut ticket = Ticket {
@@ -531,6 +562,11 @@ impl Dispatcher {
             let error = match result {
                 Ok(()) => {
                     metrics.dispatch("ok");
+                    let d = &assignment.decision;
+                    self.outcome(&d.decode, true);
+                    if let Some(prefill) = &d.prefill {
+                        self.outcome(prefill, true);
+                    }
                     return;
                 }
                 Err(DispatchError::ClientGone) => {
@@ -541,13 +577,29 @@ impl Dispatcher {
                 }
                 Err(e) => e,
             };
+            if let (Some(worker), true) = (error.worker(), error.blames_worker()) {
+                self.outcome(worker, false);
+            }
             let mut no_retry = None;
-            if !retried && !streamed && error.retryable() {
+            let retry = &self.inner.retry;
+            if retries < retry.attempts && !streamed && error.retryable() {
                 let failed = assignment.decision.id;
-                tracing::warn!(decision = %failed, %error, "dispatch failed before any token; retrying on another worker");
-                let avoid: Vec<WorkerId> = error.worker().cloned().into_iter().collect();
+                let backoff = retry.backoff.saturating_mul(1 << retries.min(16));
+                tracing::warn!(decision = %failed, %error, ?backoff, attempt = retries + 1, "dispatch failed before any token; retrying on another worker");
+                if let Some(worker) = error.worker() {
+                    if !avoid.contains(worker) {
+                        avoid.push(worker.clone());
+                    }
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    _ = out.closed() => {
+                        metrics.dispatch("client_gone");
+                        return;
+                    }
+                }
                 match self
-                    .decide(&request, avoid, Purpose::Dispatch, Some(failed))
+                    .decide(&request, avoid.clone(), Purpose::Dispatch, Some(failed))
                     .await
                 {
                     Ok(next) => {
@@ -563,7 +615,7 @@ impl Dispatcher {
                             return;
                         }
                         assignment = next;
-                        retried = true;
+                        retries += 1;
                         continue;
                     }
                     Err(e) => no_retry = Some(format!("no retry: {e}")),

@@ -31,8 +31,8 @@ use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::replica::{self, LoadError, LoadedIndex};
 use crate::core::{
-    admission, decision_seed, Admission, Charges, EffectiveLoad, Explanation, Heard, Offer,
-    PeerGone, Peers, RouteError, RouteOptions, RouteRequest, RouterCore,
+    admission, decision_seed, Admission, BreakerState, Breakers, Charges, EffectiveLoad,
+    Explanation, Heard, Offer, PeerGone, Peers, RouteError, RouteOptions, RouteRequest, RouterCore,
 };
 
 /// A route command's job and where its answer goes.
@@ -96,6 +96,8 @@ pub struct LedgerView {
 pub struct WorkerLedger {
     pub worker: WorkerId,
     pub role: Role,
+    /// Its circuit breaker.
+    pub breaker: BreakerState,
     pub charges: Charges,
     pub load: Option<EffectiveLoad>,
 }
@@ -117,6 +119,9 @@ pub enum Command {
         decision: Option<DecisionId>,
         reply: oneshot::Sender<LedgerView>,
     },
+    /// A dispatch to a worker ended: `ok`, or failed by the worker's fault
+    /// (the circuit breaker's input).
+    Outcome { worker: WorkerId, ok: bool },
     /// What a request this replica dispatched was observed to take, for
     /// the SLA policy's calibration: its first token and last token (ms on
     /// the decisions' clock) and its output tokens.
@@ -261,6 +266,8 @@ pub struct LoopParts {
     pub peers: Peers,
     /// Requests waiting while every decode worker is busy.
     pub admission: Admission<(RouteJob, RouteReply)>,
+    /// The workers' circuit breakers.
+    pub breakers: Breakers,
 }
 
 /// The event loop's state.
@@ -275,6 +282,7 @@ pub struct RouterLoop {
     own_heartbeat: String,
     peers: Peers,
     admission: Admission<(RouteJob, RouteReply)>,
+    breakers: Breakers,
     bus: Bus,
     metrics: Metrics,
     readiness: watch::Sender<Readiness>,
@@ -326,6 +334,7 @@ impl RouterLoop {
             readiness_bounds,
             peers,
             admission,
+            breakers,
         } = parts;
         Self {
             core,
@@ -336,6 +345,7 @@ impl RouterLoop {
             own_heartbeat: subjects::router_heartbeat(&replica),
             peers,
             admission,
+            breakers,
             replica,
             bus,
             metrics,
@@ -522,6 +532,16 @@ impl RouterLoop {
             Command::Ledger { decision, reply } => {
                 let _ = reply.send(self.ledger(decision));
             }
+            Command::Outcome { worker, ok } => {
+                let transition = if ok {
+                    self.breakers.on_success(&worker)
+                } else {
+                    self.breakers.on_failure(&worker, now_ms())
+                };
+                if let Some(t) = transition {
+                    self.breaker_changed(&worker, t);
+                }
+            }
         }
     }
 
@@ -549,9 +569,53 @@ impl RouterLoop {
         }
     }
 
-    /// Whether every decode worker is busy (see [`admission::saturated`]).
+    /// Whether every decode worker is busy (see [`admission::saturated`]),
+    /// those out of rotation left out.
     fn saturated(&self) -> bool {
-        admission::saturated(self.core.workers(), &self.core.config().decode, &[])
+        let out = self.out_of_rotation(&[]);
+        admission::saturated(self.core.workers(), &self.core.config().decode, &out)
+    }
+
+    /// The workers the breakers keep out of a decision besides `avoid`:
+    /// none when that would leave no decode-capable worker (a failing
+    /// worker beats none).
+    fn out_of_rotation(&self, avoid: &[WorkerId]) -> Vec<WorkerId> {
+        let excluded = self.breakers.excluded(now_ms());
+        if excluded.is_empty() {
+            return excluded;
+        }
+        let left = self
+            .core
+            .workers()
+            .records()
+            .filter(|r| r.role.decodes())
+            .any(|r| !avoid.contains(&r.id) && !excluded.contains(&r.id));
+        if left {
+            excluded
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn breaker_changed(&mut self, worker: &WorkerId, transition: crate::core::Transition) {
+        self.metrics.breaker(transition.label());
+        match transition {
+            crate::core::Transition::Opened { failures } => tracing::warn!(
+                %worker,
+                failures,
+                open_for_ms = self.breakers.config().open_for_ms,
+                "circuit breaker open: the worker failed {failures} dispatches in a row; out of rotation"
+            ),
+            crate::core::Transition::HalfOpened => tracing::info!(
+                %worker,
+                "circuit breaker half-open: one trial request may go to the worker"
+            ),
+            crate::core::Transition::Closed => {
+                tracing::info!(%worker, "circuit breaker closed: the worker is back in rotation")
+            }
+        }
+        self.metrics
+            .breakers_open(self.breakers.excluded(now_ms()).len());
     }
 
     /// Decides the queued requests while a decode worker is free (after
@@ -600,9 +664,17 @@ impl RouterLoop {
         // Draws depend on the request only: replicas at the same state
         // decide alike, and a logged decision replays exactly.
         let seed = decision_seed(self.seed, &request);
+        // The workers out of rotation are avoided like a retry's failed
+        // ones, and recorded with them: a replay leaves them out too.
+        let mut avoid = job.avoid.clone();
+        for worker in self.out_of_rotation(&job.avoid) {
+            if !avoid.contains(&worker) {
+                avoid.push(worker);
+            }
+        }
         // The explanation is the record's (candidates' loads and depths).
         let options = RouteOptions {
-            avoid: &job.avoid,
+            avoid: &avoid,
             explain: true,
         };
         let mut attempts = 0;
@@ -617,6 +689,12 @@ impl RouterLoop {
         };
         let decision = routed.decision;
         let explanation = routed.explanation.unwrap_or_default();
+        if !job.dry_run {
+            self.breakers.on_routed(&decision.decode);
+            if let Some(prefill) = &decision.prefill {
+                self.breakers.on_routed(prefill);
+            }
+        }
         self.metrics.decision(&decision, started.elapsed());
         let record = if job.dry_run {
             // Nothing will run and no peer hears of it: release the
@@ -627,7 +705,7 @@ impl RouterLoop {
             // Dispatched decisions go to the decision log with their inputs.
             let record = self
                 .core
-                .record(&decision, &explanation, &request, seed, &job.avoid);
+                .record(&decision, &explanation, &request, seed, &avoid);
             Some(record)
         };
         let subject = |id: &WorkerId| {
@@ -652,6 +730,7 @@ impl RouterLoop {
             .map(|r| WorkerLedger {
                 worker: r.id.clone(),
                 role: r.role,
+                breaker: self.breakers.state(&r.id),
                 charges: workers.ledger_charges(&r.id),
                 load: workers.effective_load(&r.id),
             })
@@ -921,6 +1000,7 @@ impl RouterLoop {
                 }
             }
             WorkerChange::Down(id) => {
+                self.breakers.forget(&id);
                 if self.core.deregister(&id) {
                     tracing::info!(worker = %id, "worker deregistered");
                 }
@@ -1101,6 +1181,9 @@ impl RouterLoop {
     }
 
     fn on_tick(&mut self) {
+        for worker in self.breakers.tick(now_ms()) {
+            self.breaker_changed(&worker, crate::core::Transition::HalfOpened);
+        }
         for gone in self.peers.expire(now_ms()) {
             self.release_peer(gone);
         }

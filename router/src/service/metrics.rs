@@ -30,6 +30,8 @@
 //! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
 //! | `router_admission_queued` | gauge | (requests waiting while every decode worker is busy) |
 //! | `router_admission_total` | counter | `outcome` (`admitted`, `queued`, `rejected`: queue full, `timed_out`: waited `max_wait`) |
+//! | `router_breaker_transitions_total` | counter | `to` (`open`, `half_open`, `closed`) |
+//! | `router_breaker_open` | gauge | (workers out of rotation: breaker open, or half-open with its trial on its way) |
 //! | `router_calibration_factor` | gauge | `factor` (`local_ttft`, `remote_ttft`, `itl`: the SLA policy's observed / predicted) |
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -149,6 +151,14 @@ const FAMILIES: &[(&str, &str)] = &[
         "Requests at the door by outcome: admitted at once, queued, rejected (queue full: 429), timed_out (waited max_wait in the queue: 429)",
     ),
     (
+        "router_breaker_transitions_total",
+        "Circuit breaker changes by the state entered: open (out of rotation), half_open (a trial may go), closed (back)",
+    ),
+    (
+        "router_breaker_open",
+        "Workers the circuit breaker keeps out of rotation",
+    ),
+    (
         "router_calibration_factor",
         "The SLA policy's calibration factors (observed / predicted) by factor: local_ttft, remote_ttft, itl",
     ),
@@ -201,6 +211,11 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
     ),
     ("router_peer_released_total", "why", &["left", "silent"]),
     (
+        "router_breaker_transitions_total",
+        "to",
+        &["open", "half_open", "closed"],
+    ),
+    (
         "router_admission_total",
         "outcome",
         &["admitted", "queued", "rejected", "timed_out"],
@@ -246,6 +261,7 @@ struct Inner {
     in_flight: Gauge,
     peers: Gauge,
     admission_queued: Gauge,
+    breakers_open: Gauge,
     calibration: [Gauge; 3],
     expired: Counter,
 }
@@ -312,6 +328,7 @@ impl Metrics {
             in_flight: gauge("router_ledger_in_flight"),
             peers: gauge("router_peers"),
             admission_queued: gauge("router_admission_queued"),
+            breakers_open: gauge("router_breaker_open"),
             calibration: crate::core::Factors::NAMES.map(|name| {
                 recorder.register_gauge(
                     &Key::from_parts(
@@ -502,6 +519,19 @@ impl Metrics {
 
     pub fn admission_queued(&self, queued: usize) {
         self.inner.admission_queued.set(queued as f64);
+    }
+
+    /// A circuit breaker changed (`to`: `open`, `half_open`, `closed`).
+    pub fn breaker(&self, to: &'static str) {
+        self.counter(
+            "router_breaker_transitions_total",
+            vec![Label::new("to", to)],
+        )
+        .increment(1);
+    }
+
+    pub fn breakers_open(&self, n: usize) {
+        self.inner.breakers_open.set(n as f64);
     }
 
     /// A liveness probe of a quiet leg's worker.

@@ -591,6 +591,9 @@ pub struct LedgerWorker {
     /// `prefill`, `decode`, `both`, or `unregistered` (only referred to by
     /// in-flight decisions).
     pub role: &'static str,
+    /// Its circuit breaker: `closed`, `open` (out of rotation) or
+    /// `half_open` (one trial request may go).
+    pub breaker: &'static str,
     pub charged_prefill_tokens: u64,
     pub charged_decode_blocks: u64,
     pub charged_requests: u32,

@@ -99,6 +99,7 @@ fn render(replica: &str, view: LedgerView) -> LedgerBody {
                     Role::Decode => "decode",
                     Role::Both => "both",
                 },
+                breaker: w.breaker.label(),
                 charged_prefill_tokens: w.charges.prefill_tokens,
                 charged_decode_blocks: w.charges.decode_blocks,
                 charged_requests: w.charges.requests,
