@@ -900,6 +900,7 @@ impl RouterLoop {
                         .records()
                         .filter(|r| r.role.decodes())
                         .count(),
+                    store_full: self.decision_log.store_full(),
                 },
                 &self.readiness_bounds,
             ),
@@ -1217,6 +1218,7 @@ impl RouterLoop {
         }
         self.nats_connected =
             self.bus.client().connection_state() == async_nats::connection::State::Connected;
+        self.metrics.store_full(self.decision_log.store_full());
         self.publish_readiness();
     }
 }

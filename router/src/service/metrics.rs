@@ -32,6 +32,7 @@
 //! | `router_admission_total` | counter | `outcome` (`admitted`, `queued`, `rejected`: queue full, `timed_out`: waited `max_wait`) |
 //! | `router_breaker_transitions_total` | counter | `to` (`open`, `half_open`, `closed`) |
 //! | `router_breaker_open` | gauge | (workers out of rotation: breaker open, or half-open with its trial on its way) |
+//! | `router_jetstream_store_full` | gauge | (1 while JetStream's store refuses the decision log for want of room) |
 //! | `router_calibration_factor` | gauge | `factor` (`local_ttft`, `remote_ttft`, `itl`: the SLA policy's observed / predicted) |
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -159,6 +160,10 @@ const FAMILIES: &[(&str, &str)] = &[
         "Workers the circuit breaker keeps out of rotation",
     ),
     (
+        "router_jetstream_store_full",
+        "1 while JetStream's store refuses this replica's decision log for want of room (not ready meanwhile)",
+    ),
+    (
         "router_calibration_factor",
         "The SLA policy's calibration factors (observed / predicted) by factor: local_ttft, remote_ttft, itl",
     ),
@@ -262,6 +267,7 @@ struct Inner {
     peers: Gauge,
     admission_queued: Gauge,
     breakers_open: Gauge,
+    store_full: Gauge,
     calibration: [Gauge; 3],
     expired: Counter,
 }
@@ -329,6 +335,7 @@ impl Metrics {
             peers: gauge("router_peers"),
             admission_queued: gauge("router_admission_queued"),
             breakers_open: gauge("router_breaker_open"),
+            store_full: gauge("router_jetstream_store_full"),
             calibration: crate::core::Factors::NAMES.map(|name| {
                 recorder.register_gauge(
                     &Key::from_parts(
@@ -528,6 +535,10 @@ impl Metrics {
             vec![Label::new("to", to)],
         )
         .increment(1);
+    }
+
+    pub fn store_full(&self, full: bool) {
+        self.inner.store_full.set(if full { 1.0 } else { 0.0 });
     }
 
     pub fn breakers_open(&self, n: usize) {

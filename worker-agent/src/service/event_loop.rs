@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -110,6 +111,9 @@ pub(super) struct Agent {
     pub(super) tasks: JoinSet<()>,
     /// Where new epochs are recorded.
     pub(super) registry: bus::Registry,
+    /// Whether JetStream's store refuses KV batches for want of room (the
+    /// HTTP health reads it).
+    pub(super) store_full: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -168,6 +172,7 @@ impl Agent {
             last_load: None,
             tasks: JoinSet::new(),
             registry: epochs.registry,
+            store_full: Arc::default(),
         }
     }
 

@@ -130,6 +130,7 @@ async fn serve_worker(
         subscribe(&client, subjects::ping(&worker)).await?,
     );
 
+    let store_full = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (http_stop, http_task) = match config.http_addr {
         Some(addr) => {
             // Installed before anything is counted.
@@ -142,6 +143,7 @@ async fn serve_worker(
                 listener,
                 metrics,
                 client.clone(),
+                store_full.clone(),
                 async {
                     let _ = stopped.await;
                 },
@@ -171,6 +173,7 @@ async fn serve_worker(
     };
 
     let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions, epochs);
+    agent.store_full = store_full;
     info!(
         role = %config.role,
         epoch = agent.epoch(),
