@@ -12,7 +12,7 @@ mod cluster;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use cluster::{tokens, Cluster, MODEL};
+use cluster::{decode, tokens, Cluster, MODEL};
 use futures::{Stream, StreamExt};
 use serde_json::{json, Value};
 
@@ -96,6 +96,40 @@ async fn a_killed_decode_agent_fails_its_stream_at_once() -> Result<()> {
             m.contains(r#"router_dispatch_total{outcome="worker_gone"} 1"#)
                 && m.contains(r#"router_worker_probes_total{outcome="gone"} 1"#),
             "{m}"
+        );
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+/// kill -9 of the decode agent holding a prompt, and at once (before its
+/// 2 s lease expires) a request for that prompt: its leg finds no agent,
+/// and the request is retried on the other decode worker before any
+/// token, answered 200.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_to_a_killed_agent_is_retried_on_another_worker() -> Result<()> {
+    let mut cluster = Cluster::start_secured(&["p0"], &["d0", "d1"], 1).await?;
+    let result = async {
+        let prompt = tokens(4242, 3000);
+        let first = cluster.complete(0, "warm", &prompt, 4).await?;
+        let home = decode(&first).to_owned();
+        let held = prompt.len() as u64 / 16 * 16;
+        let c = &cluster;
+        c.eventually("the prompt's blocks to reach the router", || async {
+            let d = c.route(0, &prompt).await?;
+            Ok(d["decode"] == home.as_str() && d["decode_overlap_tokens"].as_u64() >= Some(held))
+        })
+        .await?;
+        let worker = cluster.workers.iter_mut().find(|w| w.name == home);
+        worker.context("the home worker")?.agent.service.kill()?;
+        let answer = cluster.complete(0, "after-kill", &prompt, 4).await?;
+        let served = decode(&answer);
+        ensure!(served != home, "served by the dead {home}: {answer}");
+        ensure!(
+            answer["switchyard"]["retry_of"].is_string(),
+            "not a retry: {}",
+            answer["switchyard"]
         );
         Ok(())
     }
