@@ -23,6 +23,9 @@ mod registry;
 mod signal;
 
 pub use auth::{auth_flags, redact_url, AuthArgs, AuthError, EtcdAuth, NatsAuth, Secret};
-pub use nats::{Bus, BusError, DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE};
+pub use nats::{
+    store_full, Bus, BusError, DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE,
+    MIN_FITTED_BYTES,
+};
 pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};
 pub use signal::shutdown_signal;

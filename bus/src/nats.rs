@@ -75,6 +75,39 @@ pub enum BusError {
     Decode(#[from] DecodeError),
 }
 
+impl BusError {
+    /// Whether JetStream refused for want of room in its store (or the
+    /// account's): a full disk, or caps larger than the store can reserve.
+    /// The cure is space, not a retry as such.
+    pub fn is_store_full(&self) -> bool {
+        match self {
+            BusError::Stream { message, .. }
+            | BusError::Publish { message, .. }
+            | BusError::Snapshot { message, .. } => store_full(message),
+            _ => false,
+        }
+    }
+}
+
+/// JetStream's answers for a store without room: insufficient resources
+/// (10047), storage or memory resources exceeded (10023, 10028), and the
+/// account's storage limit (10120: "maximum bytes exceeded" is a stream's
+/// own cap, which discards the oldest instead).
+pub fn store_full(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    ["10047", "10023", "10028", "10120"].iter().any(|code| {
+        m.contains(&format!("code {code}"))
+            || m.contains(&format!("code: {code}"))
+            || m.contains(&format!("err_code={code}"))
+    }) || m.contains("insufficient resources")
+        || m.contains("insufficient storage")
+        || m.contains("insufficient memory")
+        || m.contains("resources exceeded")
+}
+
+/// The smallest cap [`Bus::fit_stream_limits`] lowers a stream's to.
+pub const MIN_FITTED_BYTES: u64 = 1 << 20;
+
 /// The streams' configurations, each with its name.
 fn stream_configs(limits: &StreamLimits) -> [(&'static str, stream::Config); 3] {
     let stream = |name: &'static str, subject: &str, max_age, max_bytes| {
@@ -413,6 +446,47 @@ impl Bus {
             changed.push(name);
         }
         Ok(changed)
+    }
+
+    /// [`Bus::apply_stream_limits`], lowering the byte caps until JetStream
+    /// has room to reserve them: each refusal for want of room halves both
+    /// caps (down to [`MIN_FITTED_BYTES`]). Returns the limits set (the
+    /// ones asked for unless lowered) and the streams changed; a refusal
+    /// for another reason, or at the smallest caps, is the error.
+    pub async fn fit_stream_limits(
+        &self,
+        limits: &StreamLimits,
+    ) -> Result<(StreamLimits, Vec<&'static str>), BusError> {
+        let mut limits = limits.clone();
+        let mut changed: Vec<&'static str> = Vec::new();
+        loop {
+            match self.apply_stream_limits(&limits).await {
+                Ok(now) => {
+                    for name in now {
+                        if !changed.contains(&name) {
+                            changed.push(name);
+                        }
+                    }
+                    return Ok((limits, changed));
+                }
+                Err(e) if e.is_store_full() => {
+                    let halve = |cap: Option<u64>| {
+                        cap.filter(|&c| c > MIN_FITTED_BYTES)
+                            .map(|c| (c / 2).max(MIN_FITTED_BYTES))
+                    };
+                    let (kv, decisions) = (
+                        halve(limits.kv_events_max_bytes),
+                        halve(limits.decisions_max_bytes),
+                    );
+                    if kv.is_none() && decisions.is_none() {
+                        return Err(e);
+                    }
+                    limits.kv_events_max_bytes = kv.or(limits.kv_events_max_bytes);
+                    limits.decisions_max_bytes = decisions.or(limits.decisions_max_bytes);
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     async fn stream(&self, name: &'static str) -> Result<stream::Stream, BusError> {

@@ -5,13 +5,13 @@
 //! - An agent (`agent-NAME-RANK`, one per worker) publishes only its own
 //!   worker's KV events and load (and may create only the KV-event
 //!   stream), subscribes only to its own generate,
-//!   cancel and resync subjects, and answers only the requests it was sent
+//!   cancel, resync and ping subjects, and answers only the requests it was sent
 //!   (`allow_responses`).
 //! - The indexer alone publishes deltas and snapshots (and administers the
 //!   streams); it answers status and overlap queries and asks agents to
 //!   resync.
-//! - Routers alone publish generation requests, cancels, decisions and
-//!   progress; they read the deltas, snapshots and decision log.
+//! - Routers alone publish generation requests, cancels, liveness probes
+//!   of agents, decisions, progress and their heartbeats; they read the deltas, snapshots and decision log.
 //! - `replay` only reads the logs and asks the indexer's status.
 //!
 //! Everyone subscribes only to its own inbox (`_INBOX.USER.>`, the prefix
@@ -135,6 +135,7 @@ fn agent(worker: &WorkerId) -> Permissions {
             subjects::generate(worker),
             subjects::cancel(worker),
             subjects::resync(worker),
+            subjects::ping(worker),
             format!("{}.>", inbox_prefix(&agent_user(worker))),
         ],
         responds: true,
@@ -168,6 +169,8 @@ fn router() -> Permissions {
     let mut publish = vec![
         subjects::GENERATE_ALL.to_owned(),
         subjects::CANCEL_ALL.to_owned(),
+        subjects::PING_ALL.to_owned(),
+        subjects::ROUTER_HEARTBEATS_ALL.to_owned(),
         subjects::DECISIONS_ALL.to_owned(),
         subjects::PROGRESS_ALL.to_owned(),
         subjects::INDEX_STATUS.to_owned(),
@@ -190,6 +193,7 @@ fn router() -> Permissions {
         subscribe: vec![
             subjects::LOAD_ALL.to_owned(),
             subjects::PROGRESS_ALL.to_owned(),
+            subjects::ROUTER_HEARTBEATS_ALL.to_owned(),
             format!("{}.>", inbox_prefix(ROUTER_USER)),
         ],
         responds: false,

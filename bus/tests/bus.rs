@@ -222,3 +222,81 @@ async fn epochs_only_go_up_even_when_the_clock_goes_back() -> Result<()> {
     assert_eq!(registry.next_epoch(&worker("d1"), 7).await?, 7);
     Ok(())
 }
+
+/// A JetStream store smaller than the caps asked for: the caps are lowered
+/// until they fit (no start-up failure), and a stream that fills the store
+/// makes publishes fail with an error that says so; freeing the room lets
+/// them through again.
+#[tokio::test(flavor = "multi_thread")]
+async fn caps_larger_than_the_store_are_lowered_and_a_full_store_is_named() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("nats.conf");
+    std::fs::write(&config, "jetstream {\n  max_file_store: 48MB\n}\n")?;
+    let server = NatsServer::start_with_config(&config)?;
+    let bus = Bus::connect(&server.url(), "bus-test").await?;
+    // What every service creates: no byte cap.
+    bus.ensure_streams(&StreamLimits::default()).await?;
+    let asked = StreamLimits {
+        kv_events_max_bytes: Some(1 << 30),
+        decisions_max_bytes: Some(1 << 30),
+        ..StreamLimits::default()
+    };
+    let refused = bus.apply_stream_limits(&asked).await.unwrap_err();
+    assert!(refused.is_store_full(), "{refused}");
+    let (set, changed) = bus.fit_stream_limits(&asked).await?;
+    let (kv, decisions) = (
+        set.kv_events_max_bytes.unwrap(),
+        set.decisions_max_bytes.unwrap(),
+    );
+    assert!(kv + decisions <= 48 << 20, "{kv} + {decisions}");
+    assert!(kv >= 8 << 20, "lowered no more than needed: {kv}");
+    assert_eq!(
+        changed,
+        vec![subjects::KV_EVENTS_STREAM, subjects::DECISIONS_STREAM]
+    );
+    assert_eq!(
+        retention(&bus, subjects::KV_EVENTS_STREAM).await?.0,
+        kv as i64
+    );
+
+    // Another tenant's stream takes the rest of the store...
+    let filler = bus
+        .jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "FILLER".into(),
+            subjects: vec!["filler".into()],
+            ..Default::default()
+        })
+        .await?;
+    let chunk = vec![0u8; 512 << 10];
+    let mut full = None;
+    for _ in 0..200 {
+        let sent = async {
+            bus.jetstream()
+                .publish("filler", chunk.clone().into())
+                .await?
+                .await
+        }
+        .await;
+        if let Err(e) = sent {
+            full = Some(e.to_string());
+            break;
+        }
+    }
+    let full = full.expect("the store filled");
+    assert!(bus::store_full(&full), "{full}");
+    // ... so a KV batch is refused, and the error says why.
+    let batch = KvEventBatch {
+        worker: worker("d0"),
+        epoch: 1,
+        seq: 0,
+        events: vec![KvEvent::Cleared],
+    };
+    let error = bus.publish_kv_batch(&batch).await.unwrap_err();
+    assert!(error.is_store_full(), "{error}");
+    // Room again: it goes through.
+    drop(filler);
+    bus.jetstream().delete_stream("FILLER").await?;
+    bus.publish_kv_batch(&batch).await?;
+    Ok(())
+}

@@ -255,7 +255,7 @@ async fn max_bytes(servers: &Servers, stream: &str) -> Result<i64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_indexer_sets_the_streams_retention_or_runs_without_it() -> Result<()> {
+async fn the_indexer_sets_the_streams_retention_or_lowers_it_to_fit() -> Result<()> {
     let servers = Servers::start().await?;
     ensure!(max_bytes(&servers, subjects::DECISIONS_STREAM).await? == -1);
 
@@ -265,16 +265,21 @@ async fn the_indexer_sets_the_streams_retention_or_runs_without_it() -> Result<(
     ensure!(max_bytes(&servers, subjects::DECISIONS_STREAM).await? == 64 << 20);
     service.stop().await?;
 
-    // ... caps it cannot are refused by JetStream: the indexer still runs,
-    // and the streams keep the limits they had.
+    // ... caps it cannot are refused by JetStream: the indexer lowers them
+    // until they fit (halving), and runs; the streams stay capped.
     let mut config = servers.config();
     config.kv_events_max_bytes = 1 << 50;
     config.decisions_max_bytes = 1 << 50;
     let service = Running::start(config).await?;
     let (code, body) = http_get(service.http, "/healthz").await?;
     ensure!(code == 200, "healthz: {code} {body}");
-    ensure!(max_bytes(&servers, subjects::KV_EVENTS_STREAM).await? == 64 << 20);
-    ensure!(max_bytes(&servers, subjects::DECISIONS_STREAM).await? == 64 << 20);
+    for stream in [subjects::KV_EVENTS_STREAM, subjects::DECISIONS_STREAM] {
+        let cap = max_bytes(&servers, stream).await?;
+        ensure!(
+            cap >= bus::MIN_FITTED_BYTES as i64 && cap < 1 << 50,
+            "{stream}: {cap}"
+        );
+    }
     service.stop().await?;
     Ok(())
 }

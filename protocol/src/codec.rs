@@ -10,6 +10,7 @@ use crate::generate::{
     ResyncReply,
 };
 use crate::index::{IndexDelta, IndexSnapshot};
+use crate::presence::RouterHeartbeat;
 use crate::registry::WorkerRecord;
 use crate::replay::IndexStatus;
 
@@ -117,4 +118,5 @@ message! {
     OverlapReply => "OverlapReply", version 1;
     RequestProgress => "RequestProgress", version 1;
     IndexStatus => "IndexStatus", version 1;
+    RouterHeartbeat => "RouterHeartbeat", version 1;
 }

@@ -13,6 +13,7 @@ pub mod generate;
 pub mod hash;
 pub mod ids;
 pub mod index;
+pub mod presence;
 pub mod registry;
 pub mod replay;
 pub mod subjects;
@@ -34,5 +35,6 @@ pub use generate::{
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, WorkerId};
 pub use index::{IndexChange, IndexDelta, IndexSnapshot, OwnedRun, RunOwner, WorkerCursor};
+pub use presence::{Presence, RouterHeartbeat};
 pub use registry::{ContractMismatch, HashingContract, Role, WorkerRecord, WorkerSubjects};
 pub use replay::{CandidateInput, CandidateLoad, DecisionInputs, DecisionRecord, IndexStatus};

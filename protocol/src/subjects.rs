@@ -65,6 +65,14 @@ pub fn progress(replica: &str) -> String {
     format!("sy.progress.{replica}")
 }
 
+/// Core NATS: every router replica's [`crate::RouterHeartbeat`]s.
+pub const ROUTER_HEARTBEATS_ALL: &str = "sy.routers.*.heartbeat";
+
+/// The subject one router replica says it is alive (or leaving) on.
+pub fn router_heartbeat(replica: &str) -> String {
+    format!("sy.routers.{replica}.heartbeat")
+}
+
 /// Request/reply: generation requests served by a worker's agent.
 pub fn generate(worker: &WorkerId) -> String {
     format!("sy.worker.{}.generate", worker.subject_tokens())
@@ -80,6 +88,17 @@ pub fn cancel(worker: &WorkerId) -> String {
 
 /// Every worker's cancel subject (a router's publish permission).
 pub const CANCEL_ALL: &str = "sy.worker.*.*.cancel";
+
+/// Request/reply: a liveness probe of a worker's agent, answered with an
+/// empty message while it serves (also while it drains). A router probes
+/// the worker of a quiet leg: "no responders" means the agent is gone, and
+/// the leg fails at once instead of at its timeout.
+pub fn ping(worker: &WorkerId) -> String {
+    format!("sy.worker.{}.ping", worker.subject_tokens())
+}
+
+/// Every worker's ping subject (a router's publish permission).
+pub const PING_ALL: &str = "sy.worker.*.*.ping";
 
 /// Request/reply: ask a worker's agent to publish its full block set again.
 pub fn resync(worker: &WorkerId) -> String {
@@ -128,5 +147,7 @@ mod tests {
         assert!(matches(GENERATE_ALL, &generate(&w)));
         assert!(matches(CANCEL_ALL, &cancel(&w)));
         assert!(matches(RESYNC_ALL, &resync(&w)));
+        assert!(matches(PING_ALL, &ping(&w)));
+        assert!(matches(ROUTER_HEARTBEATS_ALL, &router_heartbeat("r0")));
     }
 }

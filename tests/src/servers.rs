@@ -635,6 +635,11 @@ impl Supervised {
         ))
     }
 
+    /// SIGTERM (by closing the lifeline), without waiting for the exit.
+    pub(crate) fn terminate(&mut self) {
+        drop(self.lifeline.take());
+    }
+
     /// SIGTERM (by closing the lifeline), wait, SIGKILL the process group
     /// after [`STOP_TIMEOUT`], wait.
     pub(crate) fn stop(&mut self) -> Result<()> {
@@ -681,6 +686,11 @@ impl Drop for Supervised {
     fn drop(&mut self) {
         if self.lifeline.is_some() {
             let _ = self.stop();
+        } else if matches!(self.child.try_wait(), Ok(None)) {
+            // Terminated, not exited yet: give it the stop's time.
+            if !matches!(wait_timeout(&mut self.child, STOP_TIMEOUT), Ok(Some(_))) {
+                let _ = self.kill();
+            }
         }
     }
 }

@@ -87,6 +87,14 @@ impl Service {
         }
     }
 
+    /// SIGTERM without waiting: the service drains and exits on its own
+    /// (see [`Service::is_running`]).
+    pub fn terminate(&mut self) {
+        if let Some(p) = self.process.as_mut() {
+            p.terminate();
+        }
+    }
+
     /// A crash: SIGKILL, no shutdown code runs.
     pub fn kill(&mut self) -> Result<()> {
         match self.process.take() {

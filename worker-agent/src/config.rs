@@ -55,6 +55,8 @@ pub struct Options {
     #[serde(with = "settings::duration")]
     pub lease_ttl: Duration,
     #[serde(with = "settings::duration")]
+    pub drain_timeout: Duration,
+    #[serde(with = "settings::duration")]
     pub load_interval: Duration,
     pub kv_queue_events: usize,
     pub kv_batch_events: usize,
@@ -96,6 +98,7 @@ impl Default for Options {
             kv_capacity_blocks: None,
             link_gb_s: 87.0,
             lease_ttl: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(30),
             load_interval: Duration::from_millis(100),
             kv_queue_events: outbox.max_queued_events,
             kv_batch_events: outbox.max_batch_events,
@@ -156,6 +159,11 @@ pub fn flags() -> Vec<Flag> {
             "Registration lease TTL: the worker's key disappears this long after the agent dies",
         )
         .legacy(Legacy::seconds("lease-ttl-s")),
+        Flag::new(
+            "drain_timeout",
+            Kind::Duration,
+            "On SIGTERM the agent deregisters, takes no new request and gives the ones in flight this long to finish before it stops the engine",
+        ),
         Flag::new(
             "load_interval",
             Kind::Duration,
@@ -345,6 +353,8 @@ pub struct Config {
     pub kv_capacity_blocks: Option<u32>,
     pub link: KvTransfer,
     pub lease_ttl: Duration,
+    /// At shutdown, how long in-flight requests get to finish.
+    pub drain_timeout: Duration,
     /// Longest gap between two load reports.
     pub load_interval: Duration,
     /// How often the load is checked for a change.
@@ -430,6 +440,7 @@ impl Options {
                 bytes_per_s: self.link_gb_s * 1e9,
             },
             lease_ttl: self.lease_ttl,
+            drain_timeout: self.drain_timeout,
             load_interval,
             load_poll: LOAD_POLL.min(load_interval),
             outbox: OutboxLimits {

@@ -1,7 +1,9 @@
 //! `GET /metrics` (Prometheus text) and `GET /healthz` (200 while NATS is
-//! connected, 503 otherwise).
+//! connected and JetStream accepts the KV events, 503 otherwise).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use async_nats::connection::State;
 use axum::extract::State as Extract;
@@ -14,6 +16,8 @@ use tokio::net::TcpListener;
 #[derive(Debug, Clone)]
 struct HttpState {
     nats: async_nats::Client,
+    /// JetStream refuses KV batches for want of room in its store.
+    store_full: Arc<AtomicBool>,
 }
 
 /// Serves on `listener` until `shutdown` completes; `/metrics` renders
@@ -22,6 +26,7 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Option<&'static PrometheusHandle>,
     nats: async_nats::Client,
+    store_full: Arc<AtomicBool>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = Router::new()
@@ -30,7 +35,7 @@ pub async fn serve(
             get(move || async move { metrics.map(|h| h.render()).unwrap_or_default() }),
         )
         .route("/healthz", get(healthz))
-        .with_state(HttpState { nats });
+        .with_state(HttpState { nats, store_full });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
@@ -38,6 +43,10 @@ pub async fn serve(
 
 async fn healthz(Extract(state): Extract<HttpState>) -> (StatusCode, &'static str) {
     match state.nats.connection_state() {
+        State::Connected if state.store_full.load(Ordering::Relaxed) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "JetStream's store is full: KV events are not accepted (held and retried)\n",
+        ),
         State::Connected => (StatusCode::OK, "ok\n"),
         State::Pending | State::Disconnected => {
             (StatusCode::SERVICE_UNAVAILABLE, "NATS is not connected\n")

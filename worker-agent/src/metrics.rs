@@ -20,6 +20,12 @@ pub const KV_QUEUE_EVENTS: &str = "worker_agent_kv_queue_events";
 pub const KV_QUEUE_OVERFLOWS: &str = "worker_agent_kv_queue_overflows_total";
 /// The current KV epoch.
 pub const KV_EPOCH: &str = "worker_agent_kv_epoch";
+
+/// 1 while JetStream refuses KV batches for want of room in its store.
+pub const STORE_FULL: &str = "worker_agent_jetstream_store_full";
+
+/// KV batch publishes JetStream refused for want of room in its store.
+pub const STORE_FULL_ERRORS: &str = "worker_agent_kv_store_full_errors_total";
 /// New epochs started from the full block set, by `reason` (request, overflow).
 pub const RESYNCS: &str = "worker_agent_resyncs_total";
 /// Generation requests by `stage` and `outcome` (finished, failed, rejected,
@@ -79,6 +85,14 @@ pub fn describe() {
         "KV queue overflows, each followed by a resync"
     );
     describe_gauge!(KV_EPOCH, "The current KV epoch");
+    describe_gauge!(
+        STORE_FULL,
+        "1 while JetStream refuses KV batches for want of room in its store (held and retried)"
+    );
+    describe_counter!(
+        STORE_FULL_ERRORS,
+        "KV batch publishes refused for want of room in JetStream's store"
+    );
     describe_counter!(
         RESYNCS,
         "New epochs started from the full block set, by reason"

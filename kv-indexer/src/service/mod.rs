@@ -129,13 +129,29 @@ impl std::fmt::Debug for Service {
 }
 
 /// Sets the streams' retention. JetStream reserves a capped stream's bytes
-/// in its store, and refuses caps it has no room for: then the streams keep
-/// their limits and the refusal is logged as an error (an indexer that
-/// would not start on a small disk helps nobody).
+/// in its store, and refuses caps it has no room for: then the caps are
+/// lowered until they fit, with a warning naming what was set (an indexer
+/// that would not start on a small disk helps nobody). Another refusal is
+/// logged as an error and the streams keep their limits.
 async fn set_retention(bus: &Bus, retention: &StreamLimits) -> Result<(), ServiceError> {
-    match bus.apply_stream_limits(retention).await {
-        Ok(changed) if changed.is_empty() => {}
-        Ok(changed) => tracing::info!(streams = ?changed, ?retention, "stream retention set"),
+    match bus.fit_stream_limits(retention).await {
+        Ok((set, changed)) => {
+            let lowered = set.kv_events_max_bytes != retention.kv_events_max_bytes
+                || set.decisions_max_bytes != retention.decisions_max_bytes;
+            if lowered {
+                tracing::warn!(
+                    asked_kv_events_max_bytes = ?retention.kv_events_max_bytes,
+                    asked_decisions_max_bytes = ?retention.decisions_max_bytes,
+                    kv_events_max_bytes = ?set.kv_events_max_bytes,
+                    decisions_max_bytes = ?set.decisions_max_bytes,
+                    "JetStream's store has no room for the streams' byte caps: they were \
+                     lowered to fit (give nats-server a larger max_file_store, or set \
+                     --kv-events-max-bytes and --decisions-max-bytes to these)"
+                );
+            } else if !changed.is_empty() {
+                tracing::info!(streams = ?changed, ?retention, "stream retention set");
+            }
+        }
         Err(error) => {
             tracing::error!(
                 %error,

@@ -54,6 +54,18 @@ pub enum RouteError {
         /// Registered decode-capable workers that were avoided.
         avoided: usize,
     },
+    /// Every decode-capable worker is busy and the admission queue is
+    /// full, or the request waited in it its longest
+    /// ([`super::admission`]). Nothing was reserved.
+    #[error("every decode worker is busy and {queued} requests are queued; waited {waited_ms} ms: retry after {retry_after_s} s")]
+    Saturated {
+        /// Requests waiting when it was turned away.
+        queued: usize,
+        /// How long it waited (0: the queue was full).
+        waited_ms: u64,
+        /// What the client is told to wait.
+        retry_after_s: u32,
+    },
 }
 
 impl RouteError {
@@ -64,6 +76,8 @@ impl RouteError {
             RouteError::NoOtherDecodeWorker { .. } => "no_other_decode_worker",
             RouteError::EmptyPrompt => "empty_prompt",
             RouteError::PromptTooLong(_) => "prompt_too_long",
+            RouteError::Saturated { waited_ms: 0, .. } => "saturated",
+            RouteError::Saturated { .. } => "queue_timeout",
             // The HTTP layer checks the prompt; these would be our bugs.
             RouteError::TooManyBlocks { .. } | RouteError::DuplicateDecision(_) => "internal",
         }

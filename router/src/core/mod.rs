@@ -5,21 +5,32 @@
 //! * [`policy`]: bypass or remote prefill, and [`policy::registry`], the
 //!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
+//! * [`breaker`]: the circuit breaker taking a repeatedly failing worker
+//!   out of rotation ([`Breakers`]);
+//! * [`admission`]: the bounded queue of requests waiting while every
+//!   decode worker is busy ([`Admission`]);
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
+//! * [`peers`]: the peer replicas' presence and the decisions of theirs
+//!   the ledger holds ([`Peers`]);
 //! * [`config`]: [`RouterConfig`], what the core is configured with;
 //! * [`decide`]: [`RouterCore`], which puts them together, and the
 //!   decision record;
 //! * [`replay`]: re-deciding a recorded decision ([`Replayer`]).
 
+pub mod admission;
+pub mod breaker;
 pub mod calibrate;
 pub mod config;
 pub mod decide;
 pub mod gate;
+pub mod peers;
 pub mod policy;
 pub mod replay;
 pub mod select;
 pub mod workers;
 
+pub use admission::{Admission, AdmissionConfig, Offer};
+pub use breaker::{BreakerConfig, BreakerState, Breakers, Transition};
 pub use calibrate::{Calibration, Expected, Factors};
 pub use config::{ConfigError, RouterConfig};
 pub use decide::{
@@ -27,6 +38,7 @@ pub use decide::{
     RouterCore,
 };
 pub use gate::{GateCheck, GateConfig};
+pub use peers::{Heard, PeerConfig, PeerGone, Peers};
 pub use policy::{
     parse_param, rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens,
     IslBased, IslOrLoad, LoadBased, NeverDisagg, ParamError, ParamSpec, Policy, PolicyInput,

@@ -85,6 +85,15 @@ pub struct DecodeSelection {
     pub temperature: f64,
 }
 
+impl DecodeSelection {
+    /// Whether a worker at `load` is busy: skipped while another is not,
+    /// and, when every one is, the router saturated (admission queues).
+    pub fn is_busy(&self, load: &EffectiveLoad) -> bool {
+        (load.kv_capacity_blocks > 0 && load.kv_usage() >= self.busy_kv_usage)
+            || load.waiting >= self.busy_waiting
+    }
+}
+
 impl Default for DecodeSelection {
     fn default() -> Self {
         Self {
@@ -211,8 +220,7 @@ pub(crate) fn score_decode(
         let potential = load.active_decode_blocks as f64 + shape.request_blocks as f64;
         let cost = potential - cfg.overlap_credit * overlap_blocks
             + cfg.queue_weight * load.queued_prefill_tokens as f64 / bs;
-        let busy = (load.kv_capacity_blocks > 0 && load.kv_usage() >= cfg.busy_kv_usage)
-            || load.waiting >= cfg.busy_waiting;
+        let busy = cfg.is_busy(&load);
         out.push(Scored {
             slot,
             depth,

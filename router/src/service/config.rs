@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    DecodeSelection, GateConfig, LedgerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig,
-    TierWeights, POLICIES,
+    AdmissionConfig, BreakerConfig, DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy,
+    PolicySpec, PrefillSelection, RouterConfig, TierWeights, POLICIES,
 };
 
 pub use settings::Args;
@@ -45,6 +45,28 @@ pub enum ConfigError {
     Core(#[from] crate::core::ConfigError),
 }
 
+/// Retries of a dispatch that failed before its first token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Retry {
+    /// Further attempts, each on a new decision avoiding every worker that
+    /// failed the request. Default 2.
+    pub attempts: u32,
+    /// Wait before the first retry, doubled before each next one.
+    /// Default 50 ms.
+    #[serde(with = "settings::duration")]
+    pub backoff: Duration,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self {
+            attempts: 2,
+            backoff: Duration::from_millis(50),
+        }
+    }
+}
+
 /// Dispatch and service timing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -59,6 +81,11 @@ pub struct Timeouts {
     /// Default 2 s.
     #[serde(with = "settings::duration")]
     pub route: Duration,
+    /// A leg quiet this long has its worker probed (and is failed at once
+    /// when no agent listens any more); also the probe's own wait.
+    /// Default 1 s.
+    #[serde(with = "settings::duration")]
+    pub probe: Duration,
     /// Grace for in-flight HTTP requests at shutdown. Default 10 s.
     #[serde(with = "settings::duration")]
     pub drain: Duration,
@@ -73,6 +100,7 @@ impl Default for Timeouts {
             first_chunk: Duration::from_secs(30),
             idle: Duration::from_secs(30),
             route: Duration::from_secs(2),
+            probe: Duration::from_secs(1),
             drain: Duration::from_secs(10),
             tick: Duration::from_secs(1),
         }
@@ -130,6 +158,15 @@ pub struct Config {
     pub tier_weights: TierWeights,
     pub gate: GateConfig,
     pub ledger: LedgerConfig,
+    /// Heartbeats between replicas (`[peers]`).
+    pub peers: PeerConfig,
+    /// The queue at the door while every decode worker is busy
+    /// (`[admission]`).
+    pub admission: AdmissionConfig,
+    /// Retries before the first token (`[retry]`).
+    pub retry: Retry,
+    /// The circuit breaker (`[breaker]`).
+    pub breaker: BreakerConfig,
     pub timeouts: Timeouts,
 }
 
@@ -159,6 +196,10 @@ impl Default for Config {
             tier_weights: TierWeights::default(),
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
+            peers: PeerConfig::default(),
+            admission: AdmissionConfig::default(),
+            retry: Retry::default(),
+            breaker: BreakerConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -307,6 +348,60 @@ fn fixed_flags() -> Vec<Flag> {
     .long("report-grace")
     .legacy(Legacy::millis("report-grace-ms")),
     Flag::new(
+        "peers.heartbeat",
+        Kind::Duration,
+        "Peers: how often this replica tells the others it is alive",
+    )
+    .long("peer-heartbeat"),
+    Flag::new(
+        "peers.timeout",
+        Kind::Duration,
+        "Peers: a replica not heard of for this long is taken for dead and its reservations released",
+    )
+    .long("peer-timeout"),
+    Flag::new(
+        "admission.max_queued",
+        Kind::Number,
+        "Admission: requests that may wait while every decode worker is busy; one more gets 429 (0: none waits)",
+    )
+    .long("admission-queue"),
+    Flag::new(
+        "admission.max_wait",
+        Kind::Duration,
+        "Admission: longest wait in the queue before a 429",
+    )
+    .long("admission-max-wait"),
+    Flag::new(
+        "admission.retry_after_s",
+        Kind::Number,
+        "Admission: the Retry-After (seconds) of a 429",
+    )
+    .long("admission-retry-after"),
+    Flag::new(
+        "retry.attempts",
+        Kind::Number,
+        "Dispatch: further attempts of a request that failed before its first token, each on another worker",
+    )
+    .long("retry-attempts"),
+    Flag::new(
+        "retry.backoff",
+        Kind::Duration,
+        "Dispatch: wait before the first retry, doubled before each next one",
+    )
+    .long("retry-backoff"),
+    Flag::new(
+        "breaker.failures",
+        Kind::Number,
+        "Circuit breaker: failed dispatches in a row that take a worker out of rotation (0: off)",
+    )
+    .long("breaker-failures"),
+    Flag::new(
+        "breaker.open_for",
+        Kind::Duration,
+        "Circuit breaker: how long a worker stays out before one trial request",
+    )
+    .long("breaker-open-for"),
+    Flag::new(
         "timeouts.first_chunk",
         Kind::Duration,
         "Dispatch: longest wait for a worker's first chunk",
@@ -327,6 +422,12 @@ fn fixed_flags() -> Vec<Flag> {
     )
     .long("route-timeout")
     .legacy(Legacy::millis("route-timeout-ms")),
+    Flag::new(
+        "timeouts.probe",
+        Kind::Duration,
+        "Dispatch: a leg quiet this long has its worker probed; a worker whose agent is gone fails the leg at once",
+    )
+    .long("probe-interval"),
     Flag::new(
         "timeouts.drain",
         Kind::Duration,
@@ -503,6 +604,7 @@ impl Config {
             ("timeouts.first_chunk", t.first_chunk),
             ("timeouts.idle", t.idle),
             ("timeouts.route", t.route),
+            ("timeouts.probe", t.probe),
             ("timeouts.tick", t.tick),
         ] {
             if value.is_zero() {
@@ -511,6 +613,16 @@ impl Config {
         }
         if self.ledger.ttl_ms == 0 {
             return Err(invalid("ledger.ttl", "0s", "must be longer than 0"));
+        }
+        if self.peers.heartbeat_ms == 0 {
+            return Err(invalid("peers.heartbeat", "0s", "must be longer than 0"));
+        }
+        if self.peers.timeout_ms < 2 * self.peers.heartbeat_ms {
+            return Err(invalid(
+                "peers.timeout",
+                format!("{}ms", self.peers.timeout_ms),
+                "must be at least two heartbeats (peers.heartbeat)",
+            ));
         }
         self.router().validate()?;
         self.policy

@@ -11,6 +11,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,6 +42,8 @@ enum LogCommand {
 pub struct DecisionLog {
     tx: mpsc::Sender<LogCommand>,
     metrics: Metrics,
+    /// JetStream refused the last write for want of room in its store.
+    store_full: Arc<AtomicBool>,
 }
 
 type Ack = Pin<Box<dyn Future<Output = (LogEntry, Result<(), BusError>)> + Send>>;
@@ -50,8 +53,22 @@ impl DecisionLog {
     /// waiting (a little) for what it sent.
     pub fn start(bus: Bus, replica: Arc<str>, metrics: Metrics) -> (DecisionLog, JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE);
-        let task = tokio::spawn(run(rx, bus, replica, metrics.clone()));
-        (DecisionLog { tx, metrics }, task)
+        let store_full = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(run(rx, bus, replica, metrics.clone(), store_full.clone()));
+        (
+            DecisionLog {
+                tx,
+                metrics,
+                store_full,
+            },
+            task,
+        )
+    }
+
+    /// Whether JetStream's store refused the last write for want of room
+    /// (readiness fails meanwhile).
+    pub fn store_full(&self) -> bool {
+        self.store_full.load(Ordering::Relaxed)
     }
 
     /// Writes a dispatched decision's record.
@@ -74,7 +91,14 @@ impl DecisionLog {
     }
 }
 
-async fn run(mut rx: mpsc::Receiver<LogCommand>, bus: Bus, replica: Arc<str>, metrics: Metrics) {
+async fn run(
+    mut rx: mpsc::Receiver<LogCommand>,
+    bus: Bus,
+    replica: Arc<str>,
+    metrics: Metrics,
+    store_full: Arc<AtomicBool>,
+) {
+    let full = Full(store_full);
     let mut writer = LogWriter::new(WriterLimits::default());
     let mut acks: FuturesUnordered<Ack> = FuturesUnordered::new();
     loop {
@@ -88,15 +112,20 @@ async fn run(mut rx: mpsc::Receiver<LogCommand>, bus: Bus, replica: Arc<str>, me
                     for entry in writer.write(&record, now_ms()) {
                         match bus.send_log_entry(&replica, &entry).await {
                             Ok(ack) => acks.push(Box::pin(async move { (entry, ack.await) })),
-                            Err(error) => lost(&mut writer, &metrics, &entry, &error),
+                            Err(error) => {
+                                full.saw(&error);
+                                lost(&mut writer, &metrics, &entry, &error)
+                            }
                         }
                     }
                 }
             },
-            Some((entry, acked)) = acks.next() => {
-                if let Err(error) = acked {
+            Some((entry, acked)) = acks.next() => match acked {
+                Err(error) => {
+                    full.saw(&error);
                     lost(&mut writer, &metrics, &entry, &error);
                 }
+                Ok(()) => full.cleared(),
             }
         }
     }
@@ -113,6 +142,24 @@ async fn run(mut rx: mpsc::Receiver<LogCommand>, bus: Bus, replica: Arc<str>, me
             unacknowledged = acks.len(),
             "decision-log entries still unacknowledged at shutdown"
         );
+    }
+}
+
+/// Whether JetStream's store is full, as the writes saw: logged once when
+/// it fills and once when it has room again.
+struct Full(Arc<AtomicBool>);
+
+impl Full {
+    fn saw(&self, error: &BusError) {
+        if error.is_store_full() && !self.0.swap(true, Ordering::Relaxed) {
+            tracing::error!(%error, "JetStream's store is full: the decision log refuses this replica's decisions (not ready until it has room)");
+        }
+    }
+
+    fn cleared(&self) {
+        if self.0.swap(false, Ordering::Relaxed) {
+            tracing::info!("JetStream's store has room again: decisions are logged");
+        }
     }
 }
 

@@ -19,10 +19,22 @@
 //! once their requester has them); `PrefillDone` and `Finished` go to this
 //! replica's ledger (through the event loop) and to the peers'
 //! (`subjects::progress(replica)`). A failure before any token, when
-//! retryable, is retried once on a new decision that avoids the worker
-//! that failed.
+//! retryable, is retried (up to `retry.attempts` times, after a backoff
+//! that doubles) on a new decision that avoids every worker that failed
+//! it. Every leg's end is told to the loop's circuit breakers
+//! (`Command::Outcome`): a success, or a failure that is the worker's.
+//!
+//! A leg quiet for `probe` has its worker probed (`subjects::ping`): when
+//! no agent listens there any more (NATS answers "no responders" at once
+//! for a subject nobody subscribes to: the agent died or left), the leg
+//! fails at once ([`DispatchError::WorkerGone`]) instead of at its
+//! timeout, and is retried when nothing has streamed. Only a worker seen
+//! answering a probe before (each is probed once at its first leg) is
+//! taken for gone: an agent too old to answer probes is left to the
+//! timeouts.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bus::Bus;
@@ -36,7 +48,7 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tracing::Instrument;
 
-use super::config::Timeouts;
+use super::config::{Retry, Timeouts};
 use super::event_loop::{ask_route, now_ms, AskError, Assignment, Command, RouteJob};
 use super::metrics::Metrics;
 
@@ -45,6 +57,12 @@ use super::metrics::Metrics;
 pub enum DispatchError {
     #[error("no agent listens on {worker}'s generate subject {subject}")]
     NoResponders { worker: WorkerId, subject: String },
+    #[error("{worker}'s agent is gone: no one answers its probe subject after {after:?} without a chunk of the {stage} leg")]
+    WorkerGone {
+        worker: WorkerId,
+        stage: &'static str,
+        after: Duration,
+    },
     #[error("{worker} sent no chunk of the {stage} leg within {after:?}")]
     FirstChunkTimeout {
         worker: WorkerId,
@@ -118,11 +136,28 @@ impl DispatchError {
     pub fn retryable(&self) -> bool {
         match self {
             DispatchError::NoResponders { .. }
+            | DispatchError::WorkerGone { .. }
             | DispatchError::FirstChunkTimeout { .. }
             | DispatchError::Nats { .. } => true,
             DispatchError::WorkerFailed { retryable, .. } => *retryable,
             _ => false,
         }
+    }
+
+    /// Whether the failure is the worker's (the circuit breaker counts
+    /// it): not the client's, not this router's connection.
+    pub fn blames_worker(&self) -> bool {
+        matches!(
+            self,
+            DispatchError::NoResponders { .. }
+                | DispatchError::WorkerGone { .. }
+                | DispatchError::FirstChunkTimeout { .. }
+                | DispatchError::IdleTimeout { .. }
+                | DispatchError::WorkerFailed { .. }
+                | DispatchError::MissingChunk { .. }
+                | DispatchError::Malformed { .. }
+                | DispatchError::Protocol { .. }
+        )
     }
 
     /// Whether the failure is a timeout (504 rather than 502).
@@ -137,6 +172,7 @@ impl DispatchError {
     pub fn worker(&self) -> Option<&WorkerId> {
         match self {
             DispatchError::NoResponders { worker, .. }
+            | DispatchError::WorkerGone { worker, .. }
             | DispatchError::FirstChunkTimeout { worker, .. }
             | DispatchError::IdleTimeout { worker, .. }
             | DispatchError::WorkerFailed { worker, .. }
@@ -153,6 +189,7 @@ impl DispatchError {
     pub fn outcome(&self) -> &'static str {
         match self {
             DispatchError::NoResponders { .. } => "no_responders",
+            DispatchError::WorkerGone { .. } => "worker_gone",
             DispatchError::FirstChunkTimeout { .. } => "first_chunk_timeout",
             DispatchError::IdleTimeout { .. } => "idle_timeout",
             DispatchError::WorkerFailed { .. } => "worker_failed",
@@ -226,7 +263,24 @@ struct Inner {
     progress_subject: String,
     commands: mpsc::Sender<Command>,
     timeouts: Timeouts,
+    retry: Retry,
+    /// Longest wait in the admission queue (a first decision's ask waits
+    /// it on top of the route timeout).
+    admission_wait: Duration,
     metrics: Metrics,
+    /// Workers whose agent answered a probe (true) or said nothing of
+    /// probes (false: no responders at its first leg, an older agent).
+    probes: Mutex<HashMap<WorkerId, bool>>,
+}
+
+/// What a probe of a worker's agent found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    Alive,
+    /// No one subscribes to its probe subject.
+    NoResponders,
+    /// No answer in time, or a NATS error: nothing learnt.
+    Unknown,
 }
 
 /// Sends routed requests to workers; cheap to clone.
@@ -249,6 +303,8 @@ impl Dispatcher {
         replica: Arc<str>,
         commands: mpsc::Sender<Command>,
         timeouts: Timeouts,
+        retry: Retry,
+        admission_wait: Duration,
         metrics: Metrics,
     ) -> Self {
         Self {
@@ -258,9 +314,77 @@ impl Dispatcher {
                 replica,
                 commands,
                 timeouts,
+                retry,
+                admission_wait,
                 metrics,
+                probes: Mutex::new(HashMap::new()),
             }),
         }
+    }
+
+    /// Asks `worker`'s agent whether it is there, waiting at most the
+    /// probe period.
+    async fn ping(&self, worker: &WorkerId) -> Probe {
+        let inner = &self.inner;
+        let request = inner
+            .client
+            .request(subjects::ping(worker), Default::default());
+        let probe = match tokio::time::timeout(inner.timeouts.probe, request).await {
+            Ok(Ok(_)) => Probe::Alive,
+            Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                Probe::NoResponders
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(%worker, error = %e, "probing a worker failed");
+                Probe::Unknown
+            }
+            Err(_) => Probe::Unknown,
+        };
+        if probe != Probe::Unknown {
+            let mut probes = inner.probes.lock().expect("no panic while held");
+            let answered = probes.entry(worker.clone()).or_insert(false);
+            *answered |= probe == Probe::Alive;
+        }
+        probe
+    }
+
+    /// Probes a worker not probed yet, in the background (so that a later
+    /// silence of it can be told apart from an agent that cannot answer).
+    fn first_probe(&self, worker: &WorkerId) {
+        let known = self
+            .inner
+            .probes
+            .lock()
+            .expect("no panic while held")
+            .contains_key(worker);
+        if !known {
+            let (this, worker) = (self.clone(), worker.clone());
+            spawn(async move {
+                this.ping(&worker).await;
+            });
+        }
+    }
+
+    /// Whether a quiet leg's worker is gone: no one listens on its probe
+    /// subject, and its agent answered probes before.
+    async fn gone(&self, worker: &WorkerId) -> bool {
+        let probe = self.ping(worker).await;
+        let answers = self
+            .inner
+            .probes
+            .lock()
+            .expect("no panic while held")
+            .get(worker)
+            .copied()
+            .unwrap_or(false);
+        let outcome = match probe {
+            Probe::Alive => "alive",
+            Probe::NoResponders if answers => "gone",
+            Probe::NoResponders => "unsupported",
+            Probe::Unknown => "no_answer",
+        };
+        self.inner.metrics.worker_probe(outcome);
+        outcome == "gone"
     }
 
     /// Asks the decision's workers to stop generating it (only the one
@@ -292,6 +416,15 @@ impl Dispatcher {
     /// dropped when the loop is busy: an observation is not owed.
     fn observed(&self, command: Command) {
         let _ = self.inner.commands.try_send(command);
+    }
+
+    /// Tells the loop's circuit breakers how a worker did; dropped when the
+    /// loop is busy.
+    fn outcome(&self, worker: &WorkerId, ok: bool) {
+        let _ = self.inner.commands.try_send(Command::Outcome {
+            worker: worker.clone(),
+            ok,
+        });
     }
 
     /// Tells this replica's ledger (through the loop) and the peers'.
@@ -339,6 +472,12 @@ impl Dispatcher {
             Purpose::Dispatch => (false, false),
             Purpose::DryRun { explain } => (true, explain),
         };
+        // A first decision may wait at the door (and the queue is expired
+        // on the loop's tick).
+        let wait = match (dry_run, avoid.is_empty()) {
+            (false, true) => inner.timeouts.route + inner.admission_wait + inner.timeouts.tick,
+            _ => inner.timeouts.route,
+        };
         let job = RouteJob {
             request_id: request.request_id.clone(),
             isl_tokens: request.isl_tokens,
@@ -348,7 +487,7 @@ impl Dispatcher {
             dry_run,
             explain,
         };
-        let assignment = ask_route(&inner.commands, job, inner.timeouts.route)
+        let assignment = ask_route(&inner.commands, job, wait)
             .await
             .inspect_err(|e| inner.metrics.route_error(e.label()))?;
         inner.metrics.route_latency(started.elapsed());
@@ -404,7 +543,8 @@ impl Dispatcher {
             max_tokens: request.max_tokens,
             sampling: request.sampling.clone(),
         };
-        let mut retried = false;
+        let mut retries = 0;
+        let mut avoid: Vec<WorkerId> = Vec::new();
         loop {
             generate.annotation = assignment.decision.annotation();
             let mut ticket = Ticket {
@@ -422,6 +562,11 @@ impl Dispatcher {
             let error = match result {
                 Ok(()) => {
                     metrics.dispatch("ok");
+                    let d = &assignment.decision;
+                    self.outcome(&d.decode, true);
+                    if let Some(prefill) = &d.prefill {
+                        self.outcome(prefill, true);
+                    }
                     return;
                 }
                 Err(DispatchError::ClientGone) => {
@@ -432,13 +577,29 @@ impl Dispatcher {
                 }
                 Err(e) => e,
             };
+            if let (Some(worker), true) = (error.worker(), error.blames_worker()) {
+                self.outcome(worker, false);
+            }
             let mut no_retry = None;
-            if !retried && !streamed && error.retryable() {
+            let retry = &self.inner.retry;
+            if retries < retry.attempts && !streamed && error.retryable() {
                 let failed = assignment.decision.id;
-                tracing::warn!(decision = %failed, %error, "dispatch failed before any token; retrying on another worker");
-                let avoid: Vec<WorkerId> = error.worker().cloned().into_iter().collect();
+                let backoff = retry.backoff.saturating_mul(1 << retries.min(16));
+                tracing::warn!(decision = %failed, %error, ?backoff, attempt = retries + 1, "dispatch failed before any token; retrying on another worker");
+                if let Some(worker) = error.worker() {
+                    if !avoid.contains(worker) {
+                        avoid.push(worker.clone());
+                    }
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    _ = out.closed() => {
+                        metrics.dispatch("client_gone");
+                        return;
+                    }
+                }
                 match self
-                    .decide(&request, avoid, Purpose::Dispatch, Some(failed))
+                    .decide(&request, avoid.clone(), Purpose::Dispatch, Some(failed))
                     .await
                 {
                     Ok(next) => {
@@ -454,7 +615,7 @@ impl Dispatcher {
                             return;
                         }
                         assignment = next;
-                        retried = true;
+                        retries += 1;
                         continue;
                     }
                     Err(e) => no_retry = Some(format!("no retry: {e}")),
@@ -606,6 +767,7 @@ impl Dispatcher {
             .await
             .map_err(|e| nats(&e))?;
         tracing::debug!(%worker, stage, %subject, "leg sent");
+        self.first_probe(worker);
         Ok(Leg {
             worker: worker.clone(),
             subject: subject.to_owned(),
@@ -613,6 +775,7 @@ impl Dispatcher {
             replies,
             next_index: 0,
             timeouts: inner.timeouts,
+            dispatcher: self.clone(),
         })
     }
 }
@@ -660,6 +823,8 @@ struct Leg {
     replies: async_nats::Subscriber,
     next_index: u32,
     timeouts: Timeouts,
+    /// Probes the worker when the leg is quiet.
+    dispatcher: Dispatcher,
 }
 
 impl Leg {
@@ -700,28 +865,47 @@ impl Leg {
         } else {
             self.timeouts.idle
         };
-        let message = match tokio::time::timeout(wait, self.replies.next()).await {
-            Ok(Some(message)) => message,
-            Ok(None) => {
-                return Err(DispatchError::Nats {
-                    worker: self.worker.clone(),
-                    stage: self.stage,
-                    error: "the reply subscription ended (connection closed)".into(),
-                })
-            }
-            Err(_) if first => {
-                return Err(DispatchError::FirstChunkTimeout {
-                    worker: self.worker.clone(),
-                    stage: self.stage,
-                    after: wait,
-                })
-            }
-            Err(_) => {
-                return Err(DispatchError::IdleTimeout {
-                    worker: self.worker.clone(),
-                    stage: self.stage,
-                    after: wait,
-                })
+        let started = Instant::now();
+        let deadline = started + wait;
+        // Quiet for a probe period: is the worker still there?
+        let message = loop {
+            let now = Instant::now();
+            let quiet = self
+                .timeouts
+                .probe
+                .min(deadline.saturating_duration_since(now));
+            match tokio::time::timeout(quiet, self.replies.next()).await {
+                Ok(Some(message)) => break message,
+                Ok(None) => {
+                    return Err(DispatchError::Nats {
+                        worker: self.worker.clone(),
+                        stage: self.stage,
+                        error: "the reply subscription ended (connection closed)".into(),
+                    })
+                }
+                Err(_) if Instant::now() < deadline => {
+                    if self.dispatcher.gone(&self.worker).await {
+                        return Err(DispatchError::WorkerGone {
+                            worker: self.worker.clone(),
+                            stage: self.stage,
+                            after: started.elapsed(),
+                        });
+                    }
+                }
+                Err(_) if first => {
+                    return Err(DispatchError::FirstChunkTimeout {
+                        worker: self.worker.clone(),
+                        stage: self.stage,
+                        after: wait,
+                    })
+                }
+                Err(_) => {
+                    return Err(DispatchError::IdleTimeout {
+                        worker: self.worker.clone(),
+                        stage: self.stage,
+                        after: wait,
+                    })
+                }
             }
         };
         if message.status == Some(async_nats::StatusCode::NO_RESPONDERS) {

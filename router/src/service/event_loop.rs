@@ -19,7 +19,7 @@ use futures::StreamExt;
 use kv_indexer::DeltaError;
 use protocol::{
     subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, LogEntry, Message,
-    Path, Progress, RequestProgress, Role, RouteDecision, WorkerId,
+    Path, Presence, Progress, RequestProgress, Role, RouteDecision, RouterHeartbeat, WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -31,9 +31,12 @@ use super::inputs::{Inputs, WorkerEvent};
 use super::metrics::Metrics;
 use super::replica::{self, LoadError, LoadedIndex};
 use crate::core::{
-    decision_seed, Charges, EffectiveLoad, Explanation, RouteError, RouteOptions, RouteRequest,
-    RouterCore,
+    admission, decision_seed, Admission, BreakerState, Breakers, Charges, EffectiveLoad,
+    Explanation, Heard, Offer, PeerGone, Peers, RouteError, RouteOptions, RouteRequest, RouterCore,
 };
+
+/// A route command's job and where its answer goes.
+type RouteReply = oneshot::Sender<Result<Assignment, RouteError>>;
 
 /// The router clock: milliseconds since the Unix epoch (decisions carry it
 /// to peers, whose ledgers expire entries against their own clock).
@@ -83,6 +86,9 @@ pub struct LedgerView {
     /// Whether the ledger holds the decision asked about (in flight or
     /// recently finished).
     pub knows_decision: Option<bool>,
+    /// The peer replicas alive, in id order, with how many of their
+    /// decisions the ledger holds.
+    pub peers: Vec<(Arc<str>, usize)>,
 }
 
 /// One worker in a [`LedgerView`].
@@ -90,6 +96,8 @@ pub struct LedgerView {
 pub struct WorkerLedger {
     pub worker: WorkerId,
     pub role: Role,
+    /// Its circuit breaker.
+    pub breaker: BreakerState,
     pub charges: Charges,
     pub load: Option<EffectiveLoad>,
 }
@@ -111,6 +119,9 @@ pub enum Command {
         decision: Option<DecisionId>,
         reply: oneshot::Sender<LedgerView>,
     },
+    /// A dispatch to a worker ended: `ok`, or failed by the worker's fault
+    /// (the circuit breaker's input).
+    Outcome { worker: WorkerId, ok: bool },
     /// What a request this replica dispatched was observed to take, for
     /// the SLA policy's calibration: its first token and last token (ms on
     /// the decisions' clock) and its output tokens.
@@ -196,6 +207,10 @@ enum Event {
     Workers(WorkerEvent),
     Load(async_nats::Message),
     Progress(async_nats::Message),
+    /// A replica's heartbeat (this one's too).
+    Heartbeat(async_nats::Message),
+    /// Time to say this replica is alive.
+    Beat,
     PeerDecision(Result<jetstream::Message, String>),
     InputEnded(Input),
     Tick,
@@ -208,6 +223,7 @@ enum Input {
     Workers,
     Loads,
     Progress,
+    Heartbeats,
     Decisions,
 }
 
@@ -246,6 +262,12 @@ pub struct LoopParts {
     pub decision_log: DecisionLog,
     /// The bounds of readiness.
     pub readiness_bounds: ReadinessConfig,
+    /// The peer replicas (heartbeats, their held decisions).
+    pub peers: Peers,
+    /// Requests waiting while every decode worker is busy.
+    pub admission: Admission<(RouteJob, RouteReply)>,
+    /// The workers' circuit breakers.
+    pub breakers: Breakers,
 }
 
 /// The event loop's state.
@@ -257,6 +279,10 @@ pub struct RouterLoop {
     replica: Arc<str>,
     own_decisions: String,
     own_progress: String,
+    own_heartbeat: String,
+    peers: Peers,
+    admission: Admission<(RouteJob, RouteReply)>,
+    breakers: Breakers,
     bus: Bus,
     metrics: Metrics,
     readiness: watch::Sender<Readiness>,
@@ -306,6 +332,9 @@ impl RouterLoop {
             reserve_blocks,
             decision_log,
             readiness_bounds,
+            peers,
+            admission,
+            breakers,
         } = parts;
         Self {
             core,
@@ -313,6 +342,10 @@ impl RouterLoop {
             ids: ChaCha8Rng::seed_from_u64(id_seed),
             own_decisions: subjects::decisions(&replica),
             own_progress: subjects::progress(&replica),
+            own_heartbeat: subjects::router_heartbeat(&replica),
+            peers,
+            admission,
+            breakers,
             replica,
             bus,
             metrics,
@@ -350,6 +383,9 @@ impl RouterLoop {
         self.publish_readiness();
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut beat =
+            tokio::time::interval(Duration::from_millis(self.peers.config().heartbeat_ms));
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let event = tokio::select! {
                 _ = stop.wait_for(|s| *s) => Event::Shutdown,
@@ -374,6 +410,11 @@ impl RouterLoop {
                     Some(m) => Event::Progress(m),
                     None => Event::InputEnded(Input::Progress),
                 },
+                heartbeat = inputs.heartbeats.next() => match heartbeat {
+                    Some(m) => Event::Heartbeat(m),
+                    None => Event::InputEnded(Input::Heartbeats),
+                },
+                _ = beat.tick() => Event::Beat,
                 decision = inputs.decisions.next() => match decision {
                     Some(m) => Event::PeerDecision(m),
                     None => Event::InputEnded(Input::Decisions),
@@ -395,6 +436,8 @@ impl RouterLoop {
                 Event::Workers(w) => self.on_workers(w),
                 Event::Load(m) => self.on_load(&m),
                 Event::Progress(m) => self.on_progress(&m),
+                Event::Heartbeat(m) => self.on_heartbeat(&m),
+                Event::Beat => self.beat(Presence::Alive),
                 Event::PeerDecision(m) => self.on_peer_decision(m),
                 Event::InputEnded(input) => {
                     // Subscriptions end only with the NATS connection, the
@@ -407,39 +450,57 @@ impl RouterLoop {
                         Input::Workers => inputs.workers = stream::pending().boxed(),
                         Input::Loads => inputs.loads = stream::pending().boxed(),
                         Input::Progress => inputs.progress = stream::pending().boxed(),
+                        Input::Heartbeats => inputs.heartbeats = stream::pending().boxed(),
                         Input::Decisions => inputs.decisions = stream::pending().boxed(),
                     }
                 }
                 Event::Tick => self.on_tick(),
             }
         }
+        // Drained (the HTTP server stopped first): whatever the peers still
+        // hold of this replica's is void.
+        self.beat(Presence::Leaving);
+        let flush = self.bus.client().flush();
+        if tokio::time::timeout(Duration::from_secs(1), flush)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the leaving notice was not flushed in time; peers will time this replica out"
+            );
+        }
         tracing::info!(replica = %self.replica, "event loop stopped");
     }
 
     fn on_command(&mut self, command: Command) {
         match command {
-            Command::Route { job, reply } => {
-                let dry_run = job.dry_run;
-                let (result, record) = match self.route(job) {
-                    Ok((assignment, record)) => (Ok(assignment), record),
-                    Err(e) => (Err(e), None),
-                };
-                match reply.send(result) {
-                    // Dispatched: to the decision log, where the peers
-                    // charge their ledgers from it.
-                    Ok(()) => {
-                        if let Some(record) = record {
-                            self.decision_log.write(record);
-                        }
+            // First attempts pass the door; dry runs and retries (already
+            // admitted) are decided at once.
+            Command::Route { job, reply } if !job.dry_run && job.avoid.is_empty() => {
+                let saturated = self.saturated();
+                let request_id = job.request_id.clone();
+                match self.admission.offer((job, reply), saturated, now_ms()) {
+                    Offer::Admit((job, reply)) => {
+                        self.metrics.admission("admitted", self.admission.len());
+                        self.decide(job, reply);
                     }
-                    // The requester is gone (timed out, client closed):
-                    // nothing will run, and no peer is told.
-                    Err(Ok(assignment)) if !dry_run => {
-                        self.core.on_finished(assignment.decision.id);
+                    Offer::Queued(position) => {
+                        self.metrics.admission("queued", self.admission.len());
+                        tracing::debug!(%request_id, position, "every decode worker is busy: queued");
                     }
-                    Err(_) => {}
+                    Offer::Rejected((_, reply)) => {
+                        let queued = self.admission.len();
+                        self.metrics.admission("rejected", queued);
+                        tracing::warn!(%request_id, queued, "every decode worker is busy and the admission queue is full: turned away");
+                        let _ = reply.send(Err(RouteError::Saturated {
+                            queued,
+                            waited_ms: 0,
+                            retry_after_s: self.admission.config().retry_after_s,
+                        }));
+                    }
                 }
             }
+            Command::Route { job, reply } => self.decide(job, reply),
             Command::Progress { decision, progress } => match progress {
                 Progress::PrefillDone => {
                     self.core.on_prefill_done(decision);
@@ -450,6 +511,7 @@ impl RouterLoop {
                 }
                 Progress::Finished => {
                     self.core.on_finished(decision);
+                    self.admit();
                 }
             },
             Command::Observed {
@@ -470,7 +532,123 @@ impl RouterLoop {
             Command::Ledger { decision, reply } => {
                 let _ = reply.send(self.ledger(decision));
             }
+            Command::Outcome { worker, ok } => {
+                let transition = if ok {
+                    self.breakers.on_success(&worker)
+                } else {
+                    self.breakers.on_failure(&worker, now_ms())
+                };
+                if let Some(t) = transition {
+                    self.breaker_changed(&worker, t);
+                }
+            }
         }
+    }
+
+    /// Decides a job and answers its requester.
+    fn decide(&mut self, job: RouteJob, reply: RouteReply) {
+        let dry_run = job.dry_run;
+        let (result, record) = match self.route(job) {
+            Ok((assignment, record)) => (Ok(assignment), record),
+            Err(e) => (Err(e), None),
+        };
+        match reply.send(result) {
+            // Dispatched: to the decision log, where the peers
+            // charge their ledgers from it.
+            Ok(()) => {
+                if let Some(record) = record {
+                    self.decision_log.write(record);
+                }
+            }
+            // The requester is gone (timed out, client closed):
+            // nothing will run, and no peer is told.
+            Err(Ok(assignment)) if !dry_run => {
+                self.core.on_finished(assignment.decision.id);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Whether every decode worker is busy (see [`admission::saturated`]),
+    /// those out of rotation left out.
+    fn saturated(&self) -> bool {
+        let out = self.out_of_rotation(&[]);
+        admission::saturated(self.core.workers(), &self.core.config().decode, &out)
+    }
+
+    /// The workers the breakers keep out of a decision besides `avoid`:
+    /// none when that would leave no decode-capable worker (a failing
+    /// worker beats none).
+    fn out_of_rotation(&self, avoid: &[WorkerId]) -> Vec<WorkerId> {
+        let excluded = self.breakers.excluded(now_ms());
+        if excluded.is_empty() {
+            return excluded;
+        }
+        let left = self
+            .core
+            .workers()
+            .records()
+            .filter(|r| r.role.decodes())
+            .any(|r| !avoid.contains(&r.id) && !excluded.contains(&r.id));
+        if left {
+            excluded
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn breaker_changed(&mut self, worker: &WorkerId, transition: crate::core::Transition) {
+        self.metrics.breaker(transition.label());
+        match transition {
+            crate::core::Transition::Opened { failures } => tracing::warn!(
+                %worker,
+                failures,
+                open_for_ms = self.breakers.config().open_for_ms,
+                "circuit breaker open: the worker failed {failures} dispatches in a row; out of rotation"
+            ),
+            crate::core::Transition::HalfOpened => tracing::info!(
+                %worker,
+                "circuit breaker half-open: one trial request may go to the worker"
+            ),
+            crate::core::Transition::Closed => {
+                tracing::info!(%worker, "circuit breaker closed: the worker is back in rotation")
+            }
+        }
+        self.metrics
+            .breakers_open(self.breakers.excluded(now_ms()).len());
+    }
+
+    /// Decides the queued requests while a decode worker is free (after
+    /// anything that may have freed one: a finish, a load report, a
+    /// worker, a tick).
+    fn admit(&mut self) {
+        if self.admission.is_empty() {
+            return;
+        }
+        while let Some((job, reply)) = self.admission.next(self.saturated()) {
+            if !reply.is_closed() {
+                self.decide(job, reply);
+            }
+        }
+        self.metrics.admission_queued(self.admission.len());
+    }
+
+    /// Turns away the requests that waited in the queue their longest, and
+    /// forgets those whose requester left.
+    fn expire_queue(&mut self) {
+        let retry_after_s = self.admission.config().retry_after_s;
+        for ((job, reply), waited_ms) in self.admission.expire(now_ms()) {
+            let queued = self.admission.len();
+            self.metrics.admission("timed_out", queued);
+            tracing::warn!(request_id = %job.request_id, waited_ms, queued, "every decode worker stayed busy: turned away after waiting in the admission queue");
+            let _ = reply.send(Err(RouteError::Saturated {
+                queued,
+                waited_ms,
+                retry_after_s,
+            }));
+        }
+        self.admission.retain(|(_, reply)| !reply.is_closed());
+        self.metrics.admission_queued(self.admission.len());
     }
 
     /// A decision, and its record when it is to be dispatched.
@@ -486,9 +664,17 @@ impl RouterLoop {
         // Draws depend on the request only: replicas at the same state
         // decide alike, and a logged decision replays exactly.
         let seed = decision_seed(self.seed, &request);
+        // The workers out of rotation are avoided like a retry's failed
+        // ones, and recorded with them: a replay leaves them out too.
+        let mut avoid = job.avoid.clone();
+        for worker in self.out_of_rotation(&job.avoid) {
+            if !avoid.contains(&worker) {
+                avoid.push(worker);
+            }
+        }
         // The explanation is the record's (candidates' loads and depths).
         let options = RouteOptions {
-            avoid: &job.avoid,
+            avoid: &avoid,
             explain: true,
         };
         let mut attempts = 0;
@@ -503,6 +689,12 @@ impl RouterLoop {
         };
         let decision = routed.decision;
         let explanation = routed.explanation.unwrap_or_default();
+        if !job.dry_run {
+            self.breakers.on_routed(&decision.decode);
+            if let Some(prefill) = &decision.prefill {
+                self.breakers.on_routed(prefill);
+            }
+        }
         self.metrics.decision(&decision, started.elapsed());
         let record = if job.dry_run {
             // Nothing will run and no peer hears of it: release the
@@ -513,7 +705,7 @@ impl RouterLoop {
             // Dispatched decisions go to the decision log with their inputs.
             let record = self
                 .core
-                .record(&decision, &explanation, &request, seed, &job.avoid);
+                .record(&decision, &explanation, &request, seed, &avoid);
             Some(record)
         };
         let subject = |id: &WorkerId| {
@@ -538,6 +730,7 @@ impl RouterLoop {
             .map(|r| WorkerLedger {
                 worker: r.id.clone(),
                 role: r.role,
+                breaker: self.breakers.state(&r.id),
                 charges: workers.ledger_charges(&r.id),
                 load: workers.effective_load(&r.id),
             })
@@ -551,6 +744,7 @@ impl RouterLoop {
             index_blocks: index.stats().blocks,
             workers: list,
             knows_decision: decision.map(|d| workers.knows_decision(d)),
+            peers: self.peers.list(),
         }
     }
 
@@ -706,6 +900,7 @@ impl RouterLoop {
                         .records()
                         .filter(|r| r.role.decodes())
                         .count(),
+                    store_full: self.decision_log.store_full(),
                 },
                 &self.readiness_bounds,
             ),
@@ -762,6 +957,7 @@ impl RouterLoop {
         }
         self.metrics.workers_registered(self.core.workers().len());
         self.publish_context();
+        self.admit();
     }
 
     /// The smallest context length the registered workers said, for the
@@ -805,6 +1001,7 @@ impl RouterLoop {
                 }
             }
             WorkerChange::Down(id) => {
+                self.breakers.forget(&id);
                 if self.core.deregister(&id) {
                     tracing::info!(worker = %id, "worker deregistered");
                 }
@@ -824,6 +1021,9 @@ impl RouterLoop {
                 let applied = self.core.on_load(report, now_ms());
                 self.metrics
                     .peer_message("load", if applied { "applied" } else { "ignored" });
+                if applied {
+                    self.admit();
+                }
             }
             Err(e) => {
                 tracing::warn!(subject = %message.subject, error = %e, "malformed load report");
@@ -840,10 +1040,16 @@ impl RouterLoop {
             Ok(p) => {
                 let released = match p.progress {
                     Progress::PrefillDone => self.core.on_prefill_done(p.decision),
-                    Progress::Finished => self.core.on_finished(p.decision),
+                    Progress::Finished => {
+                        self.peers.on_finished(p.decision);
+                        self.core.on_finished(p.decision)
+                    }
                 };
                 self.metrics
                     .peer_message("progress", if released { "applied" } else { "ignored" });
+                if released {
+                    self.admit();
+                }
             }
             Err(e) => {
                 tracing::warn!(subject = %message.subject, error = %e, "malformed progress notice");
@@ -880,6 +1086,14 @@ impl RouterLoop {
                     self.metrics.decision_log_lag(Duration::from_nanos(lag));
                 }
                 let charged = self.core.on_decision(&decision);
+                if charged {
+                    let replica = message
+                        .subject
+                        .as_str()
+                        .strip_prefix(subjects::DECISIONS_ALL.trim_end_matches('>'))
+                        .unwrap_or(message.subject.as_str());
+                    self.peers.on_decision(replica, decision.id, now_ms());
+                }
                 tracing::debug!(
                     decision = %decision.id,
                     request_id = %decision.request_id,
@@ -897,10 +1111,89 @@ impl RouterLoop {
         }
     }
 
+    /// Publishes this replica's heartbeat (or its leaving notice).
+    fn beat(&self, state: Presence) {
+        let payload = RouterHeartbeat {
+            replica: self.replica.to_string(),
+            state,
+            every_ms: self.peers.config().heartbeat_ms,
+            at_ms: now_ms(),
+        }
+        .encode();
+        let client = self.bus.client().clone();
+        let subject = self.own_heartbeat.clone();
+        if state == Presence::Leaving {
+            tracing::info!(replica = %self.replica, "telling the peers this replica leaves");
+        }
+        tokio::spawn(async move {
+            if let Err(e) = client.publish(subject, payload.into()).await {
+                tracing::debug!(error = %e, "publishing the heartbeat failed");
+            }
+        });
+    }
+
+    fn on_heartbeat(&mut self, message: &async_nats::Message) {
+        if message.subject.as_str() == self.own_heartbeat {
+            return;
+        }
+        let heartbeat = match RouterHeartbeat::decode(&message.payload) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(subject = %message.subject, error = %e, "malformed router heartbeat");
+                self.metrics.peer_message("heartbeat", "malformed");
+                return;
+            }
+        };
+        if message.subject.as_str() != subjects::router_heartbeat(&heartbeat.replica) {
+            tracing::warn!(subject = %message.subject, replica = %heartbeat.replica, "a heartbeat names another replica than its subject; ignored");
+            self.metrics.peer_message("heartbeat", "ignored");
+            return;
+        }
+        self.metrics.peer_message("heartbeat", "applied");
+        match self.peers.on_heartbeat(&heartbeat, now_ms()) {
+            Heard::Joined => {
+                tracing::info!(peer = %heartbeat.replica, every_ms = heartbeat.every_ms, "peer replica heard")
+            }
+            Heard::Alive => {}
+            Heard::Left(gone) => self.release_peer(gone),
+        }
+        self.metrics.peers(self.peers.list().len());
+    }
+
+    /// Releases what a peer that left or fell silent still held here.
+    fn release_peer(&mut self, gone: PeerGone) {
+        let released = gone
+            .decisions
+            .iter()
+            .filter(|id| self.core.on_finished(**id))
+            .count();
+        let why = if gone.left { "left" } else { "silent" };
+        self.metrics.peer_released(why, released);
+        if gone.left {
+            tracing::info!(peer = %gone.replica, released, "peer replica left; its reservations are released");
+        } else {
+            tracing::warn!(
+                peer = %gone.replica,
+                released,
+                silent_ms = gone.silent_ms,
+                "peer replica fell silent (crashed?); its reservations are released"
+            );
+        }
+    }
+
     fn on_tick(&mut self) {
+        for worker in self.breakers.tick(now_ms()) {
+            self.breaker_changed(&worker, crate::core::Transition::HalfOpened);
+        }
+        for gone in self.peers.expire(now_ms()) {
+            self.release_peer(gone);
+        }
+        self.metrics.peers(self.peers.list().len());
         let expired = self.core.expire(now_ms());
         self.metrics
             .ledger(self.core.workers().in_flight(), expired);
+        self.admit();
+        self.expire_queue();
         self.metrics.calibration(&self.core.calibration().factors());
         self.metrics.workers_registered(self.core.workers().len());
         self.metrics
@@ -925,6 +1218,7 @@ impl RouterLoop {
         }
         self.nats_connected =
             self.bus.client().connection_state() == async_nats::connection::State::Connected;
+        self.metrics.store_full(self.decision_log.store_full());
         self.publish_readiness();
     }
 }

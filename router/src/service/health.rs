@@ -3,7 +3,8 @@
 //! disconnected, while its index is more than `max_delta_lag` deltas behind
 //! the delta stream, while no delta came for longer than `max_quiet` and
 //! no indexer is pulling KV events (its index is frozen with nothing
-//! saying so), or while no decode-capable worker is accepted. The text
+//! saying so), while JetStream's store refuses its decision log for want
+//! of room, or while no decode-capable worker is accepted. The text
 //! says why, with the live delta position.
 //!
 //! Pure: the loop passes the observations and the time since the last
@@ -59,6 +60,9 @@ pub struct Observed {
     pub indexer: Indexer,
     /// Accepted workers that can decode (decode or both).
     pub decode_workers: usize,
+    /// JetStream's store refused the last decision-log write for want of
+    /// room (decisions are not logged: no replay, no peer sees them).
+    pub store_full: bool,
 }
 
 /// The readiness of a replica whose index is loaded and caught up.
@@ -70,6 +74,7 @@ pub fn readiness(observed: &Observed, config: &ReadinessConfig) -> Readiness {
         quiet,
         indexer,
         decode_workers,
+        store_full,
     } = *observed;
     let position = format!("index at delta {applied} of {head}");
     if !nats_connected {
@@ -86,6 +91,11 @@ pub fn readiness(observed: &Observed, config: &ReadinessConfig) -> Readiness {
         return Readiness::not_ready(format!(
             "{position}: no delta for {}s and no kv-indexer is pulling the KV events (the index may be stale)",
             quiet.as_secs()
+        ));
+    }
+    if store_full {
+        return Readiness::not_ready(format!(
+            "{position}: JetStream's store is full: the decision log refuses this replica's decisions"
         ));
     }
     if decode_workers == 0 {
@@ -109,6 +119,7 @@ mod tests {
             quiet: Duration::from_secs(1),
             indexer: Indexer::Pulling,
             decode_workers: 2,
+            store_full: false,
         }
     }
 
@@ -157,6 +168,13 @@ mod tests {
                     ..healthy()
                 },
                 "no decode-capable worker",
+            ),
+            (
+                Observed {
+                    store_full: true,
+                    ..healthy()
+                },
+                "JetStream's store is full",
             ),
         ];
         for (observed, why) in cases {

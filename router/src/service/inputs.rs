@@ -1,6 +1,7 @@
-//! What the event loop listens to besides its HTTP commands: load reports
-//! and progress notices (core NATS), the other replicas' decisions (the
-//! decision-log stream, new messages only) and the worker registry (etcd).
+//! What the event loop listens to besides its HTTP commands: load reports,
+//! progress notices and the replicas' heartbeats (core NATS), the other
+//! replicas' decisions (the decision-log stream, new messages only) and
+//! the worker registry (etcd).
 
 use std::time::Duration;
 
@@ -41,6 +42,8 @@ pub enum WorkerEvent {
 pub struct Inputs {
     pub loads: BoxStream<'static, async_nats::Message>,
     pub progress: BoxStream<'static, async_nats::Message>,
+    /// The replicas' heartbeats (this one's included).
+    pub heartbeats: BoxStream<'static, async_nats::Message>,
     pub decisions: BoxStream<'static, Result<jetstream::Message, String>>,
     pub workers: BoxStream<'static, WorkerEvent>,
 }
@@ -65,10 +68,12 @@ impl Inputs {
         };
         let loads = subscribe(subjects::LOAD_ALL).await?.boxed();
         let progress = subscribe(subjects::PROGRESS_ALL).await?.boxed();
+        let heartbeats = subscribe(subjects::ROUTER_HEARTBEATS_ALL).await?.boxed();
         let decisions = decision_log(bus).await?;
         Ok(Self {
             loads,
             progress,
+            heartbeats,
             decisions,
             workers: worker_events(registry),
         })

@@ -25,6 +25,14 @@
 //! | `router_peer_messages_total` | counter | `kind`, `outcome` |
 //! | `router_ledger_in_flight` | gauge | |
 //! | `router_ledger_expired_total` | counter | |
+//! | `router_peers` | gauge | (peer replicas heard of, alive) |
+//! | `router_peer_released_total` | counter | `why` (`left`, `silent`): peers' reservations released when the peer stopped or fell silent |
+//! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
+//! | `router_admission_queued` | gauge | (requests waiting while every decode worker is busy) |
+//! | `router_admission_total` | counter | `outcome` (`admitted`, `queued`, `rejected`: queue full, `timed_out`: waited `max_wait`) |
+//! | `router_breaker_transitions_total` | counter | `to` (`open`, `half_open`, `closed`) |
+//! | `router_breaker_open` | gauge | (workers out of rotation: breaker open, or half-open with its trial on its way) |
+//! | `router_jetstream_store_full` | gauge | (1 while JetStream's store refuses the decision log for want of room) |
 //! | `router_calibration_factor` | gauge | `factor` (`local_ttft`, `remote_ttft`, `itl`: the SLA policy's observed / predicted) |
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -124,6 +132,38 @@ const FAMILIES: &[(&str, &str)] = &[
         "Ledger entries dropped at their time-to-live without a finish notice",
     ),
     (
+        "router_peers",
+        "Peer router replicas heard of and alive (heartbeats)",
+    ),
+    (
+        "router_peer_released_total",
+        "Ledger reservations of peer replicas released because the peer left or fell silent, by why",
+    ),
+    (
+        "router_worker_probes_total",
+        "Liveness probes of the worker of a quiet leg, by outcome (gone: no agent listens any more, the leg failed at once)",
+    ),
+    (
+        "router_admission_queued",
+        "Requests waiting in the admission queue while every decode worker is busy",
+    ),
+    (
+        "router_admission_total",
+        "Requests at the door by outcome: admitted at once, queued, rejected (queue full: 429), timed_out (waited max_wait in the queue: 429)",
+    ),
+    (
+        "router_breaker_transitions_total",
+        "Circuit breaker changes by the state entered: open (out of rotation), half_open (a trial may go), closed (back)",
+    ),
+    (
+        "router_breaker_open",
+        "Workers the circuit breaker keeps out of rotation",
+    ),
+    (
+        "router_jetstream_store_full",
+        "1 while JetStream's store refuses this replica's decision log for want of room (not ready meanwhile)",
+    ),
+    (
         "router_calibration_factor",
         "The SLA policy's calibration factors (observed / predicted) by factor: local_ttft, remote_ttft, itl",
     ),
@@ -142,6 +182,7 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
             "decision_log_dropped",
             "decision_log_error",
             "no_responders",
+            "worker_gone",
             "first_chunk_timeout",
             "idle_timeout",
             "worker_failed",
@@ -164,12 +205,30 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
             "internal",
             "stopping",
             "overloaded",
+            "saturated",
+            "queue_timeout",
         ],
     ),
     (
         "router_deltas_total",
         "outcome",
         &["applied", "duplicate", "gap", "error"],
+    ),
+    ("router_peer_released_total", "why", &["left", "silent"]),
+    (
+        "router_breaker_transitions_total",
+        "to",
+        &["open", "half_open", "closed"],
+    ),
+    (
+        "router_admission_total",
+        "outcome",
+        &["admitted", "queued", "rejected", "timed_out"],
+    ),
+    (
+        "router_worker_probes_total",
+        "outcome",
+        &["alive", "gone", "unsupported", "no_answer"],
     ),
 ];
 
@@ -205,6 +264,10 @@ struct Inner {
     head_seq: Gauge,
     seq_lag: Gauge,
     in_flight: Gauge,
+    peers: Gauge,
+    admission_queued: Gauge,
+    breakers_open: Gauge,
+    store_full: Gauge,
     calibration: [Gauge; 3],
     expired: Counter,
 }
@@ -269,6 +332,10 @@ impl Metrics {
             head_seq: gauge("router_index_head_seq"),
             seq_lag: gauge("router_index_delta_seq_lag"),
             in_flight: gauge("router_ledger_in_flight"),
+            peers: gauge("router_peers"),
+            admission_queued: gauge("router_admission_queued"),
+            breakers_open: gauge("router_breaker_open"),
+            store_full: gauge("router_jetstream_store_full"),
             calibration: crate::core::Factors::NAMES.map(|name| {
                 recorder.register_gauge(
                     &Key::from_parts(
@@ -435,6 +502,58 @@ impl Metrics {
         }
     }
 
+    /// Peer replicas alive.
+    pub fn peers(&self, n: usize) {
+        self.inner.peers.set(n as f64);
+    }
+
+    /// Reservations of a peer released (`why`: `left`, `silent`).
+    pub fn peer_released(&self, why: &'static str, n: usize) {
+        self.counter("router_peer_released_total", vec![Label::new("why", why)])
+            .increment(n as u64);
+    }
+
+    /// A request at the door (`admitted`, `queued`, `rejected`,
+    /// `timed_out`), and the queue's length after it.
+    pub fn admission(&self, outcome: &'static str, queued: usize) {
+        self.counter(
+            "router_admission_total",
+            vec![Label::new("outcome", outcome)],
+        )
+        .increment(1);
+        self.inner.admission_queued.set(queued as f64);
+    }
+
+    pub fn admission_queued(&self, queued: usize) {
+        self.inner.admission_queued.set(queued as f64);
+    }
+
+    /// A circuit breaker changed (`to`: `open`, `half_open`, `closed`).
+    pub fn breaker(&self, to: &'static str) {
+        self.counter(
+            "router_breaker_transitions_total",
+            vec![Label::new("to", to)],
+        )
+        .increment(1);
+    }
+
+    pub fn store_full(&self, full: bool) {
+        self.inner.store_full.set(if full { 1.0 } else { 0.0 });
+    }
+
+    pub fn breakers_open(&self, n: usize) {
+        self.inner.breakers_open.set(n as f64);
+    }
+
+    /// A liveness probe of a quiet leg's worker.
+    pub fn worker_probe(&self, outcome: &'static str) {
+        self.counter(
+            "router_worker_probes_total",
+            vec![Label::new("outcome", outcome)],
+        )
+        .increment(1);
+    }
+
     pub fn ledger(&self, in_flight: usize, expired: usize) {
         self.inner.in_flight.set(in_flight as f64);
         self.inner.expired.increment(expired as u64);
@@ -485,6 +604,7 @@ mod tests {
         m.worker_refused("block_size");
         m.worker_malformed();
         m.ledger(1, 0);
+        m.peers(1);
         m.upkeep();
         let text = m.render();
         for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {

@@ -28,7 +28,7 @@ use bus::{Bus, BusError, Registry, RegistryError, StreamLimits};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
-pub use config::{Args, Config, ConfigError, Loaded, Timeouts};
+pub use config::{Args, Config, ConfigError, Loaded, Retry, Timeouts};
 pub use http::{DECISION_HEADER, REQUEST_ID_HEADER};
 
 use crate::core::RouterCore;
@@ -134,6 +134,9 @@ pub async fn run(
         reserve_blocks: config.reserve_blocks,
         decision_log,
         readiness_bounds: config.readiness,
+        peers: crate::core::Peers::new(config.peers),
+        admission: crate::core::Admission::new(config.admission),
+        breakers: crate::core::Breakers::new(config.breaker),
     });
     let mut loop_task = tokio::spawn(router_loop.run(command_rx, inputs, loop_stopped));
 
@@ -142,6 +145,8 @@ pub async fn run(
         replica.clone(),
         commands.clone(),
         config.timeouts,
+        config.retry,
+        std::time::Duration::from_millis(config.admission.max_wait_ms),
         metrics.clone(),
     );
     let app = Arc::new(http::App {

@@ -288,6 +288,8 @@ impl Cluster {
             format!("--preset={PRESET}"),
             format!("--block-size={BLOCK_SIZE}"),
             "--lease-ttl=2s".into(),
+            // Bounded teardown of a test that leaves streams open.
+            "--drain-timeout=5s".into(),
         ]);
         let engine_node = match engine {
             Engine::Simulated => {

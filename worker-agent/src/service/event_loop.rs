@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -86,6 +87,8 @@ pub(super) struct Agent {
     pub(super) client: Client,
     kv_updates: BoxStream<'static, KvUpdate>,
     generate: Subscriber,
+    /// False once draining: the generate subscription is gone.
+    accepting: bool,
     resync: Subscriber,
     cancel: Subscriber,
     /// The generation streams being forwarded, by decision: a cancel
@@ -108,6 +111,9 @@ pub(super) struct Agent {
     pub(super) tasks: JoinSet<()>,
     /// Where new epochs are recorded.
     pub(super) registry: bus::Registry,
+    /// Whether JetStream's store refuses KV batches for want of room (the
+    /// HTTP health reads it).
+    pub(super) store_full: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -152,6 +158,7 @@ impl Agent {
             bus,
             kv_updates,
             generate,
+            accepting: true,
             resync,
             cancel,
             streams: HashMap::new(),
@@ -165,6 +172,7 @@ impl Agent {
             last_load: None,
             tasks: JoinSet::new(),
             registry: epochs.registry,
+            store_full: Arc::default(),
         }
     }
 
@@ -177,13 +185,58 @@ impl Agent {
         &mut self,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), AgentError> {
-        let mut shutdown = std::pin::pin!(shutdown);
         // The first batch (`Cleared`) goes at once.
         self.kv_step(Input::Tick);
+        self.run_loop(shutdown).await
+    }
+
+    /// After [`Agent::serve`] (and the registration's revoke): takes no new
+    /// request (the generate subscription goes, so routers get "no
+    /// responders" and go elsewhere) and runs the loop until every stream
+    /// in flight ended, or `timeout`. Returns the streams still open.
+    pub(super) async fn drain(&mut self, timeout: Duration) -> usize {
+        self.streams.retain(|_, task| !task.is_finished());
+        if let Err(e) = self.generate.unsubscribe().await {
+            warn!(error = %e, "unsubscribing from the generate subject failed");
+        }
+        self.accepting = false;
+        if self.streams.is_empty() {
+            return 0;
+        }
+        info!(
+            in_flight = self.streams.len(),
+            ?timeout,
+            "draining: no new requests; waiting for the ones in flight"
+        );
+        if let Err(e) = self.run_loop(tokio::time::sleep(timeout)).await {
+            warn!(error = %e, "the loop failed while draining");
+        }
+        self.streams.retain(|_, task| !task.is_finished());
+        if self.streams.is_empty() {
+            info!("drained: every request in flight finished");
+        } else {
+            warn!(
+                in_flight = self.streams.len(),
+                ?timeout,
+                "requests still in flight after the drain timeout"
+            );
+        }
+        self.streams.len()
+    }
+
+    /// The loop, until `stop` completes (or, draining, until no stream is
+    /// left).
+    async fn run_loop(&mut self, stop: impl Future<Output = ()>) -> Result<(), AgentError> {
+        let mut shutdown = std::pin::pin!(stop);
         loop {
+            if !self.accepting && self.streams.is_empty() {
+                return Ok(());
+            }
             match self.next_event(shutdown.as_mut()).await {
                 Event::Shutdown => {
-                    info!("shutting down");
+                    if self.accepting {
+                        info!("shutting down");
+                    }
                     return Ok(());
                 }
                 Event::Kv(None) => {
@@ -240,6 +293,7 @@ impl Agent {
     /// The one place the loop waits.
     async fn next_event(&mut self, shutdown: Pin<&mut impl Future<Output = ()>>) -> Event {
         let publishing = self.publishing.is_some();
+        let accepting = self.accepting;
         let tasks = !self.tasks.is_empty();
         let retry_at = self.retry_at;
         let Self {
@@ -261,7 +315,7 @@ impl Agent {
             () = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if retry_at.is_some() => {
                 Event::RetryDue
             }
-            message = generate.next() => Event::Generate(message),
+            message = generate.next(), if accepting => Event::Generate(message),
             message = resync.next() => Event::Resync(message),
             message = cancel.next() => Event::Cancel(message),
             _ = load_tick.tick() => Event::LoadTick,

@@ -6,7 +6,9 @@ use async_nats::Subject;
 use bus::BusError;
 use metrics::{counter, gauge};
 use protocol::{KvEventBatch, Message, ResyncReply};
-use tracing::{debug, info, warn, Instrument};
+use std::sync::atomic::Ordering;
+
+use tracing::{debug, error, info, warn, Instrument};
 
 use super::event_loop::Agent;
 use crate::core::{Effect, Input, Note};
@@ -57,18 +59,39 @@ impl Agent {
     pub(super) fn on_published(&mut self, done: PublishDone) {
         self.publishing = None;
         let PublishDone { epoch, seq, result } = done;
+        let result_ok = result.is_ok();
         let input = match result {
             Ok(duplicate) => Input::Acked {
                 epoch,
                 seq,
                 duplicate,
             },
-            Err(e) => Input::PublishFailed {
-                epoch,
-                seq,
-                error: e.to_string(),
-            },
+            Err(e) => {
+                if e.is_store_full() {
+                    counter!(m::STORE_FULL_ERRORS).increment(1);
+                    if !self.store_full.swap(true, Ordering::Relaxed) {
+                        gauge!(m::STORE_FULL).set(1.0);
+                        error!(
+                            epoch,
+                            seq,
+                            error = %e,
+                            "JetStream's store is full: KV events are not accepted; they are held \
+                             and retried (a resync past the queue bound) until it has room again; \
+                             /healthz fails meanwhile"
+                        );
+                    }
+                }
+                Input::PublishFailed {
+                    epoch,
+                    seq,
+                    error: e.to_string(),
+                }
+            }
         };
+        if result_ok && self.store_full.swap(false, Ordering::Relaxed) {
+            gauge!(m::STORE_FULL).set(0.0);
+            info!(epoch, seq, "JetStream accepts KV events again");
+        }
         self.kv_step(input);
     }
 

@@ -9,10 +9,13 @@
 //! - `kv.rs`: the KV core's effects carried out (publishes, the retry
 //!   timer, block-set requests, resync replies, metrics and logs).
 //! - `generate.rs`: generation requests, chunks and cancels.
+//! - `ping.rs`: answers routers' liveness probes, from its own task, until
+//!   the agent has drained.
 
 mod event_loop;
 mod generate;
 mod kv;
+mod ping;
 mod startup;
 
 pub use startup::{run, run_with_engine};

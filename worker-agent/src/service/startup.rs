@@ -13,7 +13,7 @@ use metrics::counter;
 use protocol::{
     subjects, ContractMismatch, HashingContract, WorkerId, WorkerRecord, WorkerSubjects,
 };
-use tracing::{error, info, Instrument};
+use tracing::{error, info, warn, Instrument};
 
 use super::event_loop::{unix_ms, Agent, Epochs, Subscriptions};
 use crate::config::Config;
@@ -125,7 +125,12 @@ async fn serve_worker(
         resync: subscribe(&client, subjects::resync(&worker)).await?,
         cancel: subscribe(&client, subjects::cancel(&worker)).await?,
     };
+    let pings = super::ping::answer(
+        client.clone(),
+        subscribe(&client, subjects::ping(&worker)).await?,
+    );
 
+    let store_full = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (http_stop, http_task) = match config.http_addr {
         Some(addr) => {
             // Installed before anything is counted.
@@ -138,6 +143,7 @@ async fn serve_worker(
                 listener,
                 metrics,
                 client.clone(),
+                store_full.clone(),
                 async {
                     let _ = stopped.await;
                 },
@@ -167,6 +173,7 @@ async fn serve_worker(
     };
 
     let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions, epochs);
+    agent.store_full = store_full;
     info!(
         role = %config.role,
         epoch = agent.epoch(),
@@ -177,9 +184,20 @@ async fn serve_worker(
     let result = agent.serve(shutdown).await;
 
     // Stop: leave the registry first (no new requests are routed here),
-    // then end what is in flight; each open stream gets its last chunk.
+    // take no new request, let what is in flight finish (probes are still
+    // answered), then stop the engine; each open stream left gets its last
+    // chunk.
     let revoked = registration.revoke().await;
+    if let Err(e) = &revoked {
+        warn!(error = %e, "revoking the registration failed; routers will drop this worker when its lease expires");
+    } else {
+        info!("deregistered");
+    }
+    if result.is_ok() {
+        agent.drain(config.drain_timeout).await;
+    }
     let unpublished = agent.wind_down().await;
+    pings.abort();
     if let Some(stop) = http_stop {
         let _ = stop.send(());
     }

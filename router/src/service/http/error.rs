@@ -20,12 +20,15 @@ pub struct ApiError {
     param: Option<String>,
     request_id: String,
     info: Option<Box<SwitchyardInfo>>,
+    /// `Retry-After` (s) of a 429.
+    retry_after_s: Option<u32>,
 }
 
 /// OpenAI's error `type` of a status.
 pub(super) fn kind_of(status: StatusCode) -> &'static str {
     match status.as_u16() {
         404 => "not_found_error",
+        429 => "rate_limit_error",
         400..=499 => "invalid_request_error",
         503 => "service_unavailable",
         504 => "timeout_error",
@@ -42,6 +45,7 @@ impl ApiError {
             param: None,
             request_id: request_id.to_owned(),
             info: None,
+            retry_after_s: None,
         }
     }
 
@@ -70,6 +74,15 @@ impl ApiError {
 
     /// No decision could be made.
     pub(super) fn refused(error: &AskError, request_id: &str) -> Self {
+        if let AskError::Route(RouteError::Saturated { retry_after_s, .. }) = error {
+            let mut e = Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                request_id,
+                format!("the deployment is saturated: {error}"),
+            );
+            e.retry_after_s = Some(*retry_after_s);
+            return e;
+        }
         let status = match error {
             AskError::Route(RouteError::EmptyPrompt | RouteError::PromptTooLong(_)) => {
                 StatusCode::BAD_REQUEST
@@ -137,6 +150,13 @@ impl IntoResponse for ApiError {
         set_header(&mut response, REQUEST_ID_HEADER, &self.request_id);
         if let Some(info) = &self.info {
             set_header(&mut response, DECISION_HEADER, &info.decision);
+        }
+        if let Some(seconds) = self.retry_after_s {
+            set_header(
+                &mut response,
+                axum::http::header::RETRY_AFTER,
+                &seconds.to_string(),
+            );
         }
         response
     }

@@ -591,6 +591,9 @@ pub struct LedgerWorker {
     /// `prefill`, `decode`, `both`, or `unregistered` (only referred to by
     /// in-flight decisions).
     pub role: &'static str,
+    /// Its circuit breaker: `closed`, `open` (out of rotation) or
+    /// `half_open` (one trial request may go).
+    pub breaker: &'static str,
     pub charged_prefill_tokens: u64,
     pub charged_decode_blocks: u64,
     pub charged_requests: u32,
@@ -613,6 +616,16 @@ pub struct LedgerBody {
     /// recently finished).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub knows_decision: Option<bool>,
+    /// The peer replicas alive (heartbeats), in id order.
+    pub peers: Vec<LedgerPeer>,
+}
+
+/// `GET /debug/ledger`: a peer replica alive.
+#[derive(Debug, Serialize)]
+pub struct LedgerPeer {
+    pub replica: String,
+    /// Its decisions this ledger holds (in flight, no finish notice yet).
+    pub held_decisions: usize,
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use protocol::{DecisionId, Role};
 use tokio::sync::oneshot;
 
 use super::error::ApiError;
-use super::openai::{LedgerBody, LedgerQuery, LedgerWorker, ReadyBody};
+use super::openai::{LedgerBody, LedgerPeer, LedgerQuery, LedgerWorker, ReadyBody};
 use super::{json_response, App};
 use crate::service::event_loop::{Command, LedgerView};
 
@@ -99,6 +99,7 @@ fn render(replica: &str, view: LedgerView) -> LedgerBody {
                     Role::Decode => "decode",
                     Role::Both => "both",
                 },
+                breaker: w.breaker.label(),
                 charged_prefill_tokens: w.charges.prefill_tokens,
                 charged_decode_blocks: w.charges.decode_blocks,
                 charged_requests: w.charges.requests,
@@ -107,5 +108,13 @@ fn render(replica: &str, view: LedgerView) -> LedgerBody {
             })
             .collect(),
         knows_decision: view.knows_decision,
+        peers: view
+            .peers
+            .into_iter()
+            .map(|(replica, held)| LedgerPeer {
+                replica: replica.to_string(),
+                held_decisions: held,
+            })
+            .collect(),
     }
 }
