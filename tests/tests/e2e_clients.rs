@@ -30,13 +30,19 @@ fn python_with_openai() -> Option<String> {
     Some(python)
 }
 
+/// The router's flag for the shipped tokenizer (its chat template beside).
+fn tokenizer_flag() -> String {
+    format!("--tokenizer={}", tests::tokenizer::shipped().display())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_official_openai_client_works_against_the_router() -> Result<()> {
     let Some(python) = python_with_openai() else {
         return Ok(());
     };
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_client.py");
-    let mut cluster = Cluster::start(&["p0"], &["d0", "d1"], 1).await?;
+    let mut cluster = Cluster::start(&["p0"], &["d0", "d1"], 0).await?;
+    cluster.start_router_with("r0", &[tokenizer_flag()])?;
     cluster.wait_ready().await?;
     let url = cluster.routers[0].url();
     let out = tokio::process::Command::new(&python)
