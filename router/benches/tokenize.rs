@@ -3,12 +3,14 @@
 //! previous turn went through this router). Per request: the JSON body
 //! parsed, its messages rendered through the shipped ChatML template,
 //! tokenized (whole, or the new part after a cached prefix), and hashed
-//! into KV blocks — what `App::parse_chat` does before asking for a
-//! decision (the decision itself: `benches/decide.rs`).
+//! into KV blocks (what `App::parse_chat` does), then routed by a
+//! `RouterCore` whose index holds the conversation on one of 4 decode
+//! workers (behind a mutex: the service's one event loop).
 //!
 //! Prints each variant's median and p90 of individually timed requests on
-//! one thread, then requests/s with two threads sharing one cache (the
-//! machine's two cores), each sending its own conversation's next turns.
+//! one thread, then requests/s with two threads sharing one cache and one
+//! core (the machine's two cores), each sending its own conversation's next
+//! turns.
 //!
 //!     cargo bench -p router --bench tokenize
 //!
@@ -17,13 +19,19 @@
 //! model's differs in speed, the cache's saving in kind does not.
 
 use std::hint::black_box;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use protocol::{BlockHasher, HashingContract};
+use protocol::{
+    BlockHasher, DecisionId, HashingContract, IndexChange, IndexDelta, LoadReport, Role, Tier,
+    WorkerRecord,
+};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use router::service::chat_template::{ChatTemplate, Message};
 use router::service::text::Text;
 use router::service::token_cache::Outcome;
+use router::{IslBased, RouteOptions, RouteRequest, RouterConfig, RouterCore};
 
 const HISTORY_TOKENS: usize = 60_000;
 const SAMPLES: usize = 40;
@@ -110,13 +118,95 @@ fn body(history: &[Message], n: usize) -> Vec<u8> {
         .expect("JSON")
 }
 
-/// The front door's work on one body: the block hashes' count.
-fn serve(
+/// A core with 4 decode workers and a prefill worker; each conversation
+/// held by one decode worker.
+fn core(contract: &HashingContract, held: &[Vec<protocol::BlockHash>]) -> RouterCore {
+    let mut core =
+        RouterCore::new(RouterConfig::new(contract.clone()), IslBased::default()).expect("core");
+    let names = [
+        ("d0", Role::Decode),
+        ("d1", Role::Decode),
+        ("d2", Role::Decode),
+        ("d3", Role::Decode),
+        ("p0", Role::Prefill),
+    ];
+    for (name, role) in names {
+        core.register(WorkerRecord {
+            kv_capacity_blocks: 100_000,
+            kv_bytes_per_token: 163_840,
+            gpus: 2,
+            max_model_len: 0,
+            ..tests::fixtures::registration(name, role, contract.clone())
+        })
+        .expect("register");
+        core.on_load(
+            LoadReport {
+                worker: name.parse().expect("worker"),
+                running: 8,
+                waiting: 0,
+                queued_prefill_tokens: 0,
+                active_decode_blocks: 5_000,
+                kv_blocks_used: 20_000,
+                kv_blocks_total: 100_000,
+                at_ms: 0,
+            },
+            0,
+        );
+    }
+    let changes = held
+        .iter()
+        .enumerate()
+        .map(|(i, blocks)| IndexChange::Stored {
+            worker: names[i % 4].0.parse().expect("worker"),
+            parent: None,
+            blocks: blocks.clone(),
+            tier: Tier::Device,
+        })
+        .collect();
+    core.apply_delta(&IndexDelta {
+        seq: 1,
+        changes,
+        source: None,
+    })
+    .expect("delta");
+    core
+}
+
+/// The router's state a request is served against.
+struct Door<'a> {
+    text: &'a Text,
+    template: &'a ChatTemplate,
+    hasher: &'a BlockHasher,
+    core: &'a Mutex<(RouterCore, ChaCha8Rng, u64)>,
+}
+
+/// One request through the front door and the decision: its overlap.
+fn route(body: &[u8], door: &Door) -> (u32, Outcome) {
+    let (hashes, outcome, isl) = prepare(body, door.text, door.template, door.hasher);
+    let mut guard = door.core.lock().expect("core");
+    let (core, rng, next) = &mut *guard;
+    *next += 1;
+    let id = DecisionId(*next);
+    let request = RouteRequest {
+        request_id: "bench",
+        isl_tokens: isl,
+        block_hashes: &hashes,
+        expected_output_tokens: 64,
+    };
+    let routed = core
+        .route(&request, RouteOptions::default(), id, *next, rng)
+        .expect("routed");
+    core.on_finished(id);
+    (routed.decision.decode_overlap_tokens, outcome)
+}
+
+/// The front door's work on one body: the block hashes.
+fn prepare(
     body: &[u8],
     text: &Text,
     template: &ChatTemplate,
     hasher: &BlockHasher,
-) -> (usize, Outcome) {
+) -> (Vec<protocol::BlockHash>, Outcome, u32) {
     let value: serde_json::Value = serde_json::from_slice(body).expect("JSON");
     let messages: Vec<Message> = value["messages"]
         .as_array()
@@ -129,7 +219,8 @@ fn serve(
         .collect();
     let rendered = template.render(&messages).expect("render");
     let encoded = text.encode_rendered(&rendered).expect("encode");
-    (hasher.hash_prompt(&encoded.ids).len(), encoded.outcome)
+    let isl = encoded.ids.len() as u32;
+    (hasher.hash_prompt(&encoded.ids), encoded.outcome, isl)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -156,46 +247,62 @@ fn main() {
         .iter()
         .map(|h| (0..SAMPLES + 1).map(|n| body(h, n)).collect())
         .collect();
+    let held: Vec<Vec<protocol::BlockHash>> = histories
+        .iter()
+        .map(|h| {
+            let r = template.render(h).expect("render");
+            hasher.hash_prompt(&probe.encode_rendered(&r).expect("encode").ids)
+        })
+        .collect();
+    let (first, _, isl) = prepare(&bodies[0][0], &probe, &template, &hasher);
     println!(
-        "chat request: {} KB of JSON, {} tokens, {} blocks",
+        "chat request: {} KB of JSON, {isl} tokens, {} blocks",
         bodies[0][0].len() / 1000,
-        {
-            let r = template.render(&histories[0]).expect("render");
-            probe.encode_rendered(&r).expect("encode").ids.len()
-        },
-        serve(&bodies[0][0], &probe, &template, &hasher).0
+        first.len(),
     );
 
     for (name, cache_bytes) in [("cache off", 0u64), ("cache on, prefix seen", 256 << 20)] {
         let text = Text::load(&path, cache_bytes).expect("tokenizer");
         assert_eq!(text.cached(), cache_bytes > 0);
+        let core = Mutex::new((core(&contract, &held), ChaCha8Rng::seed_from_u64(1), 0));
+        let door = Door {
+            text: &text,
+            template: &template,
+            hasher: &hasher,
+            core: &core,
+        };
         // Turn 0 goes through first: the prefix is seen.
-        serve(&bodies[0][0], &text, &template, &hasher);
+        route(&bodies[0][0], &door);
         let mut times: Vec<Duration> = (1..=SAMPLES)
             .map(|n| {
                 let start = Instant::now();
-                let (_, outcome) = black_box(serve(&bodies[0][n], &text, &template, &hasher));
+                let (overlap, outcome) = black_box(route(&bodies[0][n], &door));
+                let took = start.elapsed();
+                assert!(
+                    overlap as usize >= held[0].len() * 16 - 16,
+                    "overlap {overlap}"
+                );
                 if cache_bytes > 0 {
                     assert_eq!(outcome, Outcome::Prefix);
                 }
-                start.elapsed()
+                took
             })
             .collect();
         times.sort();
-        // Two threads, one cache, each its own conversation.
+        // Two threads, one cache and one core, each its own conversation.
         for b in &bodies {
-            serve(&b[0], &text, &template, &hasher);
+            route(&b[0], &door);
         }
         let started = Instant::now();
         let served: usize = std::thread::scope(|s| {
             let workers: Vec<_> = bodies
                 .iter()
                 .map(|b| {
-                    let (text, template, hasher) = (&text, &template, &hasher);
+                    let door = &door;
                     s.spawn(move || {
                         let mut n = 0;
                         while started.elapsed() < THROUGHPUT_FOR {
-                            black_box(serve(&b[1 + n % SAMPLES], text, template, hasher));
+                            black_box(route(&b[1 + n % SAMPLES], door));
                             n += 1;
                         }
                         n

@@ -144,8 +144,7 @@ def check_text_and_chat(client, model):
 
     plain = list(client.chat.completions.create(
         model=model, messages=messages, max_tokens=3, stream=True))
-    check(all(c.usage is None for c in plain) and all(c.choices for c in plain),
-          "without include_usage, no usage chunk")
+    check(all(c.choices for c in plain), "without include_usage, no usage-only chunk")
 
     try:
         client.chat.completions.create(model=model, messages=messages, max_tokens=4,

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use tokenizers::PostProcessor;
 
-use super::token_cache::{Encoded, Outcome, Safety, TokenCache, Tokens};
+use super::token_cache::{Checkpoints, Encoded, Outcome, Safety, TokenCache, Tokens};
 
 /// Why a tokenizer could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -123,11 +123,16 @@ impl Text {
                 reused: 0,
             });
         };
-        // The lock is held to look up and to store, not to tokenize.
-        let plan = cache.lock().map_err(|_| poisoned())?.plan(text);
+        // The lock is held to look up and to store, not to hash or to
+        // tokenize.
+        let checkpoints = Checkpoints::of(text);
+        let plan = cache
+            .lock()
+            .map_err(|_| poisoned())?
+            .plan(text, checkpoints);
         let (encoded, store) = plan.complete(text, tokenize)?;
         if let Some(store) = store {
-            cache.lock().map_err(|_| poisoned())?.store(text, store);
+            cache.lock().map_err(|_| poisoned())?.store(store);
         }
         Ok(encoded)
     }

@@ -98,6 +98,8 @@ enum PlanKind {
 /// A completed plan's tokens, for [`TokenCache::store`].
 #[derive(Debug)]
 pub struct Store {
+    /// The text, copied outside the lock.
+    text: Box<str>,
     chain: Vec<u64>,
     tokens: Arc<Tokens>,
     replaces: Option<u64>,
@@ -155,6 +157,7 @@ impl Plan {
             reused,
         };
         let store = Store {
+            text: text.into(),
             chain,
             tokens: Arc::new(tokens),
             replaces,
@@ -209,7 +212,16 @@ impl std::fmt::Debug for TokenCache {
     }
 }
 
-/// The chained checkpoint hashes of `text`: one per whole chunk.
+/// A text's chained checkpoint hashes, one per whole [`CHUNK`].
+#[derive(Debug)]
+pub struct Checkpoints(Vec<u64>);
+
+impl Checkpoints {
+    pub fn of(text: &str) -> Self {
+        Self(chain(text.as_bytes()))
+    }
+}
+
 fn chain(text: &[u8]) -> Vec<u64> {
     let mut seed = 0x5717_C4A7_u64;
     text.chunks_exact(CHUNK)
@@ -293,18 +305,19 @@ impl TokenCache {
         text: &str,
         tokenize: impl FnMut(&str) -> Result<Tokens, E>,
     ) -> Result<Encoded, E> {
-        let plan = self.plan(text);
+        let plan = self.plan(text, Checkpoints::of(text));
         let (encoded, store) = plan.complete(text, tokenize)?;
         if let Some(store) = store {
-            self.store(text, store);
+            self.store(store);
         }
         Ok(encoded)
     }
 
-    /// What the cache holds of `text`.
-    pub fn plan(&mut self, text: &str) -> Plan {
+    /// What the cache holds of `text`, whose checkpoints are given
+    /// (hashed before taking a shared cache's lock).
+    pub fn plan(&mut self, text: &str, checkpoints: Checkpoints) -> Plan {
         self.tick += 1;
-        let chain = chain(text.as_bytes());
+        let chain = checkpoints.0;
         let kind = match self.longest(text, &chain) {
             Some((id, common)) => {
                 let entry = &self.entries[&id];
@@ -333,12 +346,13 @@ impl TokenCache {
         Plan { chain, kind }
     }
 
-    /// Keeps a completed plan's tokens (the entry it extends replaced).
-    pub fn store(&mut self, text: &str, store: Store) {
+    /// Keeps a completed plan's text and tokens (the entry it extends
+    /// replaced).
+    pub fn store(&mut self, store: Store) {
         if let Some(id) = store.replaces {
             self.remove(id);
         }
-        self.insert(text, store.tokens, store.chain);
+        self.insert(store.text, store.tokens, store.chain);
     }
 
     /// The entry with the longest prefix of `text`, and that prefix's
@@ -387,14 +401,14 @@ impl TokenCache {
         None
     }
 
-    fn insert(&mut self, text: &str, tokens: Arc<Tokens>, chain: Vec<u64>) {
+    fn insert(&mut self, text: Box<str>, tokens: Arc<Tokens>, chain: Vec<u64>) {
         if chain.is_empty() {
             return;
         }
         let id = self.next_id;
         self.next_id += 1;
         let entry = Entry {
-            text: text.into(),
+            text,
             tokens,
             checkpoints: chain,
             last_used: self.tick,
