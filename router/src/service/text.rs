@@ -61,20 +61,17 @@ impl Text {
         let safety = Safety {
             margin: longest_special + 64,
         };
-        let cache = (cache_bytes > 0)
-            .then(|| {
-                let ok = TokenCache::probe(safety, |t| tokens(&tokenizer, t));
-                if !ok {
-                    tracing::warn!(
-                        "the tokenization cache is off: this tokenizer does not tokenize a text's end alone as it does in context"
-                    );
-                }
-                ok.then(|| {
-                    let max = usize::try_from(cache_bytes).unwrap_or(usize::MAX);
-                    Arc::new(Mutex::new(TokenCache::new(max, safety)))
-                })
-            })
-            .flatten();
+        let cache = if cache_bytes == 0 {
+            None
+        } else if TokenCache::probe(safety, |t| tokens(&tokenizer, t)) {
+            let max = usize::try_from(cache_bytes).unwrap_or(usize::MAX);
+            Some(Arc::new(Mutex::new(TokenCache::new(max, safety))))
+        } else {
+            tracing::warn!(
+                "the tokenization cache is off: this tokenizer does not tokenize a text's end alone as it does in context"
+            );
+            None
+        };
         Self {
             tokenizer: Arc::new(tokenizer),
             cache,

@@ -316,7 +316,6 @@ impl TokenCache {
     /// What the cache holds of `text`, whose checkpoints are given
     /// (hashed before taking a shared cache's lock).
     pub fn plan(&mut self, text: &str, checkpoints: Checkpoints) -> Plan {
-        self.tick += 1;
         let chain = checkpoints.0;
         let kind = match self.longest(text, &chain) {
             Some((id, common)) => {
@@ -407,11 +406,12 @@ impl TokenCache {
         }
         let id = self.next_id;
         self.next_id += 1;
+        let last_used = self.bump();
         let entry = Entry {
             text,
             tokens,
             checkpoints: chain,
-            last_used: self.tick,
+            last_used,
         };
         let bytes = entry.bytes();
         if bytes > self.max_bytes {
@@ -420,7 +420,7 @@ impl TokenCache {
         for (k, key) in entry.checkpoints.iter().enumerate() {
             self.checkpoints.insert(*key, (id, (k + 1) * CHUNK));
         }
-        self.lru.insert(self.tick, id);
+        self.lru.insert(last_used, id);
         self.used += bytes;
         self.entries.insert(id, entry);
         while self.used > self.max_bytes {
@@ -431,11 +431,19 @@ impl TokenCache {
         }
     }
 
+    /// A new last-use stamp: each use its own (a store after another
+    /// thread's lookups must not share its stamp).
+    fn bump(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
     fn touch(&mut self, id: u64) {
+        let tick = self.bump();
         let entry = self.entries.get_mut(&id).expect("entry");
         self.lru.remove(&entry.last_used);
-        entry.last_used = self.tick;
-        self.lru.insert(self.tick, id);
+        entry.last_used = tick;
+        self.lru.insert(tick, id);
     }
 
     fn remove(&mut self, id: u64) {
@@ -546,6 +554,43 @@ mod tests {
         assert!(tiny.is_empty());
     }
 
+    /// Two requests interleaved as two threads do (look up, look up, store,
+    /// store): every entry keeps its place in the LRU order, and the bound
+    /// holds.
+    #[test]
+    fn interleaved_lookups_and_stores_keep_the_bound() {
+        let texts: Vec<String> = (0..40)
+            .map(|i| format!("conversation {} ", i % 2) + &"word ".repeat(300 + i))
+            .collect();
+        let one = {
+            let mut c = TokenCache::new(usize::MAX, Safety { margin: 16 });
+            c.encode(&texts[0], bytes).unwrap();
+            c.bytes()
+        };
+        let max = one * 6;
+        let mut cache = TokenCache::new(max, Safety { margin: 16 });
+        for pair in texts.chunks(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            let plan_a = cache.plan(a, Checkpoints::of(a));
+            let plan_b = cache.plan(b, Checkpoints::of(b));
+            let (ea, store_a) = plan_a.complete(a, bytes).unwrap();
+            let (eb, store_b) = plan_b.complete(b, bytes).unwrap();
+            assert_eq!(
+                (ea.ids, eb.ids),
+                (bytes(a).unwrap().ids, bytes(b).unwrap().ids)
+            );
+            cache.store(store_b.unwrap());
+            cache.store(store_a.unwrap());
+            assert!(cache.bytes() <= max);
+            assert_eq!(cache.lru.len(), cache.entries.len());
+        }
+        // Both conversations' latest turns are still found.
+        for t in &texts[38..] {
+            let next = format!("{t} more");
+            assert_eq!(cache.encode(&next, bytes).unwrap().outcome, Outcome::Prefix);
+        }
+    }
+
     /// A tokenizer whose tokens depend on where the text starts (pairs of
     /// bytes from the start): a cut at an odd offset gives other tokens.
     /// The check of the first token after the cut catches it, and the
@@ -555,7 +600,7 @@ mod tests {
         Ok(Tokens {
             ids: b
                 .chunks(2)
-                .map(|p| u32::from(p[0]) << 8 | p.get(1).map_or(0, |&x| u32::from(x)))
+                .map(|p| (u32::from(p[0]) << 8) | p.get(1).map_or(0, |&x| u32::from(x)))
                 .collect(),
             starts: (0..b.len() as u32).step_by(2).collect(),
         })
