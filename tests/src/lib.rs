@@ -3,13 +3,15 @@
 //! ([`services`]), deterministic prompts ([`tokens`]), the protocol
 //! fixtures and KV-stream tap the crates' tests share ([`fixtures`]), and
 //! the runner of data-driven scenarios ([`datadriven`]), and a throwaway
-//! certificate authority for TLS tests ([`tls`]).
+//! certificate authority for TLS tests ([`tls`]), and the tokenizer the
+//! project ships ([`tokenizer`]).
 
 pub mod datadriven;
 pub mod fixtures;
 pub mod servers;
 pub mod services;
 pub mod tls;
+pub mod tokenizer;
 
 pub use servers::{free_port, EtcdServer, NatsServer};
 pub use services::{binary, Service};

@@ -136,6 +136,10 @@ pub struct Config {
     /// The chat template (a Jinja file) of `/v1/chat/completions`; without
     /// it, `tokenizer_config.json`'s beside the tokenizer.
     pub chat_template: Option<PathBuf>,
+    /// Bytes of recent prompts' text and token ids kept to tokenize a
+    /// conversation's next turn from its prefix (0: off).
+    #[serde(with = "settings::bytes")]
+    pub tokenizer_cache: u64,
     /// The deployment's seed of decisions' draws (the same on every replica).
     pub seed: u64,
     /// Blocks the index replica is sized for.
@@ -185,6 +189,7 @@ impl Default for Config {
             block_size: 16,
             tokenizer: None,
             chat_template: None,
+            tokenizer_cache: 256 << 20,
             seed: 0,
             reserve_blocks: kv_indexer::DEFAULT_RESERVE_BLOCKS,
             max_body_bytes: 32 << 20,
@@ -254,6 +259,11 @@ fn fixed_flags() -> Vec<Flag> {
         "chat_template",
         Kind::Text,
         "Chat template (Jinja file) for /v1/chat/completions [default: chat_template of the tokenizer_config.json beside --tokenizer]",
+    ),
+    Flag::new(
+        "tokenizer_cache",
+        Kind::Bytes,
+        "Tokenization cache: recent prompts' text and ids, so a conversation's next turn tokenizes only its new part (0: off)",
     ),
     Flag::new(
         "seed",

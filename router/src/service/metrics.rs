@@ -34,6 +34,9 @@
 //! | `router_breaker_open` | gauge | (workers out of rotation: breaker open, or half-open with its trial on its way) |
 //! | `router_jetstream_store_full` | gauge | (1 while JetStream's store refuses the decision log for want of room) |
 //! | `router_calibration_factor` | gauge | `factor` (`local_ttft`, `remote_ttft`, `itl`: the SLA policy's observed / predicted) |
+//! | `router_tokenizations_total` | counter | `outcome` (`exact`, `prefix`, `miss`: the tokenization cache) |
+//! | `router_tokens_total` | counter | `source` (`cache`, `tokenizer`: text prompts' tokens) |
+//! | `router_tokenizer_cache_bytes` | gauge | (the tokenization cache's size) |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -44,6 +47,8 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 use protocol::{Path, RouteDecision};
+
+use super::token_cache::Encoded;
 
 const LATENCY_BUCKETS: &[f64] = &[
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
@@ -167,11 +172,29 @@ const FAMILIES: &[(&str, &str)] = &[
         "router_calibration_factor",
         "The SLA policy's calibration factors (observed / predicted) by factor: local_ttft, remote_ttft, itl",
     ),
+    (
+        "router_tokenizations_total",
+        "Text and chat prompts tokenized, by the tokenization cache's outcome: exact (all cached), prefix (a cached prefix and the rest tokenized), miss",
+    ),
+    (
+        "router_tokens_total",
+        "Tokens of text and chat prompts, by source: cache (a conversation's earlier prefix) or tokenizer",
+    ),
+    (
+        "router_tokenizer_cache_bytes",
+        "Bytes the tokenization cache holds (text, ids and offsets of recent prompts)",
+    ),
 ];
 
 /// Counters at zero from the start, for each documented label value (so
 /// that a rate or an alert has a series before the first occurrence).
 const ZEROED: &[(&str, &str, &[&str])] = &[
+    (
+        "router_tokenizations_total",
+        "outcome",
+        &["exact", "prefix", "miss"],
+    ),
+    ("router_tokens_total", "source", &["cache", "tokenizer"]),
     (
         "router_dispatch_total",
         "outcome",
@@ -268,6 +291,7 @@ struct Inner {
     admission_queued: Gauge,
     breakers_open: Gauge,
     store_full: Gauge,
+    tokenizer_cache_bytes: Gauge,
     calibration: [Gauge; 3],
     expired: Counter,
 }
@@ -336,6 +360,7 @@ impl Metrics {
             admission_queued: gauge("router_admission_queued"),
             breakers_open: gauge("router_breaker_open"),
             store_full: gauge("router_jetstream_store_full"),
+            tokenizer_cache_bytes: gauge("router_tokenizer_cache_bytes"),
             calibration: crate::core::Factors::NAMES.map(|name| {
                 recorder.register_gauge(
                     &Key::from_parts(
@@ -413,6 +438,23 @@ impl Metrics {
     /// The handler's view of a decision's latency.
     pub fn route_latency(&self, took: Duration) {
         self.inner.route_seconds.record(took.as_secs_f64());
+    }
+
+    /// A text or chat prompt tokenized (through the cache, whose size is
+    /// `cache_bytes`).
+    pub fn tokenized(&self, encoded: &Encoded, cache_bytes: usize) {
+        self.counter(
+            "router_tokenizations_total",
+            vec![Label::new("outcome", encoded.outcome.as_str())],
+        )
+        .increment(1);
+        let reused = encoded.reused.min(encoded.ids.len());
+        let source = |s| vec![Label::new("source", s)];
+        self.counter("router_tokens_total", source("cache"))
+            .increment(reused as u64);
+        self.counter("router_tokens_total", source("tokenizer"))
+            .increment((encoded.ids.len() - reused) as u64);
+        self.inner.tokenizer_cache_bytes.set(cache_bytes as f64);
     }
 
     /// A request that could not be routed.

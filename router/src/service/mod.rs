@@ -17,6 +17,7 @@ pub mod inputs;
 pub mod metrics;
 pub mod replica;
 pub mod text;
+pub mod token_cache;
 
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
@@ -77,7 +78,11 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServiceError> {
-    let text = config.tokenizer.as_deref().map(Text::load).transpose()?;
+    let text = config
+        .tokenizer
+        .as_deref()
+        .map(|path| Text::load(path, config.tokenizer_cache))
+        .transpose()?;
     let chat = match (&config.chat_template, &config.tokenizer) {
         (Some(path), _) => Some(ChatTemplate::from_file(path)?),
         (None, Some(tokenizer)) => {
@@ -102,6 +107,7 @@ pub async fn run(
         params = ?core.policy().params(),
         seed,
         tokenizer = ?config.tokenizer,
+        tokenizer_cache = text.as_ref().is_some_and(Text::cached),
         "starting the router"
     );
 

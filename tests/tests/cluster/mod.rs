@@ -365,6 +365,11 @@ impl Cluster {
     }
 
     pub fn start_router(&mut self, replica: &str) -> Result<usize> {
+        self.start_router_with(replica, &[])
+    }
+
+    /// A router replica with `extra` flags (`--tokenizer=...`).
+    pub fn start_router_with(&mut self, replica: &str, extra: &[String]) -> Result<usize> {
         let port = free_port()?;
         let mut args = Self::nats_args(
             &self.nats,
@@ -379,6 +384,7 @@ impl Cluster {
             format!("--block-size={BLOCK_SIZE}"),
             "--policy=isl".into(),
         ]);
+        args.extend_from_slice(extra);
         let service = Service::start("router", replica, &args)?;
         self.routers.push(Node { service, port });
         Ok(self.routers.len() - 1)

@@ -236,3 +236,17 @@ fn flags_parse_and_help_shows_the_registry_and_the_defaults() {
 fn settings_command() -> clap::Command {
     settings::command(command(), &flags(), &Config::default())
 }
+
+#[test]
+fn the_tokenization_cache_is_sized_in_bytes() {
+    let c = parse(&["--model", "m"]).unwrap().config;
+    assert_eq!(c.tokenizer_cache, 256 << 20);
+    let c = parse(&["--model", "m", "--tokenizer-cache", "64MiB"])
+        .unwrap()
+        .config;
+    assert_eq!(c.tokenizer_cache, 64 << 20);
+    let c = parse(&["--model", "m", "--tokenizer-cache", "0"])
+        .unwrap()
+        .config;
+    assert_eq!(c.tokenizer_cache, 0);
+}

@@ -150,14 +150,21 @@ impl App {
                 let rendered = template
                     .render(&messages)
                     .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?;
-                text.encode_rendered(&rendered)
-                    .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?
+                let encoded = text
+                    .encode_rendered(&rendered)
+                    .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?;
+                self.metrics.tokenized(&encoded, text.cache_bytes());
+                encoded.ids
             }
             Source::Prompt(Prompt::Tokens(tokens)) => tokens,
-            Source::Prompt(Prompt::Text(text)) => match &self.text {
-                Some(t) => t
-                    .encode(&text)
-                    .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?,
+            Source::Prompt(Prompt::Text(prompt)) => match &self.text {
+                Some(text) => {
+                    let encoded = text
+                        .encode(&prompt)
+                        .map_err(|e| ApiError::bad_request(&request_id, e.to_string()))?;
+                    self.metrics.tokenized(&encoded, text.cache_bytes());
+                    encoded.ids
+                }
                 None => {
                     return Err(ApiError::bad_request(
                         &request_id,
