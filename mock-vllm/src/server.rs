@@ -558,6 +558,7 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
             prefill: None,
             decode_overlap_tokens: 0,
             prefill_overlap_tokens: 0,
+            fetch: None,
         },
         stage,
         prompt: c.prompt.clone(),
