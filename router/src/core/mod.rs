@@ -5,6 +5,7 @@
 //! * [`policy`]: bypass or remote prefill, and [`policy::registry`], the
 //!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
+//! * [`fetch`]: the third path's settings and offer ([`FetchConfig`]);
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
 //! * [`config`]: [`RouterConfig`], what the core is configured with;
 //! * [`decide`]: [`RouterCore`], which puts them together, and the
@@ -14,6 +15,7 @@
 pub mod calibrate;
 pub mod config;
 pub mod decide;
+pub mod fetch;
 pub mod gate;
 pub mod policy;
 pub mod replay;
@@ -26,11 +28,13 @@ pub use decide::{
     decision_seed, CandidateScore, Explanation, RouteError, RouteOptions, RouteRequest, Routed,
     RouterCore,
 };
+pub use fetch::{FetchConfig, FetchOption};
 pub use gate::{GateCheck, GateConfig};
 pub use policy::{
-    parse_param, rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens,
-    IslBased, IslOrLoad, LoadBased, NeverDisagg, ParamError, ParamSpec, Policy, PolicyInput,
-    PolicyName, PolicySpec, SlaDynamic, SlaPrediction, Verdict, POLICIES,
+    parse_param, rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel,
+    FetchPrediction, HeldTokens, IslBased, IslOrLoad, LoadBased, NeverDisagg, ParamError,
+    ParamSpec, Policy, PolicyInput, PolicyName, PolicySpec, SlaDynamic, SlaPrediction, Verdict,
+    POLICIES,
 };
 pub use replay::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 pub use select::{DecodeSelection, PrefillSelection, Side, TierWeights};

@@ -6,7 +6,7 @@
 //! overlap_credit`, `--decode-overlap-credit`,
 //! `SWITCHYARD_DECODE_OVERLAP_CREDIT`. The file's sections are the core's
 //! own config structs (`[decode]` is [`DecodeSelection`], `[gate]`
-//! [`GateConfig`], `[ledger]` [`LedgerConfig`], `[policy]` the policy with
+//! [`GateConfig`], `[ledger]` [`LedgerConfig`], `[fetch]` [`FetchConfig`], `[policy]` the policy with
 //! its parameters from the registry); defaults are their `Default`s, and
 //! `--help` shows them. A flag beats the variable, which beats the file,
 //! which beats the default. Unknown keys and invalid values are refused at
@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    DecodeSelection, GateConfig, LedgerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig,
-    TierWeights, POLICIES,
+    DecodeSelection, FetchConfig, GateConfig, LedgerConfig, Policy, PolicySpec, PrefillSelection,
+    RouterConfig, TierWeights, POLICIES,
 };
 
 pub use settings::Args;
@@ -130,6 +130,9 @@ pub struct Config {
     pub tier_weights: TierWeights,
     pub gate: GateConfig,
     pub ledger: LedgerConfig,
+    /// The third path (remote prefill with the prefix fetched from a
+    /// decode worker): off unless every worker's engine supports it.
+    pub fetch: FetchConfig,
     pub timeouts: Timeouts,
 }
 
@@ -159,6 +162,7 @@ impl Default for Config {
             tier_weights: TierWeights::default(),
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
+            fetch: FetchConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -286,6 +290,18 @@ fn fixed_flags() -> Vec<Flag> {
         Kind::Number,
         "Decode gate: share of the KV capacity a bypass may fill",
     ),
+    Flag::new(
+        "fetch.enabled",
+        Kind::Switch,
+        "Third path: a remote prefill may pull the prefix a decode worker holds (needs every engine to support it: mock-vllm, or vLLM >= 0.21 with bidirectional_kv_xfer and agents started with --vllm-bidirectional-kv)",
+    )
+    .long("prefix-fetch"),
+    Flag::new(
+        "fetch.min_tokens",
+        Kind::Number,
+        "Third path: fewest tokens worth pulling from a decode worker",
+    )
+    .long("prefix-fetch-min-tokens"),
     Flag::new(
         "ledger.ttl",
         Kind::Duration,
@@ -533,6 +549,7 @@ impl Config {
             },
             gate: self.gate,
             ledger: self.ledger,
+            fetch: self.fetch,
         }
     }
 
