@@ -14,7 +14,7 @@ pub mod simulate;
 
 use std::time::{Duration, Instant};
 
-use protocol::{DecisionRecord, Path, ResolveError, RouteDecision};
+use protocol::{DecisionRecord, ResolveError, RouteDecision};
 use router::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 
 pub use file::{Export, ExportError};
@@ -206,7 +206,7 @@ pub struct Flips {
     pub bypass_to_remote: usize,
     pub remote_to_bypass: usize,
     /// Remote both times, with a fetched prefix once only (the third
-    /// path, [`Path::RemoteFetch`], gained or lost).
+    /// path, [`protocol::Path::RemoteFetch`], gained or lost).
     pub fetch_changed: usize,
     /// Same path, another decode worker.
     pub other_decode_worker: usize,

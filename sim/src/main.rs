@@ -132,9 +132,17 @@ struct Common {
     /// the long-context workload).
     #[arg(long)]
     block_size: Option<u32>,
-    /// P -> D KV link bandwidth, GB/s.
+    /// Each worker's KV link bandwidth, GB/s (concurrent transfers at a
+    /// worker share it: P -> D handoffs and D -> P prefix pulls).
     #[arg(long, default_value_t = 87.0)]
     link_gb_s: f64,
+    /// The third path for the C/D deployments: a remote prefill may pull
+    /// the prefix a decode worker holds (`--prefix-fetch false`: never).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    prefix_fetch: bool,
+    /// Fewest tokens worth pulling from a decode worker.
+    #[arg(long, default_value_t = router::FetchConfig::default().min_tokens)]
+    prefix_fetch_min_tokens: u32,
     /// Engine events reach the router's index after this delay, ms.
     #[arg(long, default_value_t = 5.0)]
     index_delay_ms: f64,
@@ -234,6 +242,10 @@ impl Common {
             },
             seed: self.seed,
             warmup_fraction: 0.2,
+            fetch: router::FetchConfig {
+                enabled: self.prefix_fetch,
+                min_tokens: self.prefix_fetch_min_tokens,
+            },
         })
     }
 

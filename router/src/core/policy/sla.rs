@@ -342,7 +342,7 @@ impl SlaDynamic {
             path,
             prefill_ms: match (path, s.fetch) {
                 (Path::Bypass, _) => s.local_model_ms,
-                (Path::RemoteFetch, Some(f)) => f.model_ms,
+                (Path::RemoteFetch, Some(f)) => f.pull_ms + f.model_ms,
                 (Path::Remote | Path::RemoteFetch, _) => s.remote_model_ms,
             },
             itl_ms: s.step_model_ms,
