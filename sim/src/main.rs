@@ -538,11 +538,13 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
             a / b.max(1e-9)
         );
         println!(
-            "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%); {} P {:.1}%",
+            "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%, prefix fetched {:.1}%, {:.1} GB pulled); {} P {:.1}%",
             best_cd.deployment.name(),
             100.0 * cd_p.summary.prefill_hit_rate_p,
             100.0 * cd_p.summary.prefill_hit_rate_d,
             100.0 * cd_p.summary.bypass_share,
+            100.0 * cd_p.summary.fetch_share,
+            cd_p.summary.kv_gb_pulled,
             disagg.deployment.name(),
             100.0 * dis_p.summary.prefill_hit_rate_p
         );
