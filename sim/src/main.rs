@@ -396,10 +396,15 @@ fn main() -> anyhow::Result<()> {
             print!("{}", table(&results, workload.load_unit()));
             let s = &results[0].summary;
             println!(
-                "measured {} requests; gate vetoes {}, refused {}; e2e p50 {:.0} ms ({:.2} s wall)",
+                "measured {} requests; gate vetoes {}, refused {}; prefix fetched {:.1}% ({:.1} GB pulled, {:.1} GB moved P->D); prefill-side hit rate P {:.1}% D {:.1}%; e2e p50 {:.0} ms ({:.2} s wall)",
                 s.measured,
                 s.gate_vetoes,
                 s.refused,
+                100.0 * s.fetch_share,
+                s.kv_gb_pulled,
+                s.kv_gb_moved,
+                100.0 * s.prefill_hit_rate_p,
+                100.0 * s.prefill_hit_rate_d,
                 s.e2e_ms.p50,
                 started.elapsed().as_secs_f64()
             );
