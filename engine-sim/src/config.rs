@@ -25,6 +25,11 @@ pub struct EngineConfig {
     pub gpus: u32,
     /// Step-time constants.
     pub cost: CostModel,
+    /// Share by which a step is longer while the engine serves a read of
+    /// its blocks by another worker (a prefix pulled D -> P, the third
+    /// path; [`crate::Engine::pin_prefix`]). See
+    /// [`crate::preset::READ_STEP_OVERHEAD`].
+    pub read_step_overhead: f64,
 }
 
 impl EngineConfig {

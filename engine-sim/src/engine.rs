@@ -6,7 +6,7 @@ use protocol::{BlockHash, BlockHasher, KvEvent, LoadReport, Role, WorkerId};
 
 use crate::config::EngineConfig;
 use crate::error::{ConfigError, SubmitError};
-use crate::kv_cache::{BlockCounts, KvCache, Mix};
+use crate::kv_cache::{BlockCounts, BlockId, KvCache, Mix};
 use crate::request::{EngineRequest, Seq};
 use crate::scheduler::{Env, Scheduler};
 
@@ -125,6 +125,27 @@ pub struct Engine {
     stats: EngineStats,
     scratch: Vec<u32>,
     outputs: Vec<StepOutput>,
+    /// Prefixes pinned for other workers' reads ([`Engine::pin_prefix`]).
+    pins: u32,
+    /// Their blocks (one entry per hold).
+    pinned: Vec<BlockId>,
+}
+
+/// Blocks of a prefix held for another worker's read
+/// ([`Engine::pin_prefix`]): they are in use (not evictable) until
+/// [`Engine::unpin`].
+#[derive(Debug)]
+#[must_use = "a pin holds its blocks until Engine::unpin"]
+pub struct PinnedPrefix {
+    blocks: Vec<BlockId>,
+    tokens: u32,
+}
+
+impl PinnedPrefix {
+    /// Leading tokens pinned (whole blocks).
+    pub fn tokens(&self) -> u32 {
+        self.tokens
+    }
 }
 
 impl Engine {
@@ -145,7 +166,85 @@ impl Engine {
             stats: EngineStats::default(),
             scratch: Vec::new(),
             outputs: Vec::new(),
+            pins: 0,
+            pinned: Vec::new(),
         })
+    }
+
+    /// The hashes of `prompt`'s first `tokens / block_size` full blocks.
+    fn prefix_hashes(&self, prompt: &[u32], tokens: u32) -> Vec<BlockHash> {
+        let bs = self.hasher.block_size() as usize;
+        let n = (tokens as usize).min(prompt.len()) / bs;
+        let mut parent = None;
+        prompt[..n * bs]
+            .chunks_exact(bs)
+            .map(|block| {
+                let hash = BlockHasher::chain(parent, self.hasher.content_hash(block));
+                parent = Some(hash);
+                hash
+            })
+            .collect()
+    }
+
+    /// Holds the cached blocks of `prompt`'s first `tokens` tokens (as many
+    /// leading whole blocks as are cached) for another worker's read: they
+    /// stay in use, so cannot be evicted, and the engine's steps are longer
+    /// by [`EngineConfig::read_step_overhead`] while any pin is held.
+    pub fn pin_prefix(&mut self, prompt: &[u32], tokens: u32) -> PinnedPrefix {
+        let mut blocks = Vec::new();
+        for hash in self.prefix_hashes(prompt, tokens) {
+            let Some(b) = self.cache.lookup(hash) else {
+                break;
+            };
+            self.cache.acquire(b);
+            blocks.push(b);
+        }
+        self.pins += 1;
+        self.pinned.extend_from_slice(&blocks);
+        let tokens = blocks.len() as u32 * self.hasher.block_size();
+        PinnedPrefix { blocks, tokens }
+    }
+
+    /// Releases a pin (the read is done); the blocks stay cached.
+    pub fn unpin(&mut self, pin: PinnedPrefix) {
+        // A pin from before a restart holds nothing any more.
+        for &b in pin.blocks.iter().rev() {
+            if let Some(i) = self.pinned.iter().rposition(|&p| p == b) {
+                self.pinned.swap_remove(i);
+                self.cache.release(b);
+            }
+        }
+        self.pins = self.pins.saturating_sub(1);
+    }
+
+    /// Stores the KV of `prompt`'s first `tokens` tokens (whole blocks),
+    /// received from another worker, in the prefix cache without computing
+    /// it (a prefix pulled D -> P): the blocks not cached yet are allocated
+    /// (evicting the least recently used) and registered, which emits their
+    /// `Stored` events; they are then free but cached, so the request that
+    /// pulled them hits them when admitted. Stops early when every block is
+    /// in use. Returns the leading tokens now cached.
+    pub fn receive_prefix(&mut self, prompt: &[u32], tokens: u32) -> u32 {
+        let mut held = Vec::new();
+        let mut parent = None;
+        for hash in self.prefix_hashes(prompt, tokens) {
+            let block = match self.cache.lookup(hash) {
+                Some(b) => {
+                    self.cache.acquire(b);
+                    b
+                }
+                None => match self.cache.allocate() {
+                    Some(b) => self.cache.register(b, hash, parent),
+                    None => break,
+                },
+            };
+            held.push(block);
+            parent = Some(hash);
+        }
+        for &b in held.iter().rev() {
+            self.cache.release(b);
+        }
+        held.len() as u32 * self.hasher.block_size()
     }
 
     /// Queues a request (it is admitted by a later [`Engine::step`]).
@@ -232,7 +331,12 @@ impl Engine {
         if planned.work.is_empty() && self.outputs.is_empty() {
             return None;
         }
-        let duration_us = self.config.cost.step_us(&planned.work);
+        let mut duration_us = self.config.cost.step_us(&planned.work);
+        if self.pins > 0 {
+            // `as` saturates.
+            duration_us =
+                (duration_us as f64 * (1.0 + self.config.read_step_overhead)).ceil() as u64;
+        }
         self.busy_until_us = start_us.saturating_add(duration_us);
         self.stats.steps += 1;
         self.stats.busy_us += duration_us;
@@ -294,6 +398,8 @@ impl Engine {
         self.in_flight.clear();
         self.cache.clear();
         self.outputs.clear();
+        self.pinned.clear();
+        self.pins = 0;
         dropped
     }
 
@@ -385,6 +491,9 @@ impl Engine {
     pub fn check_invariants(&self) -> Result<(), String> {
         let bs = self.config.block_size;
         let mut holders = vec![0u32; self.config.kv_capacity_blocks as usize];
+        for &b in &self.pinned {
+            holders[b as usize] += 1;
+        }
         for seq in &self.sched.running {
             let want = seq.computed.div_ceil(bs) as usize;
             if seq.blocks.len() < want {

@@ -107,9 +107,9 @@ pub mod transfer;
 
 pub use config::EngineConfig;
 pub use cost::{CostModel, StepWork};
-pub use engine::{Engine, EngineStats, Step, StepOutput};
+pub use engine::{Engine, EngineStats, PinnedPrefix, Step, StepOutput};
 pub use error::{ConfigError, SubmitError};
 pub use kv_cache::BlockCounts;
 pub use preset::{Preset, DEFAULT_BLOCK_SIZE};
 pub use request::{EngineRequest, Mode};
-pub use transfer::KvTransfer;
+pub use transfer::{KvTransfer, SharedLinks};

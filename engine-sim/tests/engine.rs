@@ -483,3 +483,54 @@ fn an_aborted_request_leaves_at_once_and_its_full_blocks_stay_cached() {
     let (outs, _) = run_to_idle(&mut e, s.end_us(), 1_000);
     assert_eq!(tokens_of(&outs, 1), 5);
 }
+
+/// The third path's two ends: a prefill worker receives a prefix into its
+/// cache (its events show the blocks) and computes only the rest; the
+/// worker serving the read pins the blocks (not evicted meanwhile, counted
+/// in use) and its steps are longer while the pin is held.
+#[test]
+fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
+    let cfg = small_config(16, 64, 256, 8);
+    let mut p = engine(Role::Prefill, cfg);
+    let prompt = tokens(0, 500);
+    assert_eq!(p.receive_prefix(&prompt, 400), 400);
+    let mut replay = Replay::default();
+    replay.sync(&mut p);
+    assert_eq!(replay.blocks.len(), 25, "the received blocks are stored");
+    assert_eq!(p.block_counts().in_use, 0, "cached, not held");
+    p.submit(req(1, &prompt, 0, Mode::PrefillOnly)).unwrap();
+    let (outs, _) = run_to_idle(&mut p, 0, 10);
+    assert!(outs.iter().any(|(_, o)| matches!(
+        o,
+        StepOutput::PrefillDone {
+            id: 1,
+            cached_tokens: 400,
+            ..
+        }
+    )));
+    assert_eq!(p.stats().prefill_tokens, 100, "only the rest computed");
+
+    // The source: its blocks are pinned while read.
+    let mut d = engine(Role::Both, cfg);
+    d.submit(req(1, &prompt, 2, Mode::LocalPrefill)).unwrap();
+    let (_, now) = run_to_idle(&mut d, 0, 20);
+    let pin = d.pin_prefix(&prompt, 400);
+    assert_eq!(pin.tokens(), 400);
+    assert_eq!(d.block_counts().in_use, 25);
+    d.check_invariants().unwrap();
+    // Filling the cache with other prompts evicts everything but the pin.
+    let other = tokens(10_000, 600);
+    d.submit(req(2, &other, 1, Mode::LocalPrefill)).unwrap();
+    let pinned_step = d.step(now).unwrap().duration_us;
+    let (_, now) = run_to_idle(&mut d, now, 50);
+    assert!(d.cached_prefix_tokens(&prompt) >= 400);
+    d.unpin(pin);
+    assert_eq!(d.block_counts().in_use, 0);
+    d.check_invariants().unwrap();
+    // The same step unpinned is shorter by the read overhead.
+    let mut fresh = engine(Role::Both, cfg);
+    fresh.submit(req(2, &other, 1, Mode::LocalPrefill)).unwrap();
+    let plain_step = fresh.step(now).unwrap().duration_us;
+    let want = (plain_step as f64 * (1.0 + cfg.read_step_overhead)).ceil() as u64;
+    assert_eq!(pinned_step, want, "{plain_step} -> {pinned_step}");
+}

@@ -80,6 +80,7 @@ async fn direct(
             prefill: prefill.cloned(),
             decode_overlap_tokens: 0,
             prefill_overlap_tokens: 0,
+            fetch: None,
         },
         stage: Stage::Local,
         prompt: prompt.to_vec(),

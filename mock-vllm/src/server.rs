@@ -20,7 +20,7 @@ use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use protocol::{
     Annotation, DecisionId, FinishReason, GenerateEvent, GenerateRequest, KvTransferParams, Path,
-    Role, Sampling, Stage, WorkerId,
+    PrefixFetch, Role, Sampling, Stage, WorkerId,
 };
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
@@ -54,11 +54,19 @@ struct DebugState {
     decode: u64,
     kv_transfer_params_received: u64,
     last_kv_transfer_params: Option<Value>,
+    /// Prefill requests that pull their prefix from a decode engine first
+    /// (vLLM's bidirectional transfer: `do_remote_decode` with a remote).
+    prefix_pulls_received: u64,
+    last_pull_params: Option<Value>,
     errors: u64,
     /// The last requests' sampling fields as received, by request id
     /// (the newest last, at most [`RECEIVED_KEPT`]).
     received: VecDeque<(String, Map<String, Value>)>,
 }
+
+/// A prefix pull of fewer tokens is recomputed instead (vLLM's
+/// `kv_recompute_threshold` default with bidirectional transfer on).
+const PULL_RECOMPUTE_THRESHOLD: u32 = 64;
 
 /// How many requests' sampling fields `/switchyard/debug` keeps.
 const RECEIVED_KEPT: usize = 64;
@@ -176,6 +184,8 @@ async fn switchyard_debug(State(app): State<Arc<App>>) -> Response {
         "requests": {"local": d.local, "prefill": d.prefill, "decode": d.decode},
         "kv_transfer_params_received": d.kv_transfer_params_received,
         "last_kv_transfer_params": d.last_kv_transfer_params,
+        "prefix_pulls_received": d.prefix_pulls_received,
+        "last_pull_params": d.last_pull_params,
         "errors": d.errors,
         "received": d.received.iter().map(|(id, fields)| json!({"request_id": id, "model": fields.get("model"), "fields": fields})).collect::<Vec<_>>(),
         "kv_batches_published": published,
@@ -486,9 +496,32 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
         .kv_transfer_params
         .as_ref()
         .is_some_and(|p| flag(p, "do_remote_prefill"));
+    // vLLM's bidirectional pull: a prefill whose params name a remote (the
+    // decode engine holding the prefix) and how many tokens it holds.
+    let mut fetch = None;
     let stage = if remote_decode {
         if s.role == Role::Decode {
             return error(StatusCode::BAD_REQUEST, "this engine is a decode instance (kv_consumer): it does not prefill for remote decodes");
+        }
+        let params = c.kv_transfer_params.clone().unwrap_or_default();
+        let remote = params.get("remote_engine_id").and_then(Value::as_str);
+        let tokens = params.get("remote_num_tokens").and_then(Value::as_u64);
+        if let (Some(remote), Some(tokens)) = (remote, tokens) {
+            let prefix = (tokens.min(c.prompt.len() as u64)) as u32;
+            // vLLM recomputes a pull below kv_recompute_threshold (64).
+            if prefix >= PULL_RECOMPUTE_THRESHOLD {
+                let source = remote
+                    .parse()
+                    .unwrap_or_else(|_| WorkerId::new("remote", 0).expect("a valid name"));
+                fetch = Some(PrefixFetch {
+                    source,
+                    prefix_tokens: prefix,
+                    pulled_tokens: prefix,
+                });
+            }
+            let mut d = lock(&app.debug);
+            d.prefix_pulls_received += 1;
+            d.last_pull_params = Some(Value::Object(params));
         }
         Stage::Prefill
     } else if remote_prefill {
@@ -558,6 +591,7 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
             prefill: None,
             decode_overlap_tokens: 0,
             prefill_overlap_tokens: 0,
+            fetch,
         },
         stage,
         prompt: c.prompt.clone(),

@@ -6,15 +6,21 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{DecisionId, WorkerId};
 
-/// The two ways to serve a request. Its name (`"bypass"`, `"remote"`) in
-/// JSON and other human-readable formats, a byte in msgpack; JSON readers
-/// take the name or the byte.
+/// The three ways to serve a request. Its name (`"bypass"`, `"remote"`,
+/// `"remote_fetch"`) in JSON and other human-readable formats, a byte in
+/// msgpack; JSON readers take the name or the byte. The bytes of the first
+/// two never change (older decision logs hold them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Path {
     /// Straight to the decode worker, which prefills locally what it lacks.
     Bypass = 0,
     /// Prefill on a prefill worker, KV moved to the decode worker.
     Remote = 1,
+    /// Remote prefill with the prefix fetched from where it lives: the
+    /// prefill worker first pulls the prefix a decode worker holds
+    /// ([`PrefixFetch`], D -> P), prefills only the rest, and its KV moves
+    /// to the decode worker as for [`Path::Remote`].
+    RemoteFetch = 2,
 }
 
 impl Path {
@@ -22,8 +28,18 @@ impl Path {
         match self {
             Path::Bypass => "bypass",
             Path::Remote => "remote",
+            Path::RemoteFetch => "remote_fetch",
         }
     }
+
+    /// Whether a prefill worker runs the prefill (remote, with or without
+    /// a fetched prefix).
+    pub fn is_remote(self) -> bool {
+        !matches!(self, Path::Bypass)
+    }
+
+    /// Every path, in byte order.
+    pub const ALL: [Path; 3] = [Path::Bypass, Path::Remote, Path::RemoteFetch];
 }
 
 impl fmt::Display for Path {
@@ -55,7 +71,7 @@ impl<'de> Deserialize<'de> for Path {
             type Value = Path;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a path (\"bypass\", \"remote\", or its byte)")
+                f.write_str("a path (\"bypass\", \"remote\", \"remote_fetch\", or its byte)")
             }
 
             fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Path, E> {
@@ -68,6 +84,7 @@ impl<'de> Deserialize<'de> for Path {
                 match v {
                     "bypass" => Ok(Path::Bypass),
                     "remote" => Ok(Path::Remote),
+                    "remote_fetch" => Ok(Path::RemoteFetch),
                     other => Err(E::custom(format!("unknown path {other:?}"))),
                 }
             }
@@ -92,6 +109,7 @@ impl TryFrom<u8> for Path {
         match v {
             0 => Ok(Path::Bypass),
             1 => Ok(Path::Remote),
+            2 => Ok(Path::RemoteFetch),
             other => Err(UnknownPath(other)),
         }
     }
@@ -104,7 +122,8 @@ pub struct RouteDecision {
     pub request_id: String,
     pub path: Path,
     pub decode: WorkerId,
-    /// The prefill worker; `Some` exactly when `path` is `Remote`.
+    /// The prefill worker; `Some` exactly when `path` is remote
+    /// ([`Path::is_remote`]).
     pub prefill: Option<WorkerId>,
     /// Prompt length in tokens.
     pub isl_tokens: u32,
@@ -123,6 +142,32 @@ pub struct RouteDecision {
     pub reason: String,
     /// Router clock when decided, in milliseconds.
     pub at_ms: u64,
+    /// The prefix the prefill worker pulls first; `Some` exactly when
+    /// `path` is [`Path::RemoteFetch`] (absent in older entries).
+    #[serde(default)]
+    pub fetch: Option<PrefixFetch>,
+}
+
+/// The prefix a [`Path::RemoteFetch`] prefill worker pulls from the worker
+/// that holds it before it prefills the rest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefixFetch {
+    /// The worker that supplies the prefix (a decode worker holding the
+    /// conversation); its blocks stay pinned while they are read.
+    pub source: WorkerId,
+    /// Leading prompt tokens the source holds (whole blocks): the prefix
+    /// the prefill worker holds once the pull is done.
+    pub prefix_tokens: u32,
+    /// Tokens pulled: `prefix_tokens` less what the prefill worker held
+    /// already (`prefill_overlap_tokens`).
+    pub pulled_tokens: u32,
+}
+
+impl PrefixFetch {
+    /// The blocks pulled, of `block_size` tokens.
+    pub fn pulled_blocks(&self, block_size: u32) -> u64 {
+        u64::from(self.pulled_tokens.div_ceil(block_size.max(1)))
+    }
 }
 
 impl RouteDecision {
@@ -135,6 +180,7 @@ impl RouteDecision {
             prefill: self.prefill.clone(),
             decode_overlap_tokens: self.decode_overlap_tokens,
             prefill_overlap_tokens: self.prefill_overlap_tokens,
+            fetch: self.fetch.clone(),
         }
     }
 
@@ -156,6 +202,10 @@ pub struct Annotation {
     /// beside the engine's actual cached tokens).
     pub decode_overlap_tokens: u32,
     pub prefill_overlap_tokens: u32,
+    /// The prefix the prefill worker pulls first ([`Path::RemoteFetch`];
+    /// absent from older senders).
+    #[serde(default)]
+    pub fetch: Option<PrefixFetch>,
 }
 
 #[cfg(test)]
@@ -177,6 +227,16 @@ mod tests {
         assert_eq!(
             rmp_serde::from_slice::<Path>(&packed).unwrap(),
             Path::Remote
+        );
+        // The third path, and the first two's bytes unchanged.
+        for (byte, path) in Path::ALL.into_iter().enumerate() {
+            assert_eq!(rmp_serde::to_vec(&path).unwrap(), [byte as u8]);
+            let name = serde_json::to_string(&path).unwrap();
+            assert_eq!(serde_json::from_str::<Path>(&name).unwrap(), path);
+        }
+        assert_eq!(
+            serde_json::to_string(&Path::RemoteFetch).unwrap(),
+            "\"remote_fetch\""
         );
     }
 }

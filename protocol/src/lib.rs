@@ -20,7 +20,7 @@ pub mod subjects;
 pub mod trace;
 
 pub use codec::{DecodeError, Message};
-pub use decision::{Annotation, Path, RouteDecision};
+pub use decision::{Annotation, Path, PrefixFetch, RouteDecision};
 pub use decision_log::{
     CandidateFacts, CandidateState, Columns, ContextId, DecisionContext, LogEntry, LogReader,
     LogWriter, LoggedDecision, LoggedPrompt, PackedHashes, PrefixRef, PromptRecord, ResolveError,

@@ -43,6 +43,7 @@ fn decision() -> RouteDecision {
         rule: "isl.long".into(),
         reason: "8192 uncached tokens >= 2048".into(),
         at_ms: 5,
+        fetch: None,
     }
 }
 
@@ -320,4 +321,37 @@ proptest! {
     fn packed_garbage_is_an_error_not_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..32)) {
         let _ = generate::packed_tokens::unpack(&bytes);
     }
+}
+
+/// A decision written before the third path (no `fetch` field: one element
+/// fewer in its msgpack array) still reads, as one without a fetch; a
+/// fetching decision round-trips with its source and tokens.
+#[test]
+fn decisions_before_the_third_path_still_read() {
+    let old = decision();
+    let mut bytes = rmp_serde::to_vec(&old).unwrap();
+    assert_eq!(bytes[0], 0x90 | 15, "a fixarray of 15 fields");
+    assert_eq!(bytes.pop(), Some(0xc0), "the last field is the nil fetch");
+    bytes[0] = 0x90 | 14;
+    assert_eq!(rmp_serde::from_slice::<RouteDecision>(&bytes).unwrap(), old);
+
+    let fetching = RouteDecision {
+        path: Path::RemoteFetch,
+        fetch: Some(PrefixFetch {
+            source: worker("d0"),
+            prefix_tokens: 8000,
+            pulled_tokens: 3904,
+        }),
+        ..decision()
+    };
+    let bytes = rmp_serde::to_vec(&fetching).unwrap();
+    assert_eq!(
+        rmp_serde::from_slice::<RouteDecision>(&bytes).unwrap(),
+        fetching
+    );
+    let annotation = fetching.annotation();
+    assert_eq!(annotation.fetch, fetching.fetch);
+    let json = serde_json::to_value(&fetching).unwrap();
+    assert_eq!(json["path"], "remote_fetch");
+    assert_eq!(json["fetch"]["source"], "d0");
 }

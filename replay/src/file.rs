@@ -323,6 +323,7 @@ mod tests {
                 rule: "never.bypass".into(),
                 reason: String::new(),
                 at_ms: id,
+                fetch: None,
             },
             inputs: DecisionInputs {
                 block_hashes: (0..blocks).map(BlockHash).collect(),

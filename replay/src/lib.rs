@@ -14,7 +14,7 @@ pub mod simulate;
 
 use std::time::{Duration, Instant};
 
-use protocol::{DecisionRecord, Path, ResolveError, RouteDecision};
+use protocol::{DecisionRecord, ResolveError, RouteDecision};
 use router::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 
 pub use file::{Export, ExportError};
@@ -205,6 +205,9 @@ pub struct Flips {
     pub decisions: usize,
     pub bypass_to_remote: usize,
     pub remote_to_bypass: usize,
+    /// Remote both times, with a fetched prefix once only (the third
+    /// path, [`protocol::Path::RemoteFetch`], gained or lost).
+    pub fetch_changed: usize,
     /// Same path, another decode worker.
     pub other_decode_worker: usize,
     pub failed: usize,
@@ -231,13 +234,17 @@ pub fn flips(report: &Report) -> Flips {
             continue;
         };
         let (before, after) = (&o.decision, &r.decision);
-        let flipped = match (before.path, after.path) {
-            (Path::Bypass, Path::Remote) => {
+        let flipped = match (before.path.is_remote(), after.path.is_remote()) {
+            (false, true) => {
                 f.bypass_to_remote += 1;
                 true
             }
-            (Path::Remote, Path::Bypass) => {
+            (true, false) => {
                 f.remote_to_bypass += 1;
+                true
+            }
+            _ if before.path != after.path => {
+                f.fetch_changed += 1;
                 true
             }
             _ if before.decode != after.decode => {

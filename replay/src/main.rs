@@ -330,6 +330,7 @@ async fn main() -> anyhow::Result<()> {
                 "decisions": f.decisions,
                 "bypass_to_remote": f.bypass_to_remote,
                 "remote_to_bypass": f.remote_to_bypass,
+                "fetch_changed": f.fetch_changed,
                 "other_decode_worker": f.other_decode_worker,
                 "failed": f.failed,
                 "examples": f.examples.iter().map(|(id, a, b)| serde_json::json!({"decision": id, "before": a, "after": b})).collect::<Vec<_>>(),
@@ -385,8 +386,8 @@ async fn main() -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&value)?);
             } else {
                 println!(
-                    "{} decisions: {} bypass -> remote, {} remote -> bypass, {} to another decode worker, {} could not be re-decided",
-                    f.decisions, f.bypass_to_remote, f.remote_to_bypass, f.other_decode_worker, f.failed
+                    "{} decisions: {} bypass -> remote, {} remote -> bypass, {} remote with a fetched prefix gained or lost, {} to another decode worker, {} could not be re-decided",
+                    f.decisions, f.bypass_to_remote, f.remote_to_bypass, f.fetch_changed, f.other_decode_worker, f.failed
                 );
                 for (id, a, b) in &f.examples {
                     println!("  {id}: {a}  =>  {b}");

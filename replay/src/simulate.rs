@@ -97,6 +97,7 @@ pub fn run(
         slo,
         seed: 1,
         warmup_fraction: 0.0,
+        fetch: router::FetchConfig::default(),
     };
     Ok(simulate(&config, &mut workload(decisions))?.summary)
 }

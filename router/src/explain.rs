@@ -51,6 +51,12 @@ pub fn to_json(decision: &RouteDecision, e: &Explanation, block_size: u32) -> Va
         "path": decision.path.as_str(),
         "decode": decision.decode.to_string(),
         "prefill": decision.prefill.as_ref().map(ToString::to_string),
+        "fetch": decision.fetch.as_ref().map(|f| json!({
+            "source": f.source.to_string(),
+            "prefix_tokens": f.prefix_tokens,
+            "pulled_tokens": f.pulled_tokens,
+            "pulled_blocks": f.pulled_blocks(block_size),
+        })),
         "isl_tokens": decision.isl_tokens,
         "request_blocks": e.request_blocks,
         "policy": decision.policy,
@@ -92,6 +98,16 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
             .map(|p| format!(", prefill on {p}"))
             .unwrap_or_default()
     );
+    if let Some(f) = &decision.fetch {
+        let _ = writeln!(
+            out,
+            "  prefix fetched from {}: {} of its {} prefix tokens pulled ({} blocks pinned there while read)",
+            f.source,
+            f.pulled_tokens,
+            f.prefix_tokens,
+            f.pulled_blocks(block_size)
+        );
+    }
     let _ = writeln!(
         out,
         "  prompt {} tokens ({} full blocks of {block_size}); the request occupies {} KV blocks",

@@ -53,9 +53,10 @@ pub mod service;
 pub use crate::core::{
     decision_seed, difference, parse_param, rules, AlwaysDisagg, Calibration, Candidate,
     CandidateScore, Charges, ConditionalDisaggPolicy, ConfigError, CostModel, DecodeSelection,
-    DepthMismatch, EffectiveLoad, Expected, Explanation, Factors, GateCheck, GateConfig,
-    HeldTokens, IslBased, IslOrLoad, LedgerConfig, LoadBased, NeverDisagg, Overrides, ParamError,
-    ParamSpec, Policy, PolicyInput, PolicyName, PolicySpec, PrefillSelection, ReplayError,
-    Replayed, Replayer, RouteError, RouteOptions, RouteRequest, Routed, RouterConfig, RouterCore,
-    Side, SlaDynamic, SlaPrediction, TierWeights, Verdict, Workers, POLICIES,
+    DepthMismatch, EffectiveLoad, Expected, Explanation, Factors, FetchConfig, FetchOption,
+    FetchPrediction, GateCheck, GateConfig, HeldTokens, IslBased, IslOrLoad, LedgerConfig,
+    LoadBased, NeverDisagg, Overrides, ParamError, ParamSpec, Policy, PolicyInput, PolicyName,
+    PolicySpec, PrefillSelection, ReplayError, Replayed, Replayer, RouteError, RouteOptions,
+    RouteRequest, Routed, RouterConfig, RouterCore, Side, SlaDynamic, SlaPrediction, TierWeights,
+    Verdict, Workers, POLICIES,
 };

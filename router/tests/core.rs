@@ -44,6 +44,7 @@ fn peer_decision(id: u64, at_ms: u64) -> RouteDecision {
         rule: rules::ISL_LONG_PREFILL.into(),
         reason: String::new(),
         at_ms,
+        fetch: None,
     }
 }
 

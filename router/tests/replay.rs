@@ -25,7 +25,12 @@ fn history() -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
 /// [`history`] with `policy`; each decision's prefill and decode are
 /// observed (fed to the core's calibration) before the next one.
 fn history_with(policy: Policy) -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
-    let mut core = core_with(RouterConfig::new(contract()), policy);
+    history_in(RouterConfig::new(contract()), policy)
+}
+
+/// [`history_with`] under another router configuration.
+fn history_in(config: RouterConfig, policy: Policy) -> (Vec<DecisionRecord>, Vec<IndexDelta>) {
+    let mut core = core_with(config, policy);
     let mut indexer = KvIndexer::new(OwnershipIndex::new());
     let mut deltas = Vec::new();
     let mut seqs = std::collections::HashMap::<WorkerId, u64>::new();
@@ -141,6 +146,66 @@ fn every_recorded_decision_replays_exactly() {
             "{:?}",
             replayed.depth_mismatches
         );
+    }
+}
+
+/// With the third path enabled, remote prefills of conversations held on a
+/// decode worker fetch their prefix from it: the records carry the fetch
+/// (source and tokens) and the setting, and replay reproduces both; a
+/// what-if with the setting off makes them plain remote prefills again.
+#[test]
+fn fetching_decisions_replay_exactly() {
+    let config = RouterConfig {
+        fetch: router::FetchConfig {
+            enabled: true,
+            min_tokens: 512,
+        },
+        ..RouterConfig::new(contract())
+    };
+    let (records, deltas) = history_in(config, router::AlwaysDisagg.into());
+    let fetched: Vec<_> = records
+        .iter()
+        .filter(|r| r.decision.path == Path::RemoteFetch)
+        .collect();
+    assert!(
+        fetched.len() > records.len() / 2,
+        "{} of {}",
+        fetched.len(),
+        records.len()
+    );
+    for r in &fetched {
+        let f = r.decision.fetch.as_ref().unwrap();
+        assert!(f.source.to_string().starts_with('d'), "{f:?}");
+        assert_eq!(
+            r.decision.reserved_prefill_tokens,
+            u64::from(r.decision.isl_tokens - f.prefix_tokens)
+        );
+        assert!(
+            r.decision.reason.contains("prefix fetched"),
+            "{}",
+            r.decision.reason
+        );
+    }
+    assert!(records.iter().any(|r| r
+        .inputs
+        .router_params
+        .iter()
+        .any(|(k, v)| k == "fetch.enabled" && *v == 1.0)));
+    for (record, replayed) in
+        records
+            .iter()
+            .zip(replay_all(&records, &deltas, &Overrides::default()))
+    {
+        assert_eq!(difference(&record.decision, &replayed.decision), None);
+        assert_eq!(record.decision.fetch, replayed.decision.fetch);
+    }
+    let off = Overrides {
+        router_params: vec![("fetch.enabled".into(), 0.0)],
+        ..Overrides::default()
+    };
+    for replayed in replay_all(&records, &deltas, &off) {
+        assert_ne!(replayed.decision.path, Path::RemoteFetch);
+        assert_eq!(replayed.decision.fetch, None);
     }
 }
 

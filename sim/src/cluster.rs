@@ -11,16 +11,23 @@
 //! - a batch the core publishes reaches the [`KvIndexer`] after a
 //!   propagation delay (JetStream acknowledges it at once: the simulated
 //!   bus never fails), and its delta goes to the router's index replica;
-//! - a prefill's KV transfer ends: the request is submitted to its decode
-//!   worker;
+//! - a KV transfer ends on the workers' shared links ([`SharedLinks`]:
+//!   concurrent transfers share each worker's link): a prefill's handoff
+//!   submits the request to its decode worker; a prefix pulled from a
+//!   decode worker (the third path, [`Path::RemoteFetch`]) unpins it there,
+//!   stores the prefix in the prefill worker's cache (its KV events show
+//!   the blocks) and submits the request to the prefill worker, which
+//!   computes only the rest;
 //! - every load interval each engine's load report reaches the router.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
 use std::convert::Infallible;
 use std::time::Duration;
 
-use engine_sim::{Engine, EngineRequest, KvTransfer, Mode, Preset, StepOutput};
+use engine_sim::{
+    Engine, EngineRequest, KvTransfer, Mode, PinnedPrefix, Preset, SharedLinks, StepOutput,
+};
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     BlockHash, DecisionId, HashingContract, KvEvent, KvEventBatch, Path, RouteDecision, Tier,
@@ -42,7 +49,8 @@ pub struct SimConfig {
     pub preset: Preset,
     pub block_size: u32,
     pub deployment: Deployment,
-    /// The P -> D KV link.
+    /// Each worker's KV link (P -> D handoffs and D -> P prefix pulls
+    /// share it).
     pub link: KvTransfer,
     /// Engine KV event -> indexer -> router replica.
     pub index_delay_us: u64,
@@ -58,6 +66,10 @@ pub struct SimConfig {
     /// Share of the arrival window excluded from the figures while the
     /// cluster fills up.
     pub warmup_fraction: f64,
+    /// The third path (prefixes fetched from decode workers) for the C/D
+    /// deployments' router; the aggregated and disaggregated ones never
+    /// fetch.
+    pub fetch: router::FetchConfig,
 }
 
 /// Why a run could not start.
@@ -99,9 +111,8 @@ enum Event {
         outputs: Vec<StepOutput>,
     },
     KvEvents(KvEventBatch),
-    TransferDone {
-        request: u64,
-    },
+    /// The shared links' next change (a transfer ends or starts moving).
+    LinkTick,
     LoadTick,
 }
 
@@ -141,7 +152,26 @@ struct InFlight {
     decision: DecisionId,
     path: Path,
     decode: usize,
+    /// The prefill worker of a remote path.
+    prefill: Option<usize>,
+    /// The third path: the source worker's pin while the prefix is pulled,
+    /// and the request to submit to the prefill worker once it arrived.
+    pull: Option<(usize, PinnedPrefix, EngineRequest)>,
     first_token_us: Option<u64>,
+}
+
+/// What a transfer on the links carries (its id: the request's id times
+/// two, plus this).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transfer {
+    /// P -> D: the prefilled KV to the decode worker.
+    Handoff = 0,
+    /// D -> P: the prefix to the prefill worker (the third path).
+    Pull = 1,
+}
+
+fn transfer_id(request: u64, kind: Transfer) -> u64 {
+    request * 2 + kind as u64
 }
 
 struct Cluster<'w> {
@@ -157,6 +187,9 @@ struct Cluster<'w> {
     /// answer).
     kv: Vec<KvCore<Infallible>>,
     busy: Vec<bool>,
+    links: SharedLinks,
+    /// Link ticks scheduled, by time.
+    link_ticks: BTreeSet<u64>,
     worker_index: HashMap<WorkerId, usize>,
     router: RouterCore,
     indexer: KvIndexer,
@@ -203,7 +236,14 @@ impl<'w> Cluster<'w> {
     fn new(config: SimConfig, workload: &'w mut dyn Workload) -> Result<Self, SimError> {
         let contract = HashingContract::for_model(config.preset.model, config.block_size);
         let policy = config.deployment.policy();
-        let mut router = RouterCore::new(RouterConfig::new(contract.clone()), policy)?;
+        let router_config = RouterConfig {
+            fetch: match config.deployment {
+                Deployment::Conditional { .. } => config.fetch,
+                _ => router::FetchConfig::default(),
+            },
+            ..RouterConfig::new(contract.clone())
+        };
+        let mut router = RouterCore::new(router_config, policy)?;
         let engine_config = config.preset.engine_config(config.block_size);
         let mut engines = Vec::new();
         let mut kv = Vec::new();
@@ -245,6 +285,7 @@ impl<'w> Cluster<'w> {
         let window_end = workload.arrival_window_us();
         let warmup = (window_end as f64 * config.warmup_fraction.clamp(0.0, 0.9)) as u64;
         let busy = vec![false; engines.len()];
+        let links = SharedLinks::new(config.link, engines.len());
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         Ok(Self {
             config,
@@ -256,6 +297,8 @@ impl<'w> Cluster<'w> {
             engines,
             kv,
             busy,
+            links,
+            link_ticks: BTreeSet::new(),
             worker_index,
             router,
             indexer: KvIndexer::new(OwnershipIndex::new()),
@@ -316,9 +359,12 @@ impl<'w> Cluster<'w> {
                             .expect("deltas reach the replica in order");
                     }
                 }
-                Event::TransferDone { request } => {
+                Event::LinkTick => {
                     self.pending -= 1;
-                    self.transfer_done(request);
+                    self.link_ticks.remove(&at_us);
+                    let done = self.links.advance(at_us);
+                    self.transfers_done(done);
+                    self.schedule_link_tick();
                 }
             }
         }
@@ -378,10 +424,32 @@ impl<'w> Cluster<'w> {
         };
         self.count_path(&decision);
         let decode = self.worker_index[&decision.decode];
-        let (target, mode) = match (&decision.path, &decision.prefill) {
-            (Path::Remote, Some(p)) => (self.worker_index[p], Mode::PrefillOnly),
-            _ => (decode, Mode::LocalPrefill),
+        let prefill = decision
+            .prefill
+            .as_ref()
+            .filter(|_| decision.path.is_remote())
+            .map(|p| self.worker_index[p]);
+        let (target, mode) = match prefill {
+            Some(p) => (p, Mode::PrefillOnly),
+            None => (decode, Mode::LocalPrefill),
         };
+        // The third path: pin the prefix on its source and pull what the
+        // prefill worker lacks of it.
+        let mut pull = None;
+        if let (Some(f), Some(p)) = (&decision.fetch, prefill) {
+            let source = self.worker_index[&f.source];
+            let pin = self.engines[source].pin_prefix(&spec.prompt, f.prefix_tokens);
+            let lacks = pin
+                .tokens()
+                .saturating_sub(self.engines[p].cached_prefix_tokens(&spec.prompt));
+            if lacks > 0 {
+                let bytes = self.engines[source].config().kv_bytes(u64::from(lacks));
+                self.counters.kv_bytes_pulled += bytes;
+                pull = Some((source, pin, bytes));
+            } else {
+                self.engines[source].unpin(pin);
+            }
+        }
         let request = EngineRequest {
             id: spec.id,
             prompt: spec.prompt.clone(),
@@ -396,16 +464,77 @@ impl<'w> Cluster<'w> {
                 decision: id,
                 path: decision.path,
                 decode,
+                prefill,
+                pull: None,
                 first_token_us: None,
             },
         );
-        self.submit(target, request);
+        match (pull, prefill) {
+            (Some((source, pin, bytes)), Some(p)) => {
+                let id = request.id;
+                if let Some(r) = self.in_flight.get_mut(&id) {
+                    r.pull = Some((source, pin, request));
+                }
+                self.start_transfer(transfer_id(id, Transfer::Pull), source, p, bytes);
+            }
+            _ => self.submit(target, request),
+        }
+    }
+
+    /// Starts a transfer on the shared links.
+    fn start_transfer(&mut self, id: u64, src: usize, dst: usize, bytes: u64) {
+        let done = self.links.start(self.now_us, id, src, dst, bytes);
+        self.transfers_done(done);
+        self.schedule_link_tick();
+    }
+
+    fn schedule_link_tick(&mut self) {
+        if let Some(at) = self.links.next_event_us() {
+            if at != u64::MAX && self.link_ticks.insert(at) {
+                self.schedule(at, Event::LinkTick);
+            }
+        }
+    }
+
+    fn transfers_done(&mut self, done: Vec<u64>) {
+        for id in done {
+            let request = id / 2;
+            if id % 2 == Transfer::Pull as u64 {
+                self.pull_done(request);
+            } else {
+                self.transfer_done(request);
+            }
+        }
+    }
+
+    /// A prefix pulled from its source arrived on the prefill worker: the
+    /// source's pin goes, the prefix is stored in the prefill worker's
+    /// cache, and the request is submitted there.
+    fn pull_done(&mut self, id: u64) {
+        let Some(r) = self.in_flight.get_mut(&id) else {
+            return;
+        };
+        let (Some((source, pin, request)), Some(p)) = (r.pull.take(), r.prefill) else {
+            return;
+        };
+        let tokens = pin.tokens();
+        self.engines[source].unpin(pin);
+        self.engines[p].receive_prefix(&request.prompt, tokens);
+        let events = self.engines[p].take_kv_events();
+        if !events.is_empty() {
+            self.kv_step(p, Input::EngineEvents(events));
+        }
+        self.submit(p, request);
     }
 
     fn count_path(&mut self, decision: &RouteDecision) {
         match decision.path {
             Path::Bypass => self.counters.bypassed += 1,
             Path::Remote => self.counters.remote += 1,
+            Path::RemoteFetch => {
+                self.counters.remote += 1;
+                self.counters.fetched += 1;
+            }
         }
         if decision.rule == rules::GATE_KV_BUDGET || decision.rule == rules::GATE_NO_SIGNAL {
             self.counters.gate_vetoes += 1;
@@ -525,8 +654,10 @@ impl<'w> Cluster<'w> {
             .config()
             .kv_bytes((r.spec.prompt.len() as u64).saturating_sub(held));
         self.counters.kv_bytes_moved += bytes;
-        let done = self.now_us + self.config.link.duration_us(bytes);
-        self.schedule(done, Event::TransferDone { request: id });
+        let (Some(p), d) = (r.prefill, r.decode) else {
+            return;
+        };
+        self.start_transfer(transfer_id(id, Transfer::Handoff), p, d, bytes);
     }
 
     fn transfer_done(&mut self, id: u64) {
@@ -608,6 +739,7 @@ mod tests {
             },
             seed: 1,
             warmup_fraction: 0.0,
+            fetch: router::FetchConfig::default(),
         }
     }
 

@@ -363,6 +363,8 @@ pub fn write_report(
             "interactivity": {"p50": s.interactivity_p50, "p90": s.interactivity_p90},
             "slo_attainment": s.slo_attainment,
             "bypass_share": s.bypass_share,
+            "fetch_share": s.fetch_share,
+            "kv_gb_pulled": s.kv_gb_pulled,
             "prefill_hit_rate": {"prefill_workers": s.prefill_hit_rate_p, "decode_workers": s.prefill_hit_rate_d},
             "kv_gb_moved": s.kv_gb_moved,
             "preemptions": s.preemptions,

@@ -132,9 +132,17 @@ struct Common {
     /// the long-context workload).
     #[arg(long)]
     block_size: Option<u32>,
-    /// P -> D KV link bandwidth, GB/s.
+    /// Each worker's KV link bandwidth, GB/s (concurrent transfers at a
+    /// worker share it: P -> D handoffs and D -> P prefix pulls).
     #[arg(long, default_value_t = 87.0)]
     link_gb_s: f64,
+    /// The third path for the C/D deployments: a remote prefill may pull
+    /// the prefix a decode worker holds (`--prefix-fetch false`: never).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    prefix_fetch: bool,
+    /// Fewest tokens worth pulling from a decode worker.
+    #[arg(long, default_value_t = router::FetchConfig::default().min_tokens)]
+    prefix_fetch_min_tokens: u32,
     /// Engine events reach the router's index after this delay, ms.
     #[arg(long, default_value_t = 5.0)]
     index_delay_ms: f64,
@@ -234,6 +242,10 @@ impl Common {
             },
             seed: self.seed,
             warmup_fraction: 0.2,
+            fetch: router::FetchConfig {
+                enabled: self.prefix_fetch,
+                min_tokens: self.prefix_fetch_min_tokens,
+            },
         })
     }
 
@@ -384,10 +396,15 @@ fn main() -> anyhow::Result<()> {
             print!("{}", table(&results, workload.load_unit()));
             let s = &results[0].summary;
             println!(
-                "measured {} requests; gate vetoes {}, refused {}; e2e p50 {:.0} ms ({:.2} s wall)",
+                "measured {} requests; gate vetoes {}, refused {}; prefix fetched {:.1}% ({:.1} GB pulled, {:.1} GB moved P->D); prefill-side hit rate P {:.1}% D {:.1}%; e2e p50 {:.0} ms ({:.2} s wall)",
                 s.measured,
                 s.gate_vetoes,
                 s.refused,
+                100.0 * s.fetch_share,
+                s.kv_gb_pulled,
+                s.kv_gb_moved,
+                100.0 * s.prefill_hit_rate_p,
+                100.0 * s.prefill_hit_rate_d,
                 s.e2e_ms.p50,
                 started.elapsed().as_secs_f64()
             );
@@ -526,11 +543,13 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
             a / b.max(1e-9)
         );
         println!(
-            "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%); {} P {:.1}%",
+            "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%, prefix fetched {:.1}%, {:.1} GB pulled); {} P {:.1}%",
             best_cd.deployment.name(),
             100.0 * cd_p.summary.prefill_hit_rate_p,
             100.0 * cd_p.summary.prefill_hit_rate_d,
             100.0 * cd_p.summary.bypass_share,
+            100.0 * cd_p.summary.fetch_share,
+            cd_p.summary.kv_gb_pulled,
             disagg.deployment.name(),
             100.0 * dis_p.summary.prefill_hit_rate_p
         );

@@ -83,11 +83,16 @@ pub struct Counters {
     /// Likewise for local prefills on decode (or aggregated) workers.
     pub d_prompt_tokens: u64,
     pub d_cached_tokens: u64,
+    /// KV bytes moved P -> D, and pulled D -> P (the third path).
     pub kv_bytes_moved: u64,
+    pub kv_bytes_pulled: u64,
     pub preemptions: u64,
-    /// Requests routed on each path.
+    /// Requests routed on each path (`remote` counts both remote paths,
+    /// `fetched` those of them with the prefix fetched from a decode
+    /// worker).
     pub bypassed: u64,
     pub remote: u64,
+    pub fetched: u64,
     /// Bypasses the decode gate turned into remote prefills.
     pub gate_vetoes: u64,
     /// Requests an engine refused (e.g. longer than its whole cache).
@@ -113,9 +118,14 @@ pub struct RunSummary {
     /// Share of measured requests meeting both SLO targets.
     pub slo_attainment: f64,
     pub bypass_share: f64,
+    /// Share of the requests routed remote with the prefix fetched from a
+    /// decode worker (the third path).
+    pub fetch_share: f64,
     pub prefill_hit_rate_p: f64,
     pub prefill_hit_rate_d: f64,
     pub kv_gb_moved: f64,
+    /// KV pulled D -> P by the third path.
+    pub kv_gb_pulled: f64,
     pub preemptions: u64,
     pub gate_vetoes: u64,
     pub refused: u64,
@@ -176,9 +186,11 @@ impl RunSummary {
                 measured.len() as u64,
             ),
             bypass_share: ratio(counters.bypassed, counters.bypassed + counters.remote),
+            fetch_share: ratio(counters.fetched, counters.bypassed + counters.remote),
             prefill_hit_rate_p: ratio(counters.p_cached_tokens, counters.p_prompt_tokens),
             prefill_hit_rate_d: ratio(counters.d_cached_tokens, counters.d_prompt_tokens),
             kv_gb_moved: counters.kv_bytes_moved as f64 / 1e9,
+            kv_gb_pulled: counters.kv_bytes_pulled as f64 / 1e9,
             preemptions: counters.preemptions,
             gate_vetoes: counters.gate_vetoes,
             refused: counters.refused,

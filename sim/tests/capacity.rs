@@ -31,6 +31,7 @@ fn config(ttft_ms: f64) -> SimConfig {
         },
         seed: 1,
         warmup_fraction: 0.0,
+        fetch: router::FetchConfig::default(),
     }
 }
 

@@ -24,6 +24,7 @@ fn config(deployment: Deployment, seed: u64) -> SimConfig {
         },
         seed,
         warmup_fraction: 0.0,
+        fetch: router::FetchConfig::default(),
     }
 }
 
@@ -214,4 +215,40 @@ fn closed_loop_replay_waits_for_the_previous_answer() {
     assert_eq!(open.records.len(), 48);
     assert_eq!(early(&closed), 0);
     assert!(early(&open) > 10, "open loop issued {} early", early(&open));
+}
+
+/// The third path in the cluster: with prefix fetch on, C/D with the ISL
+/// rule (whose bypasses leave the history on the decode workers) pulls the
+/// history of its remote turns from the decode workers (bytes on the
+/// links, decisions counted), the prefill workers then hit more of their
+/// prompts (the pulled blocks are in their caches) and every request is
+/// still served, the same for the same seed.
+#[test]
+fn fetched_prefixes_reach_the_prefill_workers_caches() {
+    let with = |enabled: bool| {
+        let mut c = config(cd_isl(), 7);
+        c.fetch = router::FetchConfig {
+            enabled,
+            min_tokens: 256,
+        };
+        simulate(&c, &mut agentic(7)).unwrap()
+    };
+    let (off, on) = (with(false), with(true));
+    assert_eq!(off.summary.fetch_share, 0.0);
+    assert_eq!(off.summary.kv_gb_pulled, 0.0);
+    assert!(on.summary.fetch_share > 0.05, "{:?}", on.summary);
+    assert!(on.summary.kv_gb_pulled > 0.0);
+    assert!(
+        on.summary.prefill_hit_rate_p > off.summary.prefill_hit_rate_p + 0.1,
+        "P hit rate {} with fetch vs {} without",
+        on.summary.prefill_hit_rate_p,
+        off.summary.prefill_hit_rate_p
+    );
+    assert_eq!(on.records.len(), off.records.len(), "every request served");
+    assert!(on
+        .records
+        .iter()
+        .any(|r| r.path == protocol::Path::RemoteFetch));
+    let again = with(true);
+    assert_eq!(on.records, again.records);
 }

@@ -24,6 +24,7 @@ fn base() -> SimConfig {
         },
         seed: 1,
         warmup_fraction: 0.2,
+        fetch: router::FetchConfig::default(),
     }
 }
 

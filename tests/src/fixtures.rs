@@ -28,6 +28,7 @@ pub fn annotation() -> Annotation {
         prefill: None,
         decode_overlap_tokens: 0,
         prefill_overlap_tokens: 0,
+        fetch: None,
     }
 }
 

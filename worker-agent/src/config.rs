@@ -74,6 +74,9 @@ pub struct Options {
     #[serde(with = "settings::duration")]
     pub engine_metrics_interval: Duration,
     pub engine_return_token_ids: bool,
+    /// Real engine: serve the third path's prefill legs (a prefix pulled
+    /// from a decode worker) with vLLM's bidirectional NIXL parameters.
+    pub vllm_bidirectional_kv: bool,
     #[serde(with = "settings::duration")]
     pub kv_replay_timeout: Duration,
     #[serde(with = "settings::duration")]
@@ -113,6 +116,7 @@ impl Default for Options {
             engine_timeout: Duration::from_secs(300),
             engine_metrics_interval: Duration::from_millis(200),
             engine_return_token_ids: true,
+            vllm_bidirectional_kv: false,
             kv_replay_timeout: Duration::from_secs(5),
             kv_idle_check: Duration::from_secs(1),
         }
@@ -225,6 +229,11 @@ pub fn flags() -> Vec<Flag> {
             "engine_return_token_ids",
             Kind::Switch,
             "Real engine: ask for generated token ids (return_token_ids)",
+        ),
+        Flag::new(
+            "vllm_bidirectional_kv",
+            Kind::Switch,
+            "Real engine: a prefill leg that fetches its prefix from a decode worker (the router's --prefix-fetch) sends vLLM's bidirectional kv_transfer_params (P pulls from D; mock-vllm; vLLM >= 0.21 with bidirectional_kv_xfer also needs D's handle, which is not relayed yet: see the README); off: such legs are plain prefills",
         ),
         Flag::new(
             "kv_replay_timeout",
@@ -517,6 +526,7 @@ impl Options {
             request_timeout: self.engine_timeout,
             metrics_interval: self.engine_metrics_interval,
             return_token_ids: self.engine_return_token_ids,
+            bidirectional_kv: self.vllm_bidirectional_kv,
             replay: ReplayLimits {
                 connect: Duration::from_secs(2).min(replay_total),
                 idle: Duration::from_secs(2).min(replay_total),

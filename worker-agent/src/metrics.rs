@@ -60,6 +60,10 @@ pub const ENGINE_SCRAPE_ERRORS: &str = "worker_agent_engine_scrape_errors_total"
 /// Decode requests without the prefill engine's `kv_transfer_params`
 /// (served as local prefills).
 pub const ENGINE_DECODE_WITHOUT_PARAMS: &str = "worker_agent_engine_decode_without_params_total";
+/// Prefill legs of the third path (a prefix to pull from a decode worker)
+/// by outcome: `pulled` (sent with the bidirectional parameters) or
+/// `plain` (`--vllm-bidirectional-kv` off: prefilled whole).
+pub const ENGINE_PREFIX_FETCHES: &str = "worker_agent_engine_prefix_fetches_total";
 /// Streamed chunks with text but no token ids (an engine that ignores
 /// `return_token_ids`).
 pub const ENGINE_TEXT_ONLY_CHUNKS: &str = "worker_agent_engine_text_only_chunks_total";
@@ -130,6 +134,10 @@ pub fn describe() {
     describe_counter!(
         ENGINE_DECODE_WITHOUT_PARAMS,
         "Decode requests without kv_transfer_params, served as local prefills"
+    );
+    describe_counter!(
+        ENGINE_PREFIX_FETCHES,
+        "Prefill legs that fetch their prefix from a decode worker, by outcome (pulled, plain)"
     );
     describe_counter!(
         ENGINE_TEXT_ONLY_CHUNKS,

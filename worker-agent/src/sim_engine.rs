@@ -107,6 +107,7 @@ impl SimEngine {
             live: HashMap::new(),
             transfers: BinaryHeap::new(),
             awaiting_kv: HashMap::new(),
+            pulls: HashMap::new(),
             step: None,
             mirror: BlockMirror::new(),
             next_id: 0,
@@ -274,6 +275,9 @@ struct Driver {
     /// KV transfers in progress: (virtual end, request).
     transfers: BinaryHeap<Reverse<(u64, u64)>>,
     awaiting_kv: HashMap<u64, EngineRequest>,
+    /// Of those, prefill legs pulling a prefix first (the third path): the
+    /// prefix's tokens, stored in the cache when the pull is done.
+    pulls: HashMap<u64, u32>,
     /// The step running; its outputs apply when it ends.
     step: Option<engine_sim::Step>,
     mirror: BlockMirror,
@@ -343,6 +347,10 @@ impl Driver {
             ),
         };
         let (output, reason) = stop_at(full, &request.sampling);
+        let pull = match (&request.stage, &request.annotation.fetch) {
+            (Stage::Prefill, Some(f)) => Some(f.prefix_tokens),
+            _ => None,
+        };
         let engine_request = EngineRequest {
             id,
             prompt: request.prompt.into(),
@@ -359,7 +367,26 @@ impl Driver {
                 reason,
             },
         );
-        if mode == Mode::KvReceived {
+        if let Some(prefix) = pull {
+            // The third path: the prefix the source holds comes over the
+            // link first (what this worker lacks of it), then is stored in
+            // the cache and only the rest is prefilled.
+            let prompt = &engine_request.prompt;
+            let prefix = prefix.min(prompt.len() as u32);
+            let held = self.engine.cached_prefix_tokens(prompt);
+            let bytes = self
+                .engine
+                .config()
+                .kv_bytes(u64::from(prefix.saturating_sub(held)));
+            let end = self
+                .clock
+                .now_us()
+                .saturating_add(self.link.duration_us(bytes));
+            tracing::debug!(worker = %self.worker, prefix, held, bytes, "pulling a prefix");
+            self.transfers.push(Reverse((end, id)));
+            self.pulls.insert(id, prefix);
+            self.awaiting_kv.insert(id, engine_request);
+        } else if mode == Mode::KvReceived {
             // The prompt's KV moves here first: what this worker does not
             // hold, over the link.
             let prompt = &engine_request.prompt;
@@ -405,6 +432,10 @@ impl Driver {
             first = false;
             self.transfers.pop();
             if let Some(request) = self.awaiting_kv.remove(&id) {
+                if let Some(prefix) = self.pulls.remove(&id) {
+                    self.engine.receive_prefix(&request.prompt, prefix);
+                    self.forward_kv_events();
+                }
                 self.submit(request);
             }
         }
@@ -494,6 +525,7 @@ impl Driver {
         for id in abandoned {
             if let Some(live) = self.live.remove(&id) {
                 let waiting_for_kv = self.awaiting_kv.remove(&id).is_some();
+                self.pulls.remove(&id);
                 let aborted = self.engine.abort(id);
                 tracing::debug!(request_id = %live.request_id, waiting_for_kv, aborted, "request abandoned");
             }
@@ -565,6 +597,32 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), s.collect())
             .await
             .expect("the stream ends")
+    }
+
+    /// The third path's prefill leg: the prefix named by the annotation's
+    /// fetch arrives over the link into the cache (only the rest is
+    /// computed: the engine reports it cached).
+    #[tokio::test]
+    async fn a_fetching_prefill_receives_its_prefix_first() {
+        let engine = start(Role::Prefill, 87.0);
+        let prompt: Vec<u32> = (0..640).collect();
+        let mut r = request("f", Stage::Prefill, prompt, 3);
+        r.annotation.fetch = Some(protocol::PrefixFetch {
+            source: "d0".parse().unwrap(),
+            prefix_tokens: 512,
+            pulled_tokens: 512,
+        });
+        let events = collect(engine.generate(r)).await;
+        assert!(
+            matches!(
+                events.first(),
+                Some(GenerateEvent::Prefilled {
+                    cached_tokens: Some(512),
+                    ..
+                })
+            ),
+            "{events:?}"
+        );
     }
 
     #[tokio::test]

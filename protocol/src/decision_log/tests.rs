@@ -24,6 +24,7 @@ fn decision(id: u64) -> RouteDecision {
         rule: "isl.short_append".into(),
         reason: "because".into(),
         at_ms: id,
+        fetch: None,
     }
 }
 

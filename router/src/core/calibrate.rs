@@ -194,7 +194,7 @@ impl Calibration {
         let observed = at_ms.saturating_sub(p.at_ms) as f64;
         let ratio = match p.expected.path {
             Path::Bypass => &mut self.local,
-            Path::Remote => &mut self.remote,
+            Path::Remote | Path::RemoteFetch => &mut self.remote,
         };
         ratio.add(observed, p.expected.prefill_ms);
         true

@@ -1,10 +1,11 @@
 //! The router core's configuration: the hashing contract, selection, the
-//! decode gate and the ledger's timing, with their defaults (`Default`) and
+//! decode gate, the ledger's timing and the third path (fetch), with their defaults (`Default`) and
 //! range checks; and the settings recorded with every decision.
 
 use protocol::hash::ZeroBlockSize;
 use protocol::{BlockHasher, HashingContract};
 
+use super::fetch::FetchConfig;
 use super::gate::GateConfig;
 use super::policy::ParamError;
 use super::select::{DecodeSelection, PrefillSelection};
@@ -23,6 +24,8 @@ pub struct RouterConfig {
     pub gate: GateConfig,
     /// The in-flight ledger's timing.
     pub ledger: LedgerConfig,
+    /// The third path: prefixes fetched from decode workers.
+    pub fetch: FetchConfig,
 }
 
 impl RouterConfig {
@@ -34,6 +37,7 @@ impl RouterConfig {
             prefill: PrefillSelection::default(),
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
+            fetch: FetchConfig::default(),
         }
     }
 
@@ -83,6 +87,8 @@ impl RouterConfig {
                 "gate.count_reservations",
                 bool_f(self.gate.count_reservations),
             ),
+            ("fetch.enabled", bool_f(self.fetch.enabled)),
+            ("fetch.min_tokens", f64::from(self.fetch.min_tokens)),
         ]
     }
 
@@ -102,6 +108,8 @@ impl RouterConfig {
             "gate.enabled" => self.gate.enabled = value != 0.0,
             "gate.budget_fraction" => self.gate.budget_fraction = value,
             "gate.count_reservations" => self.gate.count_reservations = value != 0.0,
+            "fetch.enabled" => self.fetch.enabled = value != 0.0,
+            "fetch.min_tokens" => self.fetch.min_tokens = value as u32,
             other => return Err(ParamError::UnknownRouterParam(other.to_owned())),
         }
         Ok(())

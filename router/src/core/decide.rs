@@ -3,13 +3,14 @@
 use kv_indexer::{DeltaError, IndexReplica, PrefixDepth, RestoreError};
 use protocol::{
     BlockHash, BlockHasher, CandidateInput, CandidateLoad, ContractMismatch, DecisionId,
-    DecisionInputs, DecisionRecord, IndexDelta, IndexSnapshot, LoadReport, Path, RouteDecision,
-    WorkerId,
+    DecisionInputs, DecisionRecord, IndexDelta, IndexSnapshot, LoadReport, Path, PrefixFetch,
+    RouteDecision, WorkerId,
 };
 use rand::Rng;
 
 use super::calibrate::{Calibration, Factors};
 use super::config::{ConfigError, RouterConfig};
+use super::fetch;
 use super::gate::GateCheck;
 use super::policy::{
     rules, Candidate, ConditionalDisaggPolicy, HeldTokens, Policy, PolicyInput, Verdict,
@@ -498,6 +499,10 @@ impl RouterCore {
             Side::Decode => candidate(&decode[i]),
             Side::Prefill => candidate(&prefill[i]),
         });
+        let offer = p.as_ref().and_then(|p| {
+            let side = holder_pick.map(|(side, _)| side)?;
+            fetch::offer(&self.config.fetch, isl, bs, holder.map(|h| (side, h)), p)
+        });
 
         // Policy.
         let factors = self.calibration.factors();
@@ -510,6 +515,7 @@ impl RouterCore {
             holder,
             tier_weights: self.config.decode.tier_weights,
             calibration: factors,
+            fetch: offer,
         });
         let verdict = match &input {
             Some(input) => self.policy.decide(input),
@@ -575,6 +581,36 @@ impl RouterCore {
             }
         }
 
+        // The third path: the SLA policy weighed it; for any other policy a
+        // remote verdict fetches what the router offers (as does a bypass
+        // the gate vetoed, whatever the policy).
+        let weighs_fetch = matches!(self.policy, Policy::SlaDynamic(_));
+        let vetoed = veto.is_some();
+        let fetch = match (path, offer) {
+            (Path::RemoteFetch, Some(o)) => Some(o),
+            (Path::Remote, Some(o)) if !weighs_fetch || vetoed => {
+                path = Path::RemoteFetch;
+                Some(o)
+            }
+            (Path::RemoteFetch, None) => {
+                // A policy may fetch only what was offered.
+                path = Path::Remote;
+                None
+            }
+            _ => None,
+        };
+        let fetch_note = match (&fetch, weighs_fetch && !vetoed) {
+            (Some(o), false) => Some(format!(
+                "; prefix fetched: {} of {} prefix tokens pulled from {} ({} blocks pinned there while read), {} tokens prefilled",
+                o.pulled_tokens,
+                o.prefix_tokens,
+                o.source.id,
+                o.pulled_tokens.div_ceil(bs),
+                isl - o.prefix_tokens,
+            )),
+            _ => None,
+        };
+
         // The decision, and its charge to the ledger.
         let final_slot = decode[final_d].slot;
         let d_final = if final_d == d_pick {
@@ -583,10 +619,15 @@ impl RouterCore {
             candidate(&decode[final_d]).ok_or(RouteError::NoDecodeWorker)?
         };
         let prefill_overlap_tokens = p.as_ref().map_or(0, |p| p.held.any());
-        let (prefiller, prefill_tokens) = match (path, p_pick) {
-            (Path::Remote, Some(i)) => (prefill[i].slot, isl - prefill_overlap_tokens),
+        let (prefiller, prefill_tokens) = match (path, p_pick, &fetch) {
+            (Path::RemoteFetch, Some(i), Some(o)) => (prefill[i].slot, isl - o.prefix_tokens),
+            (Path::Remote, Some(i), _) => (prefill[i].slot, isl - prefill_overlap_tokens),
             _ => (final_slot, isl - d_final.held.any()),
         };
+        let pin = fetch.as_ref().and_then(|o| {
+            let slot = self.workers.slot_index(o.source.id)?;
+            Some((slot, u64::from(o.pulled_tokens.div_ceil(bs))))
+        });
         if let Some(e) = explain {
             let score = |s: &Scored| CandidateScore {
                 worker: self.workers.slot(s.slot).id.clone(),
@@ -614,13 +655,16 @@ impl RouterCore {
         if let Some(veto) = veto {
             reason.push_str(&veto);
         }
+        if let Some(note) = fetch_note {
+            reason.push_str(&note);
+        }
         let decision = RouteDecision {
             id,
             request_id: req.request_id.to_owned(),
             path,
             decode: d_final.id.clone(),
             prefill: match path {
-                Path::Remote => p.as_ref().map(|p| p.id.clone()),
+                Path::Remote | Path::RemoteFetch => p.as_ref().map(|p| p.id.clone()),
                 Path::Bypass => None,
             },
             isl_tokens: isl,
@@ -632,6 +676,11 @@ impl RouterCore {
             rule: rule.to_owned(),
             reason,
             at_ms: now_ms,
+            fetch: fetch.as_ref().map(|o| PrefixFetch {
+                source: o.source.id.clone(),
+                prefix_tokens: o.prefix_tokens,
+                pulled_tokens: o.pulled_tokens,
+            }),
         };
 
         // What the calibration will compare with the observations: the
@@ -649,6 +698,7 @@ impl RouterCore {
                 prefiller,
                 prefill_tokens: u64::from(prefill_tokens),
                 decode_blocks: shape.request_blocks,
+                pin,
                 at_ms: now_ms,
             },
         );

@@ -9,6 +9,7 @@
 //!   out of rotation ([`Breakers`]);
 //! * [`admission`]: the bounded queue of requests waiting while every
 //!   decode worker is busy ([`Admission`]);
+//! * [`fetch`]: the third path's settings and offer ([`FetchConfig`]);
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
 //! * [`peers`]: the peer replicas' presence and the decisions of theirs
 //!   the ledger holds ([`Peers`]);
@@ -22,6 +23,7 @@ pub mod breaker;
 pub mod calibrate;
 pub mod config;
 pub mod decide;
+pub mod fetch;
 pub mod gate;
 pub mod peers;
 pub mod policy;
@@ -37,12 +39,14 @@ pub use decide::{
     decision_seed, CandidateScore, Explanation, RouteError, RouteOptions, RouteRequest, Routed,
     RouterCore,
 };
+pub use fetch::{FetchConfig, FetchOption};
 pub use gate::{GateCheck, GateConfig};
 pub use peers::{Heard, PeerConfig, PeerGone, Peers};
 pub use policy::{
-    parse_param, rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel, HeldTokens,
-    IslBased, IslOrLoad, LoadBased, NeverDisagg, ParamError, ParamSpec, Policy, PolicyInput,
-    PolicyName, PolicySpec, SlaDynamic, SlaPrediction, Verdict, POLICIES,
+    parse_param, rules, AlwaysDisagg, Candidate, ConditionalDisaggPolicy, CostModel,
+    FetchPrediction, HeldTokens, IslBased, IslOrLoad, LoadBased, NeverDisagg, ParamError,
+    ParamSpec, Policy, PolicyInput, PolicyName, PolicySpec, SlaDynamic, SlaPrediction, Verdict,
+    POLICIES,
 };
 pub use replay::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 pub use select::{DecodeSelection, PrefillSelection, Side, TierWeights};

@@ -257,6 +257,11 @@ pub fn difference(recorded: &RouteDecision, replayed: &RouteDecision) -> Option<
         recorded.prefill_overlap_tokens.to_string(),
         replayed.prefill_overlap_tokens.to_string(),
     );
+    let fetch = |d: &RouteDecision| match &d.fetch {
+        Some(f) => format!("{} from {}", f.pulled_tokens, f.source),
+        None => "none".to_owned(),
+    };
+    check("fetch", fetch(recorded), fetch(replayed));
     check("rule", recorded.rule.clone(), replayed.rule.clone());
     check("reason", recorded.reason.clone(), replayed.reason.clone());
     (!diffs.is_empty()).then(|| diffs.join("; "))

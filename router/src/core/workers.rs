@@ -13,7 +13,12 @@
 //!   on the remote path, the decode worker on the bypass path), released by
 //!   [`Workers::on_prefill_done`];
 //! * its *decode blocks* (and one running request) to the decode worker,
-//!   released by [`Workers::on_finished`].
+//!   released by [`Workers::on_finished`];
+//! * on [`protocol::Path::RemoteFetch`], the *pinned blocks* of the prefix
+//!   the prefill worker pulls, to the worker that supplies them (they cannot
+//!   be evicted or freed while read: vLLM's bidirectional NIXL transfer
+//!   holds them), released with the prefill tokens by
+//!   [`Workers::on_prefill_done`] (the pull ends before the prefill does).
 //!
 //! Entries are added for this replica's decisions and for its peers'
 //! ([`Workers::on_decision`], idempotent by id), and expire after a TTL
@@ -77,6 +82,9 @@ pub struct Charges {
     pub decode_blocks: u64,
     /// Requests decoding on this worker.
     pub requests: u32,
+    /// KV blocks pinned here while a prefill worker pulls them
+    /// ([`protocol::Path::RemoteFetch`]).
+    pub pinned_blocks: u64,
 }
 
 impl Charges {
@@ -132,6 +140,9 @@ pub struct EffectiveLoad {
     pub running: u32,
     /// Requests waiting for admission, as last reported.
     pub waiting: u32,
+    /// KV blocks the ledger has pinned here for prefill workers pulling a
+    /// prefix (counted in `kv_blocks_used` too).
+    pub pinned_blocks: u64,
 }
 
 impl EffectiveLoad {
@@ -200,11 +211,15 @@ impl Slot {
                 .saturating_add(u.prefill_tokens)
                 .max(l.prefill_tokens),
             active_decode_blocks: active.saturating_add(u.decode_blocks).max(l.decode_blocks),
-            kv_blocks_used: used.saturating_add(u.decode_blocks).max(l.decode_blocks),
+            kv_blocks_used: used
+                .saturating_add(u.decode_blocks)
+                .max(l.decode_blocks)
+                .saturating_add(l.pinned_blocks),
             reported_kv_blocks_used: used,
             kv_capacity_blocks: capacity,
             running: running.saturating_add(u.requests).max(l.requests),
             waiting,
+            pinned_blocks: l.pinned_blocks,
         }
     }
 }
@@ -216,6 +231,12 @@ struct Live {
     /// Prefill tokens still charged (0 once the prefill is done).
     prefill_tokens: u64,
     decode_blocks: u64,
+    /// The worker supplying a fetched prefix and the blocks pinned there
+    /// (`None` once released, or without a fetch).
+    pin: Option<(u32, u64)>,
+    /// The supplying worker, as long as the entry lives (its slot is
+    /// referred to until then).
+    pin_ref: Option<u32>,
     at_ms: u64,
     unreported_prefill: bool,
     unreported_decode: bool,
@@ -237,6 +258,8 @@ pub(crate) struct Charge {
     pub(crate) prefiller: u32,
     pub(crate) prefill_tokens: u64,
     pub(crate) decode_blocks: u64,
+    /// The supplying worker of a fetched prefix and its blocks to pin.
+    pub(crate) pin: Option<(u32, u64)>,
     pub(crate) at_ms: u64,
 }
 
@@ -383,6 +406,10 @@ impl Workers {
         }
         let decode = self.intern(&decision.decode);
         let prefiller = self.intern(decision.prefilling_worker());
+        let pin = decision.fetch.as_ref().map(|f| {
+            let blocks = f.pulled_blocks(self.contract.block_size);
+            (self.intern(&f.source), blocks)
+        });
         self.charge(
             decision.id,
             Charge {
@@ -390,19 +417,29 @@ impl Workers {
                 prefiller,
                 prefill_tokens: decision.reserved_prefill_tokens,
                 decode_blocks: decision.reserved_decode_blocks,
+                pin,
                 at_ms: decision.at_ms,
             },
         )
     }
 
     /// The request's prefill ran: its prefill tokens leave the prefilling
-    /// worker's charge. Returns whether anything was released.
+    /// worker's charge, and a fetched prefix's pin its source's. Returns
+    /// whether anything was released.
     pub fn on_prefill_done(&mut self, id: DecisionId) -> bool {
         let Some(live) = self.entries.get_mut(&id).and_then(|e| e.live.as_mut()) else {
             return false;
         };
+        let unpinned = match live.pin.take() {
+            Some((source, blocks)) => {
+                let s = &mut self.slots[source as usize];
+                s.ledger.pinned_blocks = s.ledger.pinned_blocks.saturating_sub(blocks);
+                true
+            }
+            None => false,
+        };
         if live.prefill_tokens == 0 {
-            return false;
+            return unpinned;
         }
         let tokens = std::mem::take(&mut live.prefill_tokens);
         let s = &mut self.slots[live.prefiller as usize];
@@ -586,10 +623,17 @@ impl Workers {
             prefiller: c.prefiller,
             prefill_tokens: c.prefill_tokens,
             decode_blocks: c.decode_blocks,
+            pin: c.pin,
+            pin_ref: c.pin.map(|(source, _)| source),
             at_ms: c.at_ms,
             unreported_prefill: false,
             unreported_decode: false,
         };
+        if let Some((source, blocks)) = c.pin {
+            let s = &mut self.slots[source as usize];
+            s.refs += 1;
+            s.ledger.pinned_blocks = s.ledger.pinned_blocks.saturating_add(blocks);
+        }
         let grace = self.config.report_grace_ms;
         // Unseen by the side's last report (if any) when decided after it.
         let unseen =
@@ -646,8 +690,19 @@ impl Workers {
             }
             d.refs = d.refs.saturating_sub(1);
         }
+        if let Some((source, blocks)) = live.pin {
+            let s = &mut self.slots[source as usize];
+            s.ledger.pinned_blocks = s.ledger.pinned_blocks.saturating_sub(blocks);
+        }
+        if let Some(source) = live.pin_ref {
+            let s = &mut self.slots[source as usize];
+            s.refs = s.refs.saturating_sub(1);
+        }
         self.maybe_free(live.prefiller);
         self.maybe_free(live.decode);
+        if let Some(source) = live.pin_ref {
+            self.maybe_free(source);
+        }
     }
 
     fn intern(&mut self, id: &WorkerId) -> u32 {

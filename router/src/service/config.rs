@@ -6,7 +6,7 @@
 //! overlap_credit`, `--decode-overlap-credit`,
 //! `SWITCHYARD_DECODE_OVERLAP_CREDIT`. The file's sections are the core's
 //! own config structs (`[decode]` is [`DecodeSelection`], `[gate]`
-//! [`GateConfig`], `[ledger]` [`LedgerConfig`], `[policy]` the policy with
+//! [`GateConfig`], `[ledger]` [`LedgerConfig`], `[fetch]` [`FetchConfig`], `[policy]` the policy with
 //! its parameters from the registry); defaults are their `Default`s, and
 //! `--help` shows them. A flag beats the variable, which beats the file,
 //! which beats the default. Unknown keys and invalid values are refused at
@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
-    AdmissionConfig, BreakerConfig, DecodeSelection, GateConfig, LedgerConfig, PeerConfig, Policy,
-    PolicySpec, PrefillSelection, RouterConfig, TierWeights, POLICIES,
+    AdmissionConfig, BreakerConfig, DecodeSelection, FetchConfig, GateConfig, LedgerConfig,
+    PeerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig, TierWeights, POLICIES,
 };
 
 pub use settings::Args;
@@ -171,6 +171,9 @@ pub struct Config {
     pub retry: Retry,
     /// The circuit breaker (`[breaker]`).
     pub breaker: BreakerConfig,
+    /// The third path (remote prefill with the prefix fetched from a
+    /// decode worker): off unless every worker's engine supports it.
+    pub fetch: FetchConfig,
     pub timeouts: Timeouts,
 }
 
@@ -205,6 +208,7 @@ impl Default for Config {
             admission: AdmissionConfig::default(),
             retry: Retry::default(),
             breaker: BreakerConfig::default(),
+            fetch: FetchConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -337,6 +341,18 @@ fn fixed_flags() -> Vec<Flag> {
         Kind::Number,
         "Decode gate: share of the KV capacity a bypass may fill",
     ),
+    Flag::new(
+        "fetch.enabled",
+        Kind::Switch,
+        "Third path: a remote prefill may pull the prefix a decode worker holds (needs every engine to support it: mock-vllm, or vLLM >= 0.21 with bidirectional_kv_xfer and agents started with --vllm-bidirectional-kv)",
+    )
+    .long("prefix-fetch"),
+    Flag::new(
+        "fetch.min_tokens",
+        Kind::Number,
+        "Third path: fewest tokens worth pulling from a decode worker",
+    )
+    .long("prefix-fetch-min-tokens"),
     Flag::new(
         "ledger.ttl",
         Kind::Duration,
@@ -655,6 +671,7 @@ impl Config {
             },
             gate: self.gate,
             ledger: self.ledger,
+            fetch: self.fetch,
         }
     }
 

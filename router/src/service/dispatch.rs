@@ -639,9 +639,13 @@ impl Dispatcher {
         let decision = &routed.decision;
         request.stage = Stage::Local;
         let mut prefill_cached = None;
-        if let (Path::Remote, Some(prefill), Some(subject)) =
-            (decision.path, &decision.prefill, &routed.prefill_subject)
-        {
+        // Remote, with or without a fetched prefix: the prefill worker's
+        // agent reads the fetch (source, tokens) from the annotation.
+        if let (true, Some(prefill), Some(subject)) = (
+            decision.path.is_remote(),
+            &decision.prefill,
+            &routed.prefill_subject,
+        ) {
             request.stage = Stage::Prefill;
             let mut leg = self.open(prefill, subject, request).await?;
             let transfer = match leg.next().await? {
@@ -706,7 +710,7 @@ impl Dispatcher {
                         reason,
                         output_tokens,
                         cached_tokens: match decision.path {
-                            Path::Remote => prefill_cached,
+                            Path::Remote | Path::RemoteFetch => prefill_cached,
                             Path::Bypass => cached_tokens,
                         },
                     };

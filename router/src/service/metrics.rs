@@ -429,7 +429,7 @@ impl Metrics {
         i.bypass_share.set(bypasses as f64 / total as f64);
         i.overlap_decode
             .record(f64::from(decision.decode_overlap_tokens));
-        if decision.path == Path::Remote {
+        if decision.path.is_remote() {
             i.overlap_prefill
                 .record(f64::from(decision.prefill_overlap_tokens));
         }

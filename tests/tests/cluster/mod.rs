@@ -126,6 +126,16 @@ pub struct Cluster {
     pub etcd: EtcdServer,
     pub nats: NatsServer,
     pub permissions: Option<Permissions>,
+    /// Flags every router and every agent gets besides the harness's own
+    /// ([`Cluster::start_with_flags`]).
+    pub extra: ExtraFlags,
+}
+
+/// Flags added to every router's and agent's command line.
+#[derive(Debug, Clone, Default)]
+pub struct ExtraFlags {
+    pub router: Vec<String>,
+    pub agent: Vec<String>,
 }
 
 impl Cluster {
@@ -142,7 +152,23 @@ impl Cluster {
 
     /// Workers as (name, role, engine); `routers` replicas.
     pub async fn start_with(workers: &[(&str, &str, Engine)], routers: usize) -> Result<Self> {
-        Self::start_with_permissions(workers, routers, permissions_everywhere()).await
+        Self::start_with_permissions(
+            workers,
+            routers,
+            permissions_everywhere(),
+            ExtraFlags::default(),
+        )
+        .await
+    }
+
+    /// [`Cluster::start_with`], every router and agent given `extra`'s
+    /// flags too.
+    pub async fn start_with_flags(
+        workers: &[(&str, &str, Engine)],
+        routers: usize,
+        extra: ExtraFlags,
+    ) -> Result<Self> {
+        Self::start_with_permissions(workers, routers, permissions_everywhere(), extra).await
     }
 
     /// [`Cluster::start`] with the bus's permissions on.
@@ -152,13 +178,14 @@ impl Cluster {
             .map(|n| (*n, "prefill", Engine::Simulated))
             .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
             .collect();
-        Self::start_with_permissions(&workers, routers, true).await
+        Self::start_with_permissions(&workers, routers, true, ExtraFlags::default()).await
     }
 
     async fn start_with_permissions(
         workers: &[(&str, &str, Engine)],
         routers: usize,
         secured: bool,
+        extra: ExtraFlags,
     ) -> Result<Self> {
         let mut permissions = secured.then(Permissions::new).transpose()?;
         if let Some(permissions) = &mut permissions {
@@ -181,6 +208,7 @@ impl Cluster {
             workers: Vec::new(),
             http: reqwest::Client::new(),
             permissions,
+            extra,
         };
         for (name, role, engine) in workers {
             cluster.start_worker(name, role, *engine)?;
@@ -335,6 +363,7 @@ impl Cluster {
         };
         let port = free_port()?;
         agent_args.push(format!("--http-addr=127.0.0.1:{port}"));
+        agent_args.extend(self.extra.agent.iter().cloned());
         let mut service = Service::start("worker-agent", name, &agent_args)?;
         service.wait_http_ok(port, "/healthz", STARTUP)?;
         self.workers.push(Worker {
@@ -384,6 +413,7 @@ impl Cluster {
             format!("--block-size={BLOCK_SIZE}"),
             "--policy=isl".into(),
         ]);
+        args.extend(self.extra.router.iter().cloned());
         args.extend_from_slice(extra);
         let service = Service::start("router", replica, &args)?;
         self.routers.push(Node { service, port });

@@ -234,6 +234,7 @@ impl VllmEngine {
             dp_size: config.dp_size,
             block_size: learned.block_size,
             return_token_ids: config.return_token_ids,
+            bidirectional_kv: config.bidirectional_kv,
             timeout: config.request_timeout,
             stop: stop_rx,
         });

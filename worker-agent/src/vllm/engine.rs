@@ -88,6 +88,9 @@ pub struct VllmConfig {
     pub metrics_interval: Duration,
     /// Ask for generated token ids (`return_token_ids`).
     pub return_token_ids: bool,
+    /// Serve a prefill leg that fetches its prefix (the third path) with
+    /// vLLM's bidirectional NIXL parameters; off: as a plain prefill.
+    pub bidirectional_kv: bool,
     /// Limits of one replay request.
     pub replay: ReplayLimits,
     /// When nothing came on the SUB socket for this long, ask the replay

@@ -16,6 +16,11 @@
 //!   the response's `kv_transfer_params` travel, as JSON, in
 //!   `KvTransferParams.engine`, and the decode request sends them back
 //!   with `do_remote_prefill: true`.
+//! - The third path (a prefix pulled from a decode worker, vLLM's
+//!   bidirectional NIXL transfer, `bidirectional_kv_xfer`): the prefill
+//!   request's `kv_transfer_params` name the decode worker as the remote
+//!   (`do_remote_decode: true`, `remote_engine_id`, `remote_num_tokens`,
+//!   [`pull_params`]); the rest is as above.
 
 use protocol::Sampling;
 use serde_json::{json, Map, Value};
@@ -27,6 +32,9 @@ pub enum Kind {
     Local,
     /// Prefill only, for a remote decode.
     Prefill,
+    /// Prefill only, pulling the prefix from the decode worker that holds
+    /// it first ([`pull_params`]).
+    PrefillFetch(Map<String, Value>),
     /// Decode of a prompt prefilled elsewhere; the prefill engine's
     /// `kv_transfer_params`.
     Decode(Map<String, Value>),
@@ -47,7 +55,11 @@ pub fn completion_body(
         "max_tokens": max_tokens,
     });
     let o = body.as_object_mut().expect("an object");
-    insert_sampling(o, sampling, kind == &Kind::Prefill);
+    insert_sampling(
+        o,
+        sampling,
+        matches!(kind, Kind::Prefill | Kind::PrefillFetch(_)),
+    );
     match kind {
         Kind::Local | Kind::Decode(_) => {
             o.insert("stream".into(), json!(true));
@@ -68,6 +80,11 @@ pub fn completion_body(
                 }),
             );
         }
+        Kind::PrefillFetch(params) => {
+            o.insert("stream".into(), json!(false));
+            o.insert("max_tokens".into(), json!(1));
+            o.insert("kv_transfer_params".into(), Value::Object(params.clone()));
+        }
     }
     if let Kind::Decode(params) = kind {
         let mut params = params.clone();
@@ -79,6 +96,31 @@ pub fn completion_body(
         o.insert("return_token_ids".into(), json!(true));
     }
     body
+}
+
+/// The `kv_transfer_params` of a prefill that pulls `fetch`'s prefix from
+/// its source first (vLLM's bidirectional pull: the prefill worker is the
+/// pulling side of a `do_remote_decode` request whose remote is the decode
+/// worker). The source is named by its worker id; `remote_block_ids`,
+/// `remote_request_id`, `remote_host` and `remote_port` would be the
+/// decode engine's own handle, returned in its previous response's
+/// `kv_transfer_params`, which the router does not relay yet (mock-vllm
+/// needs none of them).
+pub fn pull_params(fetch: &protocol::PrefixFetch) -> Map<String, Value> {
+    let Value::Object(params) = json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": fetch.source.to_string(),
+        "remote_request_id": null,
+        "remote_block_ids": [],
+        "remote_host": null,
+        "remote_port": null,
+        "remote_num_tokens": fetch.prefix_tokens,
+        "transfer_mode": "pull",
+    }) else {
+        unreachable!("an object literal")
+    };
+    params
 }
 
 /// Every sampling field set, under vLLM's names (`lora` is the `model`).
@@ -381,6 +423,30 @@ pub fn error_message(body: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The third path's prefill: vLLM's bidirectional pull, the decode
+    /// worker named as the remote holding `remote_num_tokens`; one token,
+    /// not streamed, like any prefill.
+    #[test]
+    fn a_fetching_prefill_names_the_decode_worker_as_its_remote() {
+        let fetch = protocol::PrefixFetch {
+            source: "d0".parse().unwrap(),
+            prefix_tokens: 4_096,
+            pulled_tokens: 1_024,
+        };
+        let kind = Kind::PrefillFetch(pull_params(&fetch));
+        let b = completion_body("m", &[1], 8, &Sampling::default(), &kind, true);
+        assert_eq!(
+            (b["max_tokens"].clone(), b["stream"].clone()),
+            (json!(1), json!(false))
+        );
+        let p = &b["kv_transfer_params"];
+        assert_eq!(p["do_remote_decode"], json!(true));
+        assert_eq!(p["do_remote_prefill"], json!(false));
+        assert_eq!(p["remote_engine_id"], json!("d0"));
+        assert_eq!(p["remote_num_tokens"], json!(4_096));
+        assert_eq!(p["transfer_mode"], json!("pull"));
+    }
 
     #[test]
     fn bodies_per_stage() {

@@ -28,6 +28,7 @@ pub(super) struct RequestContext {
     pub(super) dp_size: u32,
     pub(super) block_size: u32,
     pub(super) return_token_ids: bool,
+    pub(super) bidirectional_kv: bool,
     pub(super) timeout: Duration,
     pub(super) stop: watch::Receiver<bool>,
 }
@@ -70,7 +71,31 @@ impl RequestContext {
                 });
                 return;
             }
-            Stage::Prefill => Kind::Prefill,
+            Stage::Prefill => match &request.annotation.fetch {
+                Some(fetch) if self.bidirectional_kv => {
+                    counter!(m::ENGINE_PREFIX_FETCHES, "outcome" => "pulled").increment(1);
+                    tracing::info!(
+                        request_id = %request.request_id,
+                        decision = %request.annotation.decision,
+                        source = %fetch.source,
+                        prefix_tokens = fetch.prefix_tokens,
+                        pulled_tokens = fetch.pulled_tokens,
+                        "prefill pulling its prefix from a decode worker"
+                    );
+                    Kind::PrefillFetch(openai::pull_params(fetch))
+                }
+                Some(fetch) => {
+                    counter!(m::ENGINE_PREFIX_FETCHES, "outcome" => "plain").increment(1);
+                    warn!(
+                        request_id = %request.request_id,
+                        decision = %request.annotation.decision,
+                        source = %fetch.source,
+                        "a prefill leg asked to fetch its prefix, but --vllm-bidirectional-kv is off: prefilled whole"
+                    );
+                    Kind::Prefill
+                }
+                None => Kind::Prefill,
+            },
             Stage::Decode { transfer } => match transfer
                 .engine
                 .as_deref()
@@ -156,7 +181,7 @@ impl RequestContext {
                 ),
             );
         }
-        if kind == Kind::Prefill {
+        if matches!(kind, Kind::Prefill | Kind::PrefillFetch(_)) {
             return self.prefilled(request, response, out).await;
         }
         self.stream(response, out, guard).await;

@@ -1,6 +1,8 @@
 //! Conditional-disaggregation policies: given the chosen decode worker and
 //! the best prefill worker, bypass (prefill locally on the decode worker) or
-//! prefill remotely.
+//! prefill remotely — and, when the router offers it
+//! ([`PolicyInput::fetch`]), remotely with the prefix pulled from the
+//! decode worker that holds it ([`Path::RemoteFetch`]).
 //!
 //! A policy is asked only when a prefill worker exists; without one the
 //! router bypasses with rule [`rules::NO_PREFILL_WORKER`]. Its verdict may
@@ -20,6 +22,7 @@ mod sla;
 use protocol::{Path, WorkerId, WorkerRecord};
 
 use super::calibrate::Factors;
+use super::fetch::FetchOption;
 use super::select::TierWeights;
 use super::workers::EffectiveLoad;
 
@@ -28,7 +31,7 @@ pub use isl::IslBased;
 pub use isl_or_load::IslOrLoad;
 pub use load::LoadBased;
 pub use registry::{parse_param, ParamError, ParamSpec, Policy, PolicyName, PolicySpec, POLICIES};
-pub use sla::{CostModel, SlaDynamic, SlaPrediction};
+pub use sla::{CostModel, FetchPrediction, SlaDynamic, SlaPrediction};
 
 /// The `rule` labels of verdicts and decisions (low cardinality: metrics
 /// labels).
@@ -69,6 +72,18 @@ pub mod rules {
     pub const SLA_LOCAL_SOONER: &str = "sla.local_sooner";
     /// SLA rule: neither meets them; remote's is no later: remote.
     pub const SLA_REMOTE_SOONER: &str = "sla.remote_sooner";
+    /// SLA rule: both the local prefill and a remote one with the prefix
+    /// fetched from the decode worker meet the targets, the fetch computes
+    /// less: remote with the prefix fetched.
+    pub const SLA_FETCH_LESS_WORK: &str = "sla.fetch_less_work";
+    /// SLA rule: only the fetching remote prefill meets the targets.
+    pub const SLA_FETCH_MEETS_TARGETS: &str = "sla.fetch_meets_targets";
+    /// SLA rule: neither meets them; a bypass would push the decode
+    /// worker's running requests over the ITL target: remote, fetching.
+    pub const SLA_FETCH_SPARES_DECODES: &str = "sla.fetch_spares_decodes";
+    /// SLA rule: neither meets them; the fetching remote's first token is
+    /// no later: remote, fetching.
+    pub const SLA_FETCH_SOONER: &str = "sla.fetch_sooner";
     /// The decode gate vetoed a bypass over the decode worker's KV budget.
     pub const GATE_KV_BUDGET: &str = "gate.kv_budget";
     /// The decode gate vetoed a bypass: the decode worker's KV capacity is
@@ -134,6 +149,10 @@ pub struct PolicyInput<'a> {
     pub tier_weights: TierWeights,
     /// The router core's calibration factors (used by the SLA policy).
     pub calibration: Factors,
+    /// The prefix the prefill worker could pull from a decode worker
+    /// before it prefills (the third path), when the router offers one
+    /// ([`super::fetch::offer`]).
+    pub fetch: Option<FetchOption<'a>>,
 }
 
 impl PolicyInput<'_> {
@@ -160,7 +179,8 @@ impl PolicyInput<'_> {
 /// A policy's decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verdict {
-    /// Bypass or remote.
+    /// Bypass, remote, or remote with the offered prefix fetched (only
+    /// when [`PolicyInput::fetch`] offered one).
     pub path: Path,
     /// A short label of the rule that decided (see [`rules`]).
     pub rule: &'static str,
@@ -249,6 +269,7 @@ pub(crate) mod tests {
                 holder: None,
                 tier_weights: TierWeights::default(),
                 calibration: Factors::default(),
+                fetch: None,
             }
         }
     }

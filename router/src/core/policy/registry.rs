@@ -88,7 +88,7 @@ const LOAD_PARAMS: [ParamSpec; 2] = [
     },
 ];
 
-const SLA_PARAMS: [ParamSpec; 10] = [
+const SLA_PARAMS: [ParamSpec; 11] = [
     ParamSpec {
         name: "ttft_target_ms",
         help: "SLA policy: time-to-first-token target (ms)",
@@ -137,6 +137,11 @@ const SLA_PARAMS: [ParamSpec; 10] = [
     ParamSpec {
         name: "transfer_bytes_per_ms",
         help: "SLA cost model: KV transfer bandwidth (bytes per ms)",
+        tune: &[],
+    },
+    ParamSpec {
+        name: "read_step_overhead",
+        help: "SLA cost model: share by which a decode worker's steps are longer while it serves a prefix read (the third path; an assumption)",
         tune: &[],
     },
 ];
@@ -190,7 +195,7 @@ pub static POLICIES: [PolicySpec; 6] = [
     },
     PolicySpec {
         name: "sla_dynamic",
-        about: "predict TTFT of both paths and the ITL a local prefill inflicts, calibrated online; keep the most requests within the SLO (set only the targets)",
+        about: "predict TTFT of each path (local; remote; remote with the prefix fetched from the decode worker, when enabled) and the ITL a local prefill inflicts, calibrated online; keep the most requests within the SLO (set only the targets)",
         params: &[&SLA_PARAMS],
         aliases: &["sla"],
         dynamo: None,

@@ -1,5 +1,8 @@
-//! The SLA-driven policy: predicts time to first token on both paths and
-//! the inter-token latency a local prefill inflicts on the decode worker.
+//! The SLA-driven policy: predicts time to first token on each path (local
+//! on the decode worker; remote from the prefill worker's cache; remote
+//! with the prefix fetched from the decode worker that holds it, when the
+//! router offers it) and the inter-token latency a local prefill inflicts
+//! on the decode worker, or a prefix read on the worker serving it.
 
 use protocol::Path;
 use serde::{Deserialize, Serialize};
@@ -36,6 +39,11 @@ pub struct CostModel {
     pub transfer_setup_ms: f64,
     /// Transfer bandwidth in bytes per millisecond. Default 87e6 (87 GB/s).
     pub transfer_bytes_per_ms: f64,
+    /// Share by which a decode step of the worker serving a prefix read
+    /// (D -> P, the third path) is longer while the read runs (HBM
+    /// contention of the NIXL read). Default 0.03: an assumption, not a
+    /// measurement (engine-sim uses the same figure).
+    pub read_step_overhead: f64,
 }
 
 impl Default for CostModel {
@@ -49,6 +57,7 @@ impl Default for CostModel {
             decode_per_ctx_token_ms: 4.4e-5,
             transfer_setup_ms: 2.0,
             transfer_bytes_per_ms: 87e6,
+            read_step_overhead: 0.03,
         }
     }
 }
@@ -140,11 +149,37 @@ pub struct SlaPrediction {
     /// what each path spends of the deployment's prefill capacity.
     pub local_work_ms: f64,
     pub remote_work_ms: f64,
+    /// The third path, when the router offered it.
+    pub fetch: Option<FetchPrediction>,
     /// The calibration factors used.
     pub factors: Factors,
 }
 
-/// A cost chooser between the two paths, against the SLO (its only
+/// What [`SlaDynamic`] predicts for a remote prefill whose prefill worker
+/// first pulls the prefix the decode worker holds. Times in ms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FetchPrediction {
+    /// Tokens pulled from the source.
+    pub pulled_tokens: u64,
+    /// The prefix the prefill worker holds after the pull.
+    pub prefix_tokens: u64,
+    /// The pull (D -> P) on the KV link.
+    pub pull_ms: f64,
+    /// Tokens the prefill worker computes after the pull.
+    pub prefill_tokens: u64,
+    /// The model's time on the prefill worker: its queue and the prefill of
+    /// the rest.
+    pub model_ms: f64,
+    /// Pull, corrected prefill (the remote TTFT factor), and the P -> D
+    /// transfer.
+    pub ttft_ms: f64,
+    /// The prefill compute itself (no queue).
+    pub work_ms: f64,
+    /// The source's ITL while it serves the read (0 when it runs nothing).
+    pub source_itl_ms: f64,
+}
+
+/// A cost chooser between the paths, against the SLO (its only
 /// required parameters; the cost model's defaults are corrected online by
 /// the calibration factors the router core learns, [`Factors`]):
 ///
@@ -157,6 +192,15 @@ pub struct SlaPrediction {
 /// 3. neither: remote when the local prefill would push the decode
 ///    worker's running requests over the ITL target (it misses them all,
 ///    remote misses one); otherwise the sooner first token (ties remote).
+///
+/// "Remote" is the better of two remote prefills when the router offers
+/// the third path ([`PolicyInput::fetch`]): from the prefill worker's own
+/// cache, or with the prefix pulled from the decode worker that holds it
+/// (the pull's time on the KV link is in its TTFT, and its source must
+/// keep the ITL target while it serves the read, its steps longer by
+/// `read_step_overhead`): the one that meets the targets, then the one that
+/// computes less, then the sooner. Equal work against a local prefill goes
+/// local when the remote option fetches (it reads the decode worker anyway).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SlaDynamic {
@@ -242,6 +286,34 @@ impl SlaDynamic {
         let remote_model =
             c.queue_ms(p.load.queued_prefill_tokens, p.record.max_batched_tokens) + remote_work;
 
+        let fetch = input.fetch.map(|f| {
+            let prefix = u64::from(f.prefix_tokens).min(isl - 1);
+            let pulled = u64::from(f.pulled_tokens);
+            let rest = (isl - prefix).max(1);
+            let pull = c.transfer_ms(pulled.saturating_mul(f.source.record.kv_bytes_per_token));
+            let work = c.prefill_ms(rest, prefix);
+            let model =
+                c.queue_ms(p.load.queued_prefill_tokens, p.record.max_batched_tokens) + work;
+            let s = f.source.load;
+            let source_itl = if s.running > 0 {
+                k.itl
+                    * c.decode_step_ms(s.running, s.active_decode_blocks.saturating_mul(bs))
+                    * (1.0 + c.read_step_overhead)
+            } else {
+                0.0
+            };
+            FetchPrediction {
+                pulled_tokens: pulled,
+                prefix_tokens: prefix,
+                pull_ms: pull,
+                prefill_tokens: rest,
+                model_ms: model,
+                ttft_ms: pull + k.remote_ttft * model + transfer,
+                work_ms: work,
+                source_itl_ms: source_itl,
+            }
+        });
+
         SlaPrediction {
             local_prefill_tokens: local,
             local_model_ms: local_model,
@@ -257,6 +329,7 @@ impl SlaDynamic {
             remote_ttft_ms: k.remote_ttft * remote_model + transfer,
             local_work_ms: local_work,
             remote_work_ms: remote_work,
+            fetch,
             factors: k,
         }
     }
@@ -267,11 +340,83 @@ impl SlaDynamic {
         let s = self.predict(input);
         Expected {
             path,
-            prefill_ms: match path {
-                Path::Bypass => s.local_model_ms,
-                Path::Remote => s.remote_model_ms,
+            prefill_ms: match (path, s.fetch) {
+                (Path::Bypass, _) => s.local_model_ms,
+                (Path::RemoteFetch, Some(f)) => f.pull_ms + f.model_ms,
+                (Path::Remote | Path::RemoteFetch, _) => s.remote_model_ms,
             },
             itl_ms: s.step_model_ms,
+        }
+    }
+}
+
+/// The remote option the chooser weighs against the local one: a plain
+/// remote prefill, or the one with the prefix fetched.
+struct RemoteOption {
+    path: Path,
+    ttft_ms: f64,
+    work_ms: f64,
+    ok: bool,
+    /// Ties of work with the local prefill go this way (a plain remote
+    /// prefill slows no decode; a fetch reads the decode worker and the
+    /// link, so ties stay local).
+    wins_ties: bool,
+    rules: [&'static str; 4],
+    what: String,
+}
+
+impl SlaDynamic {
+    /// The better of the plain remote prefill and, when offered, the
+    /// fetching one: the one that meets the targets (the fetch's source
+    /// must keep its own ITL target while it serves the read), then the
+    /// one that computes less, then the sooner first token.
+    fn remote_option(&self, input: &PolicyInput<'_>, s: &SlaPrediction) -> RemoteOption {
+        let p = input.prefill.id;
+        let plain = RemoteOption {
+            path: Path::Remote,
+            ttft_ms: s.remote_ttft_ms,
+            work_ms: s.remote_work_ms,
+            ok: s.remote_ttft_ms <= self.ttft_target_ms,
+            wins_ties: true,
+            rules: [
+                rules::SLA_REMOTE_NO_MORE_WORK,
+                rules::SLA_REMOTE_MEETS_TARGETS,
+                rules::SLA_REMOTE_SPARES_DECODES,
+                rules::SLA_REMOTE_SOONER,
+            ],
+            what: format!("remote prefill on {p}"),
+        };
+        let (Some(f), Some(offer)) = (s.fetch, input.fetch) else {
+            return plain;
+        };
+        let source_ok = f.source_itl_ms <= self.itl_target_ms;
+        let fetch = RemoteOption {
+            path: Path::RemoteFetch,
+            ttft_ms: f.ttft_ms,
+            work_ms: f.work_ms,
+            ok: f.ttft_ms <= self.ttft_target_ms && source_ok,
+            wins_ties: false,
+            rules: [
+                rules::SLA_FETCH_LESS_WORK,
+                rules::SLA_FETCH_MEETS_TARGETS,
+                rules::SLA_FETCH_SPARES_DECODES,
+                rules::SLA_FETCH_SOONER,
+            ],
+            what: format!(
+                "remote prefill on {p} with {} tokens fetched from {}",
+                f.pulled_tokens, offer.source.id
+            ),
+        };
+        let better = match (fetch.ok, plain.ok) {
+            (true, false) => true,
+            (false, true) => false,
+            (true, true) => fetch.work_ms < plain.work_ms,
+            (false, false) => source_ok && fetch.ttft_ms < plain.ttft_ms,
+        };
+        if better {
+            fetch
+        } else {
+            plain
         }
     }
 }
@@ -282,10 +427,10 @@ impl ConditionalDisaggPolicy for SlaDynamic {
         let (tt, it) = (self.ttft_target_ms, self.itl_target_ms);
         let (d, p) = (input.decode.id, input.prefill.id);
         let local_ok = s.local_ttft_ms <= tt && s.itl_local_ms <= it;
-        let remote_ok = s.remote_ttft_ms <= tt;
+        let r = self.remote_option(input, &s);
         let k = s.factors;
-        let numbers = format!(
-            "local on {d}: {} tokens, TTFT {:.0} ms, ITL {:.1} -> {:.1} ms (stall {:.0} ms over {} running); remote on {p}: {} tokens, TTFT {:.0} ms (transfer {:.0} ms); targets {tt:.0} / {it:.1} ms; calibration TTFT x{:.2} local, x{:.2} remote, ITL x{:.2}",
+        let mut numbers = format!(
+            "local on {d}: {} tokens, TTFT {:.0} ms, ITL {:.1} -> {:.1} ms (stall {:.0} ms over {} running); remote on {p}: {} tokens, TTFT {:.0} ms (transfer {:.0} ms)",
             s.local_prefill_tokens,
             s.local_ttft_ms,
             s.itl_base_ms,
@@ -295,25 +440,50 @@ impl ConditionalDisaggPolicy for SlaDynamic {
             s.remote_prefill_tokens,
             s.remote_ttft_ms,
             s.transfer_ms,
-            k.local_ttft,
-            k.remote_ttft,
-            k.itl,
         );
-        let (path, rule, why) = match (local_ok, remote_ok) {
-            (true, true) if s.local_work_ms < s.remote_work_ms => (
+        if let (Some(f), Some(offer)) = (s.fetch, input.fetch) {
+            numbers.push_str(&format!(
+                "; fetch: {} of {} prefix tokens from {} (pull {:.0} ms, its ITL {:.1} ms while read), then {} tokens on {p}: TTFT {:.0} ms",
+                f.pulled_tokens,
+                f.prefix_tokens,
+                offer.source.id,
+                f.pull_ms,
+                f.source_itl_ms,
+                f.prefill_tokens,
+                f.ttft_ms,
+            ));
+        }
+        numbers.push_str(&format!(
+            "; targets {tt:.0} / {it:.1} ms; calibration TTFT x{:.2} local, x{:.2} remote, ITL x{:.2}",
+            k.local_ttft, k.remote_ttft, k.itl,
+        ));
+        let [no_more_work, meets, spares, sooner] = r.rules;
+        let local_cheaper = if r.wins_ties {
+            s.local_work_ms < r.work_ms
+        } else {
+            s.local_work_ms <= r.work_ms
+        };
+        let what = &r.what;
+        let (lt, le) = if r.wins_ties {
+            ("<", "<=")
+        } else {
+            ("<=", "<")
+        };
+        let (path, rule, why) = match (local_ok, r.ok) {
+            (true, true) if local_cheaper => (
                 Path::Bypass,
                 rules::SLA_LOCAL_SAVES_WORK,
                 format!(
-                    "both meet the targets; local prefill {:.0} ms < remote {:.0} ms of compute: bypass on {d}",
-                    s.local_work_ms, s.remote_work_ms
+                    "both meet the targets; local prefill {:.0} ms {lt} remote {:.0} ms of compute: bypass on {d}",
+                    s.local_work_ms, r.work_ms
                 ),
             ),
             (true, true) => (
-                Path::Remote,
-                rules::SLA_REMOTE_NO_MORE_WORK,
+                r.path,
+                no_more_work,
                 format!(
-                    "both meet the targets; remote prefill {:.0} ms <= local {:.0} ms of compute and slows no decode: remote prefill on {p}",
-                    s.remote_work_ms, s.local_work_ms
+                    "both meet the targets; remote prefill {:.0} ms {le} local {:.0} ms of compute and slows no decode: {what}",
+                    r.work_ms, s.local_work_ms
                 ),
             ),
             (true, false) => (
@@ -322,29 +492,27 @@ impl ConditionalDisaggPolicy for SlaDynamic {
                 format!("only local meets the targets: bypass on {d}"),
             ),
             (false, true) => (
-                Path::Remote,
-                rules::SLA_REMOTE_MEETS_TARGETS,
-                format!("only remote meets the targets: remote prefill on {p}"),
+                r.path,
+                meets,
+                format!("only remote meets the targets: {what}"),
             ),
             (false, false) if s.running > 0 && s.itl_local_ms > it && s.itl_base_ms <= it => (
-                Path::Remote,
-                rules::SLA_REMOTE_SPARES_DECODES,
+                r.path,
+                spares,
                 format!(
-                    "neither meets the targets; local would push {} running requests over the ITL target: remote prefill on {p}",
+                    "neither meets the targets; local would push {} running requests over the ITL target: {what}",
                     s.running
                 ),
             ),
-            (false, false) if s.local_ttft_ms < s.remote_ttft_ms => (
+            (false, false) if s.local_ttft_ms < r.ttft_ms => (
                 Path::Bypass,
                 rules::SLA_LOCAL_SOONER,
                 format!("neither meets the targets; local's first token is sooner: bypass on {d}"),
             ),
             (false, false) => (
-                Path::Remote,
-                rules::SLA_REMOTE_SOONER,
-                format!(
-                    "neither meets the targets; remote's first token is no later: remote prefill on {p}"
-                ),
+                r.path,
+                sooner,
+                format!("neither meets the targets; remote's first token is no later: {what}"),
             ),
         };
         Verdict {
@@ -516,6 +684,51 @@ mod tests {
         ] {
             assert!(why.contains(needle), "{needle}: {why}");
         }
-        assert_eq!(crate::core::Policy::from(policy).params().len(), 10);
+        assert_eq!(crate::core::Policy::from(policy).params().len(), 11);
+    }
+
+    /// The third option: a long append to a conversation the decode worker
+    /// holds, with the decode worker near its ITL target. Remote from the
+    /// prefill worker's (empty) cache misses the TTFT target; pulling the
+    /// prefix from the decode worker meets it and is taken; its explanation
+    /// names the source, the tokens pulled and the predicted times. A
+    /// source that the read would push over the ITL target is not used.
+    #[test]
+    fn a_fetched_prefix_is_the_third_option() {
+        use crate::core::fetch::FetchOption;
+        let f = Fixture::new();
+        let policy = SlaDynamic::with_slo(1_000.0, 60.0);
+        let mut input = f.input(
+            60_000,
+            50_000,
+            running(30, 30 * 300),
+            EffectiveLoad::default(),
+        );
+        let plain = decide(&policy, &input);
+        assert_ne!(plain.0, Path::RemoteFetch, "{}", plain.2);
+        input.fetch = Some(FetchOption {
+            source: input.decode,
+            prefix_tokens: 50_000,
+            pulled_tokens: 50_000,
+        });
+        let s = policy.predict(&input);
+        let fp = s.fetch.unwrap();
+        assert!(fp.ttft_ms < s.remote_ttft_ms, "{fp:?} vs {s:?}");
+        assert_eq!(fp.prefill_tokens, 10_000);
+        let (path, rule, why) = decide(&policy, &input);
+        assert_eq!(path, Path::RemoteFetch, "{why}");
+        assert!(rule.starts_with("sla.fetch"), "{rule}: {why}");
+        for needle in [
+            "fetch: 50000 of 50000 prefix tokens from d0",
+            "pull",
+            "while read",
+        ] {
+            assert!(why.contains(needle), "{needle}: {why}");
+        }
+        // Its source at its ITL limit: the read would push it over.
+        let mut tight = policy;
+        tight.itl_target_ms = fp.source_itl_ms - 0.01;
+        let (path, _, why) = decide(&tight, &input);
+        assert_ne!(path, Path::RemoteFetch, "{why}");
     }
 }
