@@ -413,6 +413,50 @@ async fn sglang_arrays_with_i64_hashes() -> Result<()> {
     .await
 }
 
+/// The engine's own `kv_events.py` (extracted by scripts/engine-kv-events.py
+/// into `$SWITCHYARD_ENGINE_KV_EVENTS/<engine>-<version>/`), when there:
+/// the fixture then encodes with the engine's classes.
+fn engine_classes(dir_name: &str) -> Option<String> {
+    let dir = std::env::var("SWITCHYARD_ENGINE_KV_EVENTS").ok()?;
+    let path = format!("{dir}/{dir_name}/kv_events.py");
+    if std::path::Path::new(&path).exists() {
+        Some(path)
+    } else {
+        eprintln!(
+            "NOTE: {path} is absent: the fixture encodes {dir_name}'s shape with its own classes \
+             (scripts/engine-kv-events.py fetches the engine's)"
+        );
+        None
+    }
+}
+
+/// vLLM 0.33: an array batch of tagged-map events, 32-byte digests,
+/// `group_idx` and the new optional fields; a hybrid model's other KV-cache
+/// group (sliding window) and partial tails beside every store. The agent
+/// holds exactly the full-attention blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_033_tagged_maps_digests_groups_and_partial_tails() -> Result<()> {
+    let classes = engine_classes("vllm-0.33.0");
+    let mut args = vec!["--encoding", "tagged", "--flavour", "bytes", "--hybrid"];
+    args.push("--replay-topic-frame");
+    if let Some(c) = &classes {
+        args.extend(["--classes", c.as_str()]);
+    }
+    scenario("fx-vllm033", &args, "kv@033").await
+}
+
+/// SGLang 0.5: an array batch `[ts, events, attn_dp_rank]` of tagged maps
+/// with i64 hashes and SGLang's extra keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_05_tagged_maps_with_i64_hashes() -> Result<()> {
+    let classes = engine_classes("sglang-0.5.23");
+    let mut args = vec!["--encoding", "tagged", "--flavour", "sglang"];
+    if let Some(c) = &classes {
+        args.extend(["--classes", c.as_str()]);
+    }
+    scenario("fx-sglang05", &args, "").await
+}
+
 /// A BlockStored of another block size stops the agent with a clear error;
 /// an engine that says so at registration is refused at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
