@@ -54,6 +54,8 @@ struct DebugState {
     decode: u64,
     kv_transfer_params_received: u64,
     last_kv_transfer_params: Option<Value>,
+    /// Requests that came with `do_local_prefill: true`.
+    do_local_prefill_received: u64,
     errors: u64,
     /// The last requests' sampling fields as received, by request id
     /// (the newest last, at most [`RECEIVED_KEPT`]).
@@ -176,6 +178,7 @@ async fn switchyard_debug(State(app): State<Arc<App>>) -> Response {
         "requests": {"local": d.local, "prefill": d.prefill, "decode": d.decode},
         "kv_transfer_params_received": d.kv_transfer_params_received,
         "last_kv_transfer_params": d.last_kv_transfer_params,
+        "do_local_prefill_received": d.do_local_prefill_received,
         "errors": d.errors,
         "received": d.received.iter().map(|(id, fields)| json!({"request_id": id, "model": fields.get("model"), "fields": fields})).collect::<Vec<_>>(),
         "kv_batches_published": published,
@@ -292,6 +295,9 @@ struct Completion {
     stream: bool,
     include_usage: bool,
     kv_transfer_params: Option<Map<String, Value>>,
+    /// SGLang's `do_local_prefill` (draft PR #34773): a decode server
+    /// prefills this request itself.
+    do_local_prefill: bool,
     /// Every sampling field received (and `model`), as sent.
     received: Map<String, Value>,
     /// What the simulated engine honours of them.
@@ -398,6 +404,10 @@ fn parse_completion(body: &[u8], s: &Config) -> Result<Completion, Refusal> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
         kv_transfer_params,
+        do_local_prefill: o
+            .get("do_local_prefill")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     })
 }
 
@@ -486,6 +496,23 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
         .kv_transfer_params
         .as_ref()
         .is_some_and(|p| flag(p, "do_remote_prefill"));
+    if c.do_local_prefill {
+        lock(&app.debug).do_local_prefill_received += 1;
+    }
+    if s.sglang_decode {
+        // An SGLang decode-mode server: no NIXL (its bootstrap handshake
+        // instead), and a local prefill only when asked with
+        // `do_local_prefill`.
+        if c.kv_transfer_params.is_some() {
+            return error(StatusCode::BAD_REQUEST, "this SGLang decode server takes remote prefills through its bootstrap handshake, not kv_transfer_params");
+        }
+        if !c.do_local_prefill {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "this SGLang decode server cannot prefill locally without do_local_prefill",
+            );
+        }
+    }
     let stage = if remote_decode {
         if s.role == Role::Decode {
             return error(StatusCode::BAD_REQUEST, "this engine is a decode instance (kv_consumer): it does not prefill for remote decodes");

@@ -126,6 +126,7 @@ impl Mock {
             request_timeout: Duration::from_secs(5),
             metrics_interval: Duration::from_millis(50),
             return_token_ids: true,
+            do_local_prefill: false,
             replay: ReplayLimits {
                 connect: Duration::from_secs(1),
                 idle: Duration::from_secs(1),

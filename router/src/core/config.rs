@@ -8,6 +8,7 @@ use protocol::{BlockHasher, HashingContract};
 use super::gate::GateConfig;
 use super::policy::ParamError;
 use super::select::{DecodeSelection, PrefillSelection};
+use super::session::SessionConfig;
 use super::workers::LedgerConfig;
 
 /// Everything the router core is configured with.
@@ -23,6 +24,8 @@ pub struct RouterConfig {
     pub gate: GateConfig,
     /// The in-flight ledger's timing.
     pub ledger: LedgerConfig,
+    /// Session affinity.
+    pub session: SessionConfig,
 }
 
 impl RouterConfig {
@@ -34,6 +37,7 @@ impl RouterConfig {
             prefill: PrefillSelection::default(),
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
+            session: SessionConfig::default(),
         }
     }
 
@@ -83,6 +87,7 @@ impl RouterConfig {
                 "gate.count_reservations",
                 bool_f(self.gate.count_reservations),
             ),
+            ("session.enabled", bool_f(self.session.enabled)),
         ]
     }
 
@@ -102,6 +107,7 @@ impl RouterConfig {
             "gate.enabled" => self.gate.enabled = value != 0.0,
             "gate.budget_fraction" => self.gate.budget_fraction = value,
             "gate.count_reservations" => self.gate.count_reservations = value != 0.0,
+            "session.enabled" => self.session.enabled = value != 0.0,
             other => return Err(ParamError::UnknownRouterParam(other.to_owned())),
         }
         Ok(())

@@ -6,6 +6,7 @@
 //!   one place that names the policies and their parameters;
 //! * [`gate`]: the decode gate;
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
+//! * [`session`]: session affinity ([`Sessions`], [`SessionConfig`]);
 //! * [`config`]: [`RouterConfig`], what the core is configured with;
 //! * [`decide`]: [`RouterCore`], which puts them together, and the
 //!   decision record;
@@ -18,6 +19,7 @@ pub mod gate;
 pub mod policy;
 pub mod replay;
 pub mod select;
+pub mod session;
 pub mod workers;
 
 pub use calibrate::{Calibration, Expected, Factors};
@@ -34,4 +36,5 @@ pub use policy::{
 };
 pub use replay::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 pub use select::{DecodeSelection, PrefillSelection, Side, TierWeights};
+pub use session::{SessionConfig, Sessions};
 pub use workers::{Charges, EffectiveLoad, LedgerConfig, Workers};

@@ -23,7 +23,7 @@ use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
     DecodeSelection, GateConfig, LedgerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig,
-    TierWeights, POLICIES,
+    SessionConfig, TierWeights, POLICIES,
 };
 
 pub use settings::Args;
@@ -130,6 +130,8 @@ pub struct Config {
     pub tier_weights: TierWeights,
     pub gate: GateConfig,
     pub ledger: LedgerConfig,
+    /// Session affinity (`[session]`).
+    pub session: SessionConfig,
     pub timeouts: Timeouts,
 }
 
@@ -159,6 +161,7 @@ impl Default for Config {
             tier_weights: TierWeights::default(),
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
+            session: SessionConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -306,6 +309,21 @@ fn fixed_flags() -> Vec<Flag> {
     )
     .long("report-grace")
     .legacy(Legacy::millis("report-grace-ms")),
+    Flag::new(
+        "session.enabled",
+        Kind::Switch,
+        "Session affinity: a session id (x-session-id, agent_context.session_id) keeps a conversation on one decode worker on every replica",
+    ),
+    Flag::new(
+        "session.ttl",
+        Kind::Duration,
+        "Session affinity: a binding lasts this long after the session's last turn",
+    ),
+    Flag::new(
+        "session.max_sessions",
+        Kind::Number,
+        "Session affinity: most sessions bound at once (the oldest dropped first)",
+    ),
     Flag::new(
         "timeouts.first_chunk",
         Kind::Duration,
@@ -533,6 +551,7 @@ impl Config {
             },
             gate: self.gate,
             ledger: self.ledger,
+            session: self.session,
         }
     }
 

@@ -234,6 +234,7 @@ impl VllmEngine {
             dp_size: config.dp_size,
             block_size: learned.block_size,
             return_token_ids: config.return_token_ids,
+            do_local_prefill: config.do_local_prefill,
             timeout: config.request_timeout,
             stop: stop_rx,
         });

@@ -28,6 +28,8 @@ pub(super) struct RequestContext {
     pub(super) dp_size: u32,
     pub(super) block_size: u32,
     pub(super) return_token_ids: bool,
+    /// Bypasses carry `do_local_prefill: true` (an SGLang decode server).
+    pub(super) do_local_prefill: bool,
     pub(super) timeout: Duration,
     pub(super) stop: watch::Receiver<bool>,
 }
@@ -89,7 +91,7 @@ impl RequestContext {
                 }
             },
         };
-        let body = openai::completion_body(
+        let mut body = openai::completion_body(
             &self.model,
             &request.prompt,
             request.max_tokens,
@@ -97,6 +99,9 @@ impl RequestContext {
             &kind,
             self.return_token_ids,
         );
+        if self.do_local_prefill && kind == Kind::Local {
+            openai::ask_local_prefill(&mut body);
+        }
         let mut call = self
             .http
             .post(&self.completions_url)
