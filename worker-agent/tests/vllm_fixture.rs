@@ -282,6 +282,8 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     fx.store(&prompt(2, 8), 2).await?;
     let mut config = agent_config(&servers, name, &fx, api);
     config.kv_events_topic = topic.into();
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    config.http_addr = Some(metrics_addr);
     let agent = Agent::start(config);
     let subscribed = fx.cmd(json!({"cmd": "wait_subscribed"})).await?;
     ensure!(
@@ -371,10 +373,44 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     fx.store(&prompt(12, 8), 2).await?;
     until_matches(&mut follower, &mut fx, "cleared").await?;
 
+    // A hybrid model's other KV-cache group and partial tails were
+    // skipped and counted, not indexed (their tokens are the same, so the
+    // block set alone would not show it).
+    if fixture_args.contains(&"--hybrid") {
+        let metrics = metrics_text(metrics_addr).await?;
+        for what in ["other_groups", "other_block_sizes"] {
+            let count = counter(
+                &metrics,
+                &format!("worker_agent_engine_kv_total{{what=\"{what}\"}}"),
+            );
+            ensure!(count > 0.0, "{what}: {count}\n{metrics}");
+        }
+    }
+
     agent.shutdown(WAIT).await?;
     fx.quit().await;
     let _ = api_stop.send(());
     Ok(())
+}
+
+/// The agent's `/metrics`.
+async fn metrics_text(addr: SocketAddr) -> Result<String> {
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut text = String::new();
+    timeout(WAIT, stream.read_to_string(&mut text)).await??;
+    Ok(text)
+}
+
+/// The value of the sample named `name` (with its labels), 0 when absent.
+fn counter(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
