@@ -342,9 +342,10 @@ async fn sessions_stick_to_one_decode_worker_across_replicas() -> Result<()> {
             let body =
                 |seed: u64| serde_json::json!({"prompt": tokens(seed, 200), "max_tokens": 4});
             let header = [("X-Session-ID", session.as_str())];
+            let (id_a, id_b) = (format!("{session}-a"), format!("{session}-b"));
             let (a, b) = tokio::join!(
-                cluster.complete_with(0, &format!("{session}-a"), body(100 + s), &header),
-                cluster.complete_with(1, &format!("{session}-b"), body(200 + s), &header),
+                cluster.complete_with(0, &id_a, body(100 + s), &header),
+                cluster.complete_with(1, &id_b, body(200 + s), &header),
             );
             let (a, b) = (a?, b?);
             ensure!(

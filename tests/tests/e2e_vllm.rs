@@ -350,7 +350,7 @@ async fn a_256k_token_prompt_completes() -> Result<()> {
 /// which would fail the request).
 #[tokio::test(flavor = "multi_thread")]
 async fn sglang_decode_servers_get_only_what_they_can_serve() -> Result<()> {
-    let cluster = Cluster::start_with(
+    let mut cluster = Cluster::start_with(
         &[
             ("p0", "prefill", VLLM_ARRAYS),
             (
@@ -372,16 +372,17 @@ async fn sglang_decode_servers_get_only_what_they_can_serve() -> Result<()> {
         1,
     )
     .await?;
+    // Router 0 (isl): cold prompts are prefilled remotely. Router 1
+    // (never_disagg): everything bypasses.
+    cluster.start_router_with("r1", &["--policy=never_disagg"])?;
+    cluster.wait_ready().await?;
     let result = async {
-        let mut on_d0 = 0;
-        let mut remote = 0;
+        let (mut on_d0, mut remote, mut last) = (0, 0, Value::Null);
         for i in 0..40u64 {
-            // Short prompts bypass, long ones are prefilled remotely
-            // (the default policy); all cold.
-            let len = if i % 2 == 0 { 64 } else { COLD_PROMPT };
-            let prompt = tokens(1_000 + i, len);
+            let router = (i % 2) as usize;
+            let prompt = tokens(1_000 + i, if router == 0 { COLD_PROMPT } else { 64 });
             let r = cluster
-                .complete(0, &format!("caps-{i}"), &prompt, 4)
+                .complete(router, &format!("caps-{i}"), &prompt, 4)
                 .await?;
             ensure!(output(&r).len() == 4, "request {i}: {r}");
             let (d, p) = (decode(&r), path(&r));
@@ -401,10 +402,11 @@ async fn sglang_decode_servers_get_only_what_they_can_serve() -> Result<()> {
             if p == "remote" {
                 remote += 1;
             }
+            last = r["switchyard"].clone();
         }
         ensure!(
-            on_d0 > 0 && remote > 0,
-            "{on_d0} bypasses on d0, {remote} remote decodes"
+            on_d0 > 0 && remote == 20,
+            "{on_d0} bypasses on d0, {remote} remote decodes; the last: {last}"
         );
         let d0 = cluster.engine_debug("d0").await?;
         ensure!(

@@ -390,6 +390,11 @@ impl Cluster {
     }
 
     pub fn start_router(&mut self, replica: &str) -> Result<usize> {
+        self.start_router_with(replica, &["--policy=isl"])
+    }
+
+    /// A router replica with `extra` flags (its policy among them).
+    pub fn start_router_with(&mut self, replica: &str, extra: &[&str]) -> Result<usize> {
         let port = free_port()?;
         let mut args = Self::nats_args(
             &self.nats,
@@ -402,8 +407,8 @@ impl Cluster {
             format!("--replica-id={replica}"),
             format!("--model={MODEL}"),
             format!("--block-size={BLOCK_SIZE}"),
-            "--policy=isl".into(),
         ]);
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
         let service = Service::start("router", replica, &args)?;
         self.routers.push(Node { service, port });
         Ok(self.routers.len() - 1)
