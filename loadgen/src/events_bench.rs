@@ -140,6 +140,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
             kv_bytes_per_token: 1,
             gpus: 1,
             max_model_len: 0,
+            capabilities: Default::default(),
         };
         registrations.push(registry.register(&record, Duration::from_secs(10)).await?);
     }

@@ -72,6 +72,7 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
         kv_bytes_per_token: 1,
         gpus: 1,
         max_model_len: 0,
+        capabilities: Default::default(),
     };
     let registration = registry.register(&record, Duration::from_secs(10)).await?;
 

@@ -43,6 +43,9 @@ pub struct Options {
     pub lora_modules: Vec<String>,
     /// The context length `/v1/models` reports and requests are held to.
     pub max_model_len: u32,
+    /// Acts as an SGLang decode-mode server (with `role` decode): refuses
+    /// `kv_transfer_params` and any request without `do_local_prefill`.
+    pub sglang_decode: bool,
 }
 
 impl Default for Options {
@@ -70,6 +73,7 @@ impl Default for Options {
             engine_id: None,
             lora_modules: Vec::new(),
             max_model_len: 131_072,
+            sglang_decode: false,
         }
     }
 }
@@ -103,7 +107,12 @@ pub fn flags() -> Vec<Flag> {
             "KV-event replay ROUTER socket of rank 0 (none: no replay)",
         ),
         Flag::new("kv_events_topic", Kind::Text, "The KV events' topic"),
-        Flag::new("encoding", Kind::Text, "KV batch encoding: array or map"),
+        Flag::new(
+            "sglang_decode",
+            Kind::Switch,
+            "Act as an SGLang decode-mode server: kv_transfer_params refused (SGLang's bootstrap handshake instead), and a request without do_local_prefill refused (it cannot prefill locally)",
+        ),
+        Flag::new("encoding", Kind::Text, "KV batch encoding: array, map, or tagged (today's vLLM 0.33 / SGLang 0.5: an array batch of tagged-map events; vLLM's with 32-byte digests and group_idx)"),
         Flag::new(
             "hash_flavour",
             Kind::Text,
@@ -205,6 +214,7 @@ pub struct Config {
     pub engine_id: String,
     pub lora_modules: Vec<String>,
     pub max_model_len: u32,
+    pub sglang_decode: bool,
 }
 
 impl Config {
@@ -275,6 +285,7 @@ impl Options {
                 .unwrap_or_else(|| format!("mock-{:016x}", rand::random::<u64>())),
             lora_modules: self.lora_modules.clone(),
             max_model_len: self.max_model_len,
+            sglang_decode: self.sglang_decode,
         })
     }
 }

@@ -263,7 +263,7 @@ mod tests {
         let prompt: Vec<u32> = (0..14).collect();
         let canon = engine_hasher().hash_prompt(&prompt);
         for flavour in [Flavour::Vllm, Flavour::Sglang] {
-            for encoding in [Encoding::Array, Encoding::Map] {
+            for encoding in [Encoding::Array, Encoding::Map, Encoding::Tagged] {
                 let mut r = Relabeler::new(engine_hasher(), flavour, 42, 100);
                 r.register(&prompt);
                 let events = r.relabel(&[

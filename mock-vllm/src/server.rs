@@ -58,6 +58,8 @@ struct DebugState {
     /// (vLLM's bidirectional transfer: `do_remote_decode` with a remote).
     prefix_pulls_received: u64,
     last_pull_params: Option<Value>,
+    /// Requests that came with `do_local_prefill: true`.
+    do_local_prefill_received: u64,
     errors: u64,
     /// The last requests' sampling fields as received, by request id
     /// (the newest last, at most [`RECEIVED_KEPT`]).
@@ -186,6 +188,7 @@ async fn switchyard_debug(State(app): State<Arc<App>>) -> Response {
         "last_kv_transfer_params": d.last_kv_transfer_params,
         "prefix_pulls_received": d.prefix_pulls_received,
         "last_pull_params": d.last_pull_params,
+        "do_local_prefill_received": d.do_local_prefill_received,
         "errors": d.errors,
         "received": d.received.iter().map(|(id, fields)| json!({"request_id": id, "model": fields.get("model"), "fields": fields})).collect::<Vec<_>>(),
         "kv_batches_published": published,
@@ -302,6 +305,9 @@ struct Completion {
     stream: bool,
     include_usage: bool,
     kv_transfer_params: Option<Map<String, Value>>,
+    /// SGLang's `do_local_prefill` (draft PR #34773): a decode server
+    /// prefills this request itself.
+    do_local_prefill: bool,
     /// Every sampling field received (and `model`), as sent.
     received: Map<String, Value>,
     /// What the simulated engine honours of them.
@@ -408,6 +414,10 @@ fn parse_completion(body: &[u8], s: &Config) -> Result<Completion, Refusal> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
         kv_transfer_params,
+        do_local_prefill: o
+            .get("do_local_prefill")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     })
 }
 
@@ -496,6 +506,23 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
         .kv_transfer_params
         .as_ref()
         .is_some_and(|p| flag(p, "do_remote_prefill"));
+    if c.do_local_prefill {
+        lock(&app.debug).do_local_prefill_received += 1;
+    }
+    if s.sglang_decode {
+        // An SGLang decode-mode server: no NIXL (its bootstrap handshake
+        // instead), and a local prefill only when asked with
+        // `do_local_prefill`.
+        if c.kv_transfer_params.is_some() {
+            return error(StatusCode::BAD_REQUEST, "this SGLang decode server takes remote prefills through its bootstrap handshake, not kv_transfer_params");
+        }
+        if !c.do_local_prefill {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "this SGLang decode server cannot prefill locally without do_local_prefill",
+            );
+        }
+    }
     // vLLM's bidirectional pull: a prefill whose params name a remote (the
     // decode engine holding the prefix) and how many tokens it holds.
     let mut fetch = None;

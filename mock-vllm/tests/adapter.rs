@@ -127,6 +127,7 @@ impl Mock {
             metrics_interval: Duration::from_millis(50),
             return_token_ids: true,
             bidirectional_kv: false,
+            do_local_prefill: false,
             replay: ReplayLimits {
                 connect: Duration::from_secs(1),
                 idle: Duration::from_secs(1),

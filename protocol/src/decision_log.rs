@@ -32,7 +32,7 @@ use crate::codec::Message;
 use crate::decision::RouteDecision;
 use crate::ids::{BlockHash, WorkerId};
 use crate::registry::Role;
-use crate::replay::{CandidateInput, CandidateLoad, DecisionInputs, DecisionRecord};
+use crate::replay::{CandidateInput, CandidateLoad, DecisionInputs, DecisionRecord, SessionInput};
 
 /// Names a [`DecisionContext`]: the xxh3-64 of its encoding.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -80,6 +80,9 @@ pub struct CandidateFacts {
     pub kv_capacity_blocks: u64,
     pub max_batched_tokens: u32,
     pub kv_bytes_per_token: u64,
+    /// The legs it could serve (entries before this field: every leg).
+    #[serde(default)]
+    pub capabilities: crate::Capabilities,
 }
 
 /// The leading blocks of a prompt that an earlier entry's prompt was:
@@ -351,6 +354,10 @@ pub struct LoggedDecision {
     /// [`DecisionInputs::calibration`]; absent in older entries).
     #[serde(default)]
     pub calibration: Vec<(String, f64)>,
+    /// The request's session (see [`DecisionInputs::session`]): peers
+    /// bind it to the decision's decode worker.
+    #[serde(default)]
+    pub session: Option<SessionInput>,
 }
 
 /// One entry of the decision log.
@@ -434,6 +441,7 @@ impl LogWriter {
                     kv_capacity_blocks: c.kv_capacity_blocks,
                     max_batched_tokens: c.max_batched_tokens,
                     kv_bytes_per_token: c.kv_bytes_per_token,
+                    capabilities: c.capabilities,
                 })
                 .collect(),
         };
@@ -459,6 +467,7 @@ impl LogWriter {
             seed: inputs.seed,
             avoid: inputs.avoid.clone(),
             calibration: inputs.calibration.clone(),
+            session: inputs.session.clone(),
             candidates: Columns(
                 inputs
                     .candidates
@@ -650,6 +659,7 @@ impl LogReader {
                 kv_bytes_per_token: facts.kv_bytes_per_token,
                 depth: state.depth,
                 load: state.load,
+                capabilities: facts.capabilities,
             })
             .collect();
         Ok(DecisionRecord {
@@ -665,6 +675,7 @@ impl LogReader {
                 router_params: context.router_params.clone(),
                 candidates,
                 calibration: d.calibration.clone(),
+                session: d.session.clone(),
             },
         })
     }

@@ -263,3 +263,66 @@ mod tests {
         );
     }
 }
+
+/// A conversation's session id, as a client names it (`x-session-id`,
+/// Dynamo's `agent_context.session_id`, vllm-project/router's
+/// `X-Session-ID`): 1 to [`SessionId::MAX_LEN`] bytes of visible ASCII.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct SessionId(String);
+
+/// A string that is not a [`SessionId`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("session id {0:?}: expected 1 to 256 visible ASCII characters")]
+pub struct InvalidSessionId(pub String);
+
+impl SessionId {
+    /// The longest session id accepted, in bytes.
+    pub const MAX_LEN: usize = 256;
+
+    pub fn new(s: &str) -> Result<Self, InvalidSessionId> {
+        if s.is_empty() || s.len() > Self::MAX_LEN || !s.bytes().all(|b| b.is_ascii_graphic()) {
+            let shown: String = s.chars().take(64).collect();
+            return Err(InvalidSessionId(shown));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for SessionId {
+    type Err = InvalidSessionId;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::new(s)
+    }
+}
+
+impl TryFrom<String> for SessionId {
+    type Error = InvalidSessionId;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        Self::new(&s)
+    }
+}
+
+impl From<SessionId> for String {
+    fn from(s: SessionId) -> String {
+        s.0
+    }
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SessionId({:?})", self.0)
+    }
+}

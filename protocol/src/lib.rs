@@ -33,8 +33,12 @@ pub use generate::{
     WorkerOverlap,
 };
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
-pub use ids::{BlockHash, DecisionId, WorkerId};
+pub use ids::{BlockHash, DecisionId, InvalidSessionId, SessionId, WorkerId};
 pub use index::{IndexChange, IndexDelta, IndexSnapshot, OwnedRun, RunOwner, WorkerCursor};
 pub use presence::{Presence, RouterHeartbeat};
-pub use registry::{ContractMismatch, HashingContract, Role, WorkerRecord, WorkerSubjects};
-pub use replay::{CandidateInput, CandidateLoad, DecisionInputs, DecisionRecord, IndexStatus};
+pub use registry::{
+    Capabilities, ContractMismatch, HashingContract, Role, WorkerRecord, WorkerSubjects,
+};
+pub use replay::{
+    CandidateInput, CandidateLoad, DecisionInputs, DecisionRecord, IndexStatus, SessionInput,
+};

@@ -181,6 +181,66 @@ pub struct WorkerRecord {
     /// before this field read as 0.
     #[serde(default)]
     pub max_model_len: u32,
+    /// Which legs the engine can serve. Records written before this field
+    /// read as [`Capabilities::default`] (every leg its role allows).
+    #[serde(default)]
+    pub capabilities: Capabilities,
+}
+
+/// The legs a worker's engine can serve, beyond what its [`Role`] says:
+/// an SGLang decode server without the bootstrap handshake takes no remote
+/// decode, and without `do_local_prefill` no local prefill either. The
+/// router's selection honours them; a leg's role still decides whether the
+/// worker is a candidate at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Capabilities {
+    /// Prefills its own prompts and decodes them (the bypass path).
+    pub local_prefill: bool,
+    /// Decodes a prompt prefilled elsewhere, pulling its KV (remote path).
+    pub remote_decode: bool,
+    /// Prefills for a decode elsewhere (remote path, prefill leg).
+    pub remote_prefill: bool,
+}
+
+impl Default for Capabilities {
+    /// Every leg: what a worker could do before capabilities were said.
+    fn default() -> Self {
+        Self {
+            local_prefill: true,
+            remote_decode: true,
+            remote_prefill: true,
+        }
+    }
+}
+
+impl Capabilities {
+    /// Whether a decode worker can serve `path`'s decode leg.
+    pub fn serves(&self, path: crate::Path) -> bool {
+        match path {
+            crate::Path::Bypass => self.local_prefill,
+            crate::Path::Remote | crate::Path::RemoteFetch => self.remote_decode,
+        }
+    }
+
+    /// The legs named, for logs: `local_prefill,remote_decode`.
+    pub fn names(&self) -> String {
+        let mut v = Vec::new();
+        for (on, name) in [
+            (self.local_prefill, "local_prefill"),
+            (self.remote_decode, "remote_decode"),
+            (self.remote_prefill, "remote_prefill"),
+        ] {
+            if on {
+                v.push(name);
+            }
+        }
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(",")
+        }
+    }
 }
 
 /// The NATS subjects a worker serves.

@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::decision::RouteDecision;
-use crate::ids::{BlockHash, WorkerId};
+use crate::ids::{BlockHash, SessionId, WorkerId};
 use crate::registry::Role;
 
 /// A decision and everything it depended on.
@@ -40,6 +40,20 @@ pub struct DecisionInputs {
     /// (empty for a policy without calibration; absent in older records).
     #[serde(default)]
     pub calibration: Vec<(String, f64)>,
+    /// The request's session and the binding the decision found (absent
+    /// without a session id, and in older records).
+    #[serde(default)]
+    pub session: Option<SessionInput>,
+}
+
+/// A request's session as its decision saw it: replay restores `bound`
+/// before re-deciding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionInput {
+    pub id: SessionId,
+    /// The decode worker the session was bound to (live, not expired) when
+    /// the decision was made; `None`: a first turn, or a binding released.
+    pub bound: Option<WorkerId>,
 }
 
 /// One candidate worker as the decision saw it.
@@ -53,6 +67,9 @@ pub struct CandidateInput {
     /// Leading prompt blocks it held: device, host-or-better, any tier.
     pub depth: [u32; 3],
     pub load: CandidateLoad,
+    /// The legs it could serve (records before this field: every leg).
+    #[serde(default)]
+    pub capabilities: crate::Capabilities,
 }
 
 /// A candidate's effective load: its last report combined with the

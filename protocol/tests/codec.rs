@@ -59,6 +59,7 @@ fn record() -> WorkerRecord {
         kv_bytes_per_token: 131_072,
         gpus: 1,
         max_model_len: 0,
+        capabilities: Default::default(),
     }
 }
 
@@ -183,6 +184,32 @@ fn every_message_round_trips() {
         reason: "the client went away".into(),
     };
     assert_eq!(CancelRequest::decode(&cancel.encode()).unwrap(), cancel);
+}
+
+/// A registration written before capabilities existed (its body one
+/// field shorter) reads as a worker that serves every leg its role allows.
+#[test]
+fn records_without_capabilities_read_as_every_leg() {
+    let mut r = record();
+    r.capabilities = Capabilities {
+        local_prefill: true,
+        remote_decode: false,
+        remote_prefill: false,
+    };
+    let bytes = r.encode();
+    // [0x92, version, 0x9a (10 fields), ..., capabilities: 0x93 c3 c2 c2]
+    assert_eq!(bytes[2], 0x9a, "{bytes:02x?}");
+    assert_eq!(&bytes[bytes.len() - 4..], &[0x93, 0xc3, 0xc2, 0xc2]);
+    let mut old = bytes[..bytes.len() - 4].to_vec();
+    old[2] = 0x99;
+    let back = WorkerRecord::decode(&old).unwrap();
+    assert_eq!(back.capabilities, Capabilities::default());
+    assert_eq!(back.id, r.id);
+    assert!(
+        Capabilities::default().serves(Path::Remote)
+            && Capabilities::default().serves(Path::Bypass)
+    );
+    assert!(!r.capabilities.serves(Path::Remote) && r.capabilities.serves(Path::Bypass));
 }
 
 #[test]

@@ -343,7 +343,9 @@ mod tests {
                     kv_bytes_per_token: 1,
                     depth: [0; 3],
                     load: CandidateLoad::default(),
+                    capabilities: Default::default(),
                 }],
+                session: None,
             },
         };
         let mut writer = LogWriter::default();

@@ -148,6 +148,7 @@ fn decide(
         isl_tokens: prompt.len() as u32,
         block_hashes: hashes,
         expected_output_tokens: 300,
+        session: None,
     };
     Ok(core
         .route(&request, RouteOptions::default(), id, now_ms, rng)?
@@ -243,6 +244,7 @@ fn main() {
             isl_tokens: tokens.len() as u32,
             block_hashes: &hashes,
             expected_output_tokens: 300,
+            session: None,
         };
         let seed = decision_seed(0, &request);
         let routed = core

@@ -192,6 +192,7 @@ fn route(body: &[u8], door: &Door<'_>) -> (u32, Outcome) {
         isl_tokens: isl,
         block_hashes: &hashes,
         expected_output_tokens: 64,
+        session: None,
     };
     let routed = core
         .route(&request, RouteOptions::default(), id, *next, rng)

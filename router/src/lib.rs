@@ -27,6 +27,7 @@
 //!         kv_bytes_per_token: 163_840,
 //!         gpus: 1,
 //!         max_model_len: 0,
+//!         capabilities: Default::default(),
 //!     })
 //!     .unwrap();
 //! }

@@ -271,6 +271,7 @@ fn bad_requests_are_refused() {
         isl_tokens: 0,
         block_hashes: &[],
         expected_output_tokens: 10,
+        session: None,
     };
     assert_eq!(
         core.route(&empty, RouteOptions::default(), DecisionId(1), 0, &mut r)

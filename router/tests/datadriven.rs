@@ -269,6 +269,7 @@ fn route(s: &mut Scenario, opts: &[(&str, &str)], plain: &[&str], out: &mut Stri
         isl_tokens: prompt.len() as u32,
         block_hashes: &hashes,
         expected_output_tokens: number(opts, "output", 100),
+        session: None,
     };
     let explain = plain.contains(&"explain");
     let options = RouteOptions {

@@ -78,6 +78,7 @@ fn history_in(config: RouterConfig, policy: Policy) -> (Vec<DecisionRecord>, Vec
                 isl_tokens: conversation.len() as u32,
                 block_hashes: &hashes,
                 expected_output_tokens: 200,
+                session: None,
             };
             let seed = decision_seed(7, &request);
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -332,6 +333,7 @@ fn a_veto_without_the_gates_signal_replays() {
         isl_tokens: prompt.len() as u32,
         block_hashes: &hashes,
         expected_output_tokens: 50,
+        session: None,
     };
     let seed = decision_seed(7, &request);
     let options = RouteOptions {

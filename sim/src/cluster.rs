@@ -269,6 +269,7 @@ impl<'w> Cluster<'w> {
                 kv_bytes_per_token: engine_config.kv_bytes_per_token,
                 gpus: engine_config.gpus,
                 max_model_len: 0,
+                capabilities: Default::default(),
             })?;
             worker_index.insert(id.clone(), i);
             engines.push(Engine::new(id.clone(), role, engine_config)?);
@@ -410,6 +411,7 @@ impl<'w> Cluster<'w> {
             isl_tokens: spec.prompt.len() as u32,
             block_hashes: &self.hashes,
             expected_output_tokens: self.config.expected_output_tokens,
+            session: None,
         };
         let routed =
             self.router

@@ -83,6 +83,7 @@ pub fn registration(name: &str, role: Role, contract: HashingContract) -> Worker
         kv_bytes_per_token: 1,
         gpus: 1,
         max_model_len: 0,
+        capabilities: Default::default(),
     }
 }
 

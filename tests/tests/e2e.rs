@@ -14,6 +14,15 @@ use serde_json::Value;
 
 /// Reads every decision on the decision log.
 async fn decision_log(cluster: &Cluster) -> Result<Vec<RouteDecision>> {
+    Ok(logged_decisions(cluster)
+        .await?
+        .into_iter()
+        .map(|d| d.decision)
+        .collect())
+}
+
+/// Reads every logged decision on the decision log, with its inputs.
+async fn logged_decisions(cluster: &Cluster) -> Result<Vec<protocol::LoggedDecision>> {
     let js = jetstream::new(cluster.nats_client().await?);
     let mut stream = js.get_stream(subjects::DECISIONS_STREAM).await?;
     let last = stream.info().await?.state.last_sequence;
@@ -33,7 +42,7 @@ async fn decision_log(cluster: &Cluster) -> Result<Vec<RouteDecision>> {
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .stream_sequence;
         if let LogEntry::Decision(d) = LogEntry::decode(&message.payload)? {
-            decisions.push(d.decision);
+            decisions.push(d);
         }
     }
     Ok(decisions)
@@ -313,5 +322,94 @@ async fn a_dead_worker_leaves_every_index() -> Result<()> {
 async fn a_client_that_leaves_cancels_its_request() -> Result<()> {
     let cluster = Cluster::start(&["p0"], &["d0"], 1).await?;
     let result = cluster.leave_mid_stream("d0").await;
+    result.with_context(|| cluster.logs())
+}
+
+/// Session affinity across two router replicas: first turns of one
+/// session racing on both replicas land on one decode worker, and every
+/// later turn follows it whichever replica takes it and however the
+/// session is named (`X-Session-ID` header, `agent_context.session_id`);
+/// the decision log carries the session for replay. Without a session
+/// id the KV-aware choice is unchanged (no session note).
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_stick_to_one_decode_worker_across_replicas() -> Result<()> {
+    let cluster = Cluster::start(&["p0"], &["d0", "d1", "d2", "d3"], 2).await?;
+    let result = async {
+        let mut homes = std::collections::BTreeSet::new();
+        for s in 0..6u64 {
+            let session = format!("agent-{s}");
+            // Two first turns at once, one per replica, different prompts.
+            let body =
+                |seed: u64| serde_json::json!({"prompt": tokens(seed, 200), "max_tokens": 4});
+            let header = [("X-Session-ID", session.as_str())];
+            let (id_a, id_b) = (format!("{session}-a"), format!("{session}-b"));
+            let (a, b) = tokio::join!(
+                cluster.complete_with(0, &id_a, body(100 + s), &header),
+                cluster.complete_with(1, &id_b, body(200 + s), &header),
+            );
+            let (a, b) = (a?, b?);
+            ensure!(
+                decode(&a) == decode(&b),
+                "session {session}: first turns on {} and {}",
+                a["switchyard"],
+                b["switchyard"]
+            );
+            let home = decode(&a).to_owned();
+            ensure!(
+                a["switchyard"]["reason"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains(&format!("session {session}")),
+                "{}",
+                a["switchyard"]
+            );
+            homes.insert(home.clone());
+            // Later turns, alternating replicas and ways to name the session.
+            for turn in 1..5u64 {
+                let router = (turn % 2) as usize;
+                let mut body = body(300 + 10 * s + turn);
+                let r = if turn % 2 == 0 {
+                    cluster
+                        .complete_with(router, &format!("{session}-{turn}"), body, &header)
+                        .await?
+                } else {
+                    body["agent_context"] = serde_json::json!({"session_id": session});
+                    cluster
+                        .complete_with(router, &format!("{session}-{turn}"), body, &[])
+                        .await?
+                };
+                ensure!(
+                    decode(&r) == home,
+                    "session {session} turn {turn} left {home}: {}",
+                    r["switchyard"]
+                );
+            }
+        }
+        ensure!(homes.len() > 1, "every session on one worker: {homes:?}");
+        // A bad session id is a 400 naming it.
+        let bad = cluster
+            .complete_with(
+                0,
+                "bad-session",
+                serde_json::json!({"prompt": [1, 2, 3]}),
+                &[("x-session-id", "two words")],
+            )
+            .await;
+        ensure!(
+            bad.as_ref().is_err_and(
+                |e| e.to_string().contains("400") && e.to_string().contains("x-session-id")
+            ),
+            "{bad:?}"
+        );
+        // The decision log carries the sessions (for replay and peers).
+        let logged = logged_decisions(&cluster).await?;
+        let with_session = logged.iter().filter(|d| d.session.is_some()).count();
+        ensure!(
+            with_session >= 6 * 6,
+            "{with_session} logged decisions with a session"
+        );
+        Ok(())
+    }
+    .await;
     result.with_context(|| cluster.logs())
 }

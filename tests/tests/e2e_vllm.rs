@@ -22,6 +22,20 @@ const MAPS_SGLANG_HASHES: Engine = Engine::MockVllm(Wire {
     replay_topic_frame: true,
 });
 
+/// Today's shapes (vLLM 0.33: an array batch of tagged-map events with
+/// 32-byte digests and `group_idx`; SGLang 0.5: the same with i64 hashes,
+/// one event per page, `CPU_PINNED`).
+const VLLM_TODAY: Engine = Engine::MockVllm(Wire {
+    encoding: "tagged",
+    hash_flavour: "vllm",
+    replay_topic_frame: true,
+});
+const SGLANG_TODAY: Engine = Engine::MockVllm(Wire {
+    encoding: "tagged",
+    hash_flavour: "sglang",
+    replay_topic_frame: true,
+});
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_conversation_on_mock_vllm_engines() -> Result<()> {
     let cluster = Cluster::start_with(
@@ -122,6 +136,54 @@ async fn a_conversation_on_mock_vllm_engines() -> Result<()> {
                 );
             }
         }
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+/// The agent indexes today's engine shapes: a conversation prefilled on an
+/// SGLang 0.5-shaped engine and decoded on a vLLM 0.33-shaped one; each
+/// later turn waits until the router sees the previous one's blocks on
+/// the decode engine (digests translated), and the prefill engine's blocks
+/// (i64 pages) are seen too.
+#[tokio::test(flavor = "multi_thread")]
+async fn todays_vllm_and_sglang_shapes_are_indexed() -> Result<()> {
+    let cluster = Cluster::start_with(
+        &[
+            ("p0", "prefill", SGLANG_TODAY),
+            ("d0", "decode", VLLM_TODAY),
+        ],
+        1,
+    )
+    .await?;
+    let result = async {
+        let turns = conversation(&cluster, 0, 11, 3).await?;
+        ensure!(
+            path(&turns[0]) == "remote",
+            "turn 0: {}",
+            turns[0]["switchyard"]
+        );
+        for (turn, response) in turns.iter().enumerate().skip(1) {
+            ensure!(
+                path(response) == "bypass" && decode(response) == "d0",
+                "turn {turn}: {}",
+                response["switchyard"]
+            );
+        }
+        // The first turn's prompt, prefilled on p0: its pages are indexed.
+        let first = tokens(11, COLD_PROMPT);
+        let held = (COLD_PROMPT as u64) / u64::from(BLOCK_SIZE) * u64::from(BLOCK_SIZE);
+        let c = &cluster;
+        cluster
+            .eventually("p0's SGLang pages to reach the router", || {
+                let first = &first;
+                async move {
+                    let d = c.route(0, first).await?;
+                    Ok(d["prefill_overlap_tokens"].as_u64().unwrap_or(0) >= held)
+                }
+            })
+            .await?;
         Ok(())
     }
     .await;
@@ -273,6 +335,90 @@ async fn a_256k_token_prompt_completes() -> Result<()> {
         ensure!(
             status == 400 && error["error"]["param"] == "max_tokens",
             "HTTP {status}: {error}"
+        );
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+/// Capabilities at registration, honoured by selection: an SGLang decode
+/// server (no bootstrap handshake here) is never sent a remote decode.
+/// With `--sglang-do-local-prefill` (d0) it serves bypasses, each sent
+/// with `do_local_prefill`; without (d2) it serves nothing at all. Every
+/// request succeeds (the engine refuses what it cannot serve with a 400,
+/// which would fail the request).
+#[tokio::test(flavor = "multi_thread")]
+async fn sglang_decode_servers_get_only_what_they_can_serve() -> Result<()> {
+    let mut cluster = Cluster::start_with(
+        &[
+            ("p0", "prefill", VLLM_ARRAYS),
+            (
+                "d0",
+                "decode",
+                Engine::SglangDecode {
+                    do_local_prefill: true,
+                },
+            ),
+            ("d1", "decode", VLLM_ARRAYS),
+            (
+                "d2",
+                "decode",
+                Engine::SglangDecode {
+                    do_local_prefill: false,
+                },
+            ),
+        ],
+        1,
+    )
+    .await?;
+    // Router 0 (isl): cold prompts are prefilled remotely. Router 1
+    // (never_disagg): everything bypasses.
+    cluster.start_router_with("r1", &["--policy=never_disagg"])?;
+    cluster.wait_ready().await?;
+    let result = async {
+        let (mut on_d0, mut remote, mut last) = (0, 0, Value::Null);
+        for i in 0..40u64 {
+            let router = (i % 2) as usize;
+            let prompt = tokens(1_000 + i, if router == 0 { COLD_PROMPT } else { 64 });
+            let r = cluster
+                .complete(router, &format!("caps-{i}"), &prompt, 4)
+                .await?;
+            ensure!(output(&r).len() == 4, "request {i}: {r}");
+            let (d, p) = (decode(&r), path(&r));
+            ensure!(
+                d != "d2",
+                "request {i} went to d2, which serves no leg: {}",
+                r["switchyard"]
+            );
+            if d == "d0" {
+                ensure!(
+                    p == "bypass",
+                    "request {i}: a {p} decode on d0: {}",
+                    r["switchyard"]
+                );
+                on_d0 += 1;
+            }
+            if p == "remote" {
+                remote += 1;
+            }
+            last = r["switchyard"].clone();
+        }
+        ensure!(
+            on_d0 > 0 && remote == 20,
+            "{on_d0} bypasses on d0, {remote} remote decodes; the last: {last}"
+        );
+        let d0 = cluster.engine_debug("d0").await?;
+        ensure!(
+            d0["kv_transfer_params_received"] == 0
+                && d0["do_local_prefill_received"] == on_d0
+                && d0["requests"]["local"] == on_d0,
+            "d0's engine: {d0}"
+        );
+        let d2 = cluster.engine_debug("d2").await?;
+        ensure!(
+            d2["requests"]["local"] == 0 && d2["errors"] == 0,
+            "d2's engine: {d2}"
         );
         Ok(())
     }

@@ -77,6 +77,9 @@ pub struct Options {
     /// Real engine: serve the third path's prefill legs (a prefix pulled
     /// from a decode worker) with vLLM's bidirectional NIXL parameters.
     pub vllm_bidirectional_kv: bool,
+    /// SGLang decode server that accepts `do_local_prefill` (SGLang builds
+    /// with draft PR #34773): it serves bypasses.
+    pub sglang_do_local_prefill: bool,
     #[serde(with = "settings::duration")]
     pub kv_replay_timeout: Duration,
     #[serde(with = "settings::duration")]
@@ -117,6 +120,7 @@ impl Default for Options {
             engine_metrics_interval: Duration::from_millis(200),
             engine_return_token_ids: true,
             vllm_bidirectional_kv: false,
+            sglang_do_local_prefill: false,
             kv_replay_timeout: Duration::from_secs(5),
             kv_idle_check: Duration::from_secs(1),
         }
@@ -236,6 +240,11 @@ pub fn flags() -> Vec<Flag> {
             "Real engine: a prefill leg that fetches its prefix from a decode worker (the router's --prefix-fetch) sends vLLM's bidirectional kv_transfer_params (P pulls from D; mock-vllm; vLLM >= 0.21 with bidirectional_kv_xfer also needs D's handle, which is not relayed yet: see the README); off: such legs are plain prefills",
         ),
         Flag::new(
+            "sglang_do_local_prefill",
+            Kind::Switch,
+            "SGLang decode server that accepts do_local_prefill (SGLang draft PR #34773): advertise local_prefill and send bypasses with do_local_prefill; without it an SGLang decode server serves no leg",
+        ),
+        Flag::new(
             "kv_replay_timeout",
             Kind::Duration,
             "Real engine: longest KV replay (a replay that takes longer is given up, and the gap resynchronised)",
@@ -280,6 +289,8 @@ pub enum ConfigError {
     NoWorkerName,
     #[error("role {0:?}: expected prefill, decode or both")]
     Role(String),
+    #[error("sglang_do_local_prefill is for --engine sglang only")]
+    DoLocalPrefill,
     #[error("worker name: {0}")]
     WorkerId(#[from] InvalidWorkerId),
     #[error(transparent)]
@@ -371,6 +382,8 @@ pub struct Config {
     pub outbox: OutboxLimits,
     /// The real engine to connect to; `None` for the simulated engine.
     pub real_engine: Option<VllmConfig>,
+    /// The legs the engine can serve, advertised at registration.
+    pub capabilities: protocol::Capabilities,
 }
 
 impl Config {
@@ -432,6 +445,12 @@ impl Options {
         }
         let load_interval = self.load_interval;
         let real_engine = self.real_engine(&worker, role, &preset)?;
+        if self.sglang_do_local_prefill && self.engine != EngineChoice::Sglang {
+            return Err(ConfigError::DoLocalPrefill);
+        }
+        let capabilities = real_engine.as_ref().map_or_else(Default::default, |e| {
+            e.kind.capabilities(role, self.sglang_do_local_prefill)
+        });
         Ok(Config {
             nats_url: self.nats_url.clone(),
             etcd_endpoints: self.etcd_endpoints.clone(),
@@ -457,6 +476,7 @@ impl Options {
                 max_batch_events: self.kv_batch_events,
             },
             real_engine,
+            capabilities,
         })
     }
 
@@ -527,6 +547,7 @@ impl Options {
             metrics_interval: self.engine_metrics_interval,
             return_token_ids: self.engine_return_token_ids,
             bidirectional_kv: self.vllm_bidirectional_kv,
+            do_local_prefill: self.sglang_do_local_prefill && role == Role::Decode,
             replay: ReplayLimits {
                 connect: Duration::from_secs(2).min(replay_total),
                 idle: Duration::from_secs(2).min(replay_total),
@@ -690,6 +711,62 @@ mod tests {
         assert!(matches!(
             bad.validate(),
             Err(ConfigError::DpRank { rank: 2, size: 2 })
+        ));
+    }
+
+    /// The legs advertised at registration: vLLM every one; SGLang no
+    /// remote leg, a decode server's bypass only with do_local_prefill.
+    #[test]
+    fn capabilities_by_engine_and_role() {
+        use protocol::Capabilities;
+        let engine = |engine, role: &str, do_local_prefill| Options {
+            engine,
+            role: role.into(),
+            engine_url: "http://engine:8000".into(),
+            kv_events_endpoint: "tcp://engine:5557".into(),
+            model: Some("m".into()),
+            sglang_do_local_prefill: do_local_prefill,
+            ..Options::new("d0", "nats://127.0.0.1:1", &["http://127.0.0.1:2".into()])
+        };
+        let caps = |o: Options| {
+            o.validate().map(|c| {
+                let sends = c.real_engine.as_ref().is_some_and(|e| e.do_local_prefill);
+                (c.capabilities, sends)
+            })
+        };
+        let none = Capabilities {
+            local_prefill: false,
+            remote_decode: false,
+            remote_prefill: false,
+        };
+        let bypass = Capabilities {
+            local_prefill: true,
+            ..none
+        };
+        assert_eq!(caps(options()).unwrap(), (Capabilities::default(), false));
+        assert_eq!(
+            caps(engine(EngineChoice::Vllm, "decode", false)).unwrap(),
+            (Capabilities::default(), false)
+        );
+        assert_eq!(
+            caps(engine(EngineChoice::Sglang, "decode", false)).unwrap(),
+            (none, false)
+        );
+        assert_eq!(
+            caps(engine(EngineChoice::Sglang, "decode", true)).unwrap(),
+            (bypass, true)
+        );
+        assert_eq!(
+            caps(engine(EngineChoice::Sglang, "both", false)).unwrap(),
+            (bypass, false)
+        );
+        assert_eq!(
+            caps(engine(EngineChoice::Sglang, "prefill", true)).unwrap(),
+            (none, false)
+        );
+        assert!(matches!(
+            caps(engine(EngineChoice::Vllm, "decode", true)),
+            Err(ConfigError::DoLocalPrefill)
         ));
     }
 }

@@ -197,6 +197,7 @@ async fn registers_and_revokes_at_shutdown() -> Result<()> {
             // The simulated engine takes what its whole cache holds.
             max_model_len: PRESET.kv_capacity_blocks(BLOCK_SIZE) * BLOCK_SIZE,
             subjects: WorkerSubjects::for_worker(&id),
+            capabilities: Default::default(),
         }
     );
     // Kept alive past its TTL.

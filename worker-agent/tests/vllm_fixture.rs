@@ -282,6 +282,8 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     fx.store(&prompt(2, 8), 2).await?;
     let mut config = agent_config(&servers, name, &fx, api);
     config.kv_events_topic = topic.into();
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    config.http_addr = Some(metrics_addr);
     let agent = Agent::start(config);
     let subscribed = fx.cmd(json!({"cmd": "wait_subscribed"})).await?;
     ensure!(
@@ -371,10 +373,44 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     fx.store(&prompt(12, 8), 2).await?;
     until_matches(&mut follower, &mut fx, "cleared").await?;
 
+    // A hybrid model's other KV-cache group and partial tails were
+    // skipped and counted, not indexed (their tokens are the same, so the
+    // block set alone would not show it).
+    if fixture_args.contains(&"--hybrid") {
+        let metrics = metrics_text(metrics_addr).await?;
+        for what in ["other_groups", "other_block_sizes"] {
+            let count = counter(
+                &metrics,
+                &format!("worker_agent_engine_kv_total{{what=\"{what}\"}}"),
+            );
+            ensure!(count > 0.0, "{what}: {count}\n{metrics}");
+        }
+    }
+
     agent.shutdown(WAIT).await?;
     fx.quit().await;
     let _ = api_stop.send(());
     Ok(())
+}
+
+/// The agent's `/metrics`.
+async fn metrics_text(addr: SocketAddr) -> Result<String> {
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut text = String::new();
+    timeout(WAIT, stream.read_to_string(&mut text)).await??;
+    Ok(text)
+}
+
+/// The value of the sample named `name` (with its labels), 0 when absent.
+fn counter(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -411,6 +447,50 @@ async fn sglang_arrays_with_i64_hashes() -> Result<()> {
         "",
     )
     .await
+}
+
+/// The engine's own `kv_events.py` (extracted by scripts/engine-kv-events.py
+/// into `$SWITCHYARD_ENGINE_KV_EVENTS/<engine>-<version>/`), when there:
+/// the fixture then encodes with the engine's classes.
+fn engine_classes(dir_name: &str) -> Option<String> {
+    let dir = std::env::var("SWITCHYARD_ENGINE_KV_EVENTS").ok()?;
+    let path = format!("{dir}/{dir_name}/kv_events.py");
+    if std::path::Path::new(&path).exists() {
+        Some(path)
+    } else {
+        eprintln!(
+            "NOTE: {path} is absent: the fixture encodes {dir_name}'s shape with its own classes \
+             (scripts/engine-kv-events.py fetches the engine's)"
+        );
+        None
+    }
+}
+
+/// vLLM 0.33: an array batch of tagged-map events, 32-byte digests,
+/// `group_idx` and the new optional fields; a hybrid model's other KV-cache
+/// group (sliding window) and partial tails beside every store. The agent
+/// holds exactly the full-attention blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_033_tagged_maps_digests_groups_and_partial_tails() -> Result<()> {
+    let classes = engine_classes("vllm-0.33.0");
+    let mut args = vec!["--encoding", "tagged", "--flavour", "bytes", "--hybrid"];
+    args.push("--replay-topic-frame");
+    if let Some(c) = &classes {
+        args.extend(["--classes", c.as_str()]);
+    }
+    scenario("fx-vllm033", &args, "kv@033").await
+}
+
+/// SGLang 0.5: an array batch `[ts, events, attn_dp_rank]` of tagged maps
+/// with i64 hashes and SGLang's extra keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_05_tagged_maps_with_i64_hashes() -> Result<()> {
+    let classes = engine_classes("sglang-0.5.23");
+    let mut args = vec!["--encoding", "tagged", "--flavour", "sglang"];
+    if let Some(c) = &classes {
+        args.extend(["--classes", c.as_str()]);
+    }
+    scenario("fx-sglang05", &args, "").await
 }
 
 /// A BlockStored of another block size stops the agent with a clear error;

@@ -46,6 +46,7 @@ fn record(id: u64, hashes: Vec<BlockHash>, candidates: Vec<CandidateInput>) -> D
             } else {
                 vec![("itl".into(), 1.0 + 1.0 / id as f64)]
             },
+            session: None,
         },
     }
 }
@@ -59,6 +60,7 @@ fn candidate(i: usize, depth: [u32; 3], load: CandidateLoad) -> CandidateInput {
         kv_bytes_per_token: 163_840,
         depth,
         load,
+        capabilities: Default::default(),
     }
 }
 

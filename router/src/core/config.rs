@@ -9,6 +9,7 @@ use super::fetch::FetchConfig;
 use super::gate::GateConfig;
 use super::policy::ParamError;
 use super::select::{DecodeSelection, PrefillSelection};
+use super::session::SessionConfig;
 use super::workers::LedgerConfig;
 
 /// Everything the router core is configured with.
@@ -26,6 +27,8 @@ pub struct RouterConfig {
     pub ledger: LedgerConfig,
     /// The third path: prefixes fetched from decode workers.
     pub fetch: FetchConfig,
+    /// Session affinity.
+    pub session: SessionConfig,
 }
 
 impl RouterConfig {
@@ -38,6 +41,7 @@ impl RouterConfig {
             gate: GateConfig::default(),
             ledger: LedgerConfig::default(),
             fetch: FetchConfig::default(),
+            session: SessionConfig::default(),
         }
     }
 
@@ -89,6 +93,7 @@ impl RouterConfig {
             ),
             ("fetch.enabled", bool_f(self.fetch.enabled)),
             ("fetch.min_tokens", f64::from(self.fetch.min_tokens)),
+            ("session.enabled", bool_f(self.session.enabled)),
         ]
     }
 
@@ -110,6 +115,7 @@ impl RouterConfig {
             "gate.count_reservations" => self.gate.count_reservations = value != 0.0,
             "fetch.enabled" => self.fetch.enabled = value != 0.0,
             "fetch.min_tokens" => self.fetch.min_tokens = value as u32,
+            "session.enabled" => self.session.enabled = value != 0.0,
             other => return Err(ParamError::UnknownRouterParam(other.to_owned())),
         }
         Ok(())

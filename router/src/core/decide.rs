@@ -4,7 +4,7 @@ use kv_indexer::{DeltaError, IndexReplica, PrefixDepth, RestoreError};
 use protocol::{
     BlockHash, BlockHasher, CandidateInput, CandidateLoad, ContractMismatch, DecisionId,
     DecisionInputs, DecisionRecord, IndexDelta, IndexSnapshot, LoadReport, Path, PrefixFetch,
-    RouteDecision, WorkerId,
+    RouteDecision, SessionId, SessionInput, WorkerId,
 };
 use rand::Rng;
 
@@ -18,6 +18,7 @@ use super::policy::{
 use super::select::{
     any_free, best_holder, pick, score_decode, score_prefill, Scored, Shape, Side,
 };
+use super::session::{rendezvous, Sessions};
 use super::workers::{Charge, EffectiveLoad, Workers};
 
 /// Why a request could not be routed.
@@ -26,6 +27,13 @@ pub enum RouteError {
     /// No worker with role decode or both is registered.
     #[error("no decode-capable worker is registered")]
     NoDecodeWorker,
+    /// No decode worker can serve either path's decode leg (their
+    /// registered capabilities).
+    #[error("no decode worker can serve a {path} decode, nor the other path's")]
+    NoCapableDecodeWorker {
+        /// The policy's path.
+        path: &'static str,
+    },
     /// The prompt has no token.
     #[error("the prompt is empty")]
     EmptyPrompt,
@@ -75,6 +83,7 @@ impl RouteError {
         match self {
             RouteError::NoDecodeWorker => "no_decode_worker",
             RouteError::NoOtherDecodeWorker { .. } => "no_other_decode_worker",
+            RouteError::NoCapableDecodeWorker { .. } => "no_capable_decode_worker",
             RouteError::EmptyPrompt => "empty_prompt",
             RouteError::PromptTooLong(_) => "prompt_too_long",
             RouteError::Saturated { waited_ms: 0, .. } => "saturated",
@@ -111,6 +120,9 @@ pub struct RouteRequest<'a> {
     pub block_hashes: &'a [BlockHash],
     /// Output tokens expected (for the KV the request will hold).
     pub expected_output_tokens: u32,
+    /// The conversation's session, if the client named one: its turns
+    /// stay on one decode worker ([`crate::core::session`]).
+    pub session: Option<&'a SessionId>,
 }
 
 /// How to route one request.
@@ -175,6 +187,8 @@ pub struct Explanation {
     pub verdict: Option<Verdict>,
     /// The gate's check of the bypass (`None`: no bypass was checked).
     pub gate: Option<GateCheck>,
+    /// The request's session and the live binding the decision found.
+    pub session: Option<SessionInput>,
 }
 
 #[derive(Debug, Default)]
@@ -194,6 +208,7 @@ pub struct RouterCore {
     workers: Workers,
     replica: IndexReplica,
     calibration: Calibration,
+    sessions: Sessions,
     scratch: Scratch,
 }
 
@@ -211,6 +226,7 @@ impl RouterCore {
             policy,
             replica: IndexReplica::new(),
             calibration: Calibration::default(),
+            sessions: Sessions::new(),
             scratch: Scratch::default(),
         })
     }
@@ -260,9 +276,36 @@ impl RouterCore {
         self.workers.register(record)
     }
 
-    /// See [`Workers::deregister`].
+    /// See [`Workers::deregister`]; the worker's sessions are released.
     pub fn deregister(&mut self, id: &WorkerId) -> bool {
+        self.sessions.release_worker(id);
         self.workers.deregister(id)
+    }
+
+    /// Puts `session`'s binding back as it was (`None`: unbound), after a
+    /// dry run.
+    pub fn restore_session(&mut self, session: &SessionId, bound: Option<&WorkerId>, now_ms: u64) {
+        match bound {
+            Some(worker) => self.bind_session(session, worker, now_ms),
+            None => {
+                self.sessions.release(session);
+            }
+        }
+    }
+
+    /// The session bindings.
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
+    }
+
+    /// Binds `session` to decode worker `worker` at `now_ms`: a peer's
+    /// decision (from the decision log), or a replay restoring a recorded
+    /// binding. Ignored when sessions are disabled.
+    pub fn bind_session(&mut self, session: &SessionId, worker: &WorkerId, now_ms: u64) {
+        if self.config.session.enabled {
+            self.sessions
+                .bind(&self.config.session, session, worker, now_ms);
+        }
     }
 
     /// See [`Workers::on_load`].
@@ -319,6 +362,7 @@ impl RouterCore {
 
     /// See [`Workers::expire`].
     pub fn expire(&mut self, now_ms: u64) -> usize {
+        self.sessions.expire(now_ms);
         self.workers.expire(now_ms)
     }
 
@@ -387,6 +431,7 @@ impl RouterCore {
                         kv_blocks_used: c.load.kv_blocks_used,
                         reported_kv_blocks_used: c.load.reported_kv_blocks_used,
                     },
+                    capabilities: record.capabilities,
                 })
             })
             .collect();
@@ -408,6 +453,7 @@ impl RouterCore {
                     Policy::SlaDynamic(_) => named(explanation.calibration.named().to_vec()),
                     _ => Vec::new(),
                 },
+                session: explanation.session.clone(),
             },
         }
     }
@@ -472,8 +518,61 @@ impl RouterCore {
         }
         let free = any_free(decode);
         let eligible = |s: &Scored| !free || !s.busy;
-        let d_pick =
-            pick(decode, eligible, dcfg.temperature, rng).ok_or(RouteError::NoDecodeWorker)?;
+        // A session: its live binding, else a deterministic first choice.
+        let session = req.session.filter(|_| self.config.session.enabled);
+        let bound = session
+            .and_then(|s| self.sessions.bound(s, now_ms))
+            .cloned();
+        let mut session_note = None;
+        let session_pick = match session {
+            None => None,
+            Some(sid) => {
+                let at = bound.as_ref().and_then(|b| {
+                    decode
+                        .iter()
+                        .position(|s| &self.workers.slot(s.slot).id == b)
+                });
+                match at {
+                    Some(i) if !decode[i].busy => {
+                        session_note = Some(format!(
+                            "; session {sid} bound to {}",
+                            self.workers.slot(decode[i].slot).id
+                        ));
+                        Some(i)
+                    }
+                    _ => {
+                        // First turn, or the bound worker left, is avoided or
+                        // saturated (released): rendezvous among the
+                        // eligible candidates holding the longest prefix.
+                        let best = decode
+                            .iter()
+                            .filter(|s| eligible(s))
+                            .map(|s| s.overlap_blocks)
+                            .fold(f64::NEG_INFINITY, f64::max);
+                        let i = decode
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, s)| eligible(s) && s.overlap_blocks >= best)
+                            .max_by_key(|(_, s)| rendezvous(sid, &self.workers.slot(s.slot).id))
+                            .map(|(i, _)| i);
+                        if let Some(i) = i {
+                            let to = &self.workers.slot(decode[i].slot).id;
+                            session_note = Some(match &bound {
+                                Some(b) => format!("; session {sid} released from {b} (left, avoided or saturated), bound to {to}"),
+                                None => format!("; session {sid} bound to {to} (its first turn: rendezvous among the longest prefixes)"),
+                            });
+                        }
+                        i
+                    }
+                }
+            }
+        };
+        let d_pick = match session_pick {
+            Some(i) => i,
+            None => {
+                pick(decode, eligible, dcfg.temperature, rng).ok_or(RouteError::NoDecodeWorker)?
+            }
+        };
         score_prefill(&self.config.prefill, &self.workers, depths, &shape, prefill);
         prefill.retain(|s| !avoid.contains(&s.slot));
         let p_pick = pick(prefill, |_| true, self.config.prefill.temperature, rng);
@@ -500,7 +599,14 @@ impl RouterCore {
             Side::Prefill => candidate(&prefill[i]),
         });
         let offer = p.as_ref().and_then(|p| {
-            let side = holder_pick.map(|(side, _)| side)?;
+            let (side, i) = holder_pick?;
+            // The source serves a read of its blocks only if its engine
+            // serves remote decodes (NIXL); an SGLang decode server does not.
+            if matches!(side, Side::Decode)
+                && !self.workers.slot(decode[i].slot).capabilities().remote_decode
+            {
+                return None;
+            }
             fetch::offer(&self.config.fetch, isl, bs, holder.map(|h| (side, h)), p)
         });
 
@@ -549,7 +655,12 @@ impl RouterCore {
                 };
                 let room =
                     |s: &Scored| eligible(s) && gate.check(&s.load, shape.request_blocks).fits;
-                let moved = pick(decode, room, dcfg.temperature, rng);
+                // A session's decode stays where its turns are.
+                let moved = if session_pick.is_some() {
+                    None
+                } else {
+                    pick(decode, room, dcfg.temperature, rng)
+                };
                 if let Some(m) = moved {
                     final_d = m;
                 }
@@ -578,6 +689,70 @@ impl RouterCore {
                         d.id, p.id,
                     )
                 });
+            }
+        }
+
+        // Capabilities: the decode worker must serve the path's decode leg
+        // (an SGLang decode server without the bootstrap handshake takes
+        // no remote decode; one without `do_local_prefill` no bypass).
+        let serves = |s: &Scored, path: Path| self.workers.slot(s.slot).capabilities().serves(path);
+        if !serves(&decode[final_d], path) {
+            let can = |s: &Scored| eligible(s) && serves(s, path);
+            let any = |s: &Scored| serves(s, path);
+            let moved = if session_pick.is_some()
+                && serves(&decode[final_d], Path::Bypass) != serves(&decode[final_d], Path::Remote)
+            {
+                // A session's worker serves the other path: it stays.
+                None
+            } else {
+                pick(decode, can, dcfg.temperature, rng)
+                    .or_else(|| pick(decode, any, dcfg.temperature, rng))
+            };
+            let before = self.workers.slot(decode[final_d].slot).id.clone();
+            match moved {
+                Some(m) => {
+                    final_d = m;
+                    veto.get_or_insert_with(String::new).push_str(&format!(
+                        "; {before} cannot serve a {} decode (capabilities {}): decode moved to {}",
+                        path.as_str(),
+                        self.workers
+                            .slot(decode[d_pick].slot)
+                            .capabilities()
+                            .names(),
+                        self.workers.slot(decode[m].slot).id
+                    ));
+                }
+                None => {
+                    let other = match path {
+                        Path::Bypass => Path::Remote,
+                        Path::Remote | Path::RemoteFetch => Path::Bypass,
+                    };
+                    if other == Path::Remote && p.is_none() {
+                        return Err(RouteError::NoCapableDecodeWorker {
+                            path: path.as_str(),
+                        });
+                    }
+                    let can = |s: &Scored| eligible(s) && serves(s, other);
+                    let any = |s: &Scored| serves(s, other);
+                    let m = if serves(&decode[final_d], other) {
+                        final_d
+                    } else {
+                        pick(decode, can, dcfg.temperature, rng)
+                            .or_else(|| pick(decode, any, dcfg.temperature, rng))
+                            .ok_or(RouteError::NoCapableDecodeWorker {
+                                path: path.as_str(),
+                            })?
+                    };
+                    veto.get_or_insert_with(String::new).push_str(&format!(
+                        "; no decode worker can serve a {} decode: {} on {}",
+                        path.as_str(),
+                        other.as_str(),
+                        self.workers.slot(decode[m].slot).id
+                    ));
+                    final_d = m;
+                    path = other;
+                    rule = rules::CAPABILITY_OTHER_PATH;
+                }
             }
         }
 
@@ -648,6 +823,10 @@ impl RouterCore {
                 calibration: factors,
                 verdict: p.is_some().then(|| verdict.clone()),
                 gate: gate_check,
+                session: session.map(|id| SessionInput {
+                    id: id.clone(),
+                    bound: bound.clone(),
+                }),
             };
         }
 
@@ -657,6 +836,14 @@ impl RouterCore {
         }
         if let Some(note) = fetch_note {
             reason.push_str(&note);
+        }
+        if let Some(note) = session_note {
+            reason.push_str(&note);
+        }
+        if let Some(sid) = session {
+            let worker = d_final.id.clone();
+            self.sessions
+                .bind(&self.config.session, sid, &worker, now_ms);
         }
         let decision = RouteDecision {
             id,

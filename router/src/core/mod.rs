@@ -13,6 +13,7 @@
 //! * [`calibrate`]: the SLA policy's online calibration ([`Calibration`]);
 //! * [`peers`]: the peer replicas' presence and the decisions of theirs
 //!   the ledger holds ([`Peers`]);
+//! * [`session`]: session affinity ([`Sessions`], [`SessionConfig`]);
 //! * [`config`]: [`RouterConfig`], what the core is configured with;
 //! * [`decide`]: [`RouterCore`], which puts them together, and the
 //!   decision record;
@@ -29,6 +30,7 @@ pub mod peers;
 pub mod policy;
 pub mod replay;
 pub mod select;
+pub mod session;
 pub mod workers;
 
 pub use admission::{Admission, AdmissionConfig, Offer};
@@ -50,4 +52,5 @@ pub use policy::{
 };
 pub use replay::{difference, DepthMismatch, Overrides, ReplayError, Replayed, Replayer};
 pub use select::{DecodeSelection, PrefillSelection, Side, TierWeights};
+pub use session::{SessionConfig, Sessions};
 pub use workers::{Charges, EffectiveLoad, LedgerConfig, Workers};

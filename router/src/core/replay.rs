@@ -167,11 +167,20 @@ impl Replayer {
                 })
             })
             .collect();
+        // The session's binding as the decision found it.
+        if let Some(bound) = inputs
+            .session
+            .as_ref()
+            .and_then(|s| Some((&s.id, s.bound.as_ref()?)))
+        {
+            core.bind_session(bound.0, bound.1, decision.at_ms);
+        }
         let request = RouteRequest {
             request_id: &decision.request_id,
             isl_tokens: decision.isl_tokens,
             block_hashes: &inputs.block_hashes,
             expected_output_tokens: inputs.expected_output_tokens,
+            session: inputs.session.as_ref().map(|s| &s.id),
         };
         let mut rng = ChaCha8Rng::seed_from_u64(inputs.seed);
         let options = RouteOptions {
@@ -207,6 +216,7 @@ fn register(
         kv_bytes_per_token: c.kv_bytes_per_token,
         gpus: 1,
         max_model_len: 0,
+        capabilities: c.capabilities,
     };
     core.register(record).map_err(|e| ReplayError::Candidate {
         worker: c.worker.clone(),

@@ -214,6 +214,11 @@ pub(crate) fn score_decode(
     out.clear();
     let bs = f64::from(shape.block_size.max(1));
     for &slot in workers.decode_slots() {
+        // A worker that can serve neither decode leg is no candidate.
+        let caps = workers.slot(slot).capabilities();
+        if !caps.local_prefill && !caps.remote_decode {
+            continue;
+        }
         let depth = depths.get(slot as usize).copied().unwrap_or_default();
         let load = workers.slot(slot).effective();
         let overlap_blocks = cfg.tier_weights.overlap_blocks(depth);
@@ -243,6 +248,9 @@ pub(crate) fn score_prefill(
     out.clear();
     let bs = f64::from(shape.block_size.max(1));
     for &slot in workers.prefill_slots() {
+        if !workers.slot(slot).capabilities().remote_prefill {
+            continue;
+        }
         let depth = depths.get(slot as usize).copied().unwrap_or_default();
         let load = workers.slot(slot).effective();
         let overlap_blocks = cfg.tier_weights.overlap_blocks(depth);

@@ -174,6 +174,19 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
+    /// The legs the worker registered it can serve (none when it is not
+    /// registered).
+    pub(crate) fn capabilities(&self) -> protocol::Capabilities {
+        self.record.as_ref().map_or(
+            protocol::Capabilities {
+                local_prefill: false,
+                remote_decode: false,
+                remote_prefill: false,
+            },
+            |r| r.capabilities,
+        )
+    }
+
     fn new(id: WorkerId) -> Self {
         Self {
             id,

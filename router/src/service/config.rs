@@ -23,7 +23,8 @@ use settings::{Deprecation, Flag, Kind, Legacy, SettingsError};
 
 use crate::core::{
     AdmissionConfig, BreakerConfig, DecodeSelection, FetchConfig, GateConfig, LedgerConfig,
-    PeerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig, TierWeights, POLICIES,
+    PeerConfig, Policy, PolicySpec, PrefillSelection, RouterConfig, SessionConfig, TierWeights,
+    POLICIES,
 };
 
 pub use settings::Args;
@@ -174,6 +175,8 @@ pub struct Config {
     /// The third path (remote prefill with the prefix fetched from a
     /// decode worker): off unless every worker's engine supports it.
     pub fetch: FetchConfig,
+    /// Session affinity (`[session]`).
+    pub session: SessionConfig,
     pub timeouts: Timeouts,
 }
 
@@ -209,6 +212,7 @@ impl Default for Config {
             retry: Retry::default(),
             breaker: BreakerConfig::default(),
             fetch: FetchConfig::default(),
+            session: SessionConfig::default(),
             timeouts: Timeouts::default(),
         }
     }
@@ -427,6 +431,21 @@ fn fixed_flags() -> Vec<Flag> {
         "Circuit breaker: how long a worker stays out before one trial request",
     )
     .long("breaker-open-for"),
+    Flag::new(
+        "session.enabled",
+        Kind::Switch,
+        "Session affinity: a session id (x-session-id, agent_context.session_id) keeps a conversation on one decode worker on every replica",
+    ),
+    Flag::new(
+        "session.ttl",
+        Kind::Duration,
+        "Session affinity: a binding lasts this long after the session's last turn",
+    ),
+    Flag::new(
+        "session.max_sessions",
+        Kind::Number,
+        "Session affinity: most sessions bound at once (the oldest dropped first)",
+    ),
     Flag::new(
         "timeouts.first_chunk",
         Kind::Duration,
@@ -672,6 +691,7 @@ impl Config {
             gate: self.gate,
             ledger: self.ledger,
             fetch: self.fetch,
+            session: self.session,
         }
     }
 

@@ -245,6 +245,8 @@ pub struct Prepared {
     pub max_tokens: u32,
     /// Passed to the engine with every leg.
     pub sampling: Sampling,
+    /// The conversation's session, if the client named one.
+    pub session: Option<protocol::SessionId>,
 }
 
 /// What a decision is for.
@@ -486,6 +488,7 @@ impl Dispatcher {
             avoid,
             dry_run,
             explain,
+            session: request.session.clone(),
         };
         let assignment = ask_route(&inner.commands, job, wait)
             .await

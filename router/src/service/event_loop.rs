@@ -19,7 +19,8 @@ use futures::StreamExt;
 use kv_indexer::DeltaError;
 use protocol::{
     subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, LogEntry, Message,
-    Path, Presence, Progress, RequestProgress, Role, RouteDecision, RouterHeartbeat, WorkerId,
+    Path, Presence, Progress, RequestProgress, Role, RouteDecision, RouterHeartbeat, SessionId,
+    WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -59,6 +60,8 @@ pub struct RouteJob {
     pub dry_run: bool,
     /// Return what the decision looked at (`/v1/route?explain=true`).
     pub explain: bool,
+    /// The conversation's session (`x-session-id`, `agent_context`).
+    pub session: Option<SessionId>,
 }
 
 /// A decision and where to send its legs.
@@ -659,7 +662,13 @@ impl RouterLoop {
             isl_tokens: job.isl_tokens,
             block_hashes: &job.hashes,
             expected_output_tokens: job.expected_output_tokens,
+            session: job.session.as_ref(),
         };
+        // A dry run leaves the session's binding as it found it.
+        let bound_before = job
+            .session
+            .as_ref()
+            .and_then(|s| self.core.sessions().bound(s, now).cloned());
         let started = Instant::now();
         // Draws depend on the request only: replicas at the same state
         // decide alike, and a logged decision replays exactly.
@@ -700,6 +709,10 @@ impl RouterLoop {
             // Nothing will run and no peer hears of it: release the
             // reservation at once, leaving nothing behind.
             self.core.forget(decision.id);
+            if let Some(session) = &job.session {
+                self.core
+                    .restore_session(session, bound_before.as_ref(), now);
+            }
             None
         } else {
             // Dispatched decisions go to the decision log with their inputs.
@@ -956,6 +969,7 @@ impl RouterLoop {
             }
         }
         self.metrics.workers_registered(self.core.workers().len());
+        self.metrics.sessions_bound(self.core.sessions().len());
         self.publish_context();
         self.admit();
     }
@@ -1093,6 +1107,11 @@ impl RouterLoop {
                         .strip_prefix(subjects::DECISIONS_ALL.trim_end_matches('>'))
                         .unwrap_or(message.subject.as_str());
                     self.peers.on_decision(replica, decision.id, now_ms());
+                }
+                // The peer's session binding: its turns go where it sent them.
+                if let Some(session) = &logged.session {
+                    self.core
+                        .bind_session(&session.id, &decision.decode, now_ms());
                 }
                 tracing::debug!(
                     decision = %decision.id,

@@ -14,6 +14,7 @@
 //! | `router_dispatch_total` | counter | `outcome` |
 //! | `router_http_requests_total` | counter | `route`, `status` |
 //! | `router_workers_registered` | gauge | |
+//! | `router_sessions_bound` | gauge | (live session bindings) |
 //! | `router_workers_refused_total` | counter | `reason` (contract mismatch label) |
 //! | `router_workers_malformed_total` | counter | |
 //! | `router_index_applied_seq` | gauge | (last delta applied) |
@@ -97,6 +98,10 @@ const FAMILIES: &[(&str, &str)] = &[
     (
         "router_workers_registered",
         "Workers registered with this replica",
+    ),
+    (
+        "router_sessions_bound",
+        "Sessions bound to a decode worker on this replica (session affinity)",
     ),
     (
         "router_workers_refused_total",
@@ -282,6 +287,7 @@ struct Inner {
     route_seconds: Histogram,
     decision_log_lag: Histogram,
     workers_registered: Gauge,
+    sessions_bound: Gauge,
     workers_malformed: Counter,
     applied_seq: Gauge,
     head_seq: Gauge,
@@ -350,6 +356,7 @@ impl Metrics {
             route_seconds: histogram("router_route_seconds", vec![]),
             decision_log_lag: histogram("router_decision_log_lag_seconds", vec![]),
             workers_registered: gauge("router_workers_registered"),
+            sessions_bound: gauge("router_sessions_bound"),
             workers_malformed: recorder
                 .register_counter(&Key::from_name("router_workers_malformed_total"), &METADATA),
             applied_seq: gauge("router_index_applied_seq"),
@@ -501,6 +508,10 @@ impl Metrics {
 
     pub fn workers_registered(&self, n: usize) {
         self.inner.workers_registered.set(n as f64);
+    }
+
+    pub fn sessions_bound(&self, n: usize) {
+        self.inner.sessions_bound.set(n as f64);
     }
 
     pub fn delta(&self, outcome: &'static str) {

@@ -66,6 +66,7 @@ impl RoutePrompt for RouterCore {
             isl_tokens: prompt.len() as u32,
             block_hashes: &hashes,
             expected_output_tokens,
+            session: None,
         };
         let options = RouteOptions {
             avoid: &[],

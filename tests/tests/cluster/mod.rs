@@ -54,6 +54,11 @@ pub enum Engine {
     Simulated,
     /// A `mock-vllm` process behind `worker-agent --engine vllm`.
     MockVllm(Wire),
+    /// A `mock-vllm` acting as an SGLang decode-mode server (SGLang 0.5's
+    /// events; no kv_transfer_params; a local prefill only with
+    /// `do_local_prefill`) behind `worker-agent --engine sglang`, with
+    /// `--sglang-do-local-prefill` when `do_local_prefill`.
+    SglangDecode { do_local_prefill: bool },
 }
 
 /// One worker: its agent and, with mock-vllm, its engine process.
@@ -324,7 +329,25 @@ impl Cluster {
                 agent_args.push("--speedup=20".into());
                 None
             }
-            Engine::MockVllm(wire) => {
+            Engine::MockVllm(_) | Engine::SglangDecode { .. } => {
+                let (wire, engine_flag, mut mock_extra, mut agent_extra) = match engine {
+                    Engine::MockVllm(wire) => (wire, "vllm", vec![], vec![]),
+                    Engine::SglangDecode { do_local_prefill } => (
+                        Wire {
+                            encoding: "tagged",
+                            hash_flavour: "sglang",
+                            replay_topic_frame: true,
+                        },
+                        "sglang",
+                        vec!["--sglang-decode=true".to_owned()],
+                        if do_local_prefill {
+                            vec!["--sglang-do-local-prefill=true".to_owned()]
+                        } else {
+                            vec![]
+                        },
+                    ),
+                    Engine::Simulated => unreachable!(),
+                };
                 let (http, events, replay) = (free_port()?, free_port()?, free_port()?);
                 let mut service = Service::start(
                     "mock-vllm",
@@ -345,11 +368,15 @@ impl Cluster {
                         format!("--lora-modules={LORA}"),
                         format!("--max-model-len={MAX_MODEL_LEN}"),
                         "--speedup=20".into(),
-                    ],
+                    ]
+                    .into_iter()
+                    .chain(mock_extra.drain(..))
+                    .collect::<Vec<_>>(),
                 )?;
                 service.wait_http_ok(http, "/health", STARTUP)?;
+                agent_args.append(&mut agent_extra);
                 agent_args.extend([
-                    "--engine=vllm".into(),
+                    format!("--engine={engine_flag}"),
                     format!("--engine-url=http://127.0.0.1:{http}"),
                     format!("--kv-events-endpoint=tcp://127.0.0.1:{events}"),
                     format!("--kv-replay-endpoint=tcp://127.0.0.1:{replay}"),
@@ -394,11 +421,12 @@ impl Cluster {
     }
 
     pub fn start_router(&mut self, replica: &str) -> Result<usize> {
-        self.start_router_with(replica, &[])
+        self.start_router_with::<&str>(replica, &[])
     }
 
-    /// A router replica with `extra` flags (`--tokenizer=...`).
-    pub fn start_router_with(&mut self, replica: &str, extra: &[String]) -> Result<usize> {
+    /// A router replica with `extra` flags (`--tokenizer=...`, a policy:
+    /// `isl` unless one is given).
+    pub fn start_router_with<S: AsRef<str>>(&mut self, replica: &str, extra: &[S]) -> Result<usize> {
         let port = free_port()?;
         let mut args = Self::nats_args(
             &self.nats,
@@ -411,10 +439,12 @@ impl Cluster {
             format!("--replica-id={replica}"),
             format!("--model={MODEL}"),
             format!("--block-size={BLOCK_SIZE}"),
-            "--policy=isl".into(),
         ]);
+        if !extra.iter().any(|a| a.as_ref().starts_with("--policy")) {
+            args.push("--policy=isl".into());
+        }
         args.extend(self.extra.router.iter().cloned());
-        args.extend_from_slice(extra);
+        args.extend(extra.iter().map(|a| a.as_ref().to_owned()));
         let service = Service::start("router", replica, &args)?;
         self.routers.push(Node { service, port });
         Ok(self.routers.len() - 1)
@@ -554,6 +584,31 @@ impl Cluster {
     }
 
     /// A non-streamed completion; the response JSON (with `switchyard`).
+    /// A completion with `body` (the model added) and extra headers.
+    pub async fn complete_with(
+        &self,
+        router: usize,
+        request_id: &str,
+        mut body: Value,
+        headers: &[(&str, &str)],
+    ) -> Result<Value> {
+        body["model"] = json!(MODEL);
+        let mut request = self
+            .http
+            .post(format!("{}/v1/completions", self.routers[router].url()))
+            .header("x-request-id", request_id);
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        let response = request.json(&body).send().await?;
+        let status = response.status();
+        let body: Value = response.json().await?;
+        if !status.is_success() {
+            bail!("completion {request_id}: HTTP {status}: {body}");
+        }
+        Ok(body)
+    }
+
     pub async fn complete(
         &self,
         router: usize,

@@ -164,6 +164,7 @@ async fn serve_worker(
         gpus: facts.gpus,
         subjects: WorkerSubjects::for_worker(&worker),
         max_model_len: facts.max_model_len,
+        capabilities: config.capabilities,
     };
     let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let registration = registry.register(&record, config.lease_ttl).await?;
@@ -179,6 +180,7 @@ async fn serve_worker(
         epoch = agent.epoch(),
         lease = registration.lease(),
         model = %config.contract.model,
+        capabilities = %record.capabilities.names(),
         "worker registered; serving"
     );
     let result = agent.serve(shutdown).await;

@@ -235,6 +235,7 @@ impl VllmEngine {
             block_size: learned.block_size,
             return_token_ids: config.return_token_ids,
             bidirectional_kv: config.bidirectional_kv,
+            do_local_prefill: config.do_local_prefill,
             timeout: config.request_timeout,
             stop: stop_rx,
         });

@@ -13,7 +13,9 @@ use std::time::Duration;
 use engine_sim::Preset;
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
-use protocol::{GenerateEvent, GenerateRequest, HashingContract, Role, Sampling, WorkerId};
+use protocol::{
+    Capabilities, GenerateEvent, GenerateRequest, HashingContract, Role, Sampling, WorkerId,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
@@ -37,6 +39,22 @@ impl EngineKind {
         match self {
             EngineKind::Vllm => "vllm",
             EngineKind::Sglang => "sglang",
+        }
+    }
+
+    /// The legs an engine of this kind with `role` can serve through this
+    /// adapter. vLLM: every leg (NIXL). SGLang: no remote leg (its
+    /// prefill/decode bootstrap handshake is not implemented); a decode
+    /// server prefills locally only with `do_local_prefill` (SGLang builds
+    /// that accept it), an aggregated one always.
+    pub fn capabilities(self, role: Role, do_local_prefill: bool) -> Capabilities {
+        match self {
+            EngineKind::Vllm => Capabilities::default(),
+            EngineKind::Sglang => Capabilities {
+                local_prefill: role == Role::Both || (role == Role::Decode && do_local_prefill),
+                remote_decode: false,
+                remote_prefill: false,
+            },
         }
     }
 
@@ -91,6 +109,8 @@ pub struct VllmConfig {
     /// Serve a prefill leg that fetches its prefix (the third path) with
     /// vLLM's bidirectional NIXL parameters; off: as a plain prefill.
     pub bidirectional_kv: bool,
+    /// SGLang decode server: send bypasses with `do_local_prefill: true`.
+    pub do_local_prefill: bool,
     /// Limits of one replay request.
     pub replay: ReplayLimits,
     /// When nothing came on the SUB socket for this long, ask the replay

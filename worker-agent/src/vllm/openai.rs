@@ -40,6 +40,14 @@ pub enum Kind {
     Decode(Map<String, Value>),
 }
 
+/// Asks an SGLang decode server to prefill locally (SGLang builds that
+/// accept `do_local_prefill`, draft PR #34773): the bypass.
+pub fn ask_local_prefill(body: &mut Value) {
+    if let Some(o) = body.as_object_mut() {
+        o.insert("do_local_prefill".into(), json!(true));
+    }
+}
+
 /// The `/v1/completions` body.
 pub fn completion_body(
     model: &str,

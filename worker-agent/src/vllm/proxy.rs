@@ -29,6 +29,8 @@ pub(super) struct RequestContext {
     pub(super) block_size: u32,
     pub(super) return_token_ids: bool,
     pub(super) bidirectional_kv: bool,
+    /// Bypasses carry `do_local_prefill: true` (an SGLang decode server).
+    pub(super) do_local_prefill: bool,
     pub(super) timeout: Duration,
     pub(super) stop: watch::Receiver<bool>,
 }
@@ -114,7 +116,7 @@ impl RequestContext {
                 }
             },
         };
-        let body = openai::completion_body(
+        let mut body = openai::completion_body(
             &self.model,
             &request.prompt,
             request.max_tokens,
@@ -122,6 +124,9 @@ impl RequestContext {
             &kind,
             self.return_token_ids,
         );
+        if self.do_local_prefill && kind == Kind::Local {
+            openai::ask_local_prefill(&mut body);
+        }
         let mut call = self
             .http
             .post(&self.completions_url)

@@ -86,6 +86,9 @@ pub mod rules {
     pub const SLA_FETCH_SOONER: &str = "sla.fetch_sooner";
     /// The decode gate vetoed a bypass over the decode worker's KV budget.
     pub const GATE_KV_BUDGET: &str = "gate.kv_budget";
+    /// The chosen decode worker cannot serve the policy's path (its
+    /// registered capabilities) and no other can: the other path is taken.
+    pub const CAPABILITY_OTHER_PATH: &str = "capability.other_path";
     /// The decode gate vetoed a bypass: the decode worker's KV capacity is
     /// unknown (no signal), as Dynamo's gate does.
     pub const GATE_NO_SIGNAL: &str = "gate.no_signal";

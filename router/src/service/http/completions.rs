@@ -62,7 +62,7 @@ async fn handle(
         decision = tracing::field::Empty
     );
     async move {
-        match serve(&app, request_id, body, chat).await {
+        match serve(&app, request_id, &headers, body, chat).await {
             Ok(response) => response,
             Err(e) => {
                 tracing::info!(status = e.status.as_u16(), error = %e.message, "request refused");
@@ -77,14 +77,16 @@ async fn handle(
 async fn serve(
     app: &Arc<App>,
     request_id: String,
+    headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
     chat: bool,
 ) -> Result<Response, ApiError> {
-    let parsed = if chat {
+    let mut parsed = if chat {
         app.parse_chat(request_id.clone(), body)?
     } else {
         app.parse(request_id.clone(), body)?
     };
+    app.session_header(&mut parsed, headers)?;
     let Parsed {
         prepared,
         prompt,

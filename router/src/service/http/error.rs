@@ -88,7 +88,9 @@ impl ApiError {
                 StatusCode::BAD_REQUEST
             }
             AskError::Route(
-                RouteError::NoDecodeWorker | RouteError::NoOtherDecodeWorker { .. },
+                RouteError::NoDecodeWorker
+                | RouteError::NoOtherDecodeWorker { .. }
+                | RouteError::NoCapableDecodeWorker { .. },
             )
             | AskError::Stopped
             | AskError::Timeout(_) => StatusCode::SERVICE_UNAVAILABLE,

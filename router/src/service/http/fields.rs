@@ -4,7 +4,7 @@
 //! field this router does not know, or knows but cannot honour (`n > 1`,
 //! `echo`), is an error naming it — never dropped with a 200.
 
-use protocol::Sampling;
+use protocol::{Sampling, SessionId};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
@@ -78,11 +78,13 @@ pub struct Fields {
     /// `stream_options.include_usage`.
     pub include_usage: bool,
     pub sampling: Sampling,
+    /// `agent_context.session_id` (Dynamo's): the conversation's session.
+    pub session: Option<SessionId>,
 }
 
 /// The fields a completion request may have besides the sampling ones
 /// (`Sampling::ENGINE_FIELDS` and `lora`), the prompt included.
-pub const REQUEST_FIELDS: [&str; 10] = [
+pub const REQUEST_FIELDS: [&str; 11] = [
     "model",
     "prompt",
     "max_tokens",
@@ -93,6 +95,7 @@ pub const REQUEST_FIELDS: [&str; 10] = [
     "best_of",
     "echo",
     "suffix",
+    "agent_context",
 ];
 
 /// The LoRA adapter's field (a Switchyard extension: vLLM names it in
@@ -247,6 +250,16 @@ impl Fields {
                 }
                 self.sampling.response_format = Some(value.to_string());
             }
+            // Dynamo's agent context: the session whose turns stay on one
+            // decode worker.
+            "agent_context" => {
+                let context: AgentContext = typed(key, value)?;
+                self.session = context
+                    .session_id
+                    .map(|s| SessionId::new(&s))
+                    .transpose()
+                    .map_err(|e| FieldError::field("agent_context.session_id", e))?;
+            }
             "cache_salt" => self.sampling.cache_salt = Some(non_empty(key, value)?),
             LORA => self.sampling.lora = Some(non_empty(key, value)?),
             "prompt" => {}
@@ -267,6 +280,12 @@ impl Fields {
 
 /// vLLM's default `max_logprobs`.
 pub const MAX_LOGPROBS: u32 = 20;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AgentContext {
+    session_id: Option<String>,
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

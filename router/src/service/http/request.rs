@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
+use axum::http::HeaderMap;
 
-use protocol::{BlockHasher, HashSalt};
+use protocol::{BlockHasher, HashSalt, SessionId};
 
 use super::error::ApiError;
 use super::fields::{FieldError, Fields, Members};
@@ -14,6 +15,9 @@ use super::openai::{CompletionRequest, Prompt};
 use super::App;
 use crate::service::chat_template::Message;
 use crate::service::dispatch::Prepared;
+
+/// The session header (vllm-project/router's `X-Session-ID`).
+pub const SESSION_HEADER: &str = "x-session-id";
 
 /// A parsed, tokenized and hashed completion request.
 pub(super) struct Parsed {
@@ -65,6 +69,35 @@ impl App {
             )),
             Some(n) => Ok(n),
             None => Ok(self.default_max_tokens.min(room)),
+        }
+    }
+
+    /// The session of `x-session-id` (vllm-project/router's `X-Session-ID`;
+    /// header names are case-insensitive) onto `parsed`: a bad one, or one
+    /// that differs from the body's `agent_context.session_id`, is a 400.
+    pub(super) fn session_header(
+        &self,
+        parsed: &mut Parsed,
+        headers: &HeaderMap,
+    ) -> Result<(), ApiError> {
+        let Some(value) = headers.get(SESSION_HEADER) else {
+            return Ok(());
+        };
+        let request_id = &parsed.prepared.request_id;
+        let bad =
+            |why: String| ApiError::bad_request(request_id, format!("{SESSION_HEADER}: {why}"));
+        let id = value
+            .to_str()
+            .map_err(|_| bad("not visible ASCII".into()))
+            .and_then(|s| SessionId::new(s).map_err(|e| bad(e.to_string())))?;
+        match &parsed.prepared.session {
+            Some(body) if *body != id => Err(bad(format!(
+                "{id} differs from the body's agent_context.session_id {body}"
+            ))),
+            _ => {
+                parsed.prepared.session = Some(id);
+                Ok(())
+            }
         }
     }
 
@@ -199,6 +232,7 @@ impl App {
                 hashes,
                 max_tokens,
                 sampling: fields.sampling,
+                session: fields.session,
             },
             prompt,
             stream: fields.stream,

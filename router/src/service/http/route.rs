@@ -30,7 +30,8 @@ pub(super) async fn route(
     let request_id = app.request_id(&headers);
     let result = async {
         let Query(query) = query.map_err(|e| ApiError::bad_request(&request_id, e.body_text()))?;
-        let parsed = app.parse(request_id.clone(), body)?;
+        let mut parsed = app.parse(request_id.clone(), body)?;
+        app.session_header(&mut parsed, &headers)?;
         let purpose = Purpose::DryRun {
             explain: query.explain,
         };
