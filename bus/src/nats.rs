@@ -33,6 +33,11 @@ pub struct StreamLimits {
     pub decisions_max_bytes: Option<u64>,
     /// Republished messages within this window are dropped.
     pub duplicate_window: Duration,
+    /// Copies JetStream keeps of every stream and of the snapshot store
+    /// (1, or 3 on a 3-node cluster: a node can die without losing a
+    /// message). Streams are created with it; the kv-indexer also sets it
+    /// on streams that exist ([`Bus::apply_stream_limits`]).
+    pub replicas: usize,
 }
 
 impl Default for StreamLimits {
@@ -43,6 +48,41 @@ impl Default for StreamLimits {
             decisions_max_age: Duration::from_secs(24 * 3600),
             decisions_max_bytes: None,
             duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+        }
+    }
+}
+
+/// JetStream keeps at most this many copies of a stream.
+pub const MAX_REPLICAS: usize = 5;
+
+/// The `stream_replicas` setting every service takes (the kv-indexer sets
+/// it on the streams; the others create missing streams with it).
+pub fn stream_replicas_flag() -> settings::Flag {
+    settings::Flag::new(
+        "stream_replicas",
+        settings::Kind::Number,
+        "Copies JetStream keeps of each stream and of the snapshot store: 1, or 3 on a 3-node NATS cluster (a node may die without losing a message); the kv-indexer sets it on existing streams, other services create missing streams with it",
+    )
+}
+
+/// Checks a `stream_replicas` setting: 1 to [`MAX_REPLICAS`], else what
+/// is expected.
+pub fn check_replicas(replicas: usize) -> Result<usize, &'static str> {
+    if (1..=MAX_REPLICAS).contains(&replicas) {
+        Ok(replicas)
+    } else {
+        Err("JetStream keeps 1 to 5 copies of a stream")
+    }
+}
+
+impl StreamLimits {
+    /// The default limits with `replicas` copies: what services other
+    /// than the kv-indexer create missing streams with.
+    pub fn with_replicas(replicas: usize) -> Self {
+        Self {
+            replicas,
+            ..Self::default()
         }
     }
 }
@@ -85,6 +125,7 @@ fn stream_configs(limits: &StreamLimits) -> [(&'static str, stream::Config); 3] 
             max_bytes,
             duplicate_window: limits.duplicate_window,
             storage: stream::StorageType::File,
+            num_replicas: limits.replicas.max(1),
             ..Default::default()
         };
         (name, config)
@@ -119,15 +160,42 @@ fn byte_limit(bytes: Option<u64>) -> i64 {
     bytes.map_or(UNLIMITED, |b| i64::try_from(b).unwrap_or(i64::MAX))
 }
 
-/// A stream's retention limits, "none" spelled one way (the server
-/// answers -1 where a configuration may say 0).
-fn retention(config: &stream::Config) -> (Duration, i64) {
+/// A stream's retention limits and replicas, "none" spelled one way (the
+/// server answers -1 where a configuration may say 0, and 0 replicas for 1).
+fn retention(config: &stream::Config) -> (Duration, i64, usize) {
     let bytes = if config.max_bytes > 0 {
         config.max_bytes
     } else {
         UNLIMITED
     };
-    (config.max_age, bytes)
+    (config.max_age, bytes, config.num_replicas.max(1))
+}
+
+/// The server addresses of `urls`, comma separated (`nats://a:4222,
+/// nats://b:4222`: the client picks one and fails over to the others), and
+/// the login their user info names: every URL must name the same (the
+/// same user info or none, all `tls://` or none).
+fn split_urls(urls: &str, auth: &NatsAuth) -> Result<(Vec<String>, NatsAuth), String> {
+    let mut addresses = Vec::new();
+    let mut login: Option<NatsAuth> = None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let (address, with_info) = with_url_user_info(url, auth).map_err(|e| e.to_string())?;
+        match &login {
+            Some(seen) if *seen != with_info => {
+                return Err(format!(
+                    "{} logs in differently from the URLs before it (user info or tls://)",
+                    redact_url(url)
+                ))
+            }
+            Some(_) => {}
+            None => login = Some(with_info),
+        }
+        addresses.push(address);
+    }
+    match login {
+        Some(login) => Ok((addresses, login)),
+        None => Err("no NATS URL given".into()),
+    }
 }
 
 /// `auth` with the URL's user info as its login, and the URL without it.
@@ -306,7 +374,10 @@ impl Bus {
     }
 
     /// Connects with `auth`'s credentials and TLS, naming the connection
-    /// (it shows in the server's monitor). User info in the URL
+    /// (it shows in the server's monitor). `url` may list several servers
+    /// of a cluster, comma separated: the client connects to one and fails
+    /// over to the others (and to the servers the cluster announces). User
+    /// info in the URL
     /// (`nats://user:password@host`, `nats://token@host`) logs in as the
     /// settings' user/password or token would. A server that is not up
     /// yet (services starting together) is retried for up to
@@ -319,15 +390,14 @@ impl Bus {
             url: shown.clone(),
             message,
         };
-        let (address, auth) =
-            with_url_user_info(url, auth).map_err(|e| connect_error(e.to_string()))?;
+        let (addresses, auth) = split_urls(url, auth).map_err(connect_error)?;
         let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
         let mut pause = Duration::from_millis(100);
         loop {
             let options = connect_options(&auth, name)
                 .await
                 .map_err(|e| connect_error(e.to_string()))?;
-            match options.connect(address.as_str()).await {
+            match options.connect(addresses.as_slice()).await {
                 Ok(client) => return Ok(Self::from_client(client)),
                 Err(e) if !refused(&e) && tokio::time::Instant::now() + pause < deadline => {
                     tracing::warn!(url = %shown, error = %e, "NATS not reachable yet; retrying");
@@ -365,10 +435,11 @@ impl Bus {
         Ok(())
     }
 
-    /// Creates the KV-event stream if it does not exist: all an agent
-    /// needs (the bus's permissions let agents create no other stream).
-    pub async fn ensure_kv_stream(&self) -> Result<(), BusError> {
-        let (name, config) = stream_configs(&StreamLimits::default())
+    /// Creates the KV-event stream if it does not exist, with `limits`'
+    /// replicas: all an agent needs (the bus's permissions let agents
+    /// create no other stream).
+    pub async fn ensure_kv_stream(&self, limits: &StreamLimits) -> Result<(), BusError> {
+        let (name, config) = stream_configs(limits)
             .into_iter()
             .find(|(name, _)| *name == subjects::KV_EVENTS_STREAM)
             .expect("the KV-event stream is configured");
@@ -406,6 +477,26 @@ impl Bus {
             }
             config.max_age = wanted.max_age;
             config.max_bytes = wanted.max_bytes;
+            config.num_replicas = wanted.num_replicas;
+            self.js
+                .update_stream(config)
+                .await
+                .map_err(|e| error(e.to_string()))?;
+            changed.push(name);
+        }
+        // The snapshot store is a stream too: its replicas follow.
+        self.snapshot_store_with(limits.replicas).await?;
+        let name = subjects::SNAPSHOT_STREAM;
+        let error = stream_error(name);
+        let mut stream = self.stream(name).await?;
+        let mut config = stream
+            .info()
+            .await
+            .map_err(|e| error(e.to_string()))?
+            .config
+            .clone();
+        if config.num_replicas.max(1) != limits.replicas.max(1) {
+            config.num_replicas = limits.replicas.max(1);
             self.js
                 .update_stream(config)
                 .await
@@ -576,6 +667,14 @@ impl Bus {
     }
 
     async fn snapshot_store(&self) -> Result<object_store::ObjectStore, BusError> {
+        self.snapshot_store_with(1).await
+    }
+
+    /// The snapshot store, created with `replicas` if missing.
+    async fn snapshot_store_with(
+        &self,
+        replicas: usize,
+    ) -> Result<object_store::ObjectStore, BusError> {
         match self.js.get_object_store(subjects::SNAPSHOT_BUCKET).await {
             Ok(store) => Ok(store),
             Err(_) => self
@@ -583,6 +682,7 @@ impl Bus {
                 .create_object_store(object_store::Config {
                     bucket: subjects::SNAPSHOT_BUCKET.into(),
                     storage: stream::StorageType::File,
+                    num_replicas: replicas.max(1),
                     ..Default::default()
                 })
                 .await
