@@ -1,13 +1,17 @@
 //! Leader election through etcd (its election API), for services of which
 //! one instance must act at a time (the kv-indexer): each candidate holds
 //! a lease of `ttl`, kept alive by a task, and campaigns with it; etcd
-//! elects the candidate whose key is oldest. A leader that cannot renew
-//! its lease for most of the TTL considers itself deposed
-//! ([`Leadership::lost`]): by then a standby may already be elected.
+//! elects the candidate whose key is oldest. A leader considers itself
+//! deposed ([`Leadership::lost`]) when etcd says its lease expired, or when
+//! it could not renew it for [`UNREACHABLE_TTLS`] TTLs (etcd unreachable):
+//! not after one TTL, since an etcd member's death or a raft election can
+//! stall renewals for about a second (a new etcd leader extends every
+//! lease, so the lease itself survives that).
 //!
-//! This is the first guard; the second is the resource's own fencing (the
-//! delta stream's expected last sequence), for the moments when an old
-//! leader has not noticed yet.
+//! So an old leader cut off from etcd may act for up to that long after a
+//! standby was elected: the election is the first guard, the second is the
+//! resource's own fencing (the delta stream's expected last sequence),
+//! which stops whichever of the two publishes second.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +23,10 @@ use crate::registry::{Registry, RegistryError};
 
 /// Pause between attempts after an etcd error.
 const RETRY: Duration = Duration::from_millis(100);
+
+/// A lease not renewed for this many TTLs (etcd unreachable) is presumed
+/// lost.
+pub const UNREACHABLE_TTLS: u32 = 3;
 
 /// The elected candidate's hold on the election: the lease is kept alive
 /// until this is resigned or dropped.
@@ -64,9 +72,17 @@ impl Registry {
         let ttl_s = ttl.as_secs().max(1) as i64;
         let mut client = self.client().clone();
         loop {
-            let lease = match client.lease_grant(ttl_s, None).await {
-                Ok(granted) => granted.id(),
-                Err(e) => {
+            let grant = tokio::time::timeout(ttl.max(RETRY), client.lease_grant(ttl_s, None));
+            let lease = match grant.await {
+                Ok(Ok(granted)) => granted.id(),
+                Err(_) => {
+                    tracing::warn!(
+                        election = name,
+                        "granting the election lease timed out; retrying"
+                    );
+                    continue;
+                }
+                Ok(Err(e)) => {
                     tracing::warn!(election = name, error = %e, "granting the election lease failed; retrying");
                     tokio::time::sleep(RETRY).await;
                     continue;
@@ -110,7 +126,11 @@ impl Registry {
                 }
                 None => {
                     drop(keeper);
-                    tracing::warn!(election = name, lease, "the election lease was lost while campaigning; campaigning with a new one");
+                    tracing::warn!(
+                        election = name,
+                        lease,
+                        "the election lease was lost while campaigning; campaigning with a new one"
+                    );
                 }
             }
         }
@@ -138,8 +158,8 @@ impl Leadership {
         self.lease
     }
 
-    /// Whether the lease could not be renewed for most of its TTL (or
-    /// expired): the leadership is presumed gone.
+    /// Whether etcd said the lease expired, or it could not be renewed for
+    /// [`UNREACHABLE_TTLS`] TTLs: the leadership is presumed gone.
     pub fn is_lost(&self) -> bool {
         *self.lost.borrow()
     }
@@ -167,12 +187,12 @@ impl Leadership {
     }
 }
 
-/// Renews `lease` every third of its TTL; sets `lost` once no renewal
-/// succeeded for two thirds of it, or etcd says it expired.
+/// Renews `lease` every third of its TTL; sets `lost` once etcd says it
+/// expired, or no renewal succeeded for [`UNREACHABLE_TTLS`] TTLs.
 async fn keep_alive(mut client: Client, lease: i64, ttl_s: i64, lost: watch::Sender<bool>) {
     let ttl = Duration::from_secs(ttl_s as u64);
     let period = ttl / 3;
-    let deadline = ttl * 2 / 3;
+    let deadline = ttl * UNREACHABLE_TTLS;
     let mut renewed = Instant::now();
     loop {
         let remaining = deadline.saturating_sub(renewed.elapsed());
@@ -189,6 +209,11 @@ async fn keep_alive(mut client: Client, lease: i64, ttl_s: i64, lost: watch::Sen
             }
             Ok(Ok(_)) => {
                 tracing::warn!(lease, "the election lease expired");
+                let _ = lost.send(true);
+                return;
+            }
+            Ok(Err(e)) if expired(&e) => {
+                tracing::warn!(lease, error = %e, "the election lease expired");
                 let _ = lost.send(true);
                 return;
             }
@@ -213,6 +238,11 @@ async fn keep_alive(mut client: Client, lease: i64, ttl_s: i64, lost: watch::Sen
                     let _ = lost.send(true);
                     return;
                 }
+                Ok(Err(e)) if expired(&e) => {
+                    tracing::warn!(lease, error = %e, "the election lease expired");
+                    let _ = lost.send(true);
+                    return;
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(lease, error = %e, "election lease keep-alive failed; retrying");
                     stream = None;
@@ -224,11 +254,16 @@ async fn keep_alive(mut client: Client, lease: i64, ttl_s: i64, lost: watch::Sen
             tracing::warn!(
                 lease,
                 ?ttl,
-                "the election lease was not renewed for two thirds of its TTL; leadership presumed lost"
+                "the election lease could not be renewed for {UNREACHABLE_TTLS} TTLs; leadership presumed lost"
             );
             let _ = lost.send(true);
             return;
         }
         tokio::time::sleep(RETRY.min(period)).await;
     }
+}
+
+/// Whether etcd's error says the lease is gone.
+fn expired(error: &etcd_client::Error) -> bool {
+    error.to_string().contains("requested lease not found")
 }

@@ -59,8 +59,7 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
 
     // A router is ready only with a decode-capable worker: one registered
     // (it never gets a request).
-    let registry =
-        bus::Registry::connect_with(&bench.etcd, &bench.auth.etcd).await?;
+    let registry = bus::Registry::connect_with(&bench.etcd, &bench.auth.etcd).await?;
     let id = WorkerId::new("ready-bench-d0", 0)?;
     let record = protocol::WorkerRecord {
         subjects: protocol::WorkerSubjects::for_worker(&id),

@@ -272,17 +272,20 @@ impl Candidate {
             metrics,
         } = self;
         metrics.leader.set(0.0);
-        let candidate = format!(
-            "kv-indexer pid {} http {}",
-            std::process::id(),
-            http.addr
-        );
-        let leadership =
-            standby::campaign(&registry, &candidate, config.leader_ttl, &mut http.status_rx)
-                .await?;
+        let candidate = format!("kv-indexer pid {} http {}", std::process::id(), http.addr);
+        let leadership = standby::campaign(
+            &registry,
+            &candidate,
+            config.leader_ttl,
+            &mut http.status_rx,
+        )
+        .await?;
         let elected = Instant::now();
         let _ = http.role.send(Role::Recovering);
-        tracing::info!(lease = leadership.lease(), "elected the indexer's leader; recovering");
+        tracing::info!(
+            lease = leadership.lease(),
+            "elected the indexer's leader; recovering"
+        );
         set_retention(&bus, &config.stream_limits()).await?;
 
         let mut index = match config.max_blocks {
@@ -441,8 +444,12 @@ impl Service {
             let leadership = state.leadership_handoff();
             match tokio::time::timeout(Duration::from_secs(2), leadership.resign()).await {
                 Ok(Ok(())) => tracing::info!("resigned the indexer's leadership"),
-                Ok(Err(e)) => tracing::warn!(error = %e, "resigning the leadership failed; it lapses with its lease"),
-                Err(_) => tracing::warn!("resigning the leadership timed out; it lapses with its lease"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "resigning the leadership failed; it lapses with its lease")
+                }
+                Err(_) => {
+                    tracing::warn!("resigning the leadership timed out; it lapses with its lease")
+                }
             }
         }
         match &result {
