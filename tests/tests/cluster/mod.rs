@@ -166,6 +166,20 @@ impl Cluster {
         Self::start_with_permissions(&workers, routers, permissions_everywhere(), true).await
     }
 
+    /// [`Cluster::start_ha`] with the bus's permissions on.
+    pub async fn start_ha_secured(
+        prefill: &[&str],
+        decode: &[&str],
+        routers: usize,
+    ) -> Result<Self> {
+        let workers: Vec<(&str, &str, Engine)> = prefill
+            .iter()
+            .map(|n| (*n, "prefill", Engine::Simulated))
+            .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
+            .collect();
+        Self::start_with_permissions(&workers, routers, true, true).await
+    }
+
     /// [`Cluster::start`] with the bus's permissions on.
     pub async fn start_secured(prefill: &[&str], decode: &[&str], routers: usize) -> Result<Self> {
         let workers: Vec<(&str, &str, Engine)> = prefill
