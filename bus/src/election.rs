@@ -108,7 +108,7 @@ impl Registry {
                             tokio::time::sleep(RETRY).await;
                         }
                     },
-                    _ = lost.wait_for(|lost| *lost) => break None,
+                    () = async { let _ = lost.wait_for(|lost| *lost).await; } => break None,
                 }
                 if *lost.borrow() {
                     break None;

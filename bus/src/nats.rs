@@ -53,6 +53,10 @@ impl Default for StreamLimits {
     }
 }
 
+/// How long [`Bus::apply_stream_limits`] waits for a stream whose replicas
+/// it changed to be served again.
+const RESCALE_PATIENCE: Duration = Duration::from_secs(10);
+
 /// JetStream keeps at most this many copies of a stream.
 pub const MAX_REPLICAS: usize = 5;
 
@@ -475,6 +479,7 @@ impl Bus {
             if retention(&config) == retention(&wanted) {
                 continue;
             }
+            let rescaled = config.num_replicas.max(1) != wanted.num_replicas;
             config.max_age = wanted.max_age;
             config.max_bytes = wanted.max_bytes;
             config.num_replicas = wanted.num_replicas;
@@ -482,6 +487,9 @@ impl Bus {
                 .update_stream(config)
                 .await
                 .map_err(|e| error(e.to_string()))?;
+            if rescaled {
+                self.wait_replicated(name, wanted.num_replicas).await?;
+            }
             changed.push(name);
         }
         // The snapshot store is a stream too: its replicas follow.
@@ -501,9 +509,43 @@ impl Bus {
                 .update_stream(config)
                 .await
                 .map_err(|e| error(e.to_string()))?;
+            self.wait_replicated(name, limits.replicas.max(1)).await?;
             changed.push(name);
         }
         Ok(changed)
+    }
+
+    /// Waits (up to [`RESCALE_PATIENCE`]) until a stream whose replicas
+    /// changed has a leader and `replicas - 1` current followers: until
+    /// then the cluster answers its publishes with "no stream found".
+    async fn wait_replicated(&self, name: &'static str, replicas: usize) -> Result<(), BusError> {
+        let deadline = tokio::time::Instant::now() + RESCALE_PATIENCE;
+        loop {
+            let mut stream = self.stream(name).await?;
+            let info = stream
+                .info()
+                .await
+                .map_err(|e| stream_error(name)(e.to_string()))?;
+            let ready = match &info.cluster {
+                Some(cluster) => {
+                    cluster.leader.is_some()
+                        && cluster.replicas.iter().filter(|p| p.current).count() + 1 >= replicas
+                }
+                None => replicas <= 1,
+            };
+            if ready {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    stream = name,
+                    replicas,
+                    "the stream's replicas did not catch up in time; continuing"
+                );
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     async fn stream(&self, name: &'static str) -> Result<stream::Stream, BusError> {
@@ -715,5 +757,41 @@ impl Bus {
             .await
             .map_err(snapshot_error)?;
         Ok(Some(IndexSnapshot::decode(&bytes)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn several_urls_one_login() {
+        let none = NatsAuth::default();
+        let (addresses, auth) = split_urls("nats://a:4222, nats://b:4222,", &none).unwrap();
+        assert_eq!(addresses, ["nats://a:4222", "nats://b:4222"]);
+        assert_eq!(auth, none);
+        // The same user info on every URL is the login.
+        let (addresses, auth) = split_urls("nats://u:p@a:4222,nats://u:p@b:4222", &none).unwrap();
+        assert_eq!(addresses, ["nats://a:4222", "nats://b:4222"]);
+        assert_eq!(auth.user.as_deref(), Some("u"));
+        // Different logins, or TLS on some only, are refused.
+        let e = split_urls("nats://u:p@a:4222,nats://b:4222", &none).unwrap_err();
+        assert!(e.contains("nats://b:4222 logs in differently"), "{e}");
+        assert!(split_urls("tls://a:4222,nats://b:4222", &none).is_err());
+        assert!(
+            !split_urls("nats://u:secret@a:1,nats://v:secret@b:1", &none)
+                .unwrap_err()
+                .contains("secret")
+        );
+        assert_eq!(split_urls(" , ", &none).unwrap_err(), "no NATS URL given");
+    }
+
+    #[test]
+    fn replicas_are_one_to_five() {
+        assert_eq!(check_replicas(3), Ok(3));
+        assert!(check_replicas(0).is_err());
+        assert!(check_replicas(MAX_REPLICAS + 1).is_err());
+        let config = &stream_configs(&StreamLimits::with_replicas(3))[0].1;
+        assert_eq!(retention(config).2, 3);
     }
 }

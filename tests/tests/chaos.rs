@@ -134,12 +134,30 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
     }
 
     for row in &rows {
-        ensure!(row.digest_equals_log, "{}: the index differs from the KV log's", row.fault);
-        ensure!(row.replay_reproduced, "{}: replay verify did not reproduce", row.fault);
+        ensure!(
+            row.digest_equals_log,
+            "{}: the index differs from the KV log's",
+            row.fault
+        );
+        ensure!(
+            row.replay_reproduced,
+            "{}: replay verify did not reproduce",
+            row.fault
+        );
         if LOSSLESS.contains(&row.fault) {
-            ensure!(row.load.failed == 0, "{}: requests lost: {:?}", row.fault, row.load);
+            ensure!(
+                row.load.failed == 0,
+                "{}: requests lost: {:?}",
+                row.fault,
+                row.load
+            );
         }
-        ensure!(row.load.ok > 0, "{}: nothing was served: {:?}", row.fault, row.load);
+        ensure!(
+            row.load.ok > 0,
+            "{}: nothing was served: {:?}",
+            row.fault,
+            row.load
+        );
     }
     let failover = rows
         .iter()
@@ -193,7 +211,11 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant)> {
             cluster::wait_http(port, "/readyz").await?;
         }
         Fault::DecodeAgent | Fault::PrefillAgent => {
-            let name = if matches!(fault, Fault::DecodeAgent) { "d1" } else { "p0" };
+            let name = if matches!(fault, Fault::DecodeAgent) {
+                "d1"
+            } else {
+                "p0"
+            };
             let worker = cluster
                 .workers
                 .iter_mut()
@@ -208,10 +230,13 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant)> {
             let agents = cluster.workers.len();
             for i in 0..cluster.routers.len() {
                 let this = &*cluster;
-                this.eventually(&format!("router {i} to know {agents} workers"), || async move {
-                    let state = this.router_state(i).await?;
-                    Ok(state["workers"].as_array().map_or(0, Vec::len) == agents)
-                })
+                this.eventually(
+                    &format!("router {i} to know {agents} workers"),
+                    || async move {
+                        let state = this.router_state(i).await?;
+                        Ok(state["workers"].as_array().map_or(0, Vec::len) == agents)
+                    },
+                )
                 .await?;
             }
         }
@@ -256,7 +281,10 @@ fn replay_verify(cluster: &Cluster) -> Result<bool> {
     export.args(cluster.nats_login(bus::permissions::REPLAY_USER));
     let output = export.output().context("replay export")?;
     if !output.status.success() {
-        bail!("replay export failed: {}", String::from_utf8_lossy(&output.stderr));
+        bail!(
+            "replay export failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     }
     let output = Command::new(&replay)
         .args(["verify", "--file", file, "--json"])
@@ -284,9 +312,7 @@ struct Forgery {
 /// within 2 s.
 async fn forgeries(cluster: &Cluster) -> Result<Vec<Forgery>> {
     let mut out = Vec::new();
-    let anonymous = ConnectOptions::new()
-        .connect(cluster.nats.urls())
-        .await;
+    let anonymous = ConnectOptions::new().connect(cluster.nats.urls()).await;
     out.push(Forgery {
         who: "anonymous".into(),
         what: "login".into(),
@@ -316,12 +342,27 @@ async fn forgeries(cluster: &Cluster) -> Result<Vec<Forgery>> {
         events: vec![protocol::KvEvent::Cleared],
     };
     let attempts = [
-        (subjects::kv_events(&d1), batch.encode(), "KV batch as d1, epoch 2^62"),
-        (subjects::load(&d1), b"forged".to_vec(), "load report as d1"),
-        (subjects::INDEX_DELTAS.to_owned(), b"forged".to_vec(), "index delta"),
-        (subjects::generate(&d1), b"forged".to_vec(), "generate request to d1"),
         (
-            format!("{}.forged", bus::permissions::inbox_prefix(bus::permissions::ROUTER_USER)),
+            subjects::kv_events(&d1),
+            batch.encode(),
+            "KV batch as d1, epoch 2^62",
+        ),
+        (subjects::load(&d1), b"forged".to_vec(), "load report as d1"),
+        (
+            subjects::INDEX_DELTAS.to_owned(),
+            b"forged".to_vec(),
+            "index delta",
+        ),
+        (
+            subjects::generate(&d1),
+            b"forged".to_vec(),
+            "generate request to d1",
+        ),
+        (
+            format!(
+                "{}.forged",
+                bus::permissions::inbox_prefix(bus::permissions::ROUTER_USER)
+            ),
             b"forged".to_vec(),
             "chunk on a router's inbox",
         ),
@@ -368,10 +409,18 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
             r.load.hung,
             r.ready_s,
             r.converge_s,
-            if r.digest_equals_log && r.replay_reproduced { "yes" } else { "NO" }
+            if r.digest_equals_log && r.replay_reproduced {
+                "yes"
+            } else {
+                "NO"
+            }
         );
         for error in &r.load.first_errors {
-            let _ = writeln!(text, "    failed: {}", error.chars().take(160).collect::<String>());
+            let _ = writeln!(
+                text,
+                "    failed: {}",
+                error.chars().take(160).collect::<String>()
+            );
         }
     }
     for f in forgeries {

@@ -589,6 +589,23 @@ mod tests {
     }
 
     #[test]
+    fn a_cluster_of_servers_and_replicated_streams() {
+        let c = parse(&[
+            "--worker-name",
+            "w",
+            "--nats-url",
+            "nats://a:4222,nats://b:4222",
+            "--stream-replicas",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(c.nats_url, "nats://a:4222,nats://b:4222");
+        assert_eq!(c.stream_replicas, 3);
+        let e = parse(&["--worker-name", "w", "--stream-replicas", "0"]).unwrap_err();
+        assert!(e.to_string().starts_with("stream_replicas = 0"), "{e}");
+    }
+
+    #[test]
     fn the_previous_releases_flags_still_work() {
         let args = Args::try_parse_from(
             command(),

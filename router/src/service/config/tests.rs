@@ -236,3 +236,23 @@ fn flags_parse_and_help_shows_the_registry_and_the_defaults() {
 fn settings_command() -> clap::Command {
     settings::command(command(), &flags(), &Config::default())
 }
+
+#[test]
+fn a_cluster_of_servers_and_replicated_streams() {
+    let c = parse(&[
+        "--model",
+        "m",
+        "--nats-url",
+        "nats://a:4222,nats://b:4222",
+        "--stream-replicas",
+        "3",
+    ])
+    .unwrap()
+    .config;
+    assert_eq!(c.nats_url, "nats://a:4222,nats://b:4222");
+    assert_eq!(c.stream_replicas, 3);
+    let e = parse(&["--model", "m", "--stream-replicas", "9"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("stream_replicas = 9"), "{e}");
+}
