@@ -431,6 +431,25 @@ impl Service {
             Err(_) => tracing::warn!("HTTP server did not stop in time"),
             _ => {}
         }
+        // A snapshot being stored finishes with its trim (bounded), so the
+        // stored snapshot and the trimmed log agree; other tasks stop.
+        if state.pending_snapshot_task() {
+            let finish = async {
+                while let Some(done) = state.tasks.join_next().await {
+                    let snapshot = matches!(&done, Ok(TaskDone::Snapshot { .. }));
+                    state.on_task(done);
+                    if snapshot {
+                        break;
+                    }
+                }
+            };
+            if tokio::time::timeout(Duration::from_secs(2), finish)
+                .await
+                .is_err()
+            {
+                tracing::warn!("the snapshot being stored did not finish in time");
+            }
+        }
         state.tasks.abort_all();
         // Bounded: with NATS gone, a flush would wait for a reconnection.
         match tokio::time::timeout(Duration::from_secs(2), client.flush()).await {
@@ -590,6 +609,11 @@ impl Loop {
             }
         }
         self.drain().await
+    }
+
+    /// Whether a snapshot is being stored.
+    fn pending_snapshot_task(&self) -> bool {
+        self.snapshots.storing()
     }
 
     /// The leadership, to resign it once the loop is done.
