@@ -282,6 +282,18 @@ fn stream_error(stream: &'static str) -> impl Fn(String) -> BusError {
     move |message| BusError::Stream { stream, message }
 }
 
+/// Whether `error` (or an error it wraps) says the stream does not exist.
+fn stream_not_found(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.to_string().contains("stream not found") {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
 fn snapshot_error(message: impl ToString) -> BusError {
     BusError::Snapshot {
         bucket: subjects::SNAPSHOT_BUCKET,
@@ -503,14 +515,22 @@ impl Bus {
             .map_err(|e| error(e.to_string()))?
             .config
             .clone();
-        if config.num_replicas.max(1) != limits.replicas.max(1) {
+        // Reads of the latest snapshot go to the stream's leader: with
+        // direct gets any replica answers, and one catching up after a
+        // restart answers with an older snapshot or none (whose deltas may
+        // be trimmed already).
+        let rescale = config.num_replicas.max(1) != limits.replicas.max(1);
+        if rescale || config.allow_direct {
+            config.allow_direct = false;
             config.num_replicas = limits.replicas.max(1);
             self.js
                 .update_stream(config)
                 .await
                 .map_err(|e| error(e.to_string()))?;
-            self.wait_replicated(name, limits.replicas.max(1)).await?;
-            changed.push(name);
+            if rescale {
+                self.wait_replicated(name, limits.replicas.max(1)).await?;
+                changed.push(name);
+            }
         }
         Ok(changed)
     }
@@ -719,6 +739,9 @@ impl Bus {
     ) -> Result<object_store::ObjectStore, BusError> {
         match self.js.get_object_store(subjects::SNAPSHOT_BUCKET).await {
             Ok(store) => Ok(store),
+            // A cluster electing the stream's leader answers slowly or not
+            // at all: that is no reason to create the store.
+            Err(e) if !stream_not_found(&e) => Err(snapshot_error(e)),
             Err(_) => self
                 .js
                 .create_object_store(object_store::Config {

@@ -55,6 +55,13 @@ async fn streams_and_snapshots_are_replicated_and_survive_a_node() -> Result<()>
         .apply_stream_limits(&StreamLimits::with_replicas(3))
         .await?
         .is_empty());
+    // The latest snapshot is read from the stream's leader, never from a
+    // replica that is catching up.
+    let mut snapshots = bus
+        .jetstream()
+        .get_stream(subjects::SNAPSHOT_STREAM)
+        .await?;
+    assert!(!snapshots.info().await?.config.allow_direct);
 
     let batch = |seq| KvEventBatch {
         worker: worker("d0"),
@@ -63,12 +70,23 @@ async fn streams_and_snapshots_are_replicated_and_survive_a_node() -> Result<()>
         events: vec![KvEvent::Cleared],
     };
     bus.publish_kv_batch(&batch(0)).await?;
-    // One node dies: the client fails over, the streams keep serving.
+    // One node dies: the client fails over, the streams keep serving once
+    // a stream whose leader died has elected another (JetStream's raft
+    // takes seconds); a publish that timed out meanwhile is retried, as
+    // agents do (the message id makes a retry a no-op if it had landed).
     nats.kill(0)?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     for seq in 1..20 {
-        tokio::time::timeout(Duration::from_secs(10), bus.publish_kv_batch(&batch(seq)))
-            .await
-            .context("publishing with a node down")??;
+        loop {
+            match bus.publish_kv_batch(&batch(seq)).await {
+                Ok(_) => break,
+                Err(e) if tokio::time::Instant::now() < deadline => {
+                    eprintln!("publish {seq} with a node down: {e}; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(e).context("publishing with a node down"),
+            }
+        }
     }
     let snapshot = IndexSnapshot {
         delta_seq: 0,
@@ -77,7 +95,17 @@ async fn streams_and_snapshots_are_replicated_and_survive_a_node() -> Result<()>
         runs: Vec::new(),
         digest: 0,
     };
-    bus.put_snapshot(&snapshot).await?;
+    // The indexer retries a snapshot that failed, so does this.
+    loop {
+        match bus.put_snapshot(&snapshot).await {
+            Ok(()) => break,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                eprintln!("snapshot with a node down: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e).context("storing a snapshot with a node down"),
+        }
+    }
     nats.restart(0)?;
     let mut stream = bus
         .jetstream()
