@@ -15,7 +15,9 @@
 //! mismatch, a replay that does not reproduce, an accepted forgery, a lost
 //! request when etcd or an indexer dies, a failover over 2 s. Losses a
 //! fault causes elsewhere (a router's or an agent's in-flight requests)
-//! are measured and reported, not hidden.
+//! are measured and reported, not hidden; so are services that stop by
+//! themselves during a window (restarted, as a supervisor would, and named
+//! in the table; `crashed` in the totals).
 
 mod cluster;
 
@@ -43,6 +45,9 @@ struct Row {
     converge_s: f64,
     digest_equals_log: bool,
     replay_reproduced: bool,
+    /// Services that stopped by themselves during the window (restarted,
+    /// as a supervisor would).
+    crashed: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -107,8 +112,10 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         .start(&cluster.router_urls())?;
         tokio::time::sleep(load.duration / 4).await;
         let (ready_s, since) = inject(cluster, fault).await?;
+        let mut crashed = cluster.heal().await?;
         let converge_s = converge(cluster, since).await?;
         let outcome = window.await??;
+        crashed.extend(cluster.heal().await?);
         let digest_equals_log =
             cluster.converged_digest().await? == cluster.digest_from_event_log().await?;
         let replay_reproduced = replay_verify(cluster)?;
@@ -124,6 +131,7 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
             converge_s,
             digest_equals_log,
             replay_reproduced,
+            crashed,
         });
     }
     let forgeries = forgeries(cluster).await?;
@@ -415,6 +423,13 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
                 "NO"
             }
         );
+        if !r.crashed.is_empty() {
+            let _ = writeln!(
+                text,
+                "    stopped by itself, restarted: {}",
+                r.crashed.join(", ")
+            );
+        }
         for error in &r.load.first_errors {
             let _ = writeln!(
                 text,
@@ -442,6 +457,7 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
         "unclear_5xx": sum(|l| l.unclear_5xx),
         "max_converge_s": (max_converge * 100.0).round() / 100.0,
         "digest_mismatches": rows.iter().filter(|r| !(r.digest_equals_log && r.replay_reproduced)).count(),
+        "crashed": rows.iter().map(|r| r.crashed.len()).sum::<usize>(),
         "forgeries_accepted": forgeries.iter().filter(|f| f.accepted).count(),
     });
     let _ = writeln!(text, "{totals}");

@@ -524,10 +524,51 @@ impl Cluster {
             .await
     }
 
-    /// The indexer's `/status`.
+    /// The leading indexer's `/status`: the indexer's, or the standby's
+    /// once it leads (the indexer stopped by itself).
     pub async fn indexer_status(&self) -> Result<Value> {
-        self.get_json(format!("{}/status", self.indexer.url()))
-            .await
+        let status = self
+            .get_json(format!("{}/status", self.indexer.url()))
+            .await;
+        match (&status, &self.standby) {
+            (Ok(s), _) if s["role"] == "leader" || s.get("role").is_none() => status,
+            (_, Some(standby)) => {
+                let other = self.get_json(format!("{}/status", standby.url())).await?;
+                if other["role"] == "leader" {
+                    Ok(other)
+                } else {
+                    status
+                }
+            }
+            (_, None) => status,
+        }
+    }
+
+    /// Restarts every service that stopped by itself (what a supervisor
+    /// does) and, if the standby indexer leads now, makes it `indexer`.
+    /// Returns the names of those restarted.
+    pub async fn heal(&mut self) -> Result<Vec<String>> {
+        let mut restarted = Vec::new();
+        let nodes = std::iter::once(&mut self.indexer)
+            .chain(self.standby.as_mut())
+            .chain(self.routers.iter_mut())
+            .chain(self.workers.iter_mut().map(|w| &mut w.agent));
+        for node in nodes {
+            if !node.service.is_running() {
+                restarted.push(node.service.name().to_owned());
+                node.service.restart()?;
+                let port = node.port;
+                node.service.wait_http_ok(port, "/healthz", STARTUP)?;
+            }
+        }
+        if let Some(standby) = &self.standby {
+            let status = self.get_json(format!("{}/status", standby.url())).await?;
+            if status["role"] == "leader" {
+                let standby = self.standby.as_mut().expect("checked");
+                std::mem::swap(&mut self.indexer, standby);
+            }
+        }
+        Ok(restarted)
     }
 
     /// Starts a long streamed completion that bypasses to `decode` (a short
