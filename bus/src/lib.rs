@@ -7,7 +7,9 @@
 //!   `n`, and a second indexer is fenced off); following the delta stream;
 //!   snapshots in the object store.
 //! - [`Registry`] (etcd): a worker's record under a lease with keep-alive;
-//!   the list and watch of registered workers.
+//!   the list and watch of registered workers; leader election under a
+//!   lease ([`Registry::campaign`], [`Leadership`]) for the standby
+//!   kv-indexer.
 //!
 //! - Credentials and TLS for both ([`NatsAuth`], [`EtcdAuth`]): one flag
 //!   group ([`auth_flags`], [`AuthArgs`] for the tools), secrets never
@@ -17,15 +19,17 @@
 //! Names of subjects, streams and keys come from [`protocol::subjects`].
 
 mod auth;
+mod election;
 mod nats;
 pub mod permissions;
 mod registry;
 mod signal;
 
 pub use auth::{auth_flags, redact_url, AuthArgs, AuthError, EtcdAuth, NatsAuth, Secret};
+pub use election::Leadership;
 pub use nats::{
-    store_full, Bus, BusError, DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE,
-    MIN_FITTED_BYTES,
+    check_replicas, store_full, stream_replicas_flag, Bus, BusError, DeltaPublisher, DeltaSent,
+    StreamLimits, CONNECT_PATIENCE, MAX_REPLICAS, MIN_FITTED_BYTES,
 };
 pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};
 pub use signal::shutdown_signal;

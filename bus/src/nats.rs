@@ -33,6 +33,11 @@ pub struct StreamLimits {
     pub decisions_max_bytes: Option<u64>,
     /// Republished messages within this window are dropped.
     pub duplicate_window: Duration,
+    /// Copies JetStream keeps of every stream and of the snapshot store
+    /// (1, or 3 on a 3-node cluster: a node can die without losing a
+    /// message). Streams are created with it; the kv-indexer also sets it
+    /// on streams that exist ([`Bus::apply_stream_limits`]).
+    pub replicas: usize,
 }
 
 impl Default for StreamLimits {
@@ -43,6 +48,45 @@ impl Default for StreamLimits {
             decisions_max_age: Duration::from_secs(24 * 3600),
             decisions_max_bytes: None,
             duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+        }
+    }
+}
+
+/// How long [`Bus::apply_stream_limits`] waits for a stream whose replicas
+/// it changed to be served again.
+const RESCALE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// JetStream keeps at most this many copies of a stream.
+pub const MAX_REPLICAS: usize = 5;
+
+/// The `stream_replicas` setting every service takes (the kv-indexer sets
+/// it on the streams; the others create missing streams with it).
+pub fn stream_replicas_flag() -> settings::Flag {
+    settings::Flag::new(
+        "stream_replicas",
+        settings::Kind::Number,
+        "Copies JetStream keeps of each stream and of the snapshot store: 1, or 3 on a 3-node NATS cluster (a node may die without losing a message); the kv-indexer sets it on existing streams, other services create missing streams with it",
+    )
+}
+
+/// Checks a `stream_replicas` setting: 1 to [`MAX_REPLICAS`], else what
+/// is expected.
+pub fn check_replicas(replicas: usize) -> Result<usize, &'static str> {
+    if (1..=MAX_REPLICAS).contains(&replicas) {
+        Ok(replicas)
+    } else {
+        Err("JetStream keeps 1 to 5 copies of a stream")
+    }
+}
+
+impl StreamLimits {
+    /// The default limits with `replicas` copies: what services other
+    /// than the kv-indexer create missing streams with.
+    pub fn with_replicas(replicas: usize) -> Self {
+        Self {
+            replicas,
+            ..Self::default()
         }
     }
 }
@@ -118,6 +162,7 @@ fn stream_configs(limits: &StreamLimits) -> [(&'static str, stream::Config); 3] 
             max_bytes,
             duplicate_window: limits.duplicate_window,
             storage: stream::StorageType::File,
+            num_replicas: limits.replicas.max(1),
             ..Default::default()
         };
         (name, config)
@@ -152,15 +197,42 @@ fn byte_limit(bytes: Option<u64>) -> i64 {
     bytes.map_or(UNLIMITED, |b| i64::try_from(b).unwrap_or(i64::MAX))
 }
 
-/// A stream's retention limits, "none" spelled one way (the server
-/// answers -1 where a configuration may say 0).
-fn retention(config: &stream::Config) -> (Duration, i64) {
+/// A stream's retention limits and replicas, "none" spelled one way (the
+/// server answers -1 where a configuration may say 0, and 0 replicas for 1).
+fn retention(config: &stream::Config) -> (Duration, i64, usize) {
     let bytes = if config.max_bytes > 0 {
         config.max_bytes
     } else {
         UNLIMITED
     };
-    (config.max_age, bytes)
+    (config.max_age, bytes, config.num_replicas.max(1))
+}
+
+/// The server addresses of `urls`, comma separated (`nats://a:4222,
+/// nats://b:4222`: the client picks one and fails over to the others), and
+/// the login their user info names: every URL must name the same (the
+/// same user info or none, all `tls://` or none).
+fn split_urls(urls: &str, auth: &NatsAuth) -> Result<(Vec<String>, NatsAuth), String> {
+    let mut addresses = Vec::new();
+    let mut login: Option<NatsAuth> = None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let (address, with_info) = with_url_user_info(url, auth).map_err(|e| e.to_string())?;
+        match &login {
+            Some(seen) if *seen != with_info => {
+                return Err(format!(
+                    "{} logs in differently from the URLs before it (user info or tls://)",
+                    redact_url(url)
+                ))
+            }
+            Some(_) => {}
+            None => login = Some(with_info),
+        }
+        addresses.push(address);
+    }
+    match login {
+        Some(login) => Ok((addresses, login)),
+        None => Err("no NATS URL given".into()),
+    }
 }
 
 /// `auth` with the URL's user info as its login, and the URL without it.
@@ -241,6 +313,18 @@ fn refused(error: &async_nats::ConnectError) -> bool {
 
 fn stream_error(stream: &'static str) -> impl Fn(String) -> BusError {
     move |message| BusError::Stream { stream, message }
+}
+
+/// Whether `error` (or an error it wraps) says the stream does not exist.
+fn stream_not_found(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.to_string().contains("stream not found") {
+            return true;
+        }
+        next = error.source();
+    }
+    false
 }
 
 fn snapshot_error(message: impl ToString) -> BusError {
@@ -339,7 +423,10 @@ impl Bus {
     }
 
     /// Connects with `auth`'s credentials and TLS, naming the connection
-    /// (it shows in the server's monitor). User info in the URL
+    /// (it shows in the server's monitor). `url` may list several servers
+    /// of a cluster, comma separated: the client connects to one and fails
+    /// over to the others (and to the servers the cluster announces). User
+    /// info in the URL
     /// (`nats://user:password@host`, `nats://token@host`) logs in as the
     /// settings' user/password or token would. A server that is not up
     /// yet (services starting together) is retried for up to
@@ -352,15 +439,14 @@ impl Bus {
             url: shown.clone(),
             message,
         };
-        let (address, auth) =
-            with_url_user_info(url, auth).map_err(|e| connect_error(e.to_string()))?;
+        let (addresses, auth) = split_urls(url, auth).map_err(connect_error)?;
         let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
         let mut pause = Duration::from_millis(100);
         loop {
             let options = connect_options(&auth, name)
                 .await
                 .map_err(|e| connect_error(e.to_string()))?;
-            match options.connect(address.as_str()).await {
+            match options.connect(addresses.as_slice()).await {
                 Ok(client) => return Ok(Self::from_client(client)),
                 Err(e) if !refused(&e) && tokio::time::Instant::now() + pause < deadline => {
                     tracing::warn!(url = %shown, error = %e, "NATS not reachable yet; retrying");
@@ -398,10 +484,11 @@ impl Bus {
         Ok(())
     }
 
-    /// Creates the KV-event stream if it does not exist: all an agent
-    /// needs (the bus's permissions let agents create no other stream).
-    pub async fn ensure_kv_stream(&self) -> Result<(), BusError> {
-        let (name, config) = stream_configs(&StreamLimits::default())
+    /// Creates the KV-event stream if it does not exist, with `limits`'
+    /// replicas: all an agent needs (the bus's permissions let agents
+    /// create no other stream).
+    pub async fn ensure_kv_stream(&self, limits: &StreamLimits) -> Result<(), BusError> {
+        let (name, config) = stream_configs(limits)
             .into_iter()
             .find(|(name, _)| *name == subjects::KV_EVENTS_STREAM)
             .expect("the KV-event stream is configured");
@@ -437,13 +524,46 @@ impl Bus {
             if retention(&config) == retention(&wanted) {
                 continue;
             }
+            let rescaled = config.num_replicas.max(1) != wanted.num_replicas;
             config.max_age = wanted.max_age;
             config.max_bytes = wanted.max_bytes;
+            config.num_replicas = wanted.num_replicas;
             self.js
                 .update_stream(config)
                 .await
                 .map_err(|e| error(e.to_string()))?;
+            if rescaled {
+                self.wait_replicated(name, wanted.num_replicas).await?;
+            }
             changed.push(name);
+        }
+        // The snapshot store is a stream too: its replicas follow.
+        self.snapshot_store_with(limits.replicas).await?;
+        let name = subjects::SNAPSHOT_STREAM;
+        let error = stream_error(name);
+        let mut stream = self.stream(name).await?;
+        let mut config = stream
+            .info()
+            .await
+            .map_err(|e| error(e.to_string()))?
+            .config
+            .clone();
+        // Reads of the latest snapshot go to the stream's leader: with
+        // direct gets any replica answers, and one catching up after a
+        // restart answers with an older snapshot or none (whose deltas may
+        // be trimmed already).
+        let rescale = config.num_replicas.max(1) != limits.replicas.max(1);
+        if rescale || config.allow_direct {
+            config.allow_direct = false;
+            config.num_replicas = limits.replicas.max(1);
+            self.js
+                .update_stream(config)
+                .await
+                .map_err(|e| error(e.to_string()))?;
+            if rescale {
+                self.wait_replicated(name, limits.replicas.max(1)).await?;
+                changed.push(name);
+            }
         }
         Ok(changed)
     }
@@ -486,6 +606,39 @@ impl Bus {
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Waits (up to [`RESCALE_PATIENCE`]) until a stream whose replicas
+    /// changed has a leader and `replicas - 1` current followers: until
+    /// then the cluster answers its publishes with "no stream found".
+    async fn wait_replicated(&self, name: &'static str, replicas: usize) -> Result<(), BusError> {
+        let deadline = tokio::time::Instant::now() + RESCALE_PATIENCE;
+        loop {
+            let mut stream = self.stream(name).await?;
+            let info = stream
+                .info()
+                .await
+                .map_err(|e| stream_error(name)(e.to_string()))?;
+            let ready = match &info.cluster {
+                Some(cluster) => {
+                    cluster.leader.is_some()
+                        && cluster.replicas.iter().filter(|p| p.current).count() + 1 >= replicas
+                }
+                None => replicas <= 1,
+            };
+            if ready {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    stream = name,
+                    replicas,
+                    "the stream's replicas did not catch up in time; continuing"
+                );
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -650,13 +803,25 @@ impl Bus {
     }
 
     async fn snapshot_store(&self) -> Result<object_store::ObjectStore, BusError> {
+        self.snapshot_store_with(1).await
+    }
+
+    /// The snapshot store, created with `replicas` if missing.
+    async fn snapshot_store_with(
+        &self,
+        replicas: usize,
+    ) -> Result<object_store::ObjectStore, BusError> {
         match self.js.get_object_store(subjects::SNAPSHOT_BUCKET).await {
             Ok(store) => Ok(store),
+            // A cluster electing the stream's leader answers slowly or not
+            // at all: that is no reason to create the store.
+            Err(e) if !stream_not_found(&e) => Err(snapshot_error(e)),
             Err(_) => self
                 .js
                 .create_object_store(object_store::Config {
                     bucket: subjects::SNAPSHOT_BUCKET.into(),
                     storage: stream::StorageType::File,
+                    num_replicas: replicas.max(1),
                     ..Default::default()
                 })
                 .await
@@ -689,5 +854,41 @@ impl Bus {
             .await
             .map_err(snapshot_error)?;
         Ok(Some(IndexSnapshot::decode(&bytes)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn several_urls_one_login() {
+        let none = NatsAuth::default();
+        let (addresses, auth) = split_urls("nats://a:4222, nats://b:4222,", &none).unwrap();
+        assert_eq!(addresses, ["nats://a:4222", "nats://b:4222"]);
+        assert_eq!(auth, none);
+        // The same user info on every URL is the login.
+        let (addresses, auth) = split_urls("nats://u:p@a:4222,nats://u:p@b:4222", &none).unwrap();
+        assert_eq!(addresses, ["nats://a:4222", "nats://b:4222"]);
+        assert_eq!(auth.user.as_deref(), Some("u"));
+        // Different logins, or TLS on some only, are refused.
+        let e = split_urls("nats://u:p@a:4222,nats://b:4222", &none).unwrap_err();
+        assert!(e.contains("nats://b:4222 logs in differently"), "{e}");
+        assert!(split_urls("tls://a:4222,nats://b:4222", &none).is_err());
+        assert!(
+            !split_urls("nats://u:secret@a:1,nats://v:secret@b:1", &none)
+                .unwrap_err()
+                .contains("secret")
+        );
+        assert_eq!(split_urls(" , ", &none).unwrap_err(), "no NATS URL given");
+    }
+
+    #[test]
+    fn replicas_are_one_to_five() {
+        assert_eq!(check_replicas(3), Ok(3));
+        assert!(check_replicas(0).is_err());
+        assert!(check_replicas(MAX_REPLICAS + 1).is_err());
+        let config = &stream_configs(&StreamLimits::with_replicas(3))[0].1;
+        assert_eq!(retention(config).2, 3);
     }
 }

@@ -105,6 +105,11 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
+    /// The etcd client (for [`crate::election`]).
+    pub(crate) fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// Connects without credentials ([`Registry::connect_with`]).
     pub async fn connect(endpoints: &[String]) -> Result<Self, RegistryError> {
         Self::connect_with(endpoints, &EtcdAuth::default()).await

@@ -136,11 +136,13 @@ async fn snapshots_and_the_delta_log_recover_the_index() -> Result<()> {
     })
     .await?;
     ensure!(snapshot_seq < 320, "{status}");
+    // Every 50 deltas, but a snapshot under way defers the next one: fewer
+    // than 250 / 50 when the deltas come faster than they are stored.
     ensure!(
         service
             .metric("kv_indexer_snapshots_total{result=\"ok\"}")
             .await?
-            >= 5.0
+            >= 2.0
     );
     ensure!(service.metric("kv_indexer_snapshot_bytes").await? > 0.0);
     service.stop().await?;

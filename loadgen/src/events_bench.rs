@@ -33,7 +33,7 @@ use crate::stats::{round3, Samples};
 pub struct EventsBench {
     pub nats: String,
     /// The simulated workers register here, so that the indexer keeps them.
-    pub etcd: String,
+    pub etcd: Vec<String>,
     /// Credentials and TLS.
     pub auth: bus::AuthArgs,
     pub workers: usize,
@@ -125,8 +125,7 @@ pub async fn run(bench: EventsBench) -> anyhow::Result<serde_json::Value> {
     let bus = Bus::connect_with(&bench.nats, "loadgen-events", &bench.auth.nats).await?;
     bus.ensure_streams(&StreamLimits::default()).await?;
     // Registered like real agents (the indexer drops unregistered workers).
-    let registry =
-        Registry::connect_with(std::slice::from_ref(&bench.etcd), &bench.auth.etcd).await?;
+    let registry = Registry::connect_with(&bench.etcd, &bench.auth.etcd).await?;
     let mut registrations = Vec::new();
     for w in 0..bench.workers {
         let id = WorkerId::new(&format!("bench{w}"), 0)?;

@@ -148,20 +148,22 @@ enum Command {
 /// The NATS server and etcd of the system under test.
 #[derive(Debug, clap::Args)]
 struct Servers {
+    /// NATS servers, comma separated (one cluster's).
     #[arg(
         long,
         env = "SWITCHYARD_NATS_URL",
         default_value = "nats://127.0.0.1:4222"
     )]
     nats: String,
-    /// Simulated workers register here (the indexer drops workers etcd
-    /// does not list).
+    /// etcd endpoints, comma separated. Simulated workers register here
+    /// (the indexer drops workers etcd does not list).
     #[arg(
         long,
         env = "SWITCHYARD_ETCD_ENDPOINTS",
-        default_value = "http://127.0.0.1:2379"
+        default_value = "http://127.0.0.1:2379",
+        value_delimiter = ','
     )]
-    etcd: String,
+    etcd: Vec<String>,
     /// Credentials and TLS for both.
     #[command(flatten)]
     auth: bus::AuthArgs,

@@ -14,7 +14,7 @@ use protocol::{KvEvent, KvEventBatch, Message, Tier, WorkerId};
 #[derive(Debug, Clone)]
 pub struct ReadyBench {
     pub nats: String,
-    pub etcd: String,
+    pub etcd: Vec<String>,
     /// Credentials and TLS.
     pub auth: bus::AuthArgs,
     pub router_bin: String,
@@ -59,8 +59,7 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
 
     // A router is ready only with a decode-capable worker: one registered
     // (it never gets a request).
-    let registry =
-        bus::Registry::connect_with(std::slice::from_ref(&bench.etcd), &bench.auth.etcd).await?;
+    let registry = bus::Registry::connect_with(&bench.etcd, &bench.auth.etcd).await?;
     let id = WorkerId::new("ready-bench-d0", 0)?;
     let record = protocol::WorkerRecord {
         subjects: protocol::WorkerSubjects::for_worker(&id),
@@ -82,7 +81,7 @@ pub async fn run(bench: ReadyBench) -> anyhow::Result<serde_json::Value> {
             "--nats-url",
             &bench.nats,
             "--etcd-endpoints",
-            &bench.etcd,
+            &bench.etcd.join(","),
             "--http-addr",
             &format!("127.0.0.1:{}", bench.port),
             "--model",

@@ -32,6 +32,8 @@ pub const INDEX_DELTAS: &str = "sy.index.deltas";
 
 /// Object-store bucket of [`crate::IndexSnapshot`]s.
 pub const SNAPSHOT_BUCKET: &str = "sy-index-snapshots";
+/// The stream JetStream keeps the snapshot bucket in (`OBJ_` + bucket).
+pub const SNAPSHOT_STREAM: &str = "OBJ_sy-index-snapshots";
 /// Object name of the newest snapshot.
 pub const SNAPSHOT_LATEST: &str = "latest";
 
@@ -124,6 +126,11 @@ pub fn etcd_epoch_key(worker: &WorkerId) -> String {
     format!("{ETCD_EPOCHS_PREFIX}{}", worker.subject_tokens())
 }
 
+/// etcd: the kv-indexers' leader election (etcd's election API; each
+/// candidate's key is this prefix, a slash and its lease). Only the leader
+/// consumes KV events and publishes deltas.
+pub const ETCD_INDEXER_ELECTION: &str = "/switchyard/election/kv-indexer";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,5 +156,6 @@ mod tests {
         assert!(matches(RESYNC_ALL, &resync(&w)));
         assert!(matches(PING_ALL, &ping(&w)));
         assert!(matches(ROUTER_HEARTBEATS_ALL, &router_heartbeat("r0")));
+        assert_eq!(SNAPSHOT_STREAM, format!("OBJ_{SNAPSHOT_BUCKET}"));
     }
 }

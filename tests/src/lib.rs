@@ -1,11 +1,13 @@
 //! Integration test support: real `nats-server` and `etcd` processes behind
-//! RAII guards ([`servers`]), Switchyard's own binaries as child processes
+//! RAII guards ([`servers`]) and their clusters (a JetStream cluster and
+//! an etcd cluster, [`clusters`]), Switchyard's own binaries as child processes
 //! ([`services`]), deterministic prompts ([`tokens`]), the protocol
 //! fixtures and KV-stream tap the crates' tests share ([`fixtures`]), and
 //! the runner of data-driven scenarios ([`datadriven`]), and a throwaway
 //! certificate authority for TLS tests ([`tls`]), and the tokenizer the
 //! project ships ([`tokenizer`]).
 
+pub mod clusters;
 pub mod datadriven;
 pub mod fixtures;
 pub mod servers;
@@ -13,6 +15,7 @@ pub mod services;
 pub mod tls;
 pub mod tokenizer;
 
+pub use clusters::{EtcdCluster, NatsCluster};
 pub use servers::{free_port, EtcdServer, NatsServer};
 pub use services::{binary, Service};
 pub use tls::TestCa;

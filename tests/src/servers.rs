@@ -45,8 +45,8 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Fresh ports tried when a server cannot bind the ports it was given
 /// (another process took them between the probe and the server's bind).
 const START_ATTEMPTS: usize = 5;
-const POLL_INTERVAL: Duration = Duration::from_millis(10);
-const LOG_FILE: &str = "server.log";
+pub(crate) const POLL_INTERVAL: Duration = Duration::from_millis(10);
+pub(crate) const LOG_FILE: &str = "server.log";
 const NATS_PID_FILE: &str = "nats.pid";
 const LOG_TAIL_BYTES: u64 = 4096;
 
@@ -398,7 +398,7 @@ impl Drop for Server {
 
 /// Why a server did not come up.
 #[derive(Debug)]
-enum StartError {
+pub(crate) enum StartError {
     /// It could not bind its ports: try again (on other ports).
     PortTaken(anyhow::Error),
     Failed(anyhow::Error),
@@ -406,10 +406,10 @@ enum StartError {
 
 /// Starts a server on fresh ports (chosen by `attempt`, which also spawns
 /// it), again on other ports when it could not bind them.
-fn start_on_fresh_ports<P>(
+pub(crate) fn start_on_fresh_ports<P, S>(
     what: &str,
-    mut attempt: impl FnMut() -> Result<(P, Result<Supervised, StartError>)>,
-) -> Result<(P, Supervised)> {
+    mut attempt: impl FnMut() -> Result<(P, Result<S, StartError>)>,
+) -> Result<(P, S)> {
     let mut last_error = None;
     for _ in 0..START_ATTEMPTS {
         match attempt()? {
@@ -424,7 +424,7 @@ fn start_on_fresh_ports<P>(
 
 /// After a stop, the ports are normally free at once; something else may
 /// still grab one in between, so retry briefly before giving up.
-fn respawn_on_same_ports(
+pub(crate) fn respawn_on_same_ports(
     mut spawn: impl FnMut() -> Result<Supervised, StartError>,
 ) -> Result<Supervised> {
     let mut attempt = 1;
@@ -612,7 +612,7 @@ impl Supervised {
 
     /// An error if the server has exited; [`StartError::PortTaken`] if it
     /// exited because it could not bind a port.
-    fn check_alive(&mut self, what: &str) -> Result<(), StartError> {
+    pub(crate) fn check_alive(&mut self, what: &str) -> Result<(), StartError> {
         let status = match self.child.try_wait() {
             Ok(None) => return Ok(()),
             Ok(Some(status)) => status,
@@ -627,7 +627,7 @@ impl Supervised {
         }
     }
 
-    fn timed_out(mut self, what: &str, timeout: Duration) -> StartError {
+    pub(crate) fn timed_out(mut self, what: &str, timeout: Duration) -> StartError {
         let _ = self.stop();
         StartError::Failed(anyhow!(
             "{what} was not ready within {timeout:?}; its output:\n{}",
@@ -727,13 +727,13 @@ pub fn free_port() -> Result<u16> {
     bail!("no unused loopback port found")
 }
 
-fn unique_name(kind: &str) -> String {
+pub(crate) fn unique_name(kind: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     format!("switchyard-{kind}-{}-{n}", std::process::id())
 }
 
-fn server_dir(prefix: &str) -> Result<TempDir> {
+pub(crate) fn server_dir(prefix: &str) -> Result<TempDir> {
     tempfile::Builder::new()
         .prefix(prefix)
         .tempdir()
@@ -742,7 +742,7 @@ fn server_dir(prefix: &str) -> Result<TempDir> {
 
 /// `override_var` if set, else the first executable `name` on `PATH` or in
 /// the sbin/bin directories Debian packages install servers into.
-fn find_program(name: &str, override_var: &str) -> Result<PathBuf> {
+pub(crate) fn find_program(name: &str, override_var: &str) -> Result<PathBuf> {
     if let Some(path) = std::env::var_os(override_var) {
         return Ok(PathBuf::from(path));
     }
@@ -769,7 +769,7 @@ fn loopback(port: u16) -> SocketAddr {
 }
 
 /// Connects to a NATS port and returns the first line the server sends.
-fn read_info_line(port: u16) -> io::Result<String> {
+pub(crate) fn read_info_line(port: u16) -> io::Result<String> {
     let stream = TcpStream::connect_timeout(&loopback(port), Duration::from_millis(200))?;
     stream.set_read_timeout(Some(Duration::from_secs(1)))?;
     let mut line = String::new();

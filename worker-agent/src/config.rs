@@ -34,8 +34,12 @@ pub enum EngineChoice {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Options {
+    /// NATS servers, comma separated (the servers of one cluster).
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
+    /// Copies JetStream keeps of the KV-event stream if this agent
+    /// creates it (the kv-indexer sets it on the existing stream).
+    pub stream_replicas: usize,
     /// NATS credentials and TLS (`[nats]`).
     pub nats: bus::NatsAuth,
     /// etcd credentials and TLS (`[etcd]`).
@@ -92,6 +96,7 @@ impl Default for Options {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            stream_replicas: 1,
             nats: bus::NatsAuth::default(),
             etcd: bus::EtcdAuth::default(),
             worker_name: String::new(),
@@ -130,8 +135,9 @@ impl Default for Options {
 /// Every flag of the agent.
 pub fn flags() -> Vec<Flag> {
     let mut flags = vec![
-        Flag::new("nats_url", Kind::Text, "NATS server URL"),
+        Flag::new("nats_url", Kind::Text, "NATS server URLs, comma separated (one cluster's)"),
         Flag::new("etcd_endpoints", Kind::List, "etcd endpoints, comma separated"),
+        bus::stream_replicas_flag(),
         Flag::new(
             "worker_name",
             Kind::Text,
@@ -305,6 +311,8 @@ pub enum ConfigError {
     KvBatch,
     #[error("no etcd endpoint given")]
     NoEtcdEndpoint,
+    #[error("stream_replicas = {0}: {1}")]
+    StreamReplicas(usize, &'static str),
     #[error("engine URL {0:?} is not http://host:port")]
     EngineUrl(String),
     #[error("KV events: {0}")]
@@ -360,6 +368,7 @@ const LOAD_POLL: Duration = Duration::from_millis(10);
 pub struct Config {
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
+    pub stream_replicas: usize,
     pub nats: bus::NatsAuth,
     pub etcd: bus::EtcdAuth,
     /// Where `/metrics` and `/healthz` are served, if anywhere.
@@ -443,6 +452,8 @@ impl Options {
         if self.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError::NoEtcdEndpoint);
         }
+        bus::check_replicas(self.stream_replicas)
+            .map_err(|expected| ConfigError::StreamReplicas(self.stream_replicas, expected))?;
         let load_interval = self.load_interval;
         let real_engine = self.real_engine(&worker, role, &preset)?;
         if self.sglang_do_local_prefill && self.engine != EngineChoice::Sglang {
@@ -454,6 +465,7 @@ impl Options {
         Ok(Config {
             nats_url: self.nats_url.clone(),
             etcd_endpoints: self.etcd_endpoints.clone(),
+            stream_replicas: self.stream_replicas,
             nats: self.nats.clone(),
             etcd: self.etcd.clone(),
             http_addr: self.http_addr,
@@ -616,6 +628,23 @@ mod tests {
         assert!(e.to_string().contains("\"boss\": expected prefill"), "{e}");
         let e = parse(&[]).unwrap_err();
         assert!(e.to_string().contains("SWITCHYARD_WORKER_NAME"), "{e}");
+    }
+
+    #[test]
+    fn a_cluster_of_servers_and_replicated_streams() {
+        let c = parse(&[
+            "--worker-name",
+            "w",
+            "--nats-url",
+            "nats://a:4222,nats://b:4222",
+            "--stream-replicas",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(c.nats_url, "nats://a:4222,nats://b:4222");
+        assert_eq!(c.stream_replicas, 3);
+        let e = parse(&["--worker-name", "w", "--stream-replicas", "0"]).unwrap_err();
+        assert!(e.to_string().starts_with("stream_replicas = 0"), "{e}");
     }
 
     #[test]

@@ -80,6 +80,14 @@ pub struct Config {
     pub max_epoch_ahead: Duration,
     /// Bearer token of `/status`; none: loopback clients only.
     pub admin_token: Option<bus::Secret>,
+    /// Copies JetStream keeps of each stream and of the snapshot store
+    /// (set on existing streams at start, like the caps).
+    pub stream_replicas: usize,
+    /// The lease of this indexer's candidacy in the leader election (whole
+    /// seconds): a killed leader's standby takes over about this long
+    /// after the last renewal.
+    #[serde(with = "settings::duration")]
+    pub leader_ttl: Duration,
     /// Fault injection for tests: stop abruptly once delta N is confirmed,
     /// before its KV message is acked. Not a setting.
     #[serde(skip)]
@@ -112,6 +120,8 @@ impl Default for Config {
             decisions_max_bytes: 1 << 30,
             max_epoch_ahead: Duration::from_secs(300),
             admin_token: None,
+            stream_replicas: 1,
+            leader_ttl: Duration::from_secs(1),
             crash_after_delta: None,
         }
     }
@@ -246,6 +256,13 @@ pub fn flags() -> Vec<Flag> {
             "Bearer token of /status (it names every worker and what it holds); none: loopback clients only",
         )
         .env("SWITCHYARD_INDEXER_ADMIN_TOKEN"),
+        bus::stream_replicas_flag(),
+        Flag::new(
+            "leader_ttl",
+            Kind::Duration,
+            "Lease of this indexer's candidacy in the leader election (whole seconds): only the leader consumes and publishes, a standby takes over about this long after a leader dies (etcd raises a TTL below 1.5 of its election timeouts)",
+        )
+        .env("SWITCHYARD_INDEXER_LEADER_TTL"),
     ];
     flags.extend(bus::auth_flags());
     flags
@@ -321,6 +338,15 @@ impl Config {
         if self.consumer.trim().is_empty() {
             return Err(invalid("consumer", &"\"\"", "must not be empty"));
         }
+        bus::check_replicas(self.stream_replicas)
+            .map_err(|expected| invalid("stream_replicas", &self.stream_replicas, expected))?;
+        if self.leader_ttl < Duration::from_secs(1) || self.leader_ttl.subsec_nanos() != 0 {
+            return Err(invalid(
+                "leader_ttl",
+                &settings::format_duration(self.leader_ttl),
+                "etcd leases count whole seconds: 1s or more",
+            ));
+        }
         Ok(self)
     }
 
@@ -332,6 +358,7 @@ impl Config {
             kv_events_max_bytes: cap(self.kv_events_max_bytes),
             decisions_max_age: self.decisions_max_age,
             decisions_max_bytes: cap(self.decisions_max_bytes),
+            replicas: self.stream_replicas,
             ..StreamLimits::default()
         }
     }
@@ -415,6 +442,27 @@ mod tests {
         .stream_limits();
         assert_eq!(limits.kv_events_max_bytes, Some(1 << 30));
         assert_eq!(limits.decisions_max_bytes, None, "0 is no cap");
+    }
+
+    #[test]
+    fn high_availability_settings() {
+        let c = parse(&[
+            "--nats-url",
+            "nats://a:4222,nats://b:4222",
+            "--stream-replicas",
+            "3",
+            "--leader-ttl",
+            "2s",
+        ])
+        .unwrap()
+        .config;
+        assert_eq!(c.stream_limits().replicas, 3);
+        assert_eq!(c.leader_ttl, Duration::from_secs(2));
+        assert_eq!(c.nats_url, "nats://a:4222,nats://b:4222");
+        let e = parse(&["--stream-replicas", "7"]).unwrap_err().to_string();
+        assert!(e.starts_with("stream_replicas = 7"), "{e}");
+        let e = parse(&["--leader-ttl", "1500ms"]).unwrap_err().to_string();
+        assert!(e.starts_with("leader_ttl = 1500ms"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! HTTP endpoints: `GET /metrics` (Prometheus text), `GET /healthz` (200
-//! while the service loop runs) and `GET /status` (JSON, answered by the
-//! loop: delta sequences, index size, digest). `/status` names every
+//! while the service runs, standby or leader), `GET /readyz` (200 only
+//! while this indexer leads and its loop runs; 503 naming the role
+//! otherwise) and `GET /status` (JSON, answered by the loop: role, delta
+//! sequences, index size, digest; a standby answers its role and the
+//! leader). `/status` names every
 //! worker and what it holds: it needs the admin token when one is set
 //! (`Authorization: Bearer TOKEN`), else a client on loopback.
 
@@ -15,9 +18,10 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::metrics::Metrics;
+use super::standby::Role;
 
 /// A `/status` request to the service loop.
 pub type StatusRequest = oneshot::Sender<serde_json::Value>;
@@ -29,21 +33,25 @@ struct AppState {
     metrics: Arc<Metrics>,
     status: mpsc::Sender<StatusRequest>,
     admin_token: Option<bus::Secret>,
+    role: watch::Receiver<Role>,
 }
 
 pub fn router(
     metrics: Arc<Metrics>,
     status: mpsc::Sender<StatusRequest>,
     admin_token: Option<bus::Secret>,
+    role: watch::Receiver<Role>,
 ) -> Router {
     Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/status", get(status_json))
         .with_state(AppState {
             metrics,
             status,
             admin_token,
+            role,
         })
 }
 
@@ -88,6 +96,18 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
         (StatusCode::SERVICE_UNAVAILABLE, "stopped\n")
     } else {
         (StatusCode::OK, "ok\n")
+    }
+}
+
+async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    let role = *state.role.borrow();
+    match role {
+        _ if state.status.is_closed() => (StatusCode::SERVICE_UNAVAILABLE, "stopped\n".to_owned()),
+        Role::Leader => (StatusCode::OK, "leader\n".to_owned()),
+        Role::Standby | Role::Recovering => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{}: not leading\n", role.as_str()),
+        ),
     }
 }
 

@@ -45,6 +45,8 @@ pub struct Metrics {
     pub workers_removed_unregistered: Counter,
     pub registry_malformed: Counter,
     pub registry_errors: Counter,
+    pub leader: Gauge,
+    pub takeover_seconds: Gauge,
 }
 
 const STATUSES: [&str; 6] = [
@@ -251,6 +253,14 @@ impl Metrics {
                 "kv_indexer_registry_errors_total",
                 &[],
                 "etcd list or watch failures (retried)",
+            ),
+            leader: r.gauge(
+                "kv_indexer_leader",
+                "1 while this indexer is the elected leader (it alone consumes KV events and publishes deltas), 0 as a standby",
+            ),
+            takeover_seconds: r.gauge(
+                "kv_indexer_takeover_seconds",
+                "Seconds from this indexer's election to consuming: recovering the latest snapshot and the delta log",
             ),
             handle: r.recorder.handle(),
         }

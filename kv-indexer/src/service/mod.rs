@@ -1,10 +1,12 @@
 //! The kv-indexer service: a thin shell around [`KvIndexer`] on NATS
 //! JetStream and etcd.
 //!
-//! - [`Service::start`] connects, creates the streams, recovers the state
-//!   (latest snapshot + the delta log after it, see [`recovery`]) and opens
-//!   the durable KV consumer where the recovered state ends (see
-//!   [`consumer`]).
+//! - [`Candidate::bind`] binds and serves HTTP and connects to NATS and
+//!   etcd; [`Candidate::lead`] campaigns in the leader election (a standby
+//!   until elected, see [`standby`]), then sets the streams' limits,
+//!   recovers the state (latest snapshot + the delta log after it, see
+//!   [`recovery`]) and opens the durable KV consumer where the recovered
+//!   state ends (see [`consumer`]). [`Service::start`] is both.
 //! - [`Service::run`] is one loop over one [`Event`] enum in one `select!`:
 //!   KV messages are decoded and applied to the core; each resulting delta
 //!   is published (pipelined, in order) and only then is its KV message
@@ -12,7 +14,10 @@
 //!   `/status`, periodic snapshots and trimming happen in the same loop.
 //!
 //! A refused delta ([`bus::BusError::Fenced`]: another indexer writes the
-//! delta stream) stops the service with [`ServiceError::Fenced`].
+//! delta stream) stops the service with [`ServiceError::Fenced`]; a lease
+//! that could not be renewed ([`bus::Leadership::lost`]: a standby may lead
+//! by now) with [`ServiceError::LostLeadership`]. On shutdown the leader
+//! resigns, and a standby takes over at once.
 
 pub mod config;
 pub mod consumer;
@@ -23,6 +28,7 @@ pub mod overlap;
 pub mod recovery;
 pub mod resync;
 pub mod snapshots;
+pub mod standby;
 pub mod workers;
 
 use std::collections::HashSet;
@@ -33,12 +39,12 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
 use async_nats::jetstream::message::AckKind;
-use bus::{Bus, BusError, Registry, RegistryError, StreamLimits, WorkerChange};
+use bus::{Bus, BusError, Leadership, Registry, RegistryError, StreamLimits, WorkerChange};
 use futures::StreamExt;
 use protocol::{subjects, IndexDelta, Message, WorkerId};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinSet;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::{JoinHandle, JoinSet};
 
 pub use self::config::Config;
 use self::consumer::{Confirmed, ConsumerError, Pipeline, PipelineError};
@@ -47,6 +53,7 @@ use self::metrics::Metrics;
 use self::recovery::RecoveryError;
 use self::resync::{ResyncLimiter, ResyncOutcome};
 use self::snapshots::{SnapshotPolicy, Stored};
+use self::standby::Role;
 use self::workers::{Liveness, RegistryEvent};
 use crate::index::OwnershipIndex;
 use crate::indexer::{BatchStatus, KvIndexer};
@@ -80,6 +87,11 @@ pub enum ServiceError {
     KvConsumer(String),
     #[error("NATS: {0}")]
     Nats(String),
+    #[error(
+        "the leader election's lease could not be renewed: a standby may lead by now; stopping \
+         (restarted, this indexer campaigns again as a standby)"
+    )]
+    LostLeadership,
     #[error("HTTP on {addr}: {source}")]
     Http {
         addr: SocketAddr,
@@ -100,13 +112,61 @@ impl From<PipelineError> for ServiceError {
     }
 }
 
-/// Starts the service and runs it until `shutdown` completes (then drains
-/// the in-flight publishes and returns).
+/// Starts the service (a standby until elected) and runs it until
+/// `shutdown` completes (then drains the in-flight publishes, resigns and
+/// returns).
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServiceError> {
-    Service::start(config).await?.run(shutdown).await
+    let mut shutdown = std::pin::pin!(shutdown);
+    let candidate = Candidate::bind(config).await?;
+    let service = tokio::select! {
+        service = candidate.lead() => service?,
+        () = &mut shutdown => {
+            tracing::info!("kv-indexer stopped (a standby)");
+            return Ok(());
+        }
+    };
+    service.run(shutdown).await
 }
 
-/// A started service: connected, recovered, its HTTP address bound.
+/// The HTTP server, running from [`Candidate::bind`] until the service
+/// stops.
+struct HttpServer {
+    task: AbortOnDrop<std::io::Result<()>>,
+    stop: oneshot::Sender<()>,
+    addr: SocketAddr,
+    status_rx: mpsc::Receiver<StatusRequest>,
+    role: watch::Sender<Role>,
+}
+
+/// A task that stops with its handle (a standby shut down while
+/// campaigning leaves no HTTP server behind).
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An indexer bound and connected, not yet leading: a standby once
+/// [`Candidate::lead`] campaigns.
+pub struct Candidate {
+    config: Config,
+    bus: Bus,
+    registry: Registry,
+    http: HttpServer,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Candidate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Candidate")
+            .field("http_addr", &self.http.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A started service: elected, connected, recovered, serving HTTP.
 pub struct Service {
     config: Config,
     bus: Bus,
@@ -114,15 +174,15 @@ pub struct Service {
     indexer: KvIndexer,
     snapshot_seq: u64,
     consumer: async_nats::jetstream::consumer::PullConsumer,
-    listener: TcpListener,
-    http_addr: SocketAddr,
+    http: HttpServer,
     metrics: Arc<Metrics>,
+    leadership: Leadership,
 }
 
 impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Service")
-            .field("http_addr", &self.http_addr)
+            .field("http_addr", &self.http.addr)
             .field("delta_seq", &self.indexer.delta_seq())
             .finish_non_exhaustive()
     }
@@ -160,32 +220,90 @@ async fn set_retention(bus: &Bus, retention: &StreamLimits) -> Result<(), Servic
                  (lower --kv-events-max-bytes and --decisions-max-bytes to what JetStream's \
                  store can reserve, 0 for no cap)"
             );
-            bus.ensure_streams(&StreamLimits::default()).await?;
+            bus.ensure_streams(&StreamLimits::with_replicas(retention.replicas))
+                .await?;
         }
     }
     Ok(())
 }
 
-impl Service {
-    /// Connects to NATS and etcd, creates the streams, binds the HTTP
-    /// address, recovers the state and opens the KV consumer.
-    pub async fn start(config: Config) -> Result<Self, ServiceError> {
+impl Candidate {
+    /// Binds the HTTP address and serves it, connects to NATS and etcd.
+    pub async fn bind(config: Config) -> Result<Self, ServiceError> {
         let listener = TcpListener::bind(config.http_addr)
             .await
             .map_err(|source| ServiceError::Http {
                 addr: config.http_addr,
                 source,
             })?;
-        let http_addr = listener.local_addr().map_err(|source| ServiceError::Http {
+        let addr = listener.local_addr().map_err(|source| ServiceError::Http {
             addr: config.http_addr,
             source,
         })?;
-        let bus = Bus::connect_with(&config.nats_url, "kv-indexer", &config.nats).await?;
-        set_retention(&bus, &config.stream_limits()).await?;
-        let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
         let metrics = Arc::new(Metrics::new());
+        let (status_tx, status_rx) = mpsc::channel::<StatusRequest>(16);
+        let (role, role_rx) = watch::channel(Role::Standby);
+        let (stop, stopped) = oneshot::channel();
+        let task = AbortOnDrop(tokio::spawn(http::serve(
+            listener,
+            http::router(
+                metrics.clone(),
+                status_tx,
+                config.admin_token.clone(),
+                role_rx,
+            ),
+            stopped,
+        )));
+        let http = HttpServer {
+            task,
+            stop,
+            addr,
+            status_rx,
+            role,
+        };
+        let bus = Bus::connect_with(&config.nats_url, "kv-indexer", &config.nats).await?;
+        let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
+        Ok(Self {
+            config,
+            bus,
+            registry,
+            http,
+            metrics,
+        })
+    }
 
-        let started = Instant::now();
+    /// Where `/metrics`, `/healthz`, `/readyz` and `/status` are served.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http.addr
+    }
+
+    /// Campaigns until elected (a standby meanwhile), then sets the
+    /// streams' limits, recovers the state and opens the KV consumer.
+    pub async fn lead(self) -> Result<Service, ServiceError> {
+        let Candidate {
+            config,
+            bus,
+            registry,
+            mut http,
+            metrics,
+        } = self;
+        metrics.leader.set(0.0);
+        let candidate = format!("kv-indexer pid {} http {}", std::process::id(), http.addr);
+        let leadership = standby::campaign(
+            &registry,
+            &candidate,
+            config.leader_ttl,
+            &mut http.status_rx,
+        )
+        .await?;
+        let elected = Instant::now();
+        let _ = http.role.send(Role::Recovering);
+        tracing::info!(
+            lease = leadership.lease(),
+            "elected the indexer's leader; recovering"
+        );
+        set_retention(&bus, &config.stream_limits()).await?;
+
         let mut index = match config.max_blocks {
             Some(max) => OwnershipIndex::with_max_blocks(max),
             None => OwnershipIndex::new(),
@@ -204,33 +322,45 @@ impl Service {
             blocks = stats.blocks,
             pairs = stats.pairs,
             workers = indexer.cursors().count(),
-            elapsed_ms = started.elapsed().as_millis() as u64,
+            elapsed_ms = elected.elapsed().as_millis() as u64,
             "recovered the index"
         );
 
         let (consumer, start) = consumer::open(&bus, &config, indexer.delta_seq()).await?;
+        metrics
+            .takeover_seconds
+            .set(elected.elapsed().as_secs_f64());
         tracing::info!(
             consumer = %config.consumer,
             start_stream_seq = start,
-            http = %http_addr,
+            http = %http.addr,
+            takeover_ms = elected.elapsed().as_millis() as u64,
             "KV consumer ready"
         );
-        Ok(Self {
+        Ok(Service {
             config,
             bus,
             registry,
             snapshot_seq: recovered.snapshot_seq,
             indexer,
             consumer,
-            listener,
-            http_addr,
+            http,
             metrics,
+            leadership,
         })
     }
+}
 
-    /// Where `/metrics`, `/healthz` and `/status` are served.
+impl Service {
+    /// Binds, connects, waits to be elected, recovers the state and opens
+    /// the KV consumer ([`Candidate::bind`], [`Candidate::lead`]).
+    pub async fn start(config: Config) -> Result<Self, ServiceError> {
+        Candidate::bind(config).await?.lead().await
+    }
+
+    /// Where `/metrics`, `/healthz`, `/readyz` and `/status` are served.
     pub fn http_addr(&self) -> SocketAddr {
-        self.http_addr
+        self.http.addr
     }
 
     /// The recovered delta sequence.
@@ -247,19 +377,18 @@ impl Service {
             indexer,
             snapshot_seq,
             consumer,
-            listener,
-            http_addr,
+            http,
             metrics,
+            leadership,
         } = self;
         let client = bus.client().clone();
-
-        let (status_tx, status_rx) = mpsc::channel::<StatusRequest>(16);
-        let (http_stop, http_stopped) = oneshot::channel();
-        let http = tokio::spawn(http::serve(
-            listener,
-            http::router(metrics.clone(), status_tx, config.admin_token.clone()),
-            http_stopped,
-        ));
+        let HttpServer {
+            task: mut http_task,
+            stop: http_stop,
+            addr: http_addr,
+            status_rx,
+            role,
+        } = http;
         let (registry_tx, registry_rx) = mpsc::channel(256);
         let follower = tokio::spawn(workers::follow(registry, registry_tx, REGISTRY_RETRY));
         let overlap = client
@@ -297,20 +426,45 @@ impl Service {
             client: client.clone(),
             metrics,
             config,
+            leadership: Some(leadership),
+            role: Role::Leader,
         };
         state.update_gauges();
-        tracing::info!(http = %http_addr, delta_seq = state.indexer.delta_seq(), "kv-indexer running");
+        state.metrics.leader.set(1.0);
+        let _ = role.send(Role::Leader);
+        tracing::info!(http = %http_addr, delta_seq = state.indexer.delta_seq(), "kv-indexer running (the leader)");
 
         let result = state
             .run(shutdown, kv_messages, queries, status_rx, registry_rx)
             .await;
+        state.metrics.leader.set(0.0);
+        let _ = role.send(Role::Standby);
 
         follower.abort();
         let _ = http_stop.send(());
-        match tokio::time::timeout(Duration::from_secs(5), http).await {
+        match tokio::time::timeout(Duration::from_secs(5), &mut http_task.0).await {
             Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server failed"),
             Err(_) => tracing::warn!("HTTP server did not stop in time"),
             _ => {}
+        }
+        // A snapshot being stored finishes with its trim (bounded), so the
+        // stored snapshot and the trimmed log agree; other tasks stop.
+        if state.pending_snapshot_task() {
+            let finish = async {
+                while let Some(done) = state.tasks.join_next().await {
+                    let snapshot = matches!(&done, Ok(TaskDone::Snapshot { .. }));
+                    state.on_task(done);
+                    if snapshot {
+                        break;
+                    }
+                }
+            };
+            if tokio::time::timeout(Duration::from_secs(2), finish)
+                .await
+                .is_err()
+            {
+                tracing::warn!("the snapshot being stored did not finish in time");
+            }
         }
         state.tasks.abort_all();
         // Bounded: with NATS gone, a flush would wait for a reconnection.
@@ -318,6 +472,20 @@ impl Service {
             Ok(Err(e)) => tracing::warn!(error = %e, "flushing the NATS connection"),
             Err(_) => tracing::warn!("the NATS connection did not flush in time"),
             Ok(Ok(())) => {}
+        }
+        // A standby takes over at once rather than after the lease's TTL
+        // (not when the lease is gone: then another may lead already).
+        if !matches!(result, Err(ServiceError::LostLeadership)) {
+            let leadership = state.leadership_handoff();
+            match tokio::time::timeout(Duration::from_secs(2), leadership.resign()).await {
+                Ok(Ok(())) => tracing::info!("resigned the indexer's leadership"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "resigning the leadership failed; it lapses with its lease")
+                }
+                Err(_) => {
+                    tracing::warn!("resigning the leadership timed out; it lapses with its lease")
+                }
+            }
         }
         match &result {
             Ok(()) => tracing::info!(delta_seq = state.confirmed_seq, "kv-indexer stopped"),
@@ -350,6 +518,8 @@ enum Event {
     Registry(RegistryEvent),
     Task(Result<TaskDone, tokio::task::JoinError>),
     Tick,
+    /// The election's lease could not be renewed.
+    LeadershipLost,
 }
 
 /// Background work the loop started.
@@ -386,6 +556,10 @@ struct Loop {
     last_kv_stream_seq: u64,
     /// Workers dropping stale batches (`/status`, a gauge).
     frozen: guard::Frozen,
+    /// This indexer's hold on the leader election (taken by
+    /// [`Loop::leadership_handoff`] to resign).
+    leadership: Option<Leadership>,
+    role: Role,
 }
 
 impl Loop {
@@ -418,6 +592,7 @@ impl Loop {
                 Some(done) = self.tasks.join_next() => Event::Task(done),
                 Some(change) = registry_rx.recv() => Event::Registry(change),
                 _ = tick.tick() => Event::Tick,
+                () = lost(&mut self.leadership) => Event::LeadershipLost,
                 chunk = kv_messages.next(), if self.pipeline.len() < max_in_flight => match chunk {
                     Some(chunk) => Event::Kv(chunk),
                     None => Event::KvEnded,
@@ -446,9 +621,22 @@ impl Loop {
                 Event::Registry(change) => self.on_registry(change).await?,
                 Event::Task(done) => self.on_task(done),
                 Event::Tick => self.on_tick().await?,
+                Event::LeadershipLost => return Err(ServiceError::LostLeadership),
             }
         }
         self.drain().await
+    }
+
+    /// Whether a snapshot is being stored.
+    fn pending_snapshot_task(&self) -> bool {
+        self.snapshots.storing()
+    }
+
+    /// The leadership, to resign it once the loop is done.
+    fn leadership_handoff(&mut self) -> Leadership {
+        self.leadership
+            .take()
+            .expect("the leadership is taken once, when the service stops")
     }
 
     fn tick_period(&self) -> Duration {
@@ -883,6 +1071,7 @@ impl Loop {
             .map(|(w, blocks)| (w.to_string(), blocks.into()))
             .collect();
         serde_json::json!({
+            "role": self.role.as_str(),
             "delta_seq": self.indexer.delta_seq(),
             "delta_seq_published": self.confirmed_seq,
             "snapshot_seq": self.snapshots.covered(),
@@ -898,6 +1087,14 @@ impl Loop {
             "frozen_workers": self.frozen.to_json(),
             "digest": format!("{:016x}", index.digest()),
         })
+    }
+}
+
+/// Resolves when the leadership is presumed lost (never without one).
+async fn lost(leadership: &mut Option<Leadership>) {
+    match leadership {
+        Some(leadership) => leadership.lost().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -69,6 +69,11 @@ impl SnapshotPolicy {
     pub fn covered(&self) -> u64 {
         self.last_seq
     }
+
+    /// Whether a snapshot is under way (taken, not yet stored).
+    pub fn storing(&self) -> bool {
+        self.in_progress
+    }
 }
 
 /// A stored snapshot.

@@ -113,8 +113,12 @@ impl Default for Timeouts {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
+    /// NATS servers, comma separated (the servers of one cluster).
     pub nats_url: String,
     pub etcd_endpoints: Vec<String>,
+    /// Copies JetStream keeps of the streams this replica creates when
+    /// they are missing (the kv-indexer sets it on existing ones).
+    pub stream_replicas: usize,
     /// NATS credentials and TLS (`[nats]`).
     pub nats: bus::NatsAuth,
     /// etcd credentials and TLS (`[etcd]`).
@@ -185,6 +189,7 @@ impl Default for Config {
         Self {
             nats_url: "nats://127.0.0.1:4222".into(),
             etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            stream_replicas: 1,
             nats: bus::NatsAuth::default(),
             etcd: bus::EtcdAuth::default(),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
@@ -222,8 +227,9 @@ impl Default for Config {
 /// the registry: [`flags`]).
 fn fixed_flags() -> Vec<Flag> {
     vec![
-    Flag::new("nats_url", Kind::Text, "NATS server URL"),
+    Flag::new("nats_url", Kind::Text, "NATS server URLs, comma separated (one cluster's)"),
     Flag::new("etcd_endpoints", Kind::List, "etcd endpoints, comma separated"),
+    bus::stream_replicas_flag(),
     Flag::new("http_addr", Kind::Text, "HTTP listen address")
         // The worker agent has an HTTP address too.
         .env("SWITCHYARD_ROUTER_HTTP_ADDR"),
@@ -631,6 +637,8 @@ impl Config {
                 "needs at least one non-empty endpoint",
             ));
         }
+        bus::check_replicas(self.stream_replicas)
+            .map_err(|expected| invalid("stream_replicas", self.stream_replicas, expected))?;
         if self.max_body_bytes < 1024 {
             return Err(invalid(
                 "max_body_bytes",

@@ -113,7 +113,8 @@ pub async fn run(
 
     let bus =
         Bus::connect_with(&config.nats_url, &format!("router-{replica}"), &config.nats).await?;
-    bus.ensure_streams(&StreamLimits::default()).await?;
+    bus.ensure_streams(&StreamLimits::with_replicas(config.stream_replicas))
+        .await?;
     let registry = Registry::connect_with(&config.etcd_endpoints, &config.etcd).await?;
     let inputs = Inputs::open(&bus, registry).await?;
 

@@ -15,7 +15,13 @@ use futures::StreamExt;
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{KvEventBatch, Message};
 use serde_json::{json, Value};
-use tests::{free_port, EtcdServer, NatsServer, Service};
+use tests::{free_port, EtcdCluster, EtcdServer, NatsCluster, NatsServer, Service};
+
+mod backends;
+mod load;
+pub use backends::{Etcd, Nats};
+#[allow(unused_imports)]
+pub use load::{Load, LoadOutcome};
 
 /// The engines' model and preset, and the block size: routers, agents and
 /// engines agree on all three.
@@ -126,10 +132,13 @@ pub fn permissions_everywhere() -> bool {
 pub struct Cluster {
     pub workers: Vec<Worker>,
     pub routers: Vec<Node>,
+    /// The indexer that leads (after a failover: the one that took over).
     pub indexer: Node,
+    /// A standby indexer ([`Cluster::start_ha`]).
+    pub standby: Option<Node>,
     pub http: reqwest::Client,
-    pub etcd: EtcdServer,
-    pub nats: NatsServer,
+    pub etcd: Etcd,
+    pub nats: Nats,
     pub permissions: Option<Permissions>,
     /// Flags every router and every agent gets besides the harness's own
     /// ([`Cluster::start_with_flags`]).
@@ -162,6 +171,7 @@ impl Cluster {
             routers,
             permissions_everywhere(),
             ExtraFlags::default(),
+            false,
         )
         .await
     }
@@ -173,7 +183,35 @@ impl Cluster {
         routers: usize,
         extra: ExtraFlags,
     ) -> Result<Self> {
-        Self::start_with_permissions(workers, routers, permissions_everywhere(), extra).await
+        Self::start_with_permissions(workers, routers, permissions_everywhere(), extra, false)
+            .await
+    }
+
+    /// High availability: a 3-node JetStream cluster (streams with 3
+    /// replicas), a 3-member etcd cluster, and a standby indexer beside
+    /// the leader; every service is given every node's address.
+    pub async fn start_ha(prefill: &[&str], decode: &[&str], routers: usize) -> Result<Self> {
+        let workers: Vec<(&str, &str, Engine)> = prefill
+            .iter()
+            .map(|n| (*n, "prefill", Engine::Simulated))
+            .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
+            .collect();
+        Self::start_with_permissions(&workers, routers, permissions_everywhere(), ExtraFlags::default(), true)
+            .await
+    }
+
+    /// [`Cluster::start_ha`] with the bus's permissions on.
+    pub async fn start_ha_secured(
+        prefill: &[&str],
+        decode: &[&str],
+        routers: usize,
+    ) -> Result<Self> {
+        let workers: Vec<(&str, &str, Engine)> = prefill
+            .iter()
+            .map(|n| (*n, "prefill", Engine::Simulated))
+            .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
+            .collect();
+        Self::start_with_permissions(&workers, routers, true, ExtraFlags::default(), true).await
     }
 
     /// [`Cluster::start`] with the bus's permissions on.
@@ -183,7 +221,7 @@ impl Cluster {
             .map(|n| (*n, "prefill", Engine::Simulated))
             .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
             .collect();
-        Self::start_with_permissions(&workers, routers, true, ExtraFlags::default()).await
+        Self::start_with_permissions(&workers, routers, true, ExtraFlags::default(), false).await
     }
 
     async fn start_with_permissions(
@@ -191,6 +229,7 @@ impl Cluster {
         routers: usize,
         secured: bool,
         extra: ExtraFlags,
+        ha: bool,
     ) -> Result<Self> {
         let mut permissions = secured.then(Permissions::new).transpose()?;
         if let Some(permissions) = &mut permissions {
@@ -199,16 +238,38 @@ impl Cluster {
             }
             permissions.write()?;
         }
-        let nats = match &permissions {
-            Some(p) => NatsServer::start_with_config(&p.config)?,
-            None => NatsServer::start()?,
+        let (nats, etcd) = if ha {
+            let nats = match &permissions {
+                Some(p) => NatsCluster::start_with_config(3, &p.config)?,
+                None => NatsCluster::start(3)?,
+            };
+            (Nats::Cluster(nats), Etcd::Cluster(EtcdCluster::start(3)?))
+        } else {
+            let nats = match &permissions {
+                Some(p) => NatsServer::start_with_config(&p.config)?,
+                None => NatsServer::start()?,
+            };
+            (Nats::Single(nats), Etcd::Single(EtcdServer::start()?))
         };
-        let etcd = EtcdServer::start()?;
-        let indexer = Self::spawn_indexer(&nats, &etcd, permissions.is_some())?;
+        let indexer = Self::spawn_indexer(&nats, &etcd, permissions.is_some(), "kv-indexer")?;
+        let standby = if ha {
+            // The first is the leader once it is ready.
+            let port = indexer.port;
+            wait_http(port, "/readyz").await?;
+            Some(Self::spawn_indexer(
+                &nats,
+                &etcd,
+                permissions.is_some(),
+                "kv-indexer-standby",
+            )?)
+        } else {
+            None
+        };
         let mut cluster = Self {
             nats,
             etcd,
             indexer,
+            standby,
             routers: Vec::new(),
             workers: Vec::new(),
             http: reqwest::Client::new(),
@@ -226,7 +287,7 @@ impl Cluster {
     }
 
     /// `--nats-url`, and with the permissions on the login of `user`.
-    fn nats_args(nats: &NatsServer, secured: bool, user: &str) -> Vec<String> {
+    fn nats_args(nats: &Nats, secured: bool, user: &str) -> Vec<String> {
         let mut args = vec![format!("--nats-url={}", nats.url())];
         if secured {
             args.extend([
@@ -247,7 +308,7 @@ impl Cluster {
     /// log in. `start_worker` is not async: the check runs on a thread of
     /// its own with its own runtime.
     fn wait_for_user(&self, user: &str) -> Result<()> {
-        let (url, user) = (self.nats.url(), user.to_owned());
+        let (url, user) = (self.nats.urls()[0].clone(), user.to_owned());
         let check = std::thread::spawn(move || -> Result<()> {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -280,19 +341,21 @@ impl Cluster {
                 .user_and_password(TEST_USER.into(), PASSWORD.into()),
             None => async_nats::ConnectOptions::new(),
         };
-        Ok(options.connect(self.nats.url()).await?)
+        Ok(options.connect(self.nats.urls()).await?)
     }
 
-    fn spawn_indexer(nats: &NatsServer, etcd: &EtcdServer, secured: bool) -> Result<Node> {
+    fn spawn_indexer(nats: &Nats, etcd: &Etcd, secured: bool, name: &str) -> Result<Node> {
         let port = free_port()?;
         let mut args = Self::nats_args(nats, secured, bus::permissions::INDEXER_USER);
         args.extend([
+            format!("--stream-replicas={}", nats.replicas()),
+            "--leader-ttl=1s".into(),
             format!("--etcd-endpoints={}", etcd.endpoint()),
             format!("--http-addr=127.0.0.1:{port}"),
             "--snapshot-interval=1s".into(),
             "--worker-grace=3s".into(),
         ]);
-        let mut service = Service::start("kv-indexer", "kv-indexer", &args)?;
+        let mut service = Service::start("kv-indexer", name, &args)?;
         service.wait_http_ok(port, "/healthz", STARTUP)?;
         Ok(Node { service, port })
     }
@@ -314,6 +377,7 @@ impl Cluster {
             &bus::permissions::agent_user(&worker),
         );
         agent_args.extend([
+            format!("--stream-replicas={}", self.nats.replicas()),
             format!("--etcd-endpoints={}", self.etcd.endpoint()),
             format!("--worker-name={name}"),
             format!("--role={role}"),
@@ -434,6 +498,7 @@ impl Cluster {
             bus::permissions::ROUTER_USER,
         );
         args.extend([
+            format!("--stream-replicas={}", self.nats.replicas()),
             format!("--etcd-endpoints={}", self.etcd.endpoint()),
             format!("--http-addr=127.0.0.1:{port}"),
             format!("--replica-id={replica}"),
@@ -530,10 +595,51 @@ impl Cluster {
             .await
     }
 
-    /// The indexer's `/status`.
+    /// The leading indexer's `/status`: the indexer's, or the standby's
+    /// once it leads (the indexer stopped by itself).
     pub async fn indexer_status(&self) -> Result<Value> {
-        self.get_json(format!("{}/status", self.indexer.url()))
-            .await
+        let status = self
+            .get_json(format!("{}/status", self.indexer.url()))
+            .await;
+        match (&status, &self.standby) {
+            (Ok(s), _) if s["role"] == "leader" || s.get("role").is_none() => status,
+            (_, Some(standby)) => {
+                let other = self.get_json(format!("{}/status", standby.url())).await?;
+                if other["role"] == "leader" {
+                    Ok(other)
+                } else {
+                    status
+                }
+            }
+            (_, None) => status,
+        }
+    }
+
+    /// Restarts every service that stopped by itself (what a supervisor
+    /// does) and, if the standby indexer leads now, makes it `indexer`.
+    /// Returns the names of those restarted.
+    pub async fn heal(&mut self) -> Result<Vec<String>> {
+        let mut restarted = Vec::new();
+        let nodes = std::iter::once(&mut self.indexer)
+            .chain(self.standby.as_mut())
+            .chain(self.routers.iter_mut())
+            .chain(self.workers.iter_mut().map(|w| &mut w.agent));
+        for node in nodes {
+            if !node.service.is_running() {
+                restarted.push(node.service.name().to_owned());
+                node.service.restart()?;
+                let port = node.port;
+                node.service.wait_http_ok(port, "/healthz", STARTUP)?;
+            }
+        }
+        if let Some(standby) = &self.standby {
+            let status = self.get_json(format!("{}/status", standby.url())).await?;
+            if status["role"] == "leader" {
+                let standby = self.standby.as_mut().expect("checked");
+                std::mem::swap(&mut self.indexer, standby);
+            }
+        }
+        Ok(restarted)
     }
 
     /// Starts a long streamed completion that bypasses to `decode` (a short
@@ -694,7 +800,7 @@ impl Cluster {
             }
         }
         // Workers whose leases expired left the indexer's index too.
-        let registry = bus::Registry::connect(&[self.etcd.endpoint()]).await?;
+        let registry = bus::Registry::connect(&self.etcd.endpoints()).await?;
         let (registered, _) = registry.workers().await?;
         let alive: Vec<_> = registered
             .into_iter()
@@ -715,9 +821,64 @@ impl Cluster {
         Ok(format!("{:016x}", indexer.index().digest()))
     }
 
+    /// Every router's base URL.
+    pub fn router_urls(&self) -> Vec<String> {
+        self.routers.iter().map(Node::url).collect()
+    }
+
+    /// Kills the leading indexer (SIGKILL) with a standby running, waits
+    /// until the standby leads (its `/readyz` answers 200), and restarts
+    /// the killed one, which becomes the standby. Returns the seconds from
+    /// the kill to the standby's readiness.
+    pub async fn fail_over_indexer(&mut self) -> Result<f64> {
+        let mut standby = self.standby.take().context("no standby indexer")?;
+        self.indexer.service.kill()?;
+        let killed = Instant::now();
+        let deadline = killed + Duration::from_secs(30);
+        let url = format!("{}/readyz", standby.url());
+        loop {
+            let ready = self
+                .http
+                .get(&url)
+                .timeout(Duration::from_millis(500))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ready {
+                break;
+            }
+            if !standby.service.is_running() {
+                bail!(
+                    "the standby indexer exited; its output:\n{}",
+                    standby.service.log()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the standby indexer did not take over within 30 s; its output:\n{}",
+                    standby.service.log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let took = killed.elapsed().as_secs_f64();
+        std::mem::swap(&mut self.indexer, &mut standby);
+        standby.service.restart()?;
+        let port = standby.port;
+        standby.service.wait_http_ok(port, "/healthz", STARTUP)?;
+        self.standby = Some(standby);
+        Ok(took)
+    }
+
     /// Every process's output, for a failing test's message.
     pub fn logs(&self) -> String {
         let mut out = format!("--- kv-indexer\n{}\n", self.indexer.service.log());
+        if let Some(standby) = &self.standby {
+            out.push_str(&format!(
+                "--- standby kv-indexer\n{}\n",
+                standby.service.log()
+            ));
+        }
         let workers = self
             .workers
             .iter()
@@ -730,6 +891,27 @@ impl Cluster {
             ));
         }
         out
+    }
+}
+
+/// Waits (30 s at most) until `GET 127.0.0.1:port path` answers 200.
+pub async fn wait_http(port: u16, path: &str) -> Result<()> {
+    let url = format!("http://127.0.0.1:{port}{path}");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + STARTUP;
+    loop {
+        if client
+            .get(&url)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{url} did not answer 200 within {STARTUP:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -118,7 +118,8 @@ async fn serve_worker(
         &config.nats,
     )
     .await?;
-    bus.ensure_kv_stream().await?;
+    bus.ensure_kv_stream(&bus::StreamLimits::with_replicas(config.stream_replicas))
+        .await?;
     let client = bus.client().clone();
     let subscriptions = Subscriptions {
         generate: subscribe(&client, subjects::generate(&worker)).await?,

@@ -250,3 +250,23 @@ fn the_tokenization_cache_is_sized_in_bytes() {
         .config;
     assert_eq!(c.tokenizer_cache, 0);
 }
+
+#[test]
+fn a_cluster_of_servers_and_replicated_streams() {
+    let c = parse(&[
+        "--model",
+        "m",
+        "--nats-url",
+        "nats://a:4222,nats://b:4222",
+        "--stream-replicas",
+        "3",
+    ])
+    .unwrap()
+    .config;
+    assert_eq!(c.nats_url, "nats://a:4222,nats://b:4222");
+    assert_eq!(c.stream_replicas, 3);
+    let e = parse(&["--model", "m", "--stream-replicas", "9"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("stream_replicas = 9"), "{e}");
+}

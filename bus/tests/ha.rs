@@ -1,0 +1,148 @@
+//! High availability of the glue, against real servers: streams and the
+//! snapshot store replicated on a 3-node JetStream cluster (and serving
+//! through a node's death), clients given every node's URL, and the leader
+//! election on etcd.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bus::{Bus, Registry, StreamLimits};
+use protocol::{subjects, IndexSnapshot, KvEvent, KvEventBatch};
+use tests::fixtures::worker;
+use tests::{EtcdServer, NatsCluster};
+
+async fn replicas(bus: &Bus, stream: &str) -> Result<usize> {
+    let mut stream = bus.jetstream().get_stream(stream).await?;
+    Ok(stream.info().await?.config.num_replicas)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_and_snapshots_are_replicated_and_survive_a_node() -> Result<()> {
+    let mut nats = NatsCluster::start(3)?;
+    let bus = Bus::connect(&nats.urls(), "bus-ha-test").await?;
+    // Another service came first and created them with one replica.
+    bus.ensure_streams(&StreamLimits::default()).await?;
+    assert_eq!(bus.latest_snapshot().await?, None); // creates the store
+    for stream in [
+        subjects::KV_EVENTS_STREAM,
+        subjects::DECISIONS_STREAM,
+        subjects::SNAPSHOT_STREAM,
+    ] {
+        assert_eq!(replicas(&bus, stream).await?, 1, "{stream}");
+    }
+    // The indexer's setting raises them all, the snapshot store's too.
+    let changed = bus
+        .apply_stream_limits(&StreamLimits::with_replicas(3))
+        .await?;
+    assert_eq!(
+        changed,
+        vec![
+            subjects::KV_EVENTS_STREAM,
+            subjects::INDEX_DELTAS_STREAM,
+            subjects::DECISIONS_STREAM,
+            subjects::SNAPSHOT_STREAM
+        ]
+    );
+    for stream in [
+        subjects::KV_EVENTS_STREAM,
+        subjects::INDEX_DELTAS_STREAM,
+        subjects::DECISIONS_STREAM,
+        subjects::SNAPSHOT_STREAM,
+    ] {
+        assert_eq!(replicas(&bus, stream).await?, 3, "{stream}");
+    }
+    assert!(bus
+        .apply_stream_limits(&StreamLimits::with_replicas(3))
+        .await?
+        .is_empty());
+    // The latest snapshot is read from the stream's leader, never from a
+    // replica that is catching up.
+    let mut snapshots = bus
+        .jetstream()
+        .get_stream(subjects::SNAPSHOT_STREAM)
+        .await?;
+    assert!(!snapshots.info().await?.config.allow_direct);
+
+    let batch = |seq| KvEventBatch {
+        worker: worker("d0"),
+        epoch: 1,
+        seq,
+        events: vec![KvEvent::Cleared],
+    };
+    bus.publish_kv_batch(&batch(0)).await?;
+    // One node dies: the client fails over, the streams keep serving once
+    // a stream whose leader died has elected another (JetStream's raft
+    // takes seconds); a publish that timed out meanwhile is retried, as
+    // agents do (the message id makes a retry a no-op if it had landed).
+    nats.kill(0)?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    for seq in 1..20 {
+        loop {
+            match bus.publish_kv_batch(&batch(seq)).await {
+                Ok(_) => break,
+                Err(e) if tokio::time::Instant::now() < deadline => {
+                    eprintln!("publish {seq} with a node down: {e}; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(e).context("publishing with a node down"),
+            }
+        }
+    }
+    let snapshot = IndexSnapshot {
+        delta_seq: 0,
+        workers: Vec::new(),
+        cursors: Vec::new(),
+        runs: Vec::new(),
+        digest: 0,
+    };
+    // The indexer retries a snapshot that failed, so does this.
+    loop {
+        match bus.put_snapshot(&snapshot).await {
+            Ok(()) => break,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                eprintln!("snapshot with a node down: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e).context("storing a snapshot with a node down"),
+        }
+    }
+    nats.restart(0)?;
+    let mut stream = bus
+        .jetstream()
+        .get_stream(subjects::KV_EVENTS_STREAM)
+        .await?;
+    assert_eq!(stream.info().await?.state.messages, 20);
+    assert_eq!(bus.latest_snapshot().await?.map(|s| s.delta_seq), Some(0));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_leader_at_a_time_and_a_resignation_hands_over() -> Result<()> {
+    let etcd = EtcdServer::start()?;
+    let registry = Registry::connect(&[etcd.endpoint()]).await?;
+    let election = "/switchyard/election/test";
+    let ttl = Duration::from_secs(1);
+    let first = registry.campaign(election, "first", ttl).await?;
+    assert_eq!(registry.leader(election).await?.as_deref(), Some("first"));
+
+    let other = registry.clone();
+    let second = tokio::spawn(async move { other.campaign(election, "second", ttl).await });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!second.is_finished(), "two leaders at once");
+    assert!(!first.is_lost(), "a renewed lease is kept");
+
+    first.resign().await?;
+    let mut second = tokio::time::timeout(Duration::from_millis(500), second)
+        .await
+        .context("the resignation did not hand over at once")???;
+    assert_eq!(registry.leader(election).await?.as_deref(), Some("second"));
+
+    // etcd drops the lease (as on expiry): the leader learns it is deposed.
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await?;
+    client.lease_revoke(second.lease()).await?;
+    tokio::time::timeout(Duration::from_secs(2), second.lost())
+        .await
+        .context("a revoked lease went unnoticed")?;
+    assert_eq!(registry.leader(election).await?, None);
+    Ok(())
+}
