@@ -51,3 +51,23 @@ fn the_request_seeds_are_requests() {
         }
     }
 }
+
+/// Inputs `scripts/fuzz` found crashing, kept in `fuzz/regressions/TARGET/`
+/// once fixed: each runs again here.
+#[test]
+fn found_crashes_stay_fixed() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("regressions");
+    let mut ran = 0;
+    for t in TARGETS {
+        let Ok(entries) = std::fs::read_dir(dir.join(t.name)) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry.expect("a readable entry").path();
+            let input = std::fs::read(&path).expect("a readable regression");
+            (t.run)(&input);
+            ran += 1;
+        }
+    }
+    assert!(ran > 0, "no regression inputs under {}", dir.display());
+}

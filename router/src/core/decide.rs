@@ -603,7 +603,11 @@ impl RouterCore {
             // The source serves a read of its blocks only if its engine
             // serves remote decodes (NIXL); an SGLang decode server does not.
             if matches!(side, Side::Decode)
-                && !self.workers.slot(decode[i].slot).capabilities().remote_decode
+                && !self
+                    .workers
+                    .slot(decode[i].slot)
+                    .capabilities()
+                    .remote_decode
             {
                 return None;
             }

@@ -183,8 +183,7 @@ impl Cluster {
         routers: usize,
         extra: ExtraFlags,
     ) -> Result<Self> {
-        Self::start_with_permissions(workers, routers, permissions_everywhere(), extra, false)
-            .await
+        Self::start_with_permissions(workers, routers, permissions_everywhere(), extra, false).await
     }
 
     /// High availability: a 3-node JetStream cluster (streams with 3
@@ -196,8 +195,14 @@ impl Cluster {
             .map(|n| (*n, "prefill", Engine::Simulated))
             .chain(decode.iter().map(|n| (*n, "decode", Engine::Simulated)))
             .collect();
-        Self::start_with_permissions(&workers, routers, permissions_everywhere(), ExtraFlags::default(), true)
-            .await
+        Self::start_with_permissions(
+            &workers,
+            routers,
+            permissions_everywhere(),
+            ExtraFlags::default(),
+            true,
+        )
+        .await
     }
 
     /// [`Cluster::start_ha`] with the bus's permissions on.
@@ -490,7 +495,11 @@ impl Cluster {
 
     /// A router replica with `extra` flags (`--tokenizer=...`, a policy:
     /// `isl` unless one is given).
-    pub fn start_router_with<S: AsRef<str>>(&mut self, replica: &str, extra: &[S]) -> Result<usize> {
+    pub fn start_router_with<S: AsRef<str>>(
+        &mut self,
+        replica: &str,
+        extra: &[S],
+    ) -> Result<usize> {
         let port = free_port()?;
         let mut args = Self::nats_args(
             &self.nats,
