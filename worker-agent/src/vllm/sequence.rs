@@ -386,7 +386,9 @@ impl RankCore {
             Purpose::Rebuild => {
                 let complete = !r.failed
                     && r.received.first().is_some_and(|(s, _)| *s == 0)
-                    && r.received.windows(2).all(|w| w[0].0.checked_add(1) == Some(w[1].0));
+                    && r.received
+                        .windows(2)
+                        .all(|w| w[0].0.checked_add(1) == Some(w[1].0));
                 let last = r.received.last().map(|(s, _)| *s);
                 if complete {
                     self.translator.reset();
