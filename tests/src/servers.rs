@@ -708,23 +708,73 @@ fn wait_timeout(child: &mut Child, timeout: Duration) -> io::Result<Option<ExitS
     }
 }
 
-/// A loopback port that was free a moment ago and that this process has not
-/// handed out before (so concurrent starts in one test binary never race
-/// for the same port; a collision with another process is caught by the
-/// server's bind failure or by its identity check, then retried).
+/// Where test ports are drawn from: below Linux's ephemeral range
+/// (32768–60999), so that no outgoing connection's source port (and there
+/// are many: every service's NATS and etcd clients) takes a port between
+/// the draw and the server's bind.
+const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// How long a claim on a port (below) holds against other test processes;
+/// after that the port is drawn again (a run ends well within it).
+const PORT_CLAIM_TTL: Duration = Duration::from_secs(30 * 60);
+
+/// A loopback port that was free a moment ago and that no test process has
+/// been handed in the last [`PORT_CLAIM_TTL`]: drawn at random from
+/// [`TEST_PORTS`] and claimed by creating a file named after it
+/// (`create_new` is atomic across processes), so concurrent test binaries
+/// never race for the same port.
 pub fn free_port() -> Result<u16> {
     static HANDED_OUT: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
-    for _ in 0..100 {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .context("binding 127.0.0.1:0 to find a free port")?;
-        let port = listener.local_addr()?.port();
-        if !handed_out.contains(&port) {
+    let claims = std::env::temp_dir().join("switchyard-test-ports");
+    fs::create_dir_all(&claims).with_context(|| format!("creating {}", claims.display()))?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let mut x = u64::from(std::process::id()) << 32
+        ^ u64::from(nanos)
+        ^ DRAWS
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let span = u64::from(TEST_PORTS.end - TEST_PORTS.start);
+    for _ in 0..2_000 {
+        // splitmix64 step: a different draw every time round.
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        let port = TEST_PORTS.start + ((z ^ (z >> 31)) % span) as u16;
+        if handed_out.contains(&port) || !claim_port(&claims.join(port.to_string()))? {
+            continue;
+        }
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
             handed_out.push(port);
             return Ok(port);
         }
     }
-    bail!("no unused loopback port found")
+    bail!("no unused loopback port found in {TEST_PORTS:?}")
+}
+
+/// Claims a port through its claim file: a new one, or one older than
+/// [`PORT_CLAIM_TTL`] (its run is over), renewed.
+fn claim_port(file: &Path) -> Result<bool> {
+    match OpenOptions::new().write(true).create_new(true).open(file) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            let age = fs::metadata(file)
+                .and_then(|m| m.modified())
+                .map(|t| t.elapsed().unwrap_or_default());
+            match age {
+                Ok(age) if age > PORT_CLAIM_TTL => {
+                    fs::write(file, b"").with_context(|| format!("renewing {}", file.display()))?;
+                    Ok(true)
+                }
+                _ => Ok(false),
+            }
+        }
+        Err(e) => Err(e).with_context(|| format!("claiming {}", file.display())),
+    }
 }
 
 pub(crate) fn unique_name(kind: &str) -> String {
