@@ -105,7 +105,7 @@ impl Client {
                 }
             }
         };
-        tokio::time::timeout(Duration::from_secs(5), ours)
+        tokio::time::timeout(Duration::from_secs(15), ours)
             .await
             .with_context(|| format!("{subject}: an allowed publish was not delivered"))?;
         Ok(())
@@ -143,7 +143,7 @@ async fn the_services_work_with_least_privilege_and_forgeries_are_refused() -> R
     ensure!(path(&turns[0]) == "remote", "{}", turns[0]);
     ensure!(path(&turns[2]) == "bypass", "{}", turns[2]);
     ensure!(
-        cluster.converged_digest().await? == cluster.digest_from_event_log().await?,
+        cluster.index_matches_log().await?,
         "the index differs from the event log's"
     );
     cluster.leave_mid_stream("d0").await?;

@@ -785,6 +785,23 @@ impl Cluster {
         .await
     }
 
+    /// Whether the routers' converged index comes to equal one built from
+    /// the KV-event log, within 15 s: agents may still be publishing (an
+    /// eviction, a late batch) when a fault's load ends, and the indexer
+    /// applies what the log holds a moment after it is there.
+    pub async fn index_matches_log(&self) -> Result<bool> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if self.converged_digest().await? == self.digest_from_event_log().await? {
+                return Ok(true);
+            }
+            if Instant::now() > deadline {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// The digest of an index built here, independently, from every batch
     /// on the KV-event stream: what the indexer must hold.
     pub async fn digest_from_event_log(&self) -> Result<String> {
