@@ -39,6 +39,7 @@
 //!     isl_tokens: prompt.len() as u32,
 //!     block_hashes: &hashes,
 //!     expected_output_tokens: 100,
+//!     session: None,
 //! };
 //! let routed = core.route(&request, RouteOptions::default(), DecisionId(1), 0, &mut rng).unwrap();
 //! assert_eq!(routed.decision.rule, "isl.long_prefill");

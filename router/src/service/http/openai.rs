@@ -150,7 +150,11 @@ fn scan_prompt(json: &[u8]) -> Option<(Vec<u32>, usize, usize)> {
         i = skip_ws(json, i + 1);
         if key == b"prompt" {
             let (tokens, end) = token_ids(json, i)?;
-            return Some((tokens, i, end));
+            // The array must end the value: `[1,2].5` or `[1,2]E3` is not
+            // JSON, but with the array replaced by `0` it would read as a
+            // number (found by `scripts/fuzz`).
+            return matches!(json.get(skip_ws(json, end)), Some(b',' | b'}'))
+                .then_some((tokens, i, end));
         }
         i = skip_ws(json, skip_value(json, i)?);
         match json.get(i) {
@@ -705,6 +709,23 @@ mod tests {
                 .filter(|&(_, end)| skip_ws(&bytes, end) == bytes.len())
                 .map(|(ids, _)| ids);
             proptest::prop_assert_eq!(scanned, serde);
+        }
+    }
+
+    #[test]
+    fn a_token_array_glued_to_more_is_not_json() {
+        // Found by `scripts/fuzz` (http_body): the scanner took the array,
+        // and `0` in its place made `0.5` and `0E3` numbers.
+        for body in [
+            &br#"{"prompt":[0,4294967295].5,"max_tokens":1}"#[..],
+            br#"{"prompt":[1,2]E-3}"#,
+            br#"{"prompt":[1,2] x}"#,
+        ] {
+            assert!(
+                CompletionRequest::parse(body).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
         }
     }
 
