@@ -236,18 +236,7 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant)> {
             worker.agent.service.restart()?;
             let port = worker.agent.port;
             cluster::wait_http(port, "/healthz").await?;
-            let agents = cluster.workers.len();
-            for i in 0..cluster.routers.len() {
-                let this = &*cluster;
-                this.eventually(
-                    &format!("router {i} to know {agents} workers"),
-                    || async move {
-                        let state = this.router_state(i).await?;
-                        Ok(state["workers"].as_array().map_or(0, Vec::len) == agents)
-                    },
-                )
-                .await?;
-            }
+            cluster.wait_routers_know_workers().await?;
         }
         Fault::NatsNode => {
             let nats = cluster.nats.cluster().context("a NATS cluster")?;

@@ -526,17 +526,23 @@ impl Cluster {
 
     /// Every router ready and knowing every agent.
     pub async fn wait_ready(&mut self) -> Result<()> {
-        let agents = self.workers.len();
         for i in 0..self.routers.len() {
             let port = self.routers[i].port;
             self.routers[i]
                 .service
                 .wait_http_ok(port, "/readyz", STARTUP)?;
-            let this = &*self;
-            this.eventually(
+        }
+        self.wait_routers_know_workers().await
+    }
+
+    /// Every router knowing every agent (after a start or a restart).
+    pub async fn wait_routers_know_workers(&self) -> Result<()> {
+        let agents = self.workers.len();
+        for i in 0..self.routers.len() {
+            self.eventually(
                 &format!("router {i} to know {agents} workers"),
                 || async move {
-                    let state = this.router_state(i).await?;
+                    let state = self.router_state(i).await?;
                     Ok(state["workers"].as_array().map_or(0, Vec::len) == agents)
                 },
             )
