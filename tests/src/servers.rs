@@ -578,6 +578,11 @@ impl Supervised {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log_file))
+            // A service that exits with an error prints the error, not a
+            // backtrace of where it was made: the log's tail, which a
+            // failing test shows, is the message itself. (Panics keep
+            // RUST_BACKTRACE's setting.)
+            .env("RUST_LIB_BACKTRACE", "0")
             // Its own process group: a Ctrl-C meant for the test runner
             // does not race the supervisor, and SIGKILL can take the group.
             .process_group(0)
