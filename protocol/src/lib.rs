@@ -30,7 +30,7 @@ pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
 pub use generate::{
     CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams,
     OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply, Sampling, Stage,
-    WorkerOverlap,
+    TokenLogprob, WorkerOverlap,
 };
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, InvalidSessionId, SessionId, WorkerId};

@@ -281,21 +281,44 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
         }
         ensure!(received["model"] == LORA, "{received}");
 
-        // Log-probabilities cannot come back yet: a 400 naming the field,
-        // not a silent `null`.
-        body["logprobs"] = json!(1);
+        // Log-probabilities: forwarded, and the engine's (mock-vllm's
+        // made-up ones) come back one a token, named by id (this router
+        // has no tokenizer), with as many alternatives as asked for.
+        body["logprobs"] = json!(2);
         let response = cluster
             .http
             .post(format!("{}/v1/completions", cluster.routers[0].url()))
+            .header("x-request-id", "scored")
             .json(&body)
             .send()
             .await?;
         let status = response.status();
-        let error: Value = response.json().await?;
+        let answer: Value = response.json().await?;
+        ensure!(status.is_success(), "HTTP {status}: {answer}");
+        let logprobs = &answer["choices"][0]["logprobs"];
+        let named: Vec<String> = output(&answer)
+            .iter()
+            .map(|t| format!("token_id:{t}"))
+            .collect();
+        ensure!(logprobs["tokens"] == json!(named), "{answer}");
+        let tops = logprobs["top_logprobs"].as_array().context("top_logprobs")?;
         ensure!(
-            status == 400 && error["error"]["param"] == "logprobs",
-            "HTTP {status}: {error}"
+            tops.len() == named.len()
+                && tops.iter().all(|t| t.as_object().is_some_and(|t| t.len() == 2)),
+            "{answer}"
         );
+        ensure!(
+            logprobs["token_logprobs"]
+                .as_array()
+                .is_some_and(|l| l.iter().all(|x| x.as_f64().is_some_and(|x| x < 0.0))),
+            "{answer}"
+        );
+        let debug = cluster.engine_debug(&decode(&answer).to_owned()).await?;
+        let received = debug["received"]
+            .as_array()
+            .and_then(|r| r.iter().rev().find(|r| r["request_id"] == "scored"))
+            .context("no request \"scored\"")?;
+        ensure!(received["fields"]["logprobs"] == json!(2), "{received}");
         Ok(())
     }
     .await;

@@ -216,8 +216,12 @@ pub enum Out {
         decision: RouteDecision,
         retry_of: Option<DecisionId>,
     },
-    /// Output tokens, in order.
-    Tokens(Vec<u32>),
+    /// Output tokens, in order, with their log-probabilities (one a
+    /// token) when the request asked for them.
+    Tokens {
+        tokens: Vec<u32>,
+        logprobs: Option<Vec<protocol::TokenLogprob>>,
+    },
     /// The stream ended well.
     Done {
         reason: FinishReason,
@@ -670,7 +674,7 @@ impl Dispatcher {
                 GenerateEvent::Finished { .. } => {
                     return Err(leg.protocol("the prefill leg finished without Prefilled"))
                 }
-                GenerateEvent::Tokens(_) => {
+                GenerateEvent::Tokens(_) | GenerateEvent::Scored { .. } => {
                     return Err(leg.protocol("the prefill leg sent output tokens"))
                 }
             };
@@ -684,16 +688,15 @@ impl Dispatcher {
             .await?;
         let mut first_token_ms = None;
         loop {
-            match leg.next().await? {
-                GenerateEvent::Tokens(tokens) => {
-                    if tokens.is_empty() {
-                        continue;
+            let (tokens, logprobs) = match leg.next().await? {
+                GenerateEvent::Tokens(tokens) => (tokens, None),
+                GenerateEvent::Scored { tokens, logprobs } => {
+                    if logprobs.len() != tokens.len() {
+                        return Err(
+                            leg.protocol("a chunk's log-probabilities do not match its tokens")
+                        );
                     }
-                    first_token_ms.get_or_insert_with(now_ms);
-                    *streamed = true;
-                    if out.send(Out::Tokens(tokens)).await.is_err() {
-                        return Err(DispatchError::ClientGone);
-                    }
+                    (tokens, Some(logprobs))
                 }
                 GenerateEvent::Finished {
                     output_tokens,
@@ -733,6 +736,22 @@ impl Dispatcher {
                 GenerateEvent::Prefilled { .. } => {
                     return Err(leg.protocol("a decode leg sent Prefilled"))
                 }
+            };
+            if tokens.is_empty() {
+                continue;
+            }
+            if request.sampling.logprobs.is_some() && logprobs.is_none() {
+                // Tokens without what was asked for: never a silent 200.
+                return Err(leg.rejected(
+                    400,
+                    Some("logprobs".into()),
+                    "logprobs: the engine sent tokens without their log-probabilities".into(),
+                ));
+            }
+            first_token_ms.get_or_insert_with(now_ms);
+            *streamed = true;
+            if out.send(Out::Tokens { tokens, logprobs }).await.is_err() {
+                return Err(DispatchError::ClientGone);
             }
         }
     }

@@ -241,7 +241,8 @@ where
 #[derive(Clone)]
 pub enum Behavior {
     /// Prefill legs: `Prefilled` then `Finished`; other legs: `max_tokens`
-    /// tokens `1000, 1001, ...` in chunks of two, then `Finished`.
+    /// tokens `1000, 1001, ...` in chunks of two (with made-up
+    /// log-probabilities when asked for), then `Finished`.
     Serve,
     /// Serve, but hold the last chunk until notified.
     Hold(Arc<Notify>),
@@ -386,9 +387,30 @@ async fn answer(
         ];
     }
     let output: Vec<u32> = (0..request.max_tokens).map(|i| 1000 + i).collect();
+    // With logprobs asked for: made-up ones, each token's `-t % 10 / 10`
+    // and its `k` most likely the token itself and the next ids.
+    let scored = |c: &[u32], k: u32| {
+        let logprobs = c
+            .iter()
+            .map(|&t| {
+                let lp = -((t % 10) as f32) / 10.0;
+                protocol::TokenLogprob {
+                    logprob: lp,
+                    top: (0..k).map(|j| (t + j, lp - j as f32)).collect(),
+                }
+            })
+            .collect();
+        GenerateEvent::Scored {
+            tokens: c.to_vec(),
+            logprobs,
+        }
+    };
     let mut events: Vec<GenerateEvent> = output
         .chunks(2)
-        .map(|c| GenerateEvent::Tokens(c.to_vec()))
+        .map(|c| match request.sampling.logprobs {
+            Some(k) => scored(c, k),
+            None => GenerateEvent::Tokens(c.to_vec()),
+        })
         .collect();
     // An engine that does not say what it found cached.
     events.push(GenerateEvent::Finished {

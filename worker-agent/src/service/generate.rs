@@ -261,7 +261,9 @@ async fn forward(out: ChunkSender, mut events: BoxStream<'static, GenerateEvent>
                     "generate rejected"
                 );
             }
-            GenerateEvent::Tokens(_) | GenerateEvent::Prefilled { .. } => {}
+            GenerateEvent::Tokens(_)
+            | GenerateEvent::Scored { .. }
+            | GenerateEvent::Prefilled { .. } => {}
         }
         out.send(index, event).await;
         index += 1;
