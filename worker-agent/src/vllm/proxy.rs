@@ -325,14 +325,16 @@ impl RequestContext {
                                             logprobs: l,
                                         }
                                     }
-                                    (true, l) => return reject_logprobs(
-                                        out,
-                                        format!(
+                                    (true, l) => {
+                                        return reject_logprobs(
+                                            out,
+                                            format!(
                                             "the engine sent {} tokens with {} log-probabilities",
                                             ids.len(),
                                             l.map_or(0, |l| l.len())
                                         ),
-                                    ),
+                                        )
+                                    }
                                 };
                                 if out.send(event).is_err() {
                                     return;
