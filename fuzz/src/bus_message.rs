@@ -103,6 +103,22 @@ pub fn seeds() -> Vec<Vec<u8>> {
         index: 2,
         event: GenerateEvent::Tokens(vec![9, 8, 7]),
     };
+    let scored = GenerateChunk {
+        index: 3,
+        event: GenerateEvent::Scored {
+            tokens: vec![9, 70_000],
+            logprobs: vec![
+                protocol::TokenLogprob {
+                    logprob: -0.5,
+                    top: vec![(9, -0.5), (10, -1.0)],
+                },
+                protocol::TokenLogprob {
+                    logprob: -2.0,
+                    top: vec![],
+                },
+            ],
+        },
+    };
     let cancel = CancelRequest {
         decision: DecisionId(42),
         request_id: "r-1".into(),
@@ -114,6 +130,7 @@ pub fn seeds() -> Vec<Vec<u8>> {
         seed(&tests::fixtures::worker_record("d0")),
         seed(&request),
         seed(&chunk),
+        seed(&scored),
         seed(&cancel),
     ]
 }

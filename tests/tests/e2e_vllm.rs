@@ -301,10 +301,14 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
             .map(|t| format!("token_id:{t}"))
             .collect();
         ensure!(logprobs["tokens"] == json!(named), "{answer}");
-        let tops = logprobs["top_logprobs"].as_array().context("top_logprobs")?;
+        let tops = logprobs["top_logprobs"]
+            .as_array()
+            .context("top_logprobs")?;
         ensure!(
             tops.len() == named.len()
-                && tops.iter().all(|t| t.as_object().is_some_and(|t| t.len() == 2)),
+                && tops
+                    .iter()
+                    .all(|t| t.as_object().is_some_and(|t| t.len() == 2)),
             "{answer}"
         );
         ensure!(
@@ -313,7 +317,7 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
                 .is_some_and(|l| l.iter().all(|x| x.as_f64().is_some_and(|x| x < 0.0))),
             "{answer}"
         );
-        let debug = cluster.engine_debug(&decode(&answer).to_owned()).await?;
+        let debug = cluster.engine_debug(decode(&answer)).await?;
         let received = debug["received"]
             .as_array()
             .and_then(|r| r.iter().rev().find(|r| r["request_id"] == "scored"))
