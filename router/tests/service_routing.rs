@@ -666,3 +666,35 @@ async fn several_choices_each_routed_with_logprobs() -> Result<()> {
     }
     Ok(())
 }
+
+/// A leg larger than the NATS server's payload limit (64 KiB here; a
+/// 50,000-token prompt packs to about 150 KB) goes in fragments with one
+/// reply subject, and the worker gets the whole request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leg_past_the_payload_limit_goes_in_fragments() -> Result<()> {
+    let cluster = Cluster::start_with_max_payload(64 * 1024).await?;
+    assert_eq!(cluster.bus.client().server_info().max_payload, 64 * 1024);
+    let mut worker =
+        FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    router.wait_workers(1).await?;
+    let prompt = tokens(9, 50_000);
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": prompt, "max_tokens": 3}),
+        )
+        .await?;
+    let status = r.status();
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["prompt_tokens"], 50_000);
+    assert_eq!(
+        body["choices"][0]["token_ids"],
+        serde_json::json!([1000, 1001, 1002])
+    );
+    let sent = worker.next_request().await?;
+    assert_eq!(sent.prompt, prompt);
+    assert!(sent.encode().len() > 64 * 1024);
+    router.stop().await
+}

@@ -55,12 +55,36 @@ pub struct Cluster {
     pub etcd: EtcdServer,
     pub bus: Bus,
     pub registry: Registry,
+    /// The NATS server's configuration file, when it has one.
+    _nats_config: Option<tempfile::TempDir>,
 }
 
 impl Cluster {
     pub async fn start() -> Result<Self> {
-        let (nats, etcd) = tokio::task::spawn_blocking(|| -> Result<_> {
-            Ok((NatsServer::start()?, EtcdServer::start()?))
+        Self::start_inner(None).await
+    }
+
+    /// With a NATS server whose payload limit is `max_payload` bytes.
+    pub async fn start_with_max_payload(max_payload: usize) -> Result<Self> {
+        Self::start_inner(Some(max_payload)).await
+    }
+
+    async fn start_inner(max_payload: Option<usize>) -> Result<Self> {
+        let config = match max_payload {
+            Some(n) => {
+                let dir = tempfile::tempdir()?;
+                std::fs::write(dir.path().join("nats.conf"), format!("max_payload: {n}\n"))?;
+                Some(dir)
+            }
+            None => None,
+        };
+        let path = config.as_ref().map(|d| d.path().join("nats.conf"));
+        let (nats, etcd) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let nats = match &path {
+                Some(p) => NatsServer::start_with_config(p)?,
+                None => NatsServer::start()?,
+            };
+            Ok((nats, EtcdServer::start()?))
         })
         .await??;
         let bus = Bus::connect(&nats.url(), "test").await?;
@@ -71,6 +95,7 @@ impl Cluster {
             etcd,
             bus,
             registry,
+            _nats_config: config,
         })
     }
 
@@ -278,9 +303,27 @@ impl FakeWorker {
         let (tx, requests) = mpsc::unbounded_channel();
         let me = record.id.clone();
         let task = tokio::spawn(async move {
+            // Requests larger than the bus's payload limit come in
+            // fragments, as the agent takes them.
+            let mut fragments = protocol::Reassembly::new(1 << 30, 60_000);
             while let Some(message) = subscription.next().await {
-                let Ok(request) = GenerateRequest::decode(&message.payload) else {
-                    continue;
+                let request = match GenerateRequest::decode(&message.payload) {
+                    Ok(request) => request,
+                    Err(_) => {
+                        let (Ok(f), Some(reply)) = (
+                            protocol::RequestFragment::decode(&message.payload),
+                            message.reply.as_ref(),
+                        ) else {
+                            continue;
+                        };
+                        match fragments.push(reply.as_str(), f, 0) {
+                            Ok(Some(whole)) => match GenerateRequest::decode(&whole) {
+                                Ok(request) => request,
+                                Err(_) => continue,
+                            },
+                            _ => continue,
+                        }
+                    }
                 };
                 let Some(reply) = message.reply.clone() else {
                     continue;
