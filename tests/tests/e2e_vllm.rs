@@ -331,8 +331,9 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
 
 /// A 256k-token prompt (about 1.8 MB of JSON) completes end to end: the
 /// router hashes it, each leg carries it over NATS packed below the 1 MiB
-/// payload limit, the prefill and decode engines take it; one past the
-/// engines' registered context length is a 400 before routing.
+/// payload limit, the prefill and decode engines take it; so does a 400k
+/// one, whose legs go in fragments; one past the engines' registered
+/// context length is a 400 before routing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_256k_token_prompt_completes() -> Result<()> {
     let cluster = Cluster::start_with(
@@ -348,6 +349,15 @@ async fn a_256k_token_prompt_completes() -> Result<()> {
         let answer = cluster.complete(0, "long", &prompt, 4).await?;
         ensure!(
             output(&answer).len() == 4 && answer["usage"]["prompt_tokens"] == 256 * 1024,
+            "{}",
+            answer["usage"]
+        );
+        // 400k tokens pack to 1.2 MB, past NATS's default 1 MiB: each leg
+        // goes in fragments, and completes alike.
+        let prompt = tokens(13, 400_000);
+        let answer = cluster.complete(0, "longer", &prompt, 4).await?;
+        ensure!(
+            output(&answer).len() == 4 && answer["usage"]["prompt_tokens"] == 400_000,
             "{}",
             answer["usage"]
         );
