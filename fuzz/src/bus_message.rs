@@ -10,7 +10,7 @@ use protocol::generate::{
 };
 use protocol::{
     BlockHash, DecisionId, IndexDelta, IndexSnapshot, IndexStatus, KvEvent, KvEventBatch,
-    LoadReport, Message, RouteDecision, Tier, WorkerRecord,
+    LoadReport, Message, RequestFragment, RouteDecision, Tier, WorkerRecord,
 };
 
 /// Decodes `bytes` as `M`; what decodes re-encodes and decodes to the same
@@ -50,6 +50,7 @@ const CHECKS: &[Check] = &[
     (RequestProgress::NAME, check::<RequestProgress>),
     (IndexStatus::NAME, check::<IndexStatus>),
     (LogEntry::NAME, check::<LogEntry>),
+    (RequestFragment::NAME, check::<RequestFragment>),
 ];
 
 pub fn run(data: &[u8]) {
@@ -131,6 +132,7 @@ pub fn seeds() -> Vec<Vec<u8>> {
         seed(&request),
         seed(&chunk),
         seed(&scored),
+        seed(&protocol::fragment::split(&request.encode(), 16).remove(1)),
         seed(&cancel),
     ]
 }
