@@ -10,7 +10,7 @@ use protocol::generate::{
 };
 use protocol::{
     BlockHash, DecisionId, IndexDelta, IndexSnapshot, IndexStatus, KvEvent, KvEventBatch,
-    LoadReport, Message, RouteDecision, Tier, WorkerRecord,
+    LoadReport, Message, RequestFragment, RouteDecision, Tier, WorkerRecord,
 };
 
 /// Decodes `bytes` as `M`; what decodes re-encodes and decodes to the same
@@ -50,6 +50,7 @@ const CHECKS: &[Check] = &[
     (RequestProgress::NAME, check::<RequestProgress>),
     (IndexStatus::NAME, check::<IndexStatus>),
     (LogEntry::NAME, check::<LogEntry>),
+    (RequestFragment::NAME, check::<RequestFragment>),
 ];
 
 pub fn run(data: &[u8]) {
@@ -103,6 +104,22 @@ pub fn seeds() -> Vec<Vec<u8>> {
         index: 2,
         event: GenerateEvent::Tokens(vec![9, 8, 7]),
     };
+    let scored = GenerateChunk {
+        index: 3,
+        event: GenerateEvent::Scored {
+            tokens: vec![9, 70_000],
+            logprobs: vec![
+                protocol::TokenLogprob {
+                    logprob: -0.5,
+                    top: vec![(9, -0.5), (10, -1.0)],
+                },
+                protocol::TokenLogprob {
+                    logprob: -2.0,
+                    top: vec![],
+                },
+            ],
+        },
+    };
     let cancel = CancelRequest {
         decision: DecisionId(42),
         request_id: "r-1".into(),
@@ -114,6 +131,8 @@ pub fn seeds() -> Vec<Vec<u8>> {
         seed(&tests::fixtures::worker_record("d0")),
         seed(&request),
         seed(&chunk),
+        seed(&scored),
+        seed(&protocol::fragment::split(&request.encode(), 16).remove(1)),
         seed(&cancel),
     ]
 }

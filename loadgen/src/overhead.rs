@@ -52,7 +52,7 @@ async fn leg(
             GenerateEvent::Failed { error, .. } | GenerateEvent::Rejected { error, .. } => {
                 bail!("{worker} failed: {error}")
             }
-            GenerateEvent::Tokens(_) => {}
+            GenerateEvent::Tokens(_) | GenerateEvent::Scored { .. } => {}
         }
     }
 }

@@ -312,6 +312,11 @@ struct Completion {
     received: Map<String, Value>,
     /// What the simulated engine honours of them.
     sampling: Sampling,
+    /// `logprobs`: made-up log-probabilities ([`fake_logprobs`]) of this
+    /// many top tokens a position.
+    logprobs: Option<u32>,
+    /// `return_tokens_as_token_ids`: logprobs name tokens `token_id:ID`.
+    token_id_names: bool,
 }
 
 /// A request the engine refuses: its status and message.
@@ -402,7 +407,26 @@ fn parse_completion(body: &[u8], s: &Config) -> Result<Completion, Refusal> {
         received.insert("model".into(), m.clone());
     }
     let sampling = honoured(o, max_tokens)?;
+    let logprobs = match o.get("logprobs") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .filter(|&n| n <= MAX_LOGPROBS)
+                .ok_or_else(|| {
+                    refusal(
+                        StatusCode::BAD_REQUEST,
+                        format!("logprobs: must be an integer in [0, {MAX_LOGPROBS}]"),
+                    )
+                })?,
+        ),
+    };
     Ok(Completion {
+        logprobs,
+        token_id_names: o
+            .get("return_tokens_as_token_ids")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         prompt,
         max_tokens,
         received,
@@ -456,6 +480,44 @@ fn honoured(o: &Map<String, Value>, max_tokens: u32) -> Result<Sampling, Refusal
         min_tokens,
         ..Sampling::default()
     })
+}
+
+/// vLLM's default `max_logprobs`.
+const MAX_LOGPROBS: u32 = 20;
+
+/// Made-up, deterministic log-probabilities (mock-vllm samples nothing):
+/// the `at`-th output token's own is `-(1 + (token + at) % 7) / 8`, and it
+/// is the most likely; its `top` alternatives are the next ids, each half
+/// a nat less likely. Names are `token_id:ID` (with
+/// `return_tokens_as_token_ids`) or the token's text.
+fn fake_logprobs(tokens: &[u32], first_at: usize, top: u32, ids: bool) -> Value {
+    let name = |t: u32| {
+        if ids {
+            format!("token_id:{t}")
+        } else {
+            text_of(&[t])
+        }
+    };
+    let mut names = Vec::new();
+    let mut own = Vec::new();
+    let mut tops = Vec::new();
+    let mut offsets = Vec::new();
+    let mut offset = 0usize;
+    for (k, &t) in tokens.iter().enumerate() {
+        let at = first_at + k;
+        let lp = -f64::from(1 + (t as usize + at) as u32 % 7) / 8.0;
+        let mut alternatives = Map::new();
+        for j in 0..top {
+            let id = if j == 0 { t } else { t.wrapping_add(j) };
+            alternatives.insert(name(id), json!(lp - 0.5 * f64::from(j)));
+        }
+        names.push(name(t));
+        own.push(lp);
+        tops.push(Value::Object(alternatives));
+        offsets.push(offset);
+        offset += text_of(&[t]).len();
+    }
+    json!({"tokens": names, "token_logprobs": own, "top_logprobs": tops, "text_offset": offsets})
 }
 
 fn refusal(status: StatusCode, message: impl Into<String>) -> Refusal {
@@ -659,7 +721,16 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
     if c.stream {
         let (tx, mut rx) = mpsc::unbounded_channel::<Result<Bytes, std::io::Error>>();
         tokio::spawn(async move {
-            stream_events(app2, rank, meta, events, c.include_usage, is_prefill, tx).await;
+            let logprobs = c.logprobs.map(|k| (k, c.token_id_names));
+            stream_events(
+                app2,
+                rank,
+                meta,
+                events,
+                (c.include_usage, is_prefill, logprobs),
+                tx,
+            )
+            .await;
         });
         let body = Body::from_stream(stream::poll_fn(move |cx| rx.poll_recv(cx)));
         return Response::builder()
@@ -690,7 +761,7 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
             "index": 0,
             "text": text_of(&outcome.tokens),
             "token_ids": outcome.tokens,
-            "logprobs": null,
+            "logprobs": c.logprobs.map(|k| fake_logprobs(&outcome.tokens, 0, k, c.token_id_names)),
             "finish_reason": outcome.finish,
             "stop_reason": null,
         }],
@@ -773,7 +844,9 @@ async fn collect(mut events: BoxStream<'static, GenerateEvent>) -> Outcome {
     let mut o = Outcome::default();
     while let Some(event) = events.next().await {
         match event {
-            GenerateEvent::Tokens(t) => o.tokens.extend(t),
+            GenerateEvent::Tokens(t) | GenerateEvent::Scored { tokens: t, .. } => {
+                o.tokens.extend(t)
+            }
             GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens.unwrap_or(0),
             GenerateEvent::Finished {
                 cached_tokens,
@@ -805,8 +878,7 @@ async fn stream_events(
     rank: usize,
     meta: Meta,
     mut events: BoxStream<'static, GenerateEvent>,
-    include_usage: bool,
-    is_prefill: bool,
+    (include_usage, is_prefill, logprobs): (bool, bool, Option<(u32, bool)>),
     tx: mpsc::UnboundedSender<Result<Bytes, std::io::Error>>,
 ) {
     let send = |v: &Value| tx.send(Ok(Bytes::from(format!("data: {v}\n\n")))).is_ok();
@@ -822,9 +894,10 @@ async fn stream_events(
     let mut o = Outcome::default();
     while let Some(event) = events.next().await {
         match event {
-            GenerateEvent::Tokens(t) => {
+            GenerateEvent::Tokens(t) | GenerateEvent::Scored { tokens: t, .. } => {
+                let lp = logprobs.map(|(k, ids)| fake_logprobs(&t, o.tokens.len(), k, ids));
                 let c = chunk(
-                    json!({"index": 0, "text": text_of(&t), "token_ids": t, "logprobs": null, "finish_reason": null, "stop_reason": null}),
+                    json!({"index": 0, "text": text_of(&t), "token_ids": t, "logprobs": lp, "finish_reason": null, "stop_reason": null}),
                 );
                 o.tokens.extend(t);
                 if !send(&c) {

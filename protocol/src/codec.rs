@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use crate::decision::RouteDecision;
 use crate::events::{KvEventBatch, LoadReport};
+use crate::fragment::RequestFragment;
 use crate::generate::{
     CancelRequest, GenerateChunk, GenerateRequest, OverlapQuery, OverlapReply, RequestProgress,
     ResyncReply,
@@ -112,6 +113,7 @@ message! {
     IndexSnapshot => "IndexSnapshot", version 1;
     GenerateRequest => "GenerateRequest", version 2;
     GenerateChunk => "GenerateChunk", version 2;
+    RequestFragment => "RequestFragment", version 1;
     CancelRequest => "CancelRequest", version 1;
     ResyncReply => "ResyncReply", version 1;
     OverlapQuery => "OverlapQuery", version 1;

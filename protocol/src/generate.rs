@@ -249,8 +249,17 @@ impl TryFrom<u8> for FinishReason {
     }
 }
 
+/// The log-probabilities of one generated token (OpenAI's `logprobs`):
+/// its own, and the most likely tokens at its position, most likely first
+/// (as many as `Sampling::logprobs` asked for).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
 /// One step of a generation stream.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum GenerateEvent {
     /// Output tokens, in order.
     Tokens(Vec<u32>),
@@ -285,6 +294,14 @@ pub enum GenerateEvent {
         /// opposed to a bad request.
         retryable: bool,
     },
+    /// Output tokens, in order, with their log-probabilities (one entry a
+    /// token): what a request that set `Sampling::logprobs` streams
+    /// instead of `Tokens`. Added after the others, so that older
+    /// receivers decode every other event unchanged.
+    Scored {
+        tokens: Vec<u32>,
+        logprobs: Vec<TokenLogprob>,
+    },
 }
 
 impl GenerateEvent {
@@ -301,7 +318,7 @@ impl GenerateEvent {
 
 /// A [`GenerateEvent`] with its place in the stream (from 0), so that a
 /// receiver notices a lost chunk.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerateChunk {
     pub index: u32,
     pub event: GenerateEvent,

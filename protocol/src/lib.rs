@@ -9,6 +9,7 @@ pub mod codec;
 pub mod decision;
 pub mod decision_log;
 pub mod events;
+pub mod fragment;
 pub mod generate;
 pub mod hash;
 pub mod ids;
@@ -27,10 +28,11 @@ pub use decision_log::{
     WriterLimits,
 };
 pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
+pub use fragment::{Reassembly, RequestFragment};
 pub use generate::{
     CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams,
     OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply, Sampling, Stage,
-    WorkerOverlap,
+    TokenLogprob, WorkerOverlap,
 };
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, InvalidSessionId, SessionId, WorkerId};

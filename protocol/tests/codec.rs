@@ -160,6 +160,19 @@ fn every_message_round_trips() {
     );
     for event in [
         GenerateEvent::Tokens(vec![1, 2]),
+        GenerateEvent::Scored {
+            tokens: vec![1, 70_000],
+            logprobs: vec![
+                TokenLogprob {
+                    logprob: -0.25,
+                    top: vec![(1, -0.25), (9, -1.5)],
+                },
+                TokenLogprob {
+                    logprob: -3.0,
+                    top: vec![],
+                },
+            ],
+        },
         GenerateEvent::Finished {
             output_tokens: 2,
             cached_tokens: Some(1),

@@ -50,7 +50,11 @@ async fn bad_requests_get_a_4xx_with_a_message_and_no_worker_a_503() -> Result<(
             "{\"prompt\": [1], \"max_tokens\": 0}",
             "max_tokens",
         ),
-        ("/v1/completions", "{\"prompt\": [[1], [2]]}", "batch"),
+        (
+            "/v1/completions",
+            "{\"prompt\": [[1], [[2]]]}",
+            "nest one level",
+        ),
         ("/v1/completions", "{\"prompt\": [1, -1]}", "negative"),
         ("/v1/completions", "{\"max_tokens\": 3}", "prompt"),
     ] {

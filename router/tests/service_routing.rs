@@ -1,7 +1,8 @@
 //! Routing and dispatch end to end: bypass to the worker holding the
 //! prompt (streamed and not), remote prefill with the transfer handed to
-//! the decode leg, `/v1/route` without dispatch, and text prompts through
-//! a tokenizer.
+//! the decode leg, `/v1/route` without dispatch, text prompts through a
+//! tokenizer, and several choices (`n`, a batch of prompts) with
+//! log-probabilities and echo.
 
 mod service_support;
 
@@ -412,6 +413,61 @@ async fn text_prompts_and_text_output_with_a_tokenizer() -> Result<()> {
     assert_eq!(last["usage"]["completion_tokens"], 3);
     worker.next_request().await?;
 
+    // Echo: the prompt's text first, streamed or not; token-id prompts
+    // are echoed as their text.
+    for (prompt, stream) in [
+        (serde_json::json!("hello world"), false),
+        (serde_json::json!([1, 2]), true),
+    ] {
+        let r = router
+            .post(
+                "/v1/completions",
+                serde_json::json!({"prompt": prompt, "max_tokens": 2, "echo": true, "stream": stream}),
+            )
+            .await?;
+        assert_eq!(r.status(), 200);
+        let text = if stream {
+            let (chunks, _) = sse_chunks(&r.text().await?);
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["text"].as_str())
+                .collect::<String>()
+        } else {
+            let v: serde_json::Value = r.json().await?;
+            v["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert_eq!(
+            text.split_whitespace().collect::<Vec<_>>(),
+            ["hello", "worldalpha", "beta"],
+            "{prompt}"
+        );
+        worker.next_request().await?;
+    }
+
+    // Chat's logprobs: true with top_logprobs, named by the tokenizer; n.
+    let r = router
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"messages": [{"role": "user", "content": "hello"}],
+                "max_completion_tokens": 2, "logprobs": true, "top_logprobs": 1, "n": 2}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(body["choices"].as_array().map(Vec::len), Some(2));
+    let content = &body["choices"][1]["logprobs"]["content"];
+    assert_eq!(content[0]["token"], "alpha");
+    assert_eq!(content[0]["bytes"], serde_json::json!(b"alpha".to_vec()));
+    assert_eq!(content[1]["top_logprobs"][0]["token"], "beta");
+    assert_eq!(body["usage"]["completion_tokens"], 4);
+    assert_eq!(body["usage"]["prompt_tokens"], 2);
+    for _ in 0..2 {
+        assert_eq!(worker.next_request().await?.sampling.logprobs, Some(1));
+    }
+
     // Bad chat bodies are 400s naming the field.
     for (body, param) in [
         (serde_json::json!({"max_tokens": 2}), "messages"),
@@ -424,11 +480,221 @@ async fn text_prompts_and_text_output_with_a_tokenizer() -> Result<()> {
             serde_json::json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
             "temperature",
         ),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}),
+            "logprobs",
+        ),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "echo": true}),
+            "echo",
+        ),
     ] {
         let r = router.post("/v1/chat/completions", body.clone()).await?;
         assert_eq!(r.status(), 400, "{body}");
         let error: serde_json::Value = r.json().await?;
         assert_eq!(error["error"]["param"], param, "{body}: {error}");
     }
+    router.stop().await
+}
+
+/// The SSE `data` of a streamed answer, `[DONE]` apart (whether it came
+/// last).
+fn sse_chunks(text: &str) -> (Vec<serde_json::Value>, bool) {
+    let datas: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    let done = datas.last() == Some(&"[DONE]");
+    let chunks = datas
+        .iter()
+        .filter(|d| **d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    (chunks, done)
+}
+
+/// A batch of two prompts with `n: 2` is four choices, each its own routed
+/// request (its own decision, request id `-INDEX`), numbered prompt-major;
+/// the usage sums completion tokens over the choices and counts each
+/// prompt once; the engine's log-probabilities come back per token, in
+/// OpenAI's shape; streamed, each choice's chunks carry its index and the
+/// usage comes last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_choices_each_routed_with_logprobs() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let (mut workers, _) = deployment(&cluster).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    router.wait_workers(3).await?;
+    let (a, b) = (tokens(7, 40), tokens(8, 24));
+    let body = serde_json::json!({"prompt": [a, b], "n": 2, "max_tokens": 3, "logprobs": 2,
+        "seed": 10});
+    let r = router.post("/v1/completions", body.clone()).await?;
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await?;
+    let choices = v["choices"].as_array().context("choices")?;
+    assert_eq!(choices.len(), 4, "{v}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["token_ids"], serde_json::json!([1000, 1001, 1002]));
+        let l = &c["logprobs"];
+        // No tokenizer: tokens named by id.
+        assert_eq!(
+            l["tokens"],
+            serde_json::json!(["token_id:1000", "token_id:1001", "token_id:1002"])
+        );
+        assert_eq!(l["token_logprobs"], serde_json::json!([0.0, -0.1, -0.2]));
+        assert_eq!(
+            l["top_logprobs"][1],
+            serde_json::json!({"token_id:1001": -0.1, "token_id:1002": -1.1})
+        );
+        assert_eq!(l["text_offset"], serde_json::json!([0, 13, 26]));
+    }
+    let u = &v["usage"];
+    assert_eq!(u["prompt_tokens"], 64);
+    assert_eq!(u["completion_tokens"], 12);
+    assert_eq!(u["total_tokens"], 76);
+    let decisions = v["switchyard_choices"]
+        .as_array()
+        .context("switchyard_choices")?;
+    assert_eq!(decisions.len(), 4);
+    assert_eq!(v["switchyard"], decisions[0]);
+    let mut ids: Vec<String> = decisions
+        .iter()
+        .map(|d| d["decision"].as_str().unwrap().to_owned())
+        .collect();
+    ids.dedup();
+    assert_eq!(ids.len(), 4, "one decision a choice");
+    // Each choice reached a worker as its own request, logprobs and a seed
+    // of its own (vLLM's seed + j) with it.
+    let mut sent = Vec::new();
+    for w in &mut workers {
+        while let Ok(r) = w.requests.try_recv() {
+            // A remote prefill's first leg is the same request.
+            if r.stage != Stage::Prefill {
+                sent.push(r);
+            }
+        }
+    }
+    sent.sort_by(|x, y| x.request_id.cmp(&y.request_id));
+    let got: Vec<(String, usize, Option<u32>, Option<i64>)> = sent
+        .iter()
+        .map(|r| {
+            let suffix = r.request_id.rsplit('-').next().unwrap().to_owned();
+            (suffix, r.prompt.len(), r.sampling.logprobs, r.sampling.seed)
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("0".into(), 40, Some(2), Some(10)),
+            ("1".into(), 40, Some(2), Some(11)),
+            ("2".into(), 24, Some(2), Some(10)),
+            ("3".into(), 24, Some(2), Some(11)),
+        ]
+    );
+
+    // Streamed, with the usage-only last chunk.
+    let mut streamed = body.clone();
+    streamed["stream"] = serde_json::json!(true);
+    streamed["stream_options"] = serde_json::json!({"include_usage": true});
+    let r = router.post("/v1/completions", streamed).await?;
+    assert_eq!(r.status(), 200);
+    let (chunks, done) = sse_chunks(&r.text().await?);
+    assert!(done, "the stream ends with [DONE]");
+    let last = chunks.last().context("chunks")?;
+    assert_eq!(last["choices"], serde_json::json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 12);
+    assert_eq!(last["usage"]["prompt_tokens"], 64);
+    for i in 0..4u64 {
+        let of: Vec<&serde_json::Value> = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap())
+            .filter(|c| c["index"] == i)
+            .collect();
+        let ids: Vec<u64> = of
+            .iter()
+            .flat_map(|c| c["token_ids"].as_array().unwrap())
+            .map(|t| t.as_u64().unwrap())
+            .collect();
+        assert_eq!(ids, [1000, 1001, 1002], "choice {i}");
+        let logprobs: Vec<&serde_json::Value> = of
+            .iter()
+            .filter(|c| !c["logprobs"].is_null())
+            .flat_map(|c| c["logprobs"]["tokens"].as_array().unwrap())
+            .collect();
+        assert_eq!(logprobs.len(), 3, "choice {i}");
+        assert_eq!(
+            of.iter().filter(|c| c["finish_reason"] == "length").count(),
+            1,
+            "choice {i}"
+        );
+    }
+
+    // What one call cannot be: /v1/route decides one request; more than
+    // 128 choices; echo with logprobs.
+    for (path, body, needle) in [
+        (
+            "/v1/route",
+            serde_json::json!({"prompt": [1, 2], "n": 2}),
+            "decides one request",
+        ),
+        (
+            "/v1/completions",
+            serde_json::json!({"prompt": [[1], [2], [3]], "n": 50}),
+            "more than 128",
+        ),
+        (
+            "/v1/completions",
+            serde_json::json!({"prompt": [1, 2], "echo": true, "logprobs": 1}),
+            "echo with logprobs",
+        ),
+        (
+            "/v1/completions",
+            serde_json::json!({"prompt": [1, 2], "echo": true}),
+            "--tokenizer",
+        ),
+    ] {
+        let r = router.post(path, body.clone()).await?;
+        assert_eq!(r.status(), 400, "{body}");
+        let e: serde_json::Value = r.json().await?;
+        let message = e["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(needle), "{body}: {message}");
+    }
+    Ok(())
+}
+
+/// A leg larger than the NATS server's payload limit (64 KiB here; a
+/// 50,000-token prompt packs to about 150 KB) goes in fragments with one
+/// reply subject, and the worker gets the whole request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leg_past_the_payload_limit_goes_in_fragments() -> Result<()> {
+    let cluster = Cluster::start_with_max_payload(64 * 1024).await?;
+    assert_eq!(cluster.bus.client().server_info().max_payload, 64 * 1024);
+    let mut worker =
+        FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    router.wait_workers(1).await?;
+    let prompt = tokens(9, 50_000);
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"prompt": prompt, "max_tokens": 3}),
+        )
+        .await?;
+    let status = r.status();
+    let body: serde_json::Value = r.json().await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["prompt_tokens"], 50_000);
+    assert_eq!(
+        body["choices"][0]["token_ids"],
+        serde_json::json!([1000, 1001, 1002])
+    );
+    let sent = worker.next_request().await?;
+    assert_eq!(sent.prompt, prompt);
+    assert!(sent.encode().len() > 64 * 1024);
     router.stop().await
 }

@@ -1,14 +1,21 @@
 """The official `openai` Python client against a running router.
 
-Usage: openai_client.py ROUTER_URL MODEL
+Usage: openai_client.py ROUTER_URL MODEL [--engine sim|vllm]
 
 Checks what a standard client needs and exits non-zero with a message on the
 first thing that does not hold: models, completions (token-id and text
 prompts), chat completions (streamed with a usage-only last chunk, and not;
 max_completion_tokens; a second turn reporting its cached prefix), usage with
 cached tokens, streaming with a usage-only last chunk, and OpenAI-shaped
-errors for bad requests. The router runs with the shipped tokenizer
-(deploy/tokenizer).
+errors for bad requests; several choices (`n`, a batch of prompts, token-id
+or text), `echo`, and `logprobs` (completions and chat, streamed and not).
+The router runs with the shipped tokenizer (deploy/tokenizer).
+
+`--engine sim` (the default): the simulated engines, which cannot give
+log-probabilities, so `logprobs` must be a 400 naming it; every other check
+runs. `--engine vllm`: mock-vllm engines behind the vLLM adapter; only the
+choices, echo and logprobs checks run, and the log-probabilities must come
+back in the shapes the client parses.
 """
 
 import sys
@@ -25,7 +32,12 @@ def check(cond, what):
 
 def main():
     url, model = sys.argv[1], sys.argv[2]
+    engine = sys.argv[4] if len(sys.argv) > 4 and sys.argv[3] == "--engine" else "sim"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    if engine == "vllm":
+        check_choices(client, model, engine_logprobs=True)
+        print("all checks passed")
+        return
 
     models = client.models.list()
     ids = [m.id for m in models.data]
@@ -88,7 +100,85 @@ def main():
     except openai.BadRequestError as e:
         check(e.param == "temprature", f"a misspelt field is a 400 naming it (param {e.param!r})")
     check_text_and_chat(client, model)
+    check_choices(client, model, engine_logprobs=False)
     print("all checks passed")
+
+
+def check_choices(client, model, engine_logprobs):
+    """n, prompt batches, echo and logprobs: each choice its own routed
+    request, numbered prompt-major, the usage summed over the choices."""
+    prompt = [(i * 31 + 7) % 30000 + 100 for i in range(64)]
+    two = client.completions.create(model=model, prompt=prompt, max_tokens=4, n=2)
+    check([c.index for c in two.choices] == [0, 1], f"n=2 gives choices 0 and 1 ({len(two.choices)})")
+    check(all(c.finish_reason == "length" for c in two.choices), "each choice has its finish_reason")
+    check(two.usage.prompt_tokens == 64 and two.usage.completion_tokens == 8,
+          f"usage counts the prompt once and sums the choices ({two.usage.prompt_tokens}/{two.usage.completion_tokens})")
+
+    ids = client.completions.create(model=model, prompt=[prompt[:40], prompt[40:]], max_tokens=3, n=2)
+    check([c.index for c in ids.choices] == [0, 1, 2, 3],
+          "a batch of two token-id prompts with n=2 gives choices 0..3")
+    check(ids.usage.prompt_tokens == 64 and ids.usage.completion_tokens == 12,
+          f"a batch's usage sums its prompts and choices ({ids.usage.prompt_tokens}/{ids.usage.completion_tokens})")
+    texts = ["Hello there.", "Tell me a story about a dragon."]
+    alone = [client.completions.create(model=model, prompt=t, max_tokens=2).usage.prompt_tokens for t in texts]
+    batch = client.completions.create(model=model, prompt=texts, max_tokens=2)
+    check([c.index for c in batch.choices] == [0, 1], "a batch of two text prompts gives two choices")
+    check(batch.usage.prompt_tokens == sum(alone),
+          f"a text batch's prompt tokens are its prompts' ({batch.usage.prompt_tokens} = {alone})")
+
+    echo = client.completions.create(model=model, prompt=texts[1], max_tokens=4, echo=True)
+    check(echo.choices[0].text.startswith(texts[1]) and len(echo.choices[0].text) > len(texts[1]),
+          f"echo=True: the text starts with the prompt ({echo.choices[0].text[:50]!r})")
+
+    chunks = list(client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, n=2, stream=True,
+        stream_options={"include_usage": True}))
+    indices = {c.index for ch in chunks for c in ch.choices}
+    finishes = [c.index for ch in chunks for c in ch.choices if c.finish_reason]
+    check(indices == {0, 1} and sorted(finishes) == [0, 1],
+          f"streamed n=2: chunks of both choices, each finished once ({sorted(finishes)})")
+    check(chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6,
+          "streamed n=2: the usage-only last chunk sums both choices")
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi!"}], max_completion_tokens=3, n=2)
+    check([c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 6,
+          "chat n=2 gives two messages")
+
+    if not engine_logprobs:
+        try:
+            client.completions.create(model=model, prompt=prompt, max_tokens=3, logprobs=2)
+            check(False, "logprobs on an engine without them is a 400")
+        except openai.BadRequestError as e:
+            check(e.param == "logprobs", f"logprobs on an engine without them is a 400 naming it (param {e.param!r})")
+        return
+
+    lp = client.completions.create(model=model, prompt=prompt, max_tokens=4, logprobs=2, n=2)
+    for c in lp.choices:
+        l = c.logprobs
+        check(l is not None and len(l.tokens) == 4 and len(l.token_logprobs) == 4,
+              f"choice {c.index}: logprobs per token")
+        check(all(isinstance(x, float) and x <= 0 for x in l.token_logprobs), "token_logprobs are log-probabilities")
+        check(len(l.top_logprobs) == 4 and all(1 <= len(t) <= 2 and all(v <= 0 for v in t.values())
+                                                for t in l.top_logprobs),
+              "top_logprobs: at most 2 alternatives a token")
+        check(l.text_offset == sorted(l.text_offset) and l.text_offset[0] == 0, "text_offset grows from 0")
+    streamed = list(client.completions.create(
+        model=model, prompt=prompt, max_tokens=4, logprobs=1, stream=True))
+    got = sum(len(c.logprobs.tokens) for ch in streamed for c in ch.choices if c.logprobs)
+    check(got == 4, f"streamed logprobs: one a token ({got})")
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi!"}], max_completion_tokens=3,
+        logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    check(len(content) == 3 and all(isinstance(t.token, str) and t.logprob <= 0
+                                    and 1 <= len(t.top_logprobs) <= 2 for t in content),
+          "chat logprobs=True, top_logprobs=2: content per token with alternatives")
+    try:
+        client.completions.create(model=model, prompt=texts[0], max_tokens=2, logprobs=1, echo=True)
+        check(False, "echo with logprobs is a 400")
+    except openai.BadRequestError as e:
+        check(e.param == "echo", f"echo with logprobs is a 400 naming echo (param {e.param!r})")
 
 
 def check_text_and_chat(client, model):

@@ -163,7 +163,7 @@ async fn conversations_replicas_late_joiners_and_bad_input() -> Result<()> {
             (r#"{"model": "gpt-4", "prompt": [1, 2, 3]}"#, Some("model")),
             (too_long.as_str(), Some("max_tokens")),
         ];
-        let refused: [(&str, Option<&str>); 8] = [
+        let refused: [(&str, Option<&str>); 9] = [
             ("{not json", None),
             (r#"{"prompt": []}"#, None),
             (r#"{"prompt": "text without a tokenizer"}"#, None),
@@ -175,7 +175,7 @@ async fn conversations_replicas_late_joiners_and_bad_input() -> Result<()> {
                 r#"{"prompt": [1, 2, 3], "temprature": 0}"#,
                 Some("temprature"),
             ),
-            (r#"{"prompt": [1, 2, 3], "n": 3}"#, Some("n")),
+            (r#"{"prompt": [1, 2, 3], "n": 0}"#, Some("n")),
             (
                 r#"{"prompt": [1, 2, 3], "stop_token_ids": "2"}"#,
                 Some("stop_token_ids"),
@@ -183,6 +183,11 @@ async fn conversations_replicas_late_joiners_and_bad_input() -> Result<()> {
             (
                 r#"{"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0.7}"#,
                 Some("temperature"),
+            ),
+            // The simulated engine draws no tokens: no log-probabilities.
+            (
+                r#"{"prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 1}"#,
+                Some("logprobs"),
             ),
         ];
         for (k, (body, param)) in fail_fast.into_iter().chain(refused).enumerate() {

@@ -10,7 +10,7 @@
 mod cluster;
 
 use anyhow::{ensure, Context, Result};
-use cluster::{Cluster, MODEL};
+use cluster::{Cluster, Engine, Wire, MODEL};
 
 /// `$SWITCHYARD_CLIENTS_PYTHON`, when it can import guidellm and aiperf.
 fn python_with_benchmark_clients() -> Option<String> {
@@ -74,6 +74,42 @@ async fn the_official_openai_client_works_against_the_router() -> Result<()> {
     let url = cluster.routers[0].url();
     let out = tokio::process::Command::new(&python)
         .args([script, &url, MODEL])
+        .output()
+        .await
+        .context("running the openai client")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}");
+    ensure!(
+        out.status.success() && stdout.contains("all checks passed"),
+        "the openai client failed ({}):\n{stdout}\n{stderr}\n--- cluster logs ---\n{}",
+        out.status,
+        cluster.logs()
+    );
+    Ok(())
+}
+
+/// The same client on mock-vllm engines behind the vLLM adapter: several
+/// choices, echo, and the engine's log-probabilities (mock-vllm's are
+/// made up, deterministic) in the shapes the client parses.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_official_openai_client_gets_logprobs_from_vllm_engines() -> Result<()> {
+    let Some(python) = python_with_openai() else {
+        return Ok(());
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_client.py");
+    let vllm = Engine::MockVllm(Wire {
+        encoding: "tagged",
+        hash_flavour: "vllm",
+        replay_topic_frame: true,
+    });
+    let mut cluster =
+        Cluster::start_with(&[("p0", "prefill", vllm), ("d0", "decode", vllm)], 0).await?;
+    cluster.start_router_with("r0", &[tokenizer_flag()])?;
+    cluster.wait_ready().await?;
+    let url = cluster.routers[0].url();
+    let out = tokio::process::Command::new(&python)
+        .args([script, &url, MODEL, "--engine", "vllm"])
         .output()
         .await
         .context("running the openai client")?;

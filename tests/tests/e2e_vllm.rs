@@ -281,21 +281,48 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
         }
         ensure!(received["model"] == LORA, "{received}");
 
-        // Log-probabilities cannot come back yet: a 400 naming the field,
-        // not a silent `null`.
-        body["logprobs"] = json!(1);
+        // Log-probabilities: forwarded, and the engine's (mock-vllm's
+        // made-up ones) come back one a token, named by id (this router
+        // has no tokenizer), with as many alternatives as asked for.
+        body["logprobs"] = json!(2);
         let response = cluster
             .http
             .post(format!("{}/v1/completions", cluster.routers[0].url()))
+            .header("x-request-id", "scored")
             .json(&body)
             .send()
             .await?;
         let status = response.status();
-        let error: Value = response.json().await?;
+        let answer: Value = response.json().await?;
+        ensure!(status.is_success(), "HTTP {status}: {answer}");
+        let logprobs = &answer["choices"][0]["logprobs"];
+        let named: Vec<String> = output(&answer)
+            .iter()
+            .map(|t| format!("token_id:{t}"))
+            .collect();
+        ensure!(logprobs["tokens"] == json!(named), "{answer}");
+        let tops = logprobs["top_logprobs"]
+            .as_array()
+            .context("top_logprobs")?;
         ensure!(
-            status == 400 && error["error"]["param"] == "logprobs",
-            "HTTP {status}: {error}"
+            tops.len() == named.len()
+                && tops
+                    .iter()
+                    .all(|t| t.as_object().is_some_and(|t| t.len() == 2)),
+            "{answer}"
         );
+        ensure!(
+            logprobs["token_logprobs"]
+                .as_array()
+                .is_some_and(|l| l.iter().all(|x| x.as_f64().is_some_and(|x| x < 0.0))),
+            "{answer}"
+        );
+        let debug = cluster.engine_debug(decode(&answer)).await?;
+        let received = debug["received"]
+            .as_array()
+            .and_then(|r| r.iter().rev().find(|r| r["request_id"] == "scored"))
+            .context("no request \"scored\"")?;
+        ensure!(received["fields"]["logprobs"] == json!(2), "{received}");
         Ok(())
     }
     .await;
@@ -304,8 +331,9 @@ async fn every_sampling_field_reaches_the_engine() -> Result<()> {
 
 /// A 256k-token prompt (about 1.8 MB of JSON) completes end to end: the
 /// router hashes it, each leg carries it over NATS packed below the 1 MiB
-/// payload limit, the prefill and decode engines take it; one past the
-/// engines' registered context length is a 400 before routing.
+/// payload limit, the prefill and decode engines take it; so does a 400k
+/// one, whose legs go in fragments; one past the engines' registered
+/// context length is a 400 before routing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_256k_token_prompt_completes() -> Result<()> {
     let cluster = Cluster::start_with(
@@ -321,6 +349,15 @@ async fn a_256k_token_prompt_completes() -> Result<()> {
         let answer = cluster.complete(0, "long", &prompt, 4).await?;
         ensure!(
             output(&answer).len() == 4 && answer["usage"]["prompt_tokens"] == 256 * 1024,
+            "{}",
+            answer["usage"]
+        );
+        // 400k tokens pack to 1.2 MB, past NATS's default 1 MiB: each leg
+        // goes in fragments, and completes alike.
+        let prompt = tokens(13, 400_000);
+        let answer = cluster.complete(0, "longer", &prompt, 4).await?;
+        ensure!(
+            output(&answer).len() == 4 && answer["usage"]["prompt_tokens"] == 400_000,
             "{}",
             answer["usage"]
         );

@@ -122,11 +122,23 @@ async fn generate_raw(
     id: &WorkerId,
     payload: Vec<u8>,
 ) -> Result<Vec<GenerateChunk>> {
+    generate_parts(client, id, vec![payload]).await
+}
+
+/// [`generate_raw`] with the request in several messages (fragments),
+/// each with the same reply subject.
+async fn generate_parts(
+    client: &Client,
+    id: &WorkerId,
+    payloads: Vec<Vec<u8>>,
+) -> Result<Vec<GenerateChunk>> {
     let inbox = client.new_inbox();
     let mut replies = client.subscribe(inbox.clone()).await?;
-    client
-        .publish_with_reply(subjects::generate(id), inbox, payload.into())
-        .await?;
+    for payload in payloads {
+        client
+            .publish_with_reply(subjects::generate(id), inbox.clone(), payload.into())
+            .await?;
+    }
     let mut chunks = Vec::new();
     loop {
         let message = timeout(WAIT, replies.next())
@@ -284,6 +296,27 @@ async fn serves_every_stage_and_publishes_its_kv_events() -> Result<()> {
             ..
         })
     ));
+
+    // The same request in fragments (as a router sends one larger than
+    // the bus's payload limit): put back together, served alike.
+    let whole = request("local", Stage::Local, local.clone(), 5).encode();
+    let parts: Vec<Vec<u8>> = protocol::fragment::split(&whole, 97)
+        .iter()
+        .map(Message::encode)
+        .collect();
+    assert!(parts.len() > 2);
+    let chunks = generate_parts(&client, &id, parts.clone()).await?;
+    let events: Vec<GenerateEvent> = chunks.into_iter().map(|c| c.event).collect();
+    assert_eq!(output_tokens(&events), tokens);
+    // A fragment that disagrees with the others: a clear failure, not a
+    // hang.
+    let mut bad = protocol::fragment::split(&whole, 97);
+    bad[1].total_bytes += 1;
+    let chunks = generate_parts(&client, &id, bad.iter().map(Message::encode).collect()).await?;
+    assert!(
+        matches!(&chunks[0].event, GenerateEvent::Failed { retryable: false, error } if error.contains("fragment")),
+        "{chunks:?}"
+    );
 
     // Prefill: prefill only, then the transfer parameters.
     let prefill = prompt(2, 64);

@@ -58,6 +58,17 @@ async fn completions(axum::Json(body): axum::Json<Value>) -> Response {
             r#"{"choices":[{"text":"a","token_ids":[7]}]}"#,
             r#"{"error":{"message":"boom","code":500}}"#,
         ]),
+        // Logprobs, asked with the ids for names.
+        Some(9)
+            if body["logprobs"] == json!(1)
+                && body["return_tokens_as_token_ids"] == json!(true) =>
+        {
+            sse(&[
+                r#"{"choices":[{"text":"x","token_ids":[9,10],"logprobs":{"tokens":["token_id:9","token_id:10"],"token_logprobs":[-0.5,-1.0],"top_logprobs":[{"token_id:9":-0.5},{"token_id:3":-2.0,"token_id:10":-1.0}],"text_offset":[0,1]}}]}"#,
+                r#"{"choices":[{"text":"","token_ids":[],"finish_reason":"length"}]}"#,
+                "[DONE]",
+            ])
+        }
         Some(7) => {
             // A stream that stalls after its first chunk.
             let chunks = futures::stream::iter([Ok::<_, std::io::Error>(
@@ -195,6 +206,45 @@ async fn every_failure_ends_clearly_and_in_time() -> Result<()> {
         ],
         "{e:?}"
     );
+    // Log-probabilities relayed per token; an engine that streams tokens
+    // without them (prompt 10: the plain stream) refuses the field, a 400
+    // naming it, not tokens without what was asked.
+    let scored = |first: u32| {
+        let mut r = request(first, Stage::Local);
+        r.sampling.logprobs = Some(1);
+        engine.generate(r).collect::<Vec<_>>()
+    };
+    let e = scored(9).await;
+    ensure!(
+        e.first()
+            == Some(&GenerateEvent::Scored {
+                tokens: vec![9, 10],
+                logprobs: vec![
+                    protocol::TokenLogprob {
+                        logprob: -0.5,
+                        top: vec![(9, -0.5)]
+                    },
+                    protocol::TokenLogprob {
+                        logprob: -1.0,
+                        top: vec![(10, -1.0), (3, -2.0)]
+                    },
+                ],
+            })
+            && matches!(
+                e.last(),
+                Some(GenerateEvent::Finished {
+                    output_tokens: 2,
+                    ..
+                })
+            ),
+        "{e:?}"
+    );
+    let e = scored(10).await;
+    ensure!(
+        matches!(e.last(), Some(GenerateEvent::Rejected { status: 400, param: Some(p), .. }) if p == "logprobs"),
+        "{e:?}"
+    );
+
     // A prefill whose response has no kv_transfer_params: the engine has
     // no KV connector; not retryable.
     let e = run(8, Stage::Prefill).await?;

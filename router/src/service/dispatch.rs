@@ -48,6 +48,8 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tracing::Instrument;
 
+use protocol::fragment::{self, FRAGMENT_OVERHEAD, MAX_FRAGMENTED_BYTES};
+
 use super::config::{Retry, Timeouts};
 use super::event_loop::{ask_route, now_ms, AskError, Assignment, Command, RouteJob};
 use super::metrics::Metrics;
@@ -118,9 +120,9 @@ pub enum DispatchError {
         param: Option<String>,
         error: String,
     },
-    /// The leg does not fit the NATS server's payload limit (the prompt
-    /// is packed; past about 349k tokens of a vocabulary below 16M).
-    #[error("the {stage} leg is {bytes} bytes, more than the NATS server's payload limit of {max} bytes: the prompt is too long for this deployment's bus (raise nats-server's max_payload)")]
+    /// The leg is larger than the most sent in fragments
+    /// (`protocol::fragment::MAX_FRAGMENTED_BYTES`).
+    #[error("the {stage} leg is {bytes} bytes, more than the {max} bytes a request may have in fragments")]
     TooLarge {
         stage: &'static str,
         bytes: usize,
@@ -216,8 +218,12 @@ pub enum Out {
         decision: RouteDecision,
         retry_of: Option<DecisionId>,
     },
-    /// Output tokens, in order.
-    Tokens(Vec<u32>),
+    /// Output tokens, in order, with their log-probabilities (one a
+    /// token) when the request asked for them.
+    Tokens {
+        tokens: Vec<u32>,
+        logprobs: Option<Vec<protocol::TokenLogprob>>,
+    },
     /// The stream ended well.
     Done {
         reason: FinishReason,
@@ -670,7 +676,7 @@ impl Dispatcher {
                 GenerateEvent::Finished { .. } => {
                     return Err(leg.protocol("the prefill leg finished without Prefilled"))
                 }
-                GenerateEvent::Tokens(_) => {
+                GenerateEvent::Tokens(_) | GenerateEvent::Scored { .. } => {
                     return Err(leg.protocol("the prefill leg sent output tokens"))
                 }
             };
@@ -684,16 +690,15 @@ impl Dispatcher {
             .await?;
         let mut first_token_ms = None;
         loop {
-            match leg.next().await? {
-                GenerateEvent::Tokens(tokens) => {
-                    if tokens.is_empty() {
-                        continue;
+            let (tokens, logprobs) = match leg.next().await? {
+                GenerateEvent::Tokens(tokens) => (tokens, None),
+                GenerateEvent::Scored { tokens, logprobs } => {
+                    if logprobs.len() != tokens.len() {
+                        return Err(
+                            leg.protocol("a chunk's log-probabilities do not match its tokens")
+                        );
                     }
-                    first_token_ms.get_or_insert_with(now_ms);
-                    *streamed = true;
-                    if out.send(Out::Tokens(tokens)).await.is_err() {
-                        return Err(DispatchError::ClientGone);
-                    }
+                    (tokens, Some(logprobs))
                 }
                 GenerateEvent::Finished {
                     output_tokens,
@@ -733,6 +738,22 @@ impl Dispatcher {
                 GenerateEvent::Prefilled { .. } => {
                     return Err(leg.protocol("a decode leg sent Prefilled"))
                 }
+            };
+            if tokens.is_empty() {
+                continue;
+            }
+            if request.sampling.logprobs.is_some() && logprobs.is_none() {
+                // Tokens without what was asked for: never a silent 200.
+                return Err(leg.rejected(
+                    400,
+                    Some("logprobs".into()),
+                    "logprobs: the engine sent tokens without their log-probabilities".into(),
+                ));
+            }
+            first_token_ms.get_or_insert_with(now_ms);
+            *streamed = true;
+            if out.send(Out::Tokens { tokens, logprobs }).await.is_err() {
+                return Err(DispatchError::ClientGone);
             }
         }
     }
@@ -753,13 +774,21 @@ impl Dispatcher {
         };
         let payload = request.encode();
         let max = inner.client.server_info().max_payload;
-        if payload.len() > max {
+        // Past the server's payload limit: in fragments, which the agent
+        // puts back together (same subject, same reply subject, in order).
+        let messages: Vec<Vec<u8>> = if payload.len() <= max {
+            vec![payload]
+        } else if payload.len() as u64 <= MAX_FRAGMENTED_BYTES && max > FRAGMENT_OVERHEAD {
+            let parts = fragment::split(&payload, max - FRAGMENT_OVERHEAD);
+            tracing::info!(%worker, stage, bytes = payload.len(), fragments = parts.len(), max_payload = max, "leg larger than the bus's payload limit: sent in fragments");
+            parts.iter().map(Message::encode).collect()
+        } else {
             return Err(DispatchError::TooLarge {
                 stage,
                 bytes: payload.len(),
-                max,
+                max: MAX_FRAGMENTED_BYTES as usize,
             });
-        }
+        };
         let inbox = inner.client.new_inbox();
         // The subscription reaches the server before the request (same
         // connection, in order).
@@ -768,11 +797,13 @@ impl Dispatcher {
             .subscribe(inbox.clone())
             .await
             .map_err(|e| nats(&e))?;
-        inner
-            .client
-            .publish_with_reply(subject.to_owned(), inbox, payload.into())
-            .await
-            .map_err(|e| nats(&e))?;
+        for message in messages {
+            inner
+                .client
+                .publish_with_reply(subject.to_owned(), inbox.clone(), message.into())
+                .await
+                .map_err(|e| nats(&e))?;
+        }
         tracing::debug!(%worker, stage, %subject, "leg sent");
         self.first_probe(worker);
         Ok(Leg {

@@ -55,12 +55,36 @@ pub struct Cluster {
     pub etcd: EtcdServer,
     pub bus: Bus,
     pub registry: Registry,
+    /// The NATS server's configuration file, when it has one.
+    _nats_config: Option<tempfile::TempDir>,
 }
 
 impl Cluster {
     pub async fn start() -> Result<Self> {
-        let (nats, etcd) = tokio::task::spawn_blocking(|| -> Result<_> {
-            Ok((NatsServer::start()?, EtcdServer::start()?))
+        Self::start_inner(None).await
+    }
+
+    /// With a NATS server whose payload limit is `max_payload` bytes.
+    pub async fn start_with_max_payload(max_payload: usize) -> Result<Self> {
+        Self::start_inner(Some(max_payload)).await
+    }
+
+    async fn start_inner(max_payload: Option<usize>) -> Result<Self> {
+        let config = match max_payload {
+            Some(n) => {
+                let dir = tempfile::tempdir()?;
+                std::fs::write(dir.path().join("nats.conf"), format!("max_payload: {n}\n"))?;
+                Some(dir)
+            }
+            None => None,
+        };
+        let path = config.as_ref().map(|d| d.path().join("nats.conf"));
+        let (nats, etcd) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let nats = match &path {
+                Some(p) => NatsServer::start_with_config(p)?,
+                None => NatsServer::start()?,
+            };
+            Ok((nats, EtcdServer::start()?))
         })
         .await??;
         let bus = Bus::connect(&nats.url(), "test").await?;
@@ -71,6 +95,7 @@ impl Cluster {
             etcd,
             bus,
             registry,
+            _nats_config: config,
         })
     }
 
@@ -241,7 +266,8 @@ where
 #[derive(Clone)]
 pub enum Behavior {
     /// Prefill legs: `Prefilled` then `Finished`; other legs: `max_tokens`
-    /// tokens `1000, 1001, ...` in chunks of two, then `Finished`.
+    /// tokens `1000, 1001, ...` in chunks of two (with made-up
+    /// log-probabilities when asked for), then `Finished`.
     Serve,
     /// Serve, but hold the last chunk until notified.
     Hold(Arc<Notify>),
@@ -277,9 +303,27 @@ impl FakeWorker {
         let (tx, requests) = mpsc::unbounded_channel();
         let me = record.id.clone();
         let task = tokio::spawn(async move {
+            // Requests larger than the bus's payload limit come in
+            // fragments, as the agent takes them.
+            let mut fragments = protocol::Reassembly::new(1 << 30, 60_000);
             while let Some(message) = subscription.next().await {
-                let Ok(request) = GenerateRequest::decode(&message.payload) else {
-                    continue;
+                let request = match GenerateRequest::decode(&message.payload) {
+                    Ok(request) => request,
+                    Err(_) => {
+                        let (Ok(f), Some(reply)) = (
+                            protocol::RequestFragment::decode(&message.payload),
+                            message.reply.as_ref(),
+                        ) else {
+                            continue;
+                        };
+                        match fragments.push(reply.as_str(), f, 0) {
+                            Ok(Some(whole)) => match GenerateRequest::decode(&whole) {
+                                Ok(request) => request,
+                                Err(_) => continue,
+                            },
+                            _ => continue,
+                        }
+                    }
                 };
                 let Some(reply) = message.reply.clone() else {
                     continue;
@@ -386,9 +430,30 @@ async fn answer(
         ];
     }
     let output: Vec<u32> = (0..request.max_tokens).map(|i| 1000 + i).collect();
+    // With logprobs asked for: made-up ones, each token's `-t % 10 / 10`
+    // and its `k` most likely the token itself and the next ids.
+    let scored = |c: &[u32], k: u32| {
+        let logprobs = c
+            .iter()
+            .map(|&t| {
+                let lp = -((t % 10) as f32) / 10.0;
+                protocol::TokenLogprob {
+                    logprob: lp,
+                    top: (0..k).map(|j| (t + j, lp - j as f32)).collect(),
+                }
+            })
+            .collect();
+        GenerateEvent::Scored {
+            tokens: c.to_vec(),
+            logprobs,
+        }
+    };
     let mut events: Vec<GenerateEvent> = output
         .chunks(2)
-        .map(|c| GenerateEvent::Tokens(c.to_vec()))
+        .map(|c| match request.sampling.logprobs {
+            Some(k) => scored(c, k),
+            None => GenerateEvent::Tokens(c.to_vec()),
+        })
         .collect();
     // An engine that does not say what it found cached.
     events.push(GenerateEvent::Finished {

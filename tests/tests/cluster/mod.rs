@@ -30,8 +30,9 @@ pub const PRESET: &str = "llama70b_fp8_tp2_h100";
 pub const BLOCK_SIZE: u32 = 16;
 /// The LoRA adapter every mock-vllm engine serves beside the model.
 pub const LORA: &str = "sql-adapter";
-/// Every mock-vllm engine's context length (above 256k tokens).
-pub const MAX_MODEL_LEN: u32 = 300_000;
+/// Every mock-vllm engine's context length (above the 400k tokens of the
+/// longest prompt tested, which goes in fragments past NATS's 1 MiB).
+pub const MAX_MODEL_LEN: u32 = 450_000;
 const STARTUP: Duration = Duration::from_secs(30);
 
 pub struct Node {

@@ -114,6 +114,9 @@ pub(super) struct Agent {
     /// Whether JetStream's store refuses KV batches for want of room (the
     /// HTTP health reads it).
     pub(super) store_full: Arc<AtomicBool>,
+    /// Generation requests larger than the bus's payload limit, arriving
+    /// in fragments (by reply subject; `origin`'s milliseconds).
+    pub(super) fragments: protocol::Reassembly,
 }
 
 impl std::fmt::Debug for Agent {
@@ -173,6 +176,10 @@ impl Agent {
             tasks: JoinSet::new(),
             registry: epochs.registry,
             store_full: Arc::default(),
+            fragments: protocol::Reassembly::new(
+                super::generate::FRAGMENTS_MAX_BYTES,
+                super::generate::FRAGMENTS_MAX_AGE_MS,
+            ),
         }
     }
 

@@ -7,17 +7,46 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use metrics::counter;
 use protocol::{
-    CancelRequest, DecisionId, GenerateChunk, GenerateEvent, GenerateRequest, Message, Role, Stage,
-    WorkerId,
+    CancelRequest, DecisionId, GenerateChunk, GenerateEvent, GenerateRequest, Message,
+    RequestFragment, Role, Stage, WorkerId,
 };
 use tracing::{debug, info, warn, Instrument};
 
 use super::event_loop::Agent;
 use crate::metrics as m;
 
+/// Most bytes of fragmented generate requests waiting for their rest.
+pub(super) const FRAGMENTS_MAX_BYTES: u64 = 256 << 20;
+/// How long a fragmented request may take to arrive whole.
+pub(super) const FRAGMENTS_MAX_AGE_MS: u64 = 30_000;
+
 impl Agent {
     pub(super) fn on_generate(&mut self, message: NatsMessage) {
-        let decoded = GenerateRequest::decode(&message.payload);
+        let mut decoded = GenerateRequest::decode(&message.payload).map_err(|e| e.to_string());
+        // A request larger than the bus's payload limit comes in fragments
+        // with one reply subject: kept until the last one.
+        if decoded.is_err() {
+            if let (Ok(fragment), Some(reply)) = (
+                RequestFragment::decode(&message.payload),
+                message.reply.as_ref(),
+            ) {
+                let now_ms = self.origin.elapsed().as_millis() as u64;
+                decoded = match self.fragments.push(reply.as_str(), fragment, now_ms) {
+                    Ok(None) => return,
+                    Ok(Some(whole)) => {
+                        debug!(
+                            bytes = whole.len(),
+                            "a fragmented generate request is whole"
+                        );
+                        GenerateRequest::decode(&whole).map_err(|e| e.to_string())
+                    }
+                    Err(e) => {
+                        counter!(m::MALFORMED_REQUESTS, "reason" => "fragment").increment(1);
+                        Err(format!("a fragmented request: {e}"))
+                    }
+                };
+            }
+        }
         let Some(reply) = message.reply else {
             counter!(m::MALFORMED_REQUESTS, "reason" => "no_reply").increment(1);
             match &decoded {
@@ -261,7 +290,9 @@ async fn forward(out: ChunkSender, mut events: BoxStream<'static, GenerateEvent>
                     "generate rejected"
                 );
             }
-            GenerateEvent::Tokens(_) | GenerateEvent::Prefilled { .. } => {}
+            GenerateEvent::Tokens(_)
+            | GenerateEvent::Scored { .. }
+            | GenerateEvent::Prefilled { .. } => {}
         }
         out.send(index, event).await;
         index += 1;

@@ -16,13 +16,17 @@
 //!   the response's `kv_transfer_params` travel, as JSON, in
 //!   `KvTransferParams.engine`, and the decode request sends them back
 //!   with `do_remote_prefill: true`.
+//! - Log-probabilities (`logprobs: N`): asked with
+//!   `return_tokens_as_token_ids: true`, so that vLLM names each token of
+//!   `choices[].logprobs` (`tokens`, `top_logprobs`' keys) `token_id:ID`;
+//!   they are read back per token ([`parse_logprobs`]).
 //! - The third path (a prefix pulled from a decode worker, vLLM's
 //!   bidirectional NIXL transfer, `bidirectional_kv_xfer`): the prefill
 //!   request's `kv_transfer_params` name the decode worker as the remote
 //!   (`do_remote_decode: true`, `remote_engine_id`, `remote_num_tokens`,
 //!   [`pull_params`]); the rest is as above.
 
-use protocol::Sampling;
+use protocol::{Sampling, TokenLogprob};
 use serde_json::{json, Map, Value};
 
 /// What a request is for.
@@ -174,6 +178,9 @@ fn insert_sampling(o: &mut Map<String, Value>, s: &Sampling, prefill: bool) {
     }
     if let Some(n) = s.logprobs {
         o.insert("logprobs".into(), json!(n));
+        // The tokens of `logprobs` as `token_id:N`, so that they name
+        // ids (not text pieces) on the wire to the router.
+        o.insert("return_tokens_as_token_ids".into(), json!(true));
     }
     if !s.logit_bias.is_empty() {
         let bias: Map<String, Value> = s
@@ -286,6 +293,9 @@ pub struct Chunk {
     pub finish_reason: Option<String>,
     pub usage: Option<Usage>,
     pub kv_transfer_params: Option<Value>,
+    /// `choices[].logprobs`, one entry a generated token, when the engine
+    /// sent them.
+    pub logprobs: Option<Vec<TokenLogprob>>,
     /// An error object inside the stream: message and HTTP-like code.
     pub error: Option<(String, Option<u16>)>,
 }
@@ -349,6 +359,9 @@ pub fn parse_chunk(v: &Value) -> Result<Chunk, String> {
             .get("finish_reason")
             .and_then(Value::as_str)
             .map(str::to_owned);
+        if let Some(l) = choice.get("logprobs").filter(|l| !l.is_null()) {
+            chunk.logprobs = Some(parse_logprobs(l)?);
+        }
     }
     if let Some(u) = o.get("usage").filter(|u| u.is_object()) {
         let n = |v: Option<&Value>| {
@@ -370,6 +383,59 @@ pub fn parse_chunk(v: &Value) -> Result<Chunk, String> {
         .filter(|p| p.is_object())
         .cloned();
     Ok(chunk)
+}
+
+/// A completion choice's `logprobs` (`tokens`, `token_logprobs`,
+/// `top_logprobs`), its tokens named `token_id:ID` (as
+/// `return_tokens_as_token_ids` makes vLLM name them): one entry a token,
+/// each top list most likely first. A token named otherwise is an error
+/// (its id is unknown).
+pub fn parse_logprobs(v: &Value) -> Result<Vec<TokenLogprob>, String> {
+    let list = |key: &str| {
+        v.get(key)
+            .and_then(Value::as_array)
+            .ok_or_else(|| format!("logprobs.{key} is not a list"))
+    };
+    let id = |name: &str| {
+        name.strip_prefix("token_id:")
+            .and_then(|n| n.parse::<u32>().ok())
+            .ok_or_else(|| {
+                format!("logprobs names the token {name:?}, not token_id:ID (does the engine ignore return_tokens_as_token_ids?)")
+            })
+    };
+    let tokens = list("tokens")?;
+    let own = list("token_logprobs")?;
+    let top = v.get("top_logprobs").and_then(Value::as_array);
+    if own.len() != tokens.len() {
+        return Err(format!(
+            "logprobs has {} tokens but {} token_logprobs",
+            tokens.len(),
+            own.len()
+        ));
+    }
+    let mut out = Vec::with_capacity(tokens.len());
+    for (i, token) in tokens.iter().enumerate() {
+        token
+            .as_str()
+            .ok_or("logprobs: a token is not a string")
+            .map_err(str::to_owned)
+            .and_then(id)?;
+        // vLLM sends -inf as -9999.0; null is a prompt token's.
+        let logprob = own[i].as_f64().unwrap_or(f64::NEG_INFINITY) as f32;
+        let mut entries: Vec<(u32, f32)> = match top.and_then(|t| t.get(i)) {
+            Some(Value::Object(m)) => m
+                .iter()
+                .map(|(name, lp)| Ok((id(name)?, lp.as_f64().unwrap_or(f64::NEG_INFINITY) as f32)))
+                .collect::<Result<_, String>>()?,
+            _ => Vec::new(),
+        };
+        entries.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        out.push(TokenLogprob {
+            logprob,
+            top: entries,
+        });
+    }
+    Ok(out)
 }
 
 /// Whether an HTTP status is worth retrying elsewhere: 5xx, 408 and 429
@@ -592,6 +658,47 @@ mod tests {
         assert_eq!(parse_event(" [DONE] "), Ok(Event::Done));
         assert!(parse_event("{").is_err());
         assert!(parse_event(r#"{"choices":[{"token_ids":[-1]}]}"#).is_err());
+    }
+
+    /// vLLM's completion logprobs with token ids for names: one entry a
+    /// token, the top list most likely first; text names are an error.
+    #[test]
+    fn logprobs_are_read_per_token() {
+        let Event::Chunk(c) = parse_event(
+            r#"{"choices":[{"text":"","token_ids":[5,6],"logprobs":{"tokens":["token_id:5","token_id:6"],"token_logprobs":[-0.5,-1.25],"top_logprobs":[{"token_id:9":-2.0,"token_id:5":-0.5},{"token_id:6":-1.25}],"text_offset":[0,1]}}]}"#,
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            c.logprobs,
+            Some(vec![
+                TokenLogprob {
+                    logprob: -0.5,
+                    top: vec![(5, -0.5), (9, -2.0)]
+                },
+                TokenLogprob {
+                    logprob: -1.25,
+                    top: vec![(6, -1.25)]
+                },
+            ])
+        );
+        let text = r#"{"choices":[{"logprobs":{"tokens":["hi"],"token_logprobs":[-1.0],"top_logprobs":[null]}}]}"#;
+        assert!(parse_event(text)
+            .unwrap_err()
+            .contains("return_tokens_as_token_ids"));
+        let s = Sampling {
+            logprobs: Some(2),
+            ..Sampling::default()
+        };
+        let b = completion_body("m", &[1], 8, &s, &Kind::Local, true);
+        assert_eq!(
+            (
+                b["logprobs"].clone(),
+                b["return_tokens_as_token_ids"].clone()
+            ),
+            (json!(2), json!(true))
+        );
     }
 
     #[test]

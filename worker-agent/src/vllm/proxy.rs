@@ -189,7 +189,8 @@ impl RequestContext {
         if matches!(kind, Kind::Prefill | Kind::PrefillFetch(_)) {
             return self.prefilled(request, response, out).await;
         }
-        self.stream(response, out, guard).await;
+        self.stream(response, out, guard, request.sampling.logprobs.is_some())
+            .await;
     }
 
     /// A prefill's non-streamed response: its `kv_transfer_params`.
@@ -244,12 +245,16 @@ impl RequestContext {
         });
     }
 
-    /// A streamed completion: tokens as they come, then the end.
+    /// A streamed completion: tokens as they come (with their
+    /// log-probabilities when `logprobs` were asked for: an engine that
+    /// sends tokens without them, or unreadable ones, refuses the field),
+    /// then the end.
     async fn stream(
         &self,
         response: reqwest::Response,
         out: &mpsc::UnboundedSender<GenerateEvent>,
         guard: &InflightGuard,
+        logprobs: bool,
     ) {
         let mut body = response.bytes_stream();
         let mut sse = openai::SseParser::new();
@@ -312,7 +317,26 @@ impl RequestContext {
                             Some(ids) if !ids.is_empty() => {
                                 produced += ids.len() as u32;
                                 guard.produced(ids.len());
-                                if out.send(GenerateEvent::Tokens(ids)).is_err() {
+                                let event = match (logprobs, c.logprobs) {
+                                    (false, _) => GenerateEvent::Tokens(ids),
+                                    (true, Some(l)) if l.len() == ids.len() => {
+                                        GenerateEvent::Scored {
+                                            tokens: ids,
+                                            logprobs: l,
+                                        }
+                                    }
+                                    (true, l) => {
+                                        return reject_logprobs(
+                                            out,
+                                            format!(
+                                            "the engine sent {} tokens with {} log-probabilities",
+                                            ids.len(),
+                                            l.map_or(0, |l| l.len())
+                                        ),
+                                        )
+                                    }
+                                };
+                                if out.send(event).is_err() {
                                     return;
                                 }
                             }
@@ -334,6 +358,9 @@ impl RequestContext {
                             usage = c.usage;
                         }
                     }
+                    Err(e) if logprobs && e.starts_with("logprobs") => {
+                        return reject_logprobs(out, e)
+                    }
                     Err(e) => {
                         counter!(m::ENGINE_KV_SKIPPED, "reason" => "bad_chunk").increment(1);
                         warn!(error = %e, "an unreadable chunk from the engine: skipped");
@@ -342,6 +369,16 @@ impl RequestContext {
             }
         }
     }
+}
+
+/// The engine cannot return the log-probabilities asked for: a 400
+/// naming `logprobs`, never tokens without them.
+fn reject_logprobs(out: &mpsc::UnboundedSender<GenerateEvent>, error: String) {
+    let _ = out.send(GenerateEvent::Rejected {
+        status: 400,
+        param: Some("logprobs".into()),
+        error: format!("logprobs: this engine does not return them as asked: {error}"),
+    });
 }
 
 fn fail(out: &mpsc::UnboundedSender<GenerateEvent>, retryable: bool, error: String) {

@@ -1,8 +1,10 @@
 //! A completion request's fields other than its prompt, each one read by
 //! name, its type and range checked: the sampling and stopping parameters
 //! into [`protocol::Sampling`] for the engine, the rest for the router. A
-//! field this router does not know, or knows but cannot honour (`n > 1`,
-//! `echo`), is an error naming it — never dropped with a 200.
+//! field this router does not know, or knows but cannot honour (`best_of`,
+//! `suffix`), is an error naming it — never dropped with a 200. `n` and
+//! `echo` are the router's own (each choice is its own request; the
+//! prompt is echoed from what the client sent).
 
 use protocol::{Sampling, SessionId};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -80,6 +82,21 @@ pub struct Fields {
     pub sampling: Sampling,
     /// `agent_context.session_id` (Dynamo's): the conversation's session.
     pub session: Option<SessionId>,
+    /// `n`: choices per prompt (`None`: one).
+    pub n: Option<u32>,
+    /// `echo`: each choice's text starts with its prompt.
+    pub echo: bool,
+}
+
+/// Most choices one request may ask for (`n` times the prompts of a
+/// batch): each is its own routed request.
+pub const MAX_CHOICES: u32 = 128;
+
+impl Fields {
+    /// Choices per prompt.
+    pub fn choices(&self) -> u32 {
+        self.n.unwrap_or(1)
+    }
 }
 
 /// The fields a completion request may have besides the sampling ones
@@ -139,23 +156,26 @@ impl Fields {
             "user" => {
                 let _: String = typed(key, value)?;
             }
-            "n" | "best_of" => {
+            "n" => {
+                let n: u32 = typed(key, value)?;
+                if !(1..=MAX_CHOICES).contains(&n) {
+                    return Err(FieldError::field(
+                        key,
+                        format!("{n}: must be in [1, {MAX_CHOICES}]"),
+                    ));
+                }
+                self.n = Some(n);
+            }
+            "best_of" => {
                 let n: u32 = typed(key, value)?;
                 if n != 1 {
                     return Err(FieldError::field(
                         key,
-                        format!("{n} choices were asked for, but this router serves one choice per request: send {key} 1 (or several requests)"),
+                        format!("{n}: ranking several generations is not supported (vLLM's V1 engine has no best_of either): send best_of 1, or n choices and rank them yourself"),
                     ));
                 }
             }
-            "echo" => {
-                if typed::<bool>(key, value)? {
-                    return Err(FieldError::field(
-                        key,
-                        "echoing the prompt is not supported",
-                    ));
-                }
-            }
+            "echo" => self.echo = typed(key, value)?,
             "suffix" => {
                 if !typed::<String>(key, value)?.is_empty() {
                     return Err(FieldError::field(key, "suffixes are not supported"));
@@ -214,13 +234,7 @@ impl Fields {
                         format!("{n}: at most {MAX_LOGPROBS}"),
                     ));
                 }
-                // The engine computes them (the agent forwards the field),
-                // but chunks do not carry them back yet: refused rather
-                // than answered with `logprobs: null`.
-                return Err(FieldError::field(
-                    key,
-                    "log-probabilities are not returned by this router yet",
-                ));
+                self.sampling.logprobs = Some(n);
             }
             "logit_bias" => {
                 let bias: std::collections::BTreeMap<String, f64> = typed(key, value)?;
@@ -341,7 +355,8 @@ mod tests {
     fn every_sampling_field_is_read() {
         let f = read(json!({
             "model": "m", "max_tokens": 9, "stream": true,
-            "stream_options": {"include_usage": true}, "user": "u", "n": 1,
+            "stream_options": {"include_usage": true}, "user": "u", "n": 3, "echo": true,
+            "logprobs": 2,
             "temperature": 0, "top_p": 0.5, "top_k": -1, "min_p": 0.1, "seed": 42,
             "stop": "\n", "stop_token_ids": [2, 3], "ignore_eos": true, "min_tokens": 4,
             "presence_penalty": 1.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
@@ -354,7 +369,9 @@ mod tests {
             (f.model.as_deref(), f.max_tokens, f.stream, f.include_usage),
             (Some("m"), Some(9), true, true)
         );
+        assert_eq!((f.choices(), f.echo), (3, true));
         let s = f.sampling;
+        assert_eq!(s.logprobs, Some(2));
         assert_eq!(s.temperature, Some(0.0));
         assert_eq!(s.stop, vec!["\n".to_owned()]);
         assert_eq!(s.logit_bias, vec![(3, 1.5), (7, -100.0)]);
@@ -362,7 +379,7 @@ mod tests {
             s.response_format.as_deref(),
             Some(r#"{"type":"json_object"}"#)
         );
-        assert_eq!(s.fields_set().len(), 16, "{:?}", s.fields_set());
+        assert_eq!(s.fields_set().len(), 17, "{:?}", s.fields_set());
     }
 
     #[test]
@@ -399,7 +416,7 @@ mod tests {
                 "[-2, 2]",
             ),
             (json!({"logprobs": 21}), "logprobs", "at most 20"),
-            (json!({"logprobs": 1}), "logprobs", "not returned"),
+            (json!({"logprobs": true}), "logprobs", "invalid type"),
             (
                 json!({"logit_bias": {"x": 1}}),
                 "logit_bias",
@@ -416,8 +433,10 @@ mod tests {
                 "object",
             ),
             (json!({"cache_salt": ""}), "cache_salt", "empty"),
-            (json!({"n": 2}), "n", "one choice"),
-            (json!({"echo": true}), "echo", "not supported"),
+            (json!({"n": 0}), "n", "[1, 128]"),
+            (json!({"n": 129}), "n", "[1, 128]"),
+            (json!({"best_of": 2}), "best_of", "not supported"),
+            (json!({"echo": "yes"}), "echo", "invalid type"),
             (
                 json!({"stream_options": {"x": 1}}),
                 "stream_options",

@@ -18,6 +18,7 @@
 //! the JSON types are in [`openai`].
 
 pub mod access;
+mod assemble;
 mod completions;
 mod error;
 pub mod fields;

@@ -235,11 +235,24 @@ fn eight_digits(values: u64) -> u32 {
     (quads.wrapping_add(rest) >> 32) as u32
 }
 
-/// A prompt: token ids, or text (needs a tokenizer).
+/// A prompt: token ids, or text (needs a tokenizer); or a batch of
+/// several (OpenAI's list of strings or of token-id lists), each a
+/// `Tokens` or `Text`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
     Tokens(Vec<u32>),
     Text(String),
+    Batch(Vec<Prompt>),
+}
+
+impl Prompt {
+    /// The prompts: a batch's, or this one.
+    pub fn into_prompts(self) -> Vec<Prompt> {
+        match self {
+            Prompt::Batch(prompts) => prompts,
+            one => vec![one],
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for Prompt {
@@ -268,22 +281,27 @@ impl<'de> Visitor<'de> for PromptVisitor {
     /// The slow path of a token-id list (reached only when the scanner
     /// refused it, to say what is wrong), and OpenAI's batch forms: a list
     /// of one string or of one token-id list is that one prompt (as AIPerf
-    /// sends it); a batch of several is refused.
+    /// sends it); a list of several is a batch, each prompt its own
+    /// choices.
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
         let mut tokens = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
-        let mut batch: Option<Prompt> = None;
+        let mut batch: Vec<Prompt> = Vec::new();
         while let Some(item) = seq.next_element::<Item>()? {
-            match (item, &batch) {
-                (Item::Token(t), None) => tokens.push(t),
-                (Item::Prompt(p), None) if tokens.is_empty() => batch = Some(p),
+            match item {
+                Item::Token(t) if batch.is_empty() => tokens.push(t),
+                Item::Prompt(p) if tokens.is_empty() => batch.push(p),
                 _ => {
                     return Err(de::Error::custom(
-                        "a list of several prompts is a batch, which is not supported: send one prompt per request",
+                        "a prompt list mixes token ids and prompts: send a list of token ids (one prompt) or a list of prompts (a batch)",
                     ))
                 }
             }
         }
-        Ok(batch.unwrap_or(Prompt::Tokens(tokens)))
+        Ok(match batch.len() {
+            0 => Prompt::Tokens(tokens),
+            1 => batch.pop().expect("one"),
+            _ => Prompt::Batch(batch),
+        })
     }
 }
 
@@ -368,13 +386,13 @@ impl<'de> Deserialize<'de> for TokenId {
 
             fn visit_str<E: de::Error>(self, _: &str) -> Result<TokenId, E> {
                 Err(E::custom(
-                    "a list of strings is a batch of prompts, which is not supported: send one prompt per request",
+                    "a batch's token-id prompt holds a string: each prompt of a batch is a string or a list of token ids",
                 ))
             }
 
             fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<TokenId, A::Error> {
                 Err(de::Error::custom(
-                    "a list of token-id lists is a batch of prompts, which is not supported: send one prompt per request",
+                    "a batch's token-id prompt holds a list: prompts nest one level at most",
                 ))
             }
         }
@@ -440,11 +458,52 @@ pub struct PromptTokensDetails {
     /// one, else the router's predicted overlap.
     pub cached_tokens: u32,
     /// `engine` or `router`: whose figure `cached_tokens` is (a Switchyard
-    /// extension).
+    /// extension); `mixed` for a batch whose prompts' figures came from
+    /// both.
     pub cached_tokens_source: &'static str,
 }
 
 impl Usage {
+    /// A request's usage from its choices' (each with whether it is the
+    /// first choice of its prompt): completion tokens summed over every
+    /// choice, prompt and cached tokens over the prompts (each counted
+    /// once, from its first choice, as OpenAI and vLLM count them).
+    /// `cached_tokens_source` is `mixed` when the prompts' figures came
+    /// from both.
+    pub fn total(choices: impl IntoIterator<Item = (Usage, bool)>) -> Self {
+        let mut sum = Usage {
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            total_tokens: 0,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: 0,
+                cached_tokens_source: "",
+            },
+        };
+        for (u, first_of_prompt) in choices {
+            sum.completion_tokens = sum.completion_tokens.saturating_add(u.completion_tokens);
+            if !first_of_prompt {
+                continue;
+            }
+            sum.prompt_tokens = sum.prompt_tokens.saturating_add(u.prompt_tokens);
+            let d = &mut sum.prompt_tokens_details;
+            d.cached_tokens = d
+                .cached_tokens
+                .saturating_add(u.prompt_tokens_details.cached_tokens);
+            let source = u.prompt_tokens_details.cached_tokens_source;
+            d.cached_tokens_source = match d.cached_tokens_source {
+                "" => source,
+                s if s == source => s,
+                _ => "mixed",
+            };
+        }
+        sum.total_tokens = sum.prompt_tokens.saturating_add(sum.completion_tokens);
+        if sum.prompt_tokens_details.cached_tokens_source.is_empty() {
+            sum.prompt_tokens_details.cached_tokens_source = "router";
+        }
+        sum
+    }
+
     /// `engine_cached`: what the engine that prefilled said it found
     /// cached, if it said; `router_overlap`: the decision's prediction.
     pub fn new(
@@ -476,8 +535,64 @@ pub struct Choice<'a> {
     pub text: &'a str,
     /// The generated token ids (a Switchyard extension).
     pub token_ids: &'a [u32],
-    pub logprobs: Option<()>,
+    pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+}
+
+/// A completion choice's `logprobs` (OpenAI's legacy shape, as vLLM
+/// answers it): per token its text, its log-probability, the most likely
+/// tokens there with theirs, and where its text starts in the choice's
+/// text.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f64>,
+    pub top_logprobs: Vec<TopLogprobs>,
+    pub text_offset: Vec<u32>,
+}
+
+/// One position's most likely tokens: a JSON object of token text to
+/// log-probability, most likely first (a text two ids decode to is kept
+/// once, with the likelier).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogprobs(pub Vec<(String, f64)>);
+
+impl Serialize for TopLogprobs {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut seen = std::collections::HashSet::new();
+        let mut map = s.serialize_map(None)?;
+        for (token, logprob) in &self.0 {
+            if seen.insert(token.as_str()) {
+                map.serialize_entry(token, logprob)?;
+            }
+        }
+        map.end()
+    }
+}
+
+/// A chat choice's `logprobs`: `content`, one entry a token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+    /// Always `null` (no refusal tokens).
+    pub refusal: Option<Vec<ChatTokenLogprob>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f64,
+    /// The token text's UTF-8 bytes.
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f64,
+    pub bytes: Vec<u8>,
 }
 
 /// A completion's choice or a chat completion's.
@@ -498,7 +613,7 @@ pub struct ChatChoice<'a> {
     pub delta: Option<ChatMessage<'a>>,
     /// The generated token ids (a Switchyard extension).
     pub token_ids: &'a [u32],
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -515,12 +630,19 @@ pub struct Completion<'a> {
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
-    /// One choice; none in a stream's usage-only last chunk.
+    /// The choices (in a stream's chunk, one; none in its usage-only last
+    /// chunk).
     pub choices: Vec<AnyChoice<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// The decision of the first choice (index 0); a streamed chunk's is
+    /// its choice's, on the choice's first chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub switchyard: Option<&'a SwitchyardInfo>,
+    /// With several choices, not streamed: every choice's decision, by
+    /// index (each choice is its own routed request).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub switchyard_choices: Option<Vec<&'a SwitchyardInfo>>,
 }
 
 /// `{"error": {...}}`, OpenAI's error shape.
@@ -742,13 +864,28 @@ mod tests {
         assert_eq!(r.prompt, Prompt::Text("hi there".into()));
         let r = CompletionRequest::parse(br#"{"prompt":[[4,5]]}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![4, 5]));
+        // Several are a batch, in order.
+        let r = CompletionRequest::parse(br#"{"prompt":["a","b"]}"#).unwrap();
+        assert_eq!(
+            r.prompt,
+            Prompt::Batch(vec![Prompt::Text("a".into()), Prompt::Text("b".into())])
+        );
+        let r = CompletionRequest::parse(br#"{"prompt":[[1],[2,3],"c"]}"#).unwrap();
+        assert_eq!(
+            r.prompt.into_prompts(),
+            vec![
+                Prompt::Tokens(vec![1]),
+                Prompt::Tokens(vec![2, 3]),
+                Prompt::Text("c".into())
+            ]
+        );
         for (body, needle) in [
             (&br#"{"prompt":[1,-2]}"#[..], "negative"),
             (br#"{"prompt":[1,4294967296]}"#, "32 bits"),
-            (br#"{"prompt":["a","b"]}"#, "batch"),
-            (br#"{"prompt":[[1],[2]]}"#, "batch"),
-            (br#"{"prompt":[1,"a"]}"#, "batch"),
-            (br#"{"prompt":["a",1]}"#, "batch"),
+            (br#"{"prompt":[[1],[[2]]]}"#, "nest one level"),
+            (br#"{"prompt":[[1,"a"]]}"#, "holds a string"),
+            (br#"{"prompt":[1,"a"]}"#, "mixes"),
+            (br#"{"prompt":["a",1]}"#, "mixes"),
             (br#"{"prompt":1}"#, "a prompt"),
             (br#"{"prompt":[1.5]}"#, "floating point"),
             (br#"{"prompt":[1,,2]}"#, "expected value"),

@@ -10,7 +10,7 @@ use axum::http::HeaderMap;
 use protocol::{BlockHasher, HashSalt, SessionId};
 
 use super::error::ApiError;
-use super::fields::{FieldError, Fields, Members};
+use super::fields::{FieldError, Fields, Members, MAX_CHOICES};
 use super::openai::{CompletionRequest, Prompt};
 use super::App;
 use crate::service::chat_template::Message;
@@ -19,17 +19,49 @@ use crate::service::dispatch::Prepared;
 /// The session header (vllm-project/router's `X-Session-ID`).
 pub const SESSION_HEADER: &str = "x-session-id";
 
-/// A parsed, tokenized and hashed completion request.
+/// A parsed, tokenized and hashed completion request: one routed request
+/// a choice (`n` a prompt, for each prompt of a batch), in index order.
 pub(super) struct Parsed {
-    /// What its decisions are made from.
-    pub(super) prepared: Prepared,
-    /// Its token ids.
-    pub(super) prompt: Vec<u32>,
+    pub(super) choices: Vec<ChoiceRequest>,
     /// Whether the answer is streamed (SSE).
     pub(super) stream: bool,
     /// `stream_options.include_usage`: a last chunk with the usage and no
     /// choice.
     pub(super) include_usage: bool,
+}
+
+/// One choice of a request: its own routed request.
+pub(super) struct ChoiceRequest {
+    /// The choice's `index`: prompt-major (`prompt * n + j`), as OpenAI
+    /// numbers a batch's choices.
+    pub(super) index: u32,
+    /// Whether it is its prompt's first choice (whose prompt tokens the
+    /// usage counts).
+    pub(super) first_of_prompt: bool,
+    /// What its decisions are made from (its request id is the request's,
+    /// `-INDEX` appended when there are several choices).
+    pub(super) prepared: Prepared,
+    /// Its prompt's token ids.
+    pub(super) prompt: Vec<u32>,
+    /// With `echo`: its prompt's text, which its text starts with.
+    pub(super) echo: Option<String>,
+}
+
+impl Parsed {
+    /// The only choice, for what decides one request (`/v1/route`): a
+    /// batch or `n` above 1 is a 400.
+    pub(super) fn single(mut self, request_id: &str) -> Result<ChoiceRequest, ApiError> {
+        if self.choices.len() != 1 {
+            return Err(ApiError::bad_request(
+                request_id,
+                format!(
+                    "this request has {} choices (n, or a batch of prompts), but /v1/route decides one request: ask for one choice of one prompt",
+                    self.choices.len()
+                ),
+            ));
+        }
+        Ok(self.choices.pop().expect("one"))
+    }
 }
 
 impl App {
@@ -83,22 +115,27 @@ impl App {
         let Some(value) = headers.get(SESSION_HEADER) else {
             return Ok(());
         };
-        let request_id = &parsed.prepared.request_id;
+        let Some(first) = parsed.choices.first() else {
+            return Ok(());
+        };
+        let request_id = first.prepared.request_id.clone();
         let bad =
-            |why: String| ApiError::bad_request(request_id, format!("{SESSION_HEADER}: {why}"));
+            |why: String| ApiError::bad_request(&request_id, format!("{SESSION_HEADER}: {why}"));
         let id = value
             .to_str()
             .map_err(|_| bad("not visible ASCII".into()))
             .and_then(|s| SessionId::new(s).map_err(|e| bad(e.to_string())))?;
-        match &parsed.prepared.session {
-            Some(body) if *body != id => Err(bad(format!(
-                "{id} differs from the body's agent_context.session_id {body}"
-            ))),
-            _ => {
-                parsed.prepared.session = Some(id);
-                Ok(())
+        for choice in &mut parsed.choices {
+            match &choice.prepared.session {
+                Some(body) if *body != id => {
+                    return Err(bad(format!(
+                        "{id} differs from the body's agent_context.session_id {body}"
+                    )))
+                }
+                _ => choice.prepared.session = Some(id.clone()),
             }
         }
+        Ok(())
     }
 
     /// Reads a completion request; a bad one is a 4xx naming what is wrong.
@@ -110,7 +147,8 @@ impl App {
         let body = read_body(&request_id, body)?;
         let CompletionRequest { prompt, fields } =
             CompletionRequest::parse(&body).map_err(|e| ApiError::field(&request_id, e))?;
-        self.prepare(request_id, Source::Prompt(prompt), fields)
+        let prompts = prompt.into_prompts().into_iter().map(Source::Prompt);
+        self.prepare(request_id, prompts.collect(), fields)
     }
 
     /// Reads a chat completion request: its messages through the chat
@@ -149,15 +187,23 @@ impl App {
             }
             members.push(("max_tokens".into(), n));
         }
+        chat_logprobs(&mut members).map_err(field)?;
+        if let Some((key, _)) = members.iter().find(|(k, _)| k == "echo" || k == "suffix") {
+            return Err(field(FieldError::field(
+                key,
+                "a completions field: chat completions do not take it",
+            )));
+        }
         let fields = Fields::read(members).map_err(field)?;
-        self.prepare(request_id, Source::Chat(messages), fields)
+        self.prepare(request_id, vec![Source::Chat(messages)], fields)
     }
 
-    /// The common part of both: model, limits, tokens and block hashes.
+    /// The common part of both: model, limits, then each prompt's tokens
+    /// and block hashes, and its `n` choices.
     fn prepare(
         &self,
         request_id: String,
-        prompt: Source,
+        prompts: Vec<Source>,
         fields: Fields,
     ) -> Result<Parsed, ApiError> {
         // One router serves one model (its hashing contract): a request
@@ -172,6 +218,81 @@ impl App {
                 FieldError::field("max_tokens", "must be at least 1"),
             ));
         }
+        let n = fields.choices();
+        let total = u64::from(n) * prompts.len() as u64;
+        if total > u64::from(MAX_CHOICES) {
+            return Err(ApiError::field(
+                &request_id,
+                FieldError::field(
+                    "n",
+                    format!("{n} choices of each of {} prompts are {total} choices, more than {MAX_CHOICES} (each is its own routed request)", prompts.len()),
+                ),
+            ));
+        }
+        if fields.echo && fields.sampling.logprobs.is_some() {
+            return Err(ApiError::field(
+                &request_id,
+                FieldError::field(
+                    "echo",
+                    "echo with logprobs would need the prompt's log-probabilities, which this router does not ask engines for: send echo or logprobs",
+                ),
+            ));
+        }
+        let mut choices = Vec::with_capacity(total as usize);
+        for (p, source) in prompts.into_iter().enumerate() {
+            let echo_text = match (&source, fields.echo) {
+                (_, false) => None,
+                (Source::Prompt(Prompt::Text(t)), true) => Some(t.clone()),
+                (_, true) => None,
+            };
+            let (prepared, prompt) = self.prepare_one(request_id.clone(), source, &fields)?;
+            let echo = match (fields.echo, echo_text, &self.text) {
+                (false, ..) => None,
+                (true, Some(t), _) => Some(t),
+                (true, None, Some(text)) => Some(text.decode(&prompt)),
+                (true, None, None) => {
+                    return Err(ApiError::field(
+                        &request_id,
+                        FieldError::field(
+                            "echo",
+                            "echoing a token-id prompt needs its text: start the router with --tokenizer tokenizer.json",
+                        ),
+                    ))
+                }
+            };
+            for j in 0..n {
+                let index = p as u32 * n + j;
+                let mut prepared = prepared.clone();
+                if total > 1 {
+                    prepared.request_id = format!("{request_id}-{index}");
+                }
+                // vLLM's choices of one request: seed + j each.
+                if let Some(seed) = &mut prepared.sampling.seed {
+                    *seed = seed.wrapping_add(i64::from(j));
+                }
+                choices.push(ChoiceRequest {
+                    index,
+                    first_of_prompt: j == 0,
+                    prepared,
+                    prompt: prompt.clone(),
+                    echo: echo.clone(),
+                });
+            }
+        }
+        Ok(Parsed {
+            choices,
+            stream: fields.stream,
+            include_usage: fields.include_usage,
+        })
+    }
+
+    /// One prompt's tokens, limits and block hashes.
+    fn prepare_one(
+        &self,
+        request_id: String,
+        prompt: Source,
+        fields: &Fields,
+    ) -> Result<(Prepared, Vec<u32>), ApiError> {
         let prompt = match prompt {
             Source::Chat(messages) => {
                 let (Some(template), Some(text)) = (&self.chat, &self.text) else {
@@ -190,6 +311,12 @@ impl App {
                 encoded.ids
             }
             Source::Prompt(Prompt::Tokens(tokens)) => tokens,
+            Source::Prompt(Prompt::Batch(_)) => {
+                return Err(ApiError::bad_request(
+                    &request_id,
+                    "prompt: a batch inside a batch",
+                ))
+            }
             Source::Prompt(Prompt::Text(prompt)) => match &self.text {
                 Some(text) => {
                     let encoded = text
@@ -225,19 +352,17 @@ impl App {
             .hasher_for(&fields.sampling)
             .hash_prompt(&prompt)
             .into();
-        Ok(Parsed {
-            prepared: Prepared {
+        Ok((
+            Prepared {
                 request_id,
                 isl_tokens,
                 hashes,
                 max_tokens,
-                sampling: fields.sampling,
-                session: fields.session,
+                sampling: fields.sampling.clone(),
+                session: fields.session.clone(),
             },
             prompt,
-            stream: fields.stream,
-            include_usage: fields.include_usage,
-        })
+        ))
     }
 }
 
@@ -250,6 +375,46 @@ fn read_body(request_id: &str, body: Result<Bytes, BytesRejection>) -> Result<By
 enum Source {
     Prompt(Prompt),
     Chat(Vec<Message>),
+}
+
+/// Chat's `logprobs: true` and `top_logprobs: K` as a completion's
+/// `logprobs: K` (`top_logprobs` alone is a 400, as at OpenAI).
+fn chat_logprobs(members: &mut Vec<(String, serde_json::Value)>) -> Result<(), FieldError> {
+    let mut take = |key: &str| {
+        members
+            .iter()
+            .position(|(k, _)| k == key)
+            .map(|at| members.remove(at).1)
+            .filter(|v| !v.is_null())
+    };
+    let on = take("logprobs")
+        .map(|v| {
+            serde_json::from_value::<bool>(v).map_err(|e| {
+                FieldError::field(
+                    "logprobs",
+                    format!("{e} (a chat request's logprobs is true or false)"),
+                )
+            })
+        })
+        .transpose()?
+        .unwrap_or(false);
+    let top = take("top_logprobs")
+        .map(|v| serde_json::from_value::<u32>(v).map_err(|e| FieldError::field("top_logprobs", e)))
+        .transpose()?;
+    if let Some(k) = top.filter(|&k| k > super::fields::MAX_LOGPROBS) {
+        return Err(FieldError::field(
+            "top_logprobs",
+            format!("{k}: at most {}", super::fields::MAX_LOGPROBS),
+        ));
+    }
+    match (on, top) {
+        (false, Some(_)) => Err(FieldError::field("top_logprobs", "needs logprobs: true")),
+        (false, None) => Ok(()),
+        (true, top) => {
+            members.push(("logprobs".into(), serde_json::json!(top.unwrap_or(0))));
+            Ok(())
+        }
+    }
 }
 
 /// A chat request's `messages`: each a `role` and a `content` (a string,

@@ -32,12 +32,13 @@ pub(super) async fn route(
         let Query(query) = query.map_err(|e| ApiError::bad_request(&request_id, e.body_text()))?;
         let mut parsed = app.parse(request_id.clone(), body)?;
         app.session_header(&mut parsed, &headers)?;
+        let choice = parsed.single(&request_id)?;
         let purpose = Purpose::DryRun {
             explain: query.explain,
         };
         let assignment = app
             .dispatcher
-            .decide(&parsed.prepared, Vec::new(), purpose, None)
+            .decide(&choice.prepared, Vec::new(), purpose, None)
             .await
             .map_err(|e| ApiError::refused(&e, &request_id))?;
         let decision = &assignment.decision;
