@@ -409,6 +409,15 @@ fn main() -> anyhow::Result<()> {
             print!("{}", table(&results, workload.load_unit()));
             let s = &results[0].summary;
             println!(
+                "decode workers: KV usage {:.1}% (>= 90% in {:.1}% of samples), {:.2} waiting, {} preemptions; host tier: {:.1} GB written, {:.1} GB read back",
+                100.0 * s.decode_kv_usage,
+                100.0 * s.decode_kv_full_share,
+                s.decode_waiting,
+                s.preemptions,
+                s.host_gb_written,
+                s.host_gb_read
+            );
+            println!(
                 "measured {} requests; gate vetoes {}, refused {}; prefix fetched {:.1}% ({:.1} GB pulled, {:.1} GB moved P->D); prefill-side hit rate P {:.1}% D {:.1}%; e2e p50 {:.0} ms ({:.2} s wall)",
                 s.measured,
                 s.gate_vetoes,
