@@ -631,3 +631,51 @@ fn a_host_tier_with_no_bandwidth_is_refused() {
         Err(ConfigError::HostLinkBandwidth(_))
     ));
 }
+
+/// A request reading its prefix back from host waits without holding up
+/// the queue: alone, the engine's next step is a wait of exactly the read;
+/// with another request behind it, that one is admitted meanwhile.
+#[test]
+fn a_read_back_waits_beside_the_batch() {
+    let mut cfg = Preset::llama70b_fp8_tp2_h100().engine_config(16);
+    cfg.kv_capacity_blocks = 400;
+    cfg.host.capacity_blocks = 1_000;
+    let first = tokens(0, 6_000);
+    let mut again = first.clone();
+    again.extend(tokens(200_000, 100));
+    let setup = || {
+        let mut e = engine(Role::Both, cfg);
+        e.submit(req(1, &first, 2, Mode::LocalPrefill)).unwrap();
+        let (_, now) = run_to_idle(&mut e, 0, 100);
+        e.submit(req(2, &tokens(100_000, 6_000), 2, Mode::LocalPrefill))
+            .unwrap();
+        let (_, now) = run_to_idle(&mut e, now, 100);
+        (e, now)
+    };
+
+    let (mut alone, now) = setup();
+    let on_host = 6_000 - alone.cached_prefix_tokens(&again);
+    alone.submit(req(3, &again, 2, Mode::LocalPrefill)).unwrap();
+    let wait = alone.step(now).unwrap();
+    let read = cfg
+        .host
+        .link
+        .duration_us(u64::from(on_host) * cfg.kv_bytes_per_token);
+    assert_eq!((wait.start_us, wait.duration_us), (now, read));
+    assert!(wait.outputs.is_empty() && wait.prefill_tokens + wait.decode_seqs == 0);
+    assert_eq!((alone.running(), alone.waiting()), (0, 1));
+    alone.check_invariants().unwrap();
+    let next = alone.step(wait.end_us()).unwrap();
+    assert_eq!(next.prefill_tokens, 100, "only the new tokens are computed");
+
+    let (mut busy, now) = setup();
+    busy.submit(req(3, &again, 2, Mode::LocalPrefill)).unwrap();
+    busy.submit(req(4, &tokens(300_000, 50), 2, Mode::LocalPrefill))
+        .unwrap();
+    let step = busy.step(now).unwrap();
+    assert_eq!(step.prefill_tokens, 50, "the request behind the read runs");
+    assert_eq!((busy.running(), busy.waiting()), (1, 1));
+    busy.check_invariants().unwrap();
+    let (outs, _) = run_to_idle(&mut busy, step.end_us(), 100);
+    assert_eq!(first_token_at(&outs, 3).unwrap().1, 6_000);
+}
