@@ -109,6 +109,19 @@ pub struct EngineStats {
     pub blocks_stored: u64,
     /// Cached blocks evicted.
     pub blocks_evicted: u64,
+    /// Blocks written to the host tier (evicted from the device, not there
+    /// yet).
+    pub host_blocks_written: u64,
+    /// Host blocks evicted.
+    pub host_blocks_evicted: u64,
+    /// Prompt tokens read back from the host tier (instead of recomputed).
+    pub host_read_tokens: u64,
+    /// Time the host link's device-to-host direction spent writing, µs
+    /// (beside the steps).
+    pub host_write_us: u64,
+    /// Time the host-to-device direction spent reading back (latency
+    /// included), µs: requests waited for it, steps did not.
+    pub host_read_us: u64,
 }
 
 /// A GPU-free model of one inference worker. See the crate documentation.
@@ -160,7 +173,7 @@ impl Engine {
             config,
             hasher,
             busy_until_us: 0,
-            cache: KvCache::new(config.kv_capacity_blocks),
+            cache: KvCache::with_host(config.kv_capacity_blocks, config.host, config.block_bytes()),
             sched: Scheduler::default(),
             in_flight: HashSet::default(),
             stats: EngineStats::default(),
@@ -312,6 +325,7 @@ impl Engine {
             return None;
         }
         let start_us = now_us.max(self.busy_until_us);
+        self.cache.now_us = start_us;
         let mut env = Env {
             cache: &mut self.cache,
             hasher: &self.hasher,
@@ -321,15 +335,29 @@ impl Engine {
             in_flight: &mut self.in_flight,
             max_batched_tokens: self.config.max_batched_tokens,
             max_running: self.config.max_running,
+            now_us: start_us,
         };
         let planned = self.sched.plan_step(&mut env);
         self.sched.apply_step(&mut env);
         debug_assert!(
-            !planned.work.is_empty() || self.sched.is_idle(),
+            !planned.work.is_empty()
+                || self.sched.is_idle()
+                || self.sched.next_ready_us().is_some(),
             "work pending but nothing scheduled"
         );
+        self.sync_stats();
         if planned.work.is_empty() && self.outputs.is_empty() {
-            return None;
+            // Only read-backs from host in progress: wait for the first.
+            let ready = self.sched.next_ready_us()?;
+            let duration_us = ready.saturating_sub(start_us).max(1);
+            self.busy_until_us = start_us.saturating_add(duration_us);
+            return Some(Step {
+                start_us,
+                duration_us,
+                outputs: Vec::new(),
+                prefill_tokens: 0,
+                decode_seqs: 0,
+            });
         }
         let mut duration_us = self.config.cost.step_us(&planned.work);
         if self.pins > 0 {
@@ -340,8 +368,6 @@ impl Engine {
         self.busy_until_us = start_us.saturating_add(duration_us);
         self.stats.steps += 1;
         self.stats.busy_us += duration_us;
-        self.stats.blocks_stored = self.cache.stored_blocks;
-        self.stats.blocks_evicted = self.cache.evicted_blocks;
         let mut outputs = Vec::with_capacity(self.outputs.len());
         outputs.append(&mut self.outputs);
         Some(Step {
@@ -351,6 +377,16 @@ impl Engine {
             prefill_tokens: planned.prefill_tokens,
             decode_seqs: planned.decode_seqs,
         })
+    }
+
+    fn sync_stats(&mut self) {
+        let (c, h) = (&self.cache, &self.cache.host);
+        self.stats.blocks_stored = c.stored_blocks;
+        self.stats.blocks_evicted = c.evicted_blocks;
+        self.stats.host_blocks_written = h.written_blocks;
+        self.stats.host_blocks_evicted = h.evicted_blocks;
+        self.stats.host_write_us = h.write_us;
+        self.stats.host_read_us = h.read_us;
     }
 
     /// The KV events since the last call, in order (empty when nothing
@@ -377,11 +413,17 @@ impl Engine {
             }
         }
         let counts = self.cache.counts();
+        let loading: u64 = self
+            .sched
+            .loading
+            .iter()
+            .map(|l| u64::from(l.seq.remaining_prefill()))
+            .sum();
         LoadReport {
             worker: self.worker.clone(),
             running: self.sched.running.len() as u32,
-            waiting: self.sched.waiting.len() as u32,
-            queued_prefill_tokens: self.sched.waiting_prefill_tokens + running_prefill,
+            waiting: (self.sched.waiting.len() + self.sched.loading.len()) as u32,
+            queued_prefill_tokens: self.sched.waiting_prefill_tokens + running_prefill + loading,
             active_decode_blocks: decode_blocks,
             kv_blocks_used: u64::from(counts.in_use),
             kv_blocks_total: u64::from(counts.total),
@@ -454,9 +496,22 @@ impl Engine {
         self.sched.running.len()
     }
 
-    /// Requests waiting for admission.
+    /// Requests waiting for admission (reading their prefix back from
+    /// host included).
     pub fn waiting(&self) -> usize {
-        self.sched.waiting.len()
+        self.sched.waiting.len() + self.sched.loading.len()
+    }
+
+    /// Every block hash in the host tier with its parent's, in no
+    /// particular order (empty without a host tier). The union of these and
+    /// [`Engine::cached_block_links`] is prefix-closed.
+    pub fn host_block_links(&self) -> impl Iterator<Item = (BlockHash, Option<BlockHash>)> + '_ {
+        self.cache.host.links()
+    }
+
+    /// Blocks in the host tier.
+    pub fn host_block_count(&self) -> u32 {
+        self.cache.host.len()
     }
 
     /// Counters since the engine was built.
@@ -485,8 +540,10 @@ impl Engine {
     }
 
     /// Checks the engine's internal consistency: block reference counts
-    /// against the requests holding them, the free and LRU lists, the hash
-    /// map, prefix closure of the cached blocks and the per-request state.
+    /// against the requests holding them (running, and reading back from
+    /// host), the free and LRU lists, the hash map, prefix closure of the
+    /// device's blocks and of the device's and host's together, the host
+    /// tier's LRU and capacity, and the per-request state.
     /// O(capacity + requests' blocks); meant for tests and debugging.
     pub fn check_invariants(&self) -> Result<(), String> {
         let bs = self.config.block_size;
@@ -517,6 +574,27 @@ impl Engine {
                 }
             }
         }
+        for l in &self.sched.loading {
+            let seq = &l.seq;
+            for (j, &b) in seq.blocks.iter().enumerate() {
+                holders[b as usize] += 1;
+                if self.cache.lookup(seq.hashes[j]) != Some(b) {
+                    return Err(format!(
+                        "loading request {} block {j} is not its cached block",
+                        seq.id
+                    ));
+                }
+            }
+        }
+        if !self
+            .sched
+            .loading
+            .iter()
+            .zip(self.sched.loading.iter().skip(1))
+            .all(|(a, b)| a.ready_us <= b.ready_us)
+        {
+            return Err("read-backs are not in the order they end".into());
+        }
         let mut waiting_prefill = 0u64;
         for seq in &self.sched.waiting {
             if !seq.blocks.is_empty() {
@@ -527,7 +605,9 @@ impl Engine {
         if waiting_prefill != self.sched.waiting_prefill_tokens {
             return Err("waiting prefill counter drifted".into());
         }
-        if self.in_flight.len() != self.sched.running.len() + self.sched.waiting.len() {
+        if self.in_flight.len()
+            != self.sched.running.len() + self.sched.waiting.len() + self.sched.loading.len()
+        {
             return Err("in-flight set does not match the queues".into());
         }
         self.cache.check(&holders)?;

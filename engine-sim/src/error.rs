@@ -22,6 +22,9 @@ pub enum ConfigError {
     /// At least one request must be allowed to run.
     #[error("max running sequences must be at least one")]
     ZeroMaxRunning,
+    /// The host tier's link must move bytes.
+    #[error("host link bandwidth {0} B/s must be finite and > 0")]
+    HostLinkBandwidth(f64),
     /// A cost constant is negative, infinite or NaN.
     #[error("cost constant {name} = {value} must be finite and non-negative")]
     InvalidCost {

@@ -14,11 +14,19 @@
 //! of the block's ancestors, the cached blocks are always prefix-closed:
 //! every cached block's parent is cached. Storing and evicting emit
 //! [`KvEvent`]s, merged while consecutive.
+//!
+//! With a host tier ([`HostTier`], G2), an evicted block is written to host
+//! (`Removed` from the device, then `Stored` on host), and the union of
+//! device and host blocks is prefix-closed too: every host block's parent
+//! is on the device or on host.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use protocol::{BlockHash, KvEvent, Tier};
+
+use crate::config::HostOffload;
+use crate::host_tier::HostTier;
 
 /// Index of a block in the pool.
 pub(crate) type BlockId = u32;
@@ -99,11 +107,22 @@ pub(crate) struct KvCache {
     events: Vec<KvEvent>,
     pub(crate) stored_blocks: u64,
     pub(crate) evicted_blocks: u64,
+    /// The host tier (off unless configured).
+    pub(crate) host: HostTier,
+    /// The time evictions happen at (the step being planned).
+    pub(crate) now_us: u64,
 }
 
 impl KvCache {
     /// A cache of `capacity` free blocks (`capacity < u32::MAX`).
+    #[cfg(test)]
     pub(crate) fn new(capacity: u32) -> Self {
+        Self::with_host(capacity, HostOffload::default(), 0)
+    }
+
+    /// A cache of `capacity` free blocks with a host tier behind it
+    /// (blocks of `block_bytes`).
+    pub(crate) fn with_host(capacity: u32, host: HostOffload, block_bytes: u64) -> Self {
         let mut cache = Self {
             blocks: vec![Block::EMPTY; capacity as usize],
             free: Vec::with_capacity(capacity as usize),
@@ -115,6 +134,8 @@ impl KvCache {
             events: Vec::new(),
             stored_blocks: 0,
             evicted_blocks: 0,
+            host: HostTier::new(host, block_bytes),
+            now_us: 0,
         };
         cache.reset_free_list();
         cache
@@ -203,10 +224,11 @@ impl KvCache {
                 self.lru_unlink(victim);
                 let b = &mut self.blocks[victim as usize];
                 b.registered = false;
-                let hash = b.hash;
+                let (hash, parent) = (b.hash, b.parent);
                 self.by_hash.remove(&hash);
                 self.evicted_blocks += 1;
                 self.push_removed(hash);
+                self.host.write(hash, parent, self.now_us, &mut self.events);
                 victim
             }
         };
@@ -273,6 +295,7 @@ impl KvCache {
         self.lru_tail = NIL;
         self.lru_len = 0;
         self.in_use = 0;
+        self.host.clear();
         self.events.clear();
         self.events.push(KvEvent::Cleared);
     }
@@ -285,7 +308,15 @@ impl KvCache {
     /// Appends to the previous Stored event when the block continues its
     /// chain, else starts a new event.
     fn push_stored(&mut self, parent: Option<BlockHash>, hash: BlockHash) {
-        if let (Some(p), Some(KvEvent::Stored { blocks, .. })) = (parent, self.events.last_mut()) {
+        if let (
+            Some(p),
+            Some(KvEvent::Stored {
+                blocks,
+                tier: Tier::Device,
+                ..
+            }),
+        ) = (parent, self.events.last_mut())
+        {
             if blocks.last() == Some(&p) {
                 blocks.push(hash);
                 return;
@@ -299,7 +330,11 @@ impl KvCache {
     }
 
     fn push_removed(&mut self, hash: BlockHash) {
-        if let Some(KvEvent::Removed { blocks, .. }) = self.events.last_mut() {
+        if let Some(KvEvent::Removed {
+            blocks,
+            tier: Tier::Device,
+        }) = self.events.last_mut()
+        {
             blocks.push(hash);
             return;
         }
@@ -403,6 +438,21 @@ impl KvCache {
             let blk = &self.blocks[b as usize];
             if !blk.registered || blk.hash != h {
                 return Err(format!("map entry {h} points to a block not holding it"));
+            }
+            if let Some(p) = blk.parent {
+                if !self.by_hash.contains_key(&p) {
+                    return Err(format!(
+                        "device block {h}'s parent {p} is not on the device"
+                    ));
+                }
+            }
+        }
+        self.host.check()?;
+        for (h, parent) in self.host.links() {
+            if let Some(p) = parent {
+                if !self.by_hash.contains_key(&p) && !self.host.contains(p) {
+                    return Err(format!("host block {h}'s parent {p} is on no tier"));
+                }
             }
         }
         Ok(())

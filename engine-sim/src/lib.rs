@@ -20,7 +20,12 @@
 //! - **roles**: prefill-only requests leave after their prefill, requests
 //!   whose KV was transferred are admitted without prefill compute, local
 //!   (bypass) requests prefill only what is not cached ([`Mode`]);
-//! - the time to move KV between workers ([`KvTransfer`]).
+//! - the time to move KV between workers ([`KvTransfer`]);
+//! - an optional **host-memory tier** (G2, [`HostOffload`]): evicted device
+//!   blocks are written to host (`Stored` with [`protocol::Tier::Host`]),
+//!   host blocks evict least-recently-used (`Removed` on host), and a
+//!   prefix found on host is read back over the host link before its
+//!   request is admitted, instead of being recomputed.
 //!
 //! # Driving an engine
 //!
@@ -99,13 +104,14 @@ pub mod config;
 pub mod cost;
 pub mod engine;
 pub mod error;
+mod host_tier;
 mod kv_cache;
 pub mod preset;
 pub mod request;
 mod scheduler;
 pub mod transfer;
 
-pub use config::EngineConfig;
+pub use config::{EngineConfig, HostOffload};
 pub use cost::{CostModel, StepWork};
 pub use engine::{Engine, EngineStats, PinnedPrefix, Step, StepOutput};
 pub use error::{ConfigError, SubmitError};

@@ -48,6 +48,19 @@ pub const KV_TRANSFER_RDMA_4X200G: KvTransfer = KvTransfer {
 /// (`read_step_overhead`).
 pub const READ_STEP_OVERHEAD: f64 = 0.03;
 
+/// One GPU's host link (PCIe Gen5 x16, the H100 SXM's), each direction,
+/// for the host-memory tier ([`crate::HostOffload`]). **An assumption, not
+/// a measurement**: engine-timing.md has no PCIe or offload figure. PCIe
+/// Gen5 x16 is 64 GB/s per direction on paper; pinned-memory copies reach
+/// about 80% of it, so 50 GB/s; each read-back pays a 50 µs latency (the
+/// connector's lookup, one batched copy's launch and its completion
+/// event). A worker's link is one such link per GPU (its KV is sharded
+/// across them): [`Preset::engine_config`] multiplies the bandwidth.
+pub const HOST_LINK_PCIE5: KvTransfer = KvTransfer {
+    setup_us: 50,
+    bytes_per_s: 50e9,
+};
+
 /// Measured transfer engine, 190 GB/s over 8 x 400 Gbps (doc).
 pub const KV_TRANSFER_RDMA_8X400G: KvTransfer = KvTransfer {
     setup_us: 0,
@@ -241,6 +254,13 @@ impl Preset {
             gpus: self.gpus,
             cost: self.cost_model(),
             read_step_overhead: READ_STEP_OVERHEAD,
+            host: crate::HostOffload {
+                link: KvTransfer {
+                    bytes_per_s: HOST_LINK_PCIE5.bytes_per_s * f64::from(self.gpus),
+                    ..HOST_LINK_PCIE5
+                },
+                ..crate::HostOffload::default()
+            },
         }
     }
 }

@@ -17,6 +17,13 @@
 //! waiting queue and later prefills again its prompt and the tokens it
 //! already produced (hitting whatever of its blocks is still cached). No
 //! request is admitted in a step that preempted.
+//!
+//! With a host tier, a waiting request whose prefix continues on host past
+//! its device hit is set aside (`loading`) while those blocks are read back
+//! into device blocks it holds; the others may be admitted meanwhile (as
+//! vLLM does with requests waiting for remote KV). When the read ends it
+//! releases them (they stay cached) and goes back to the front of the
+//! queue, where admission finds them on the device.
 
 use std::collections::{HashSet, VecDeque};
 
@@ -60,6 +67,8 @@ pub(crate) struct Env<'a> {
     pub(crate) in_flight: &'a mut HashSet<u64, Mix>,
     pub(crate) max_batched_tokens: u32,
     pub(crate) max_running: u32,
+    /// When the step being planned starts.
+    pub(crate) now_us: u64,
 }
 
 impl Env<'_> {
@@ -77,7 +86,18 @@ pub(crate) struct Scheduler {
     pub(crate) waiting: VecDeque<Seq>,
     /// Σ remaining prefill tokens of the waiting requests.
     pub(crate) waiting_prefill_tokens: u64,
+    /// Requests whose prefix is being read back from host, in the order
+    /// their reads end: each holds the device blocks of its prefix.
+    pub(crate) loading: VecDeque<Loading>,
     plan: Vec<Planned>,
+}
+
+/// A request waiting for its prefix's read-back from host.
+#[derive(Debug)]
+pub(crate) struct Loading {
+    pub(crate) seq: Seq,
+    /// When the read ends.
+    pub(crate) ready_us: u64,
 }
 
 /// Blocks needed to hold `tokens` tokens.
@@ -141,7 +161,88 @@ fn release_blocks(seq: &mut Seq, cache: &mut KvCache) {
 impl Scheduler {
     /// Whether no request is running or waiting.
     pub(crate) fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+        self.running.is_empty() && self.waiting.is_empty() && self.loading.is_empty()
+    }
+
+    /// When the first read-back in progress ends.
+    pub(crate) fn next_ready_us(&self) -> Option<u64> {
+        self.loading.front().map(|l| l.ready_us)
+    }
+
+    /// Requests whose read-back has ended by `now_us` release their blocks
+    /// (cached, so admission hits them) and go back to the queue's front,
+    /// in the order they were set aside.
+    fn finish_loads(&mut self, env: &mut Env<'_>) {
+        let mut k = self
+            .loading
+            .iter()
+            .take_while(|l| l.ready_us <= env.now_us)
+            .count();
+        while k > 0 {
+            k -= 1;
+            let Some(mut l) = self.loading.remove(k) else {
+                break;
+            };
+            release_blocks(&mut l.seq, env.cache);
+            self.waiting_prefill_tokens += u64::from(l.seq.remaining_prefill());
+            self.waiting.push_front(l.seq);
+        }
+    }
+
+    /// Sets the queue's head aside to read back the blocks of its prompt
+    /// that continue its device hit (`hits` blocks of `hashes`) on host,
+    /// when there are any and the device has blocks for them. Returns
+    /// whether it did.
+    fn start_load(&mut self, env: &mut Env<'_>, hashes_len: usize, hits: usize) -> bool {
+        let Some(seq) = self.waiting.front() else {
+            return false;
+        };
+        let on_host = seq.hashes[hits..hashes_len]
+            .iter()
+            .take_while(|&&h| env.cache.host.contains(h))
+            .count();
+        if on_host == 0 {
+            return false;
+        }
+        // Read blocks are new device blocks; the device hit must stay.
+        let evictable = hits - held_prefix_blocks(env.cache, &seq.hashes[..hits]);
+        let room = (env.cache.available() as usize).saturating_sub(evictable);
+        let n = on_host.min(room);
+        if n == 0 {
+            return false;
+        }
+        let Some(mut seq) = self.waiting.pop_front() else {
+            return false;
+        };
+        self.waiting_prefill_tokens -= u64::from(seq.remaining_prefill());
+        for &h in &seq.hashes[..hits] {
+            if let Some(b) = env.cache.lookup(h) {
+                env.cache.acquire(b);
+                seq.blocks.push(b);
+            }
+        }
+        // Used before the allocations' evictions can push them out.
+        let read: Vec<BlockHash> = seq.hashes[hits..hits + n].to_vec();
+        for &h in read.iter().rev() {
+            env.cache.host.touch(h);
+        }
+        let mut got = 0;
+        for (j, &h) in read.iter().enumerate() {
+            if !env.cache.host.contains(h) {
+                break;
+            }
+            let Some(b) = env.cache.allocate() else {
+                break;
+            };
+            let parent = (hits + j).checked_sub(1).map(|p| seq.hashes[p]);
+            seq.blocks.push(env.cache.register(b, h, parent));
+            got += 1;
+        }
+        let ready_us = env.cache.host.read(&read[..got], env.now_us);
+        env.stats.host_read_tokens += u64::from(got as u32 * env.block_size());
+        let at = self.loading.partition_point(|l| l.ready_us <= ready_us);
+        self.loading.insert(at, Loading { seq, ready_us });
+        true
     }
 
     /// Queues a new request.
@@ -153,6 +254,7 @@ impl Scheduler {
     /// Plans the next step: allocates its blocks, preempts and admits.
     pub(crate) fn plan_step(&mut self, env: &mut Env<'_>) -> PlannedWork {
         self.plan.clear();
+        self.finish_loads(env);
         let mut budget = env.max_batched_tokens;
         let mut preempted = false;
 
@@ -289,8 +391,15 @@ impl Scheduler {
                 (seq.prefill_end - 1) / bs
             } as usize;
             seq.ensure_hashes(cacheable, env.hasher, env.scratch);
-            let hashes = &seq.hashes[..cacheable.min(seq.hashes.len())];
-            let hits = cached_prefix_blocks(env.cache, hashes);
+            let hashes_len = cacheable.min(seq.hashes.len());
+            let hits = cached_prefix_blocks(env.cache, &seq.hashes[..hashes_len]);
+            if !transfer && env.cache.host.enabled() && self.start_load(env, hashes_len, hits) {
+                continue;
+            }
+            let Some(seq) = self.waiting.front() else {
+                break;
+            };
+            let hashes = &seq.hashes[..hashes_len];
             let hit_tokens = hits as u32 * bs;
             let (new_tokens, held_tokens) = if transfer {
                 (0, seq.prompt_len)
@@ -435,6 +544,8 @@ impl Scheduler {
                 .waiting_prefill_tokens
                 .saturating_sub(u64::from(seq.remaining_prefill()));
             seq
+        } else if let Some(k) = self.loading.iter().position(|l| l.seq.id == id) {
+            self.loading.remove(k).expect("position is in range").seq
         } else {
             return false;
         };
@@ -446,7 +557,11 @@ impl Scheduler {
     pub(crate) fn drain(&mut self) -> impl Iterator<Item = Seq> + '_ {
         self.plan.clear();
         self.waiting_prefill_tokens = 0;
-        self.running.drain(..).chain(self.waiting.drain(..))
+        let loading: Vec<Seq> = self.loading.drain(..).map(|l| l.seq).collect();
+        self.running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .chain(loading)
     }
 }
 

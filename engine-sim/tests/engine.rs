@@ -534,3 +534,148 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
     let want = (plain_step as f64 * (1.0 + cfg.read_step_overhead)).ceil() as u64;
     assert_eq!(pinned_step, want, "{plain_step} -> {pinned_step}");
 }
+
+/// The host tier (G2): an evicted prefix is written to host (Removed from
+/// the device, Stored on host), and a later request whose prefix is on
+/// host reads it back (latency + bytes / bandwidth) instead of recomputing
+/// it: fewer prefill tokens, a sooner first token than the same request on
+/// an engine without the tier, and the read-back's Stored on the device.
+#[test]
+fn a_prefix_evicted_to_host_is_read_back_not_recomputed() {
+    let base = {
+        let mut cfg = Preset::llama70b_fp8_tp2_h100().engine_config(16);
+        cfg.kv_capacity_blocks = 400; // 6,400 tokens: one 6k prompt at a time
+        cfg
+    };
+    let mut with_host = base;
+    with_host.host.capacity_blocks = 1_000;
+    let first = tokens(0, 6_000);
+    let other = tokens(100_000, 6_000);
+    let mut again = first.clone();
+    again.extend(tokens(200_000, 100));
+
+    let run = |cfg: engine_sim::EngineConfig| {
+        let mut e = engine(Role::Both, cfg);
+        e.submit(req(1, &first, 2, Mode::LocalPrefill)).unwrap();
+        let (_, now) = run_to_idle(&mut e, 0, 100);
+        // Evicts most of the first prompt.
+        e.submit(req(2, &other, 2, Mode::LocalPrefill)).unwrap();
+        let (_, now) = run_to_idle(&mut e, now, 100);
+        let events = e.take_kv_events();
+        e.check_invariants().unwrap();
+        let before = *e.stats();
+        e.submit(req(3, &again, 2, Mode::LocalPrefill)).unwrap();
+        let (outs, _) = run_to_idle(&mut e, now, 100);
+        e.check_invariants().unwrap();
+        let (t, cached) = first_token_at(&outs, 3).unwrap();
+        (e, events, before, t - now, cached)
+    };
+
+    let (plain, _, plain_before, plain_ttft, plain_cached) = run(base);
+    assert_eq!(plain.host_block_count(), 0);
+    let (e, events, before, ttft, cached) = run(with_host);
+
+    // The eviction's events: device Removed, host Stored, both present.
+    let host_stored: usize = events
+        .iter()
+        .map(|ev| match ev {
+            KvEvent::Stored {
+                blocks,
+                tier: Tier::Host,
+                ..
+            } => blocks.len(),
+            _ => 0,
+        })
+        .sum();
+    let device_removed: usize = events
+        .iter()
+        .map(|ev| match ev {
+            KvEvent::Removed {
+                blocks,
+                tier: Tier::Device,
+            } => blocks.len(),
+            _ => 0,
+        })
+        .sum();
+    assert!(host_stored > 200, "{host_stored} blocks written to host");
+    assert_eq!(
+        host_stored, device_removed,
+        "every evicted block reaches host"
+    );
+    assert_eq!(before.host_blocks_written as usize, host_stored);
+
+    // Read back: the whole first prompt is a hit (375 blocks, 6,000 tokens).
+    assert_eq!(cached, 6_000);
+    let read = e.stats().host_read_tokens;
+    assert_eq!(read, u64::from(cached) - u64::from(plain_cached));
+    assert_eq!(e.stats().prefill_tokens - before.prefill_tokens, 100);
+    assert!(plain.stats().prefill_tokens - plain_before.prefill_tokens >= 100 + read);
+    // Its time: 50 µs + bytes at 2 x 50 GB/s (TP2), on the link alone.
+    let bytes = read * with_host.kv_bytes_per_token;
+    let want_read = with_host.host.link.duration_us(bytes);
+    assert_eq!(e.stats().host_read_us, want_read);
+    assert!(
+        ttft + 1 < plain_ttft,
+        "read back {ttft} µs vs recomputed {plain_ttft} µs"
+    );
+    assert!(ttft >= want_read, "the request waited for its read");
+}
+
+#[test]
+fn a_host_tier_with_no_bandwidth_is_refused() {
+    let mut cfg = Preset::llama8b_h100().engine_config(16);
+    cfg.host.capacity_blocks = 10;
+    cfg.host.link.bytes_per_s = 0.0;
+    assert!(matches!(
+        Engine::new(worker(), Role::Both, cfg),
+        Err(ConfigError::HostLinkBandwidth(_))
+    ));
+}
+
+/// A request reading its prefix back from host waits without holding up
+/// the queue: alone, the engine's next step is a wait of exactly the read;
+/// with another request behind it, that one is admitted meanwhile.
+#[test]
+fn a_read_back_waits_beside_the_batch() {
+    let mut cfg = Preset::llama70b_fp8_tp2_h100().engine_config(16);
+    cfg.kv_capacity_blocks = 400;
+    cfg.host.capacity_blocks = 1_000;
+    let first = tokens(0, 6_000);
+    let mut again = first.clone();
+    again.extend(tokens(200_000, 100));
+    let setup = || {
+        let mut e = engine(Role::Both, cfg);
+        e.submit(req(1, &first, 2, Mode::LocalPrefill)).unwrap();
+        let (_, now) = run_to_idle(&mut e, 0, 100);
+        e.submit(req(2, &tokens(100_000, 6_000), 2, Mode::LocalPrefill))
+            .unwrap();
+        let (_, now) = run_to_idle(&mut e, now, 100);
+        (e, now)
+    };
+
+    let (mut alone, now) = setup();
+    let on_host = 6_000 - alone.cached_prefix_tokens(&again);
+    alone.submit(req(3, &again, 2, Mode::LocalPrefill)).unwrap();
+    let wait = alone.step(now).unwrap();
+    let read = cfg
+        .host
+        .link
+        .duration_us(u64::from(on_host) * cfg.kv_bytes_per_token);
+    assert_eq!((wait.start_us, wait.duration_us), (now, read));
+    assert!(wait.outputs.is_empty() && wait.prefill_tokens + wait.decode_seqs == 0);
+    assert_eq!((alone.running(), alone.waiting()), (0, 1));
+    alone.check_invariants().unwrap();
+    let next = alone.step(wait.end_us()).unwrap();
+    assert_eq!(next.prefill_tokens, 100, "only the new tokens are computed");
+
+    let (mut busy, now) = setup();
+    busy.submit(req(3, &again, 2, Mode::LocalPrefill)).unwrap();
+    busy.submit(req(4, &tokens(300_000, 50), 2, Mode::LocalPrefill))
+        .unwrap();
+    let step = busy.step(now).unwrap();
+    assert_eq!(step.prefill_tokens, 50, "the request behind the read runs");
+    assert_eq!((busy.running(), busy.waiting()), (1, 1));
+    busy.check_invariants().unwrap();
+    let (outs, _) = run_to_idle(&mut busy, step.end_us(), 100);
+    assert_eq!(first_token_at(&outs, 3).unwrap().1, 6_000);
+}

@@ -62,6 +62,8 @@ struct Setup {
     capacity: u32,
     max_batched: u32,
     max_running: u32,
+    /// Host tier blocks (0: none).
+    host: u32,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -71,14 +73,16 @@ fn setup() -> impl Strategy<Value = Setup> {
         6u32..48,
         1u32..64,
         1u32..8,
+        prop::sample::select(vec![0u32, 1, 4, 16, 64]),
     )
         .prop_map(
-            |(role, block_size, capacity, max_batched, max_running)| Setup {
+            |(role, block_size, capacity, max_batched, max_running, host)| Setup {
                 role,
                 block_size,
                 capacity,
                 max_batched,
                 max_running,
+                host,
             },
         )
 }
@@ -109,12 +113,13 @@ struct Harness {
 
 impl Harness {
     fn new(setup: Setup) -> Self {
-        let cfg = small_config(
+        let mut cfg = small_config(
             setup.block_size,
             setup.capacity,
             setup.max_batched,
             setup.max_running,
         );
+        cfg.host.capacity_blocks = setup.host;
         Self {
             engine: Engine::new(worker(), setup.role, cfg).unwrap(),
             setup,
@@ -267,6 +272,7 @@ impl Harness {
         self.engine.check_invariants().unwrap();
         let c = self.engine.block_counts();
         assert_eq!(c.free + c.evictable + c.in_use, c.total);
+        assert!(self.engine.host_block_count() <= self.setup.host);
         assert_eq!(c.total, self.setup.capacity);
         let report = self.engine.load_report(self.now);
         assert_eq!(report.kv_blocks_used, u64::from(c.in_use));
@@ -347,8 +353,10 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Blocks are conserved, the event stream replays to exactly the
-    /// cache's content and parents (prefix-closed, Cleared after every
-    /// restart), and every accepted request completes exactly once.
+    /// cache's content and parents on both tiers (the device prefix-closed,
+    /// the device and host together too; Cleared after every restart), the
+    /// host tier stays within its capacity, and every accepted request
+    /// completes exactly once.
     #[test]
     fn random_workloads_keep_every_invariant(
         setup in setup(),

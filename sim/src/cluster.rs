@@ -70,6 +70,8 @@ pub struct SimConfig {
     /// deployments' router; the aggregated and disaggregated ones never
     /// fetch.
     pub fetch: router::FetchConfig,
+    /// Each worker's host-memory tier (G2) in GiB; 0: none.
+    pub host_offload_gib: f64,
 }
 
 /// Why a run could not start.
@@ -205,9 +207,20 @@ struct Cluster<'w> {
 /// The first KV epoch of every worker.
 const FIRST_EPOCH: u64 = 1;
 
-/// An engine's block set, as its agent lists it for a resync.
+/// An engine's block set, as its agent lists it for a resync: its device
+/// blocks and its host tier's.
 fn block_set(engine: &Engine) -> Vec<KvEvent> {
-    BlockMirror::from_links(engine.cached_block_links(), Tier::Device).stored_events()
+    let mut mirror = BlockMirror::from_links(engine.cached_block_links(), Tier::Device);
+    let host: Vec<KvEvent> = engine
+        .host_block_links()
+        .map(|(hash, parent)| KvEvent::Stored {
+            parent,
+            blocks: vec![hash],
+            tier: Tier::Host,
+        })
+        .collect();
+    mirror.apply(&host);
+    mirror.stored_events()
 }
 
 /// Runs one deployment on one workload to the end and summarises it.
@@ -216,6 +229,12 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
     cluster.run();
     let gpus = cluster.engines.len() as u32 * config.preset.gpus;
     cluster.counters.preemptions = cluster.engines.iter().map(|e| e.stats().preemptions).sum();
+    for e in &cluster.engines {
+        let (st, cfg) = (e.stats(), e.config());
+        cluster.counters.host_read_tokens += st.host_read_tokens;
+        cluster.counters.host_bytes_read += cfg.kv_bytes(st.host_read_tokens);
+        cluster.counters.host_bytes_written += st.host_blocks_written * cfg.block_bytes();
+    }
     let summary = RunSummary::new(
         &cluster.records,
         &cluster.counters,
@@ -244,7 +263,12 @@ impl<'w> Cluster<'w> {
             ..RouterConfig::new(contract.clone())
         };
         let mut router = RouterCore::new(router_config, policy)?;
-        let engine_config = config.preset.engine_config(config.block_size);
+        let mut engine_config = config.preset.engine_config(config.block_size);
+        engine_config.host.capacity_blocks = engine_sim::HostOffload::blocks_in_gib(
+            config.host_offload_gib,
+            engine_config.kv_bytes_per_token,
+            engine_config.block_size,
+        );
         let mut engines = Vec::new();
         let mut kv = Vec::new();
         let mut worker_index = HashMap::new();
@@ -391,8 +415,18 @@ impl<'w> Cluster<'w> {
 
     fn report_loads(&mut self) {
         let now_ms = self.now_ms();
+        let in_window = (self.window.0..self.window.1).contains(&self.now_us);
         for engine in &self.engines {
-            self.router.on_load(engine.load_report(self.now_us), now_ms);
+            let report = engine.load_report(self.now_us);
+            if in_window && engine.role().decodes() {
+                let c = &mut self.counters;
+                let usage = report.kv_blocks_used as f64 / report.kv_blocks_total.max(1) as f64;
+                c.decode_kv_usage_sum += usage;
+                c.decode_kv_full_samples += u64::from(usage >= 0.9);
+                c.decode_waiting_sum += u64::from(report.waiting);
+                c.decode_samples += 1;
+            }
+            self.router.on_load(report, now_ms);
         }
         self.router.expire(now_ms);
     }
@@ -742,6 +776,7 @@ mod tests {
             seed: 1,
             warmup_fraction: 0.0,
             fetch: router::FetchConfig::default(),
+            host_offload_gib: 0.0,
         }
     }
 

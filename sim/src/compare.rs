@@ -198,7 +198,7 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<24} {:>10} | {:>8} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>8} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} | {:>7} {:>5}",
+        "{:<24} {:>10} | {:>8} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>8} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6} | {:>7} {:>5} | {:>5} {:>5} {:>5} {:>6}",
         "deployment",
         "load",
         "TTFT p50",
@@ -216,18 +216,22 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
         "hitP%",
         "hitD%",
         "KV GB",
-        "preem"
+        "preem",
+        "kvD%",
+        "full%",
+        "waitD",
+        "hostGB"
     );
     let _ = writeln!(
         out,
-        "{:<24} {:>10} | {:>35} | {:>20} | {:>22} | {:>27} | {:>13}",
-        "", load_unit, "ms", "ms", "", "", ""
+        "{:<24} {:>10} | {:>35} | {:>20} | {:>22} | {:>27} | {:>13} | {:>24}",
+        "", load_unit, "ms", "ms", "", "", "", "decode saturation, G2"
     );
     for p in points {
         let s = &p.summary;
         let _ = writeln!(
             out,
-            "{:<24} {:>10.3} | {:>8.0} {:>8.0} {:>8.0} {:>8.0} | {:>6.1} {:>6.1} {:>6.1} | {:>8.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.1} {:>5}",
+            "{:<24} {:>10.3} | {:>8.0} {:>8.0} {:>8.0} {:>8.0} | {:>6.1} {:>6.1} {:>6.1} | {:>8.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>7.1} {:>5} | {:>5.1} {:>5.1} {:>5.2} {:>6.1}",
             p.deployment,
             p.load,
             s.ttft_ms.p50,
@@ -245,7 +249,11 @@ pub fn table(points: &[Point], load_unit: &str) -> String {
             100.0 * s.prefill_hit_rate_p,
             100.0 * s.prefill_hit_rate_d,
             s.kv_gb_moved,
-            s.preemptions
+            s.preemptions,
+            100.0 * s.decode_kv_usage,
+            100.0 * s.decode_kv_full_share,
+            s.decode_waiting,
+            s.host_gb_read
         );
     }
     out
@@ -319,14 +327,15 @@ pub fn write_report(
     let mut csv = String::from(
         "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,later_turn_ttft_p90_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\
          e2e_p50_ms,throughput_per_gpu,interactivity_p50,interactivity_p90,slo_attainment,bypass_share,\
-         prefill_hit_rate_p,prefill_hit_rate_d,kv_gb_moved,preemptions,gate_vetoes,refused\n",
+         prefill_hit_rate_p,prefill_hit_rate_d,kv_gb_moved,preemptions,gate_vetoes,refused,\
+         decode_kv_usage,decode_kv_full_share,decode_waiting,host_gb_read,host_gb_written\n",
     );
     let mut json = Vec::new();
     for p in points {
         let s = &p.summary;
         let _ = writeln!(
             csv,
-            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{}",
+            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{},{:.4},{:.4},{:.3},{:.3},{:.3}",
             p.deployment,
             p.load,
             s.measured,
@@ -348,7 +357,12 @@ pub fn write_report(
             s.kv_gb_moved,
             s.preemptions,
             s.gate_vetoes,
-            s.refused
+            s.refused,
+            s.decode_kv_usage,
+            s.decode_kv_full_share,
+            s.decode_waiting,
+            s.host_gb_read,
+            s.host_gb_written
         );
         json.push(serde_json::json!({
             "workload": workload,
@@ -370,6 +384,8 @@ pub fn write_report(
             "preemptions": s.preemptions,
             "gate_vetoes": s.gate_vetoes,
             "refused": s.refused,
+            "decode_saturation": {"kv_usage": s.decode_kv_usage, "kv_full_share": s.decode_kv_full_share, "waiting": s.decode_waiting},
+            "host_offload": {"gb_read": s.host_gb_read, "gb_written": s.host_gb_written},
         }));
     }
     std::fs::write(dir.join("results.csv"), csv)?;

@@ -143,6 +143,12 @@ struct Common {
     /// Fewest tokens worth pulling from a decode worker.
     #[arg(long, default_value_t = router::FetchConfig::default().min_tokens)]
     prefix_fetch_min_tokens: u32,
+    /// Each worker's host-memory KV tier (G2) in GiB, for every
+    /// deployment: evicted blocks are offloaded there and read back over
+    /// PCIe instead of recomputed (0: no host tier). Run `sim compare` with
+    /// 0 and with, say, 256 to see what offloading changes.
+    #[arg(long, default_value_t = 0.0)]
+    host_offload_gib: f64,
     /// Engine events reach the router's index after this delay, ms.
     #[arg(long, default_value_t = 5.0)]
     index_delay_ms: f64,
@@ -211,6 +217,12 @@ impl Common {
                 names.join(", ")
             );
         };
+        if !(self.host_offload_gib.is_finite() && self.host_offload_gib >= 0.0) {
+            bail!(
+                "--host-offload-gib must be a finite number >= 0, not {}",
+                self.host_offload_gib
+            );
+        }
         if self.prefill_workers >= self.workers {
             bail!(
                 "--prefill-workers ({}) must be fewer than --workers ({})",
@@ -246,6 +258,7 @@ impl Common {
                 enabled: self.prefix_fetch,
                 min_tokens: self.prefix_fetch_min_tokens,
             },
+            host_offload_gib: self.host_offload_gib,
         })
     }
 
@@ -395,6 +408,15 @@ fn main() -> anyhow::Result<()> {
             )?;
             print!("{}", table(&results, workload.load_unit()));
             let s = &results[0].summary;
+            println!(
+                "decode workers: KV usage {:.1}% (>= 90% in {:.1}% of samples), {:.2} waiting, {} preemptions; host tier: {:.1} GB written, {:.1} GB read back",
+                100.0 * s.decode_kv_usage,
+                100.0 * s.decode_kv_full_share,
+                s.decode_waiting,
+                s.preemptions,
+                s.host_gb_written,
+                s.host_gb_read
+            );
             println!(
                 "measured {} requests; gate vetoes {}, refused {}; prefix fetched {:.1}% ({:.1} GB pulled, {:.1} GB moved P->D); prefill-side hit rate P {:.1}% D {:.1}%; e2e p50 {:.0} ms ({:.2} s wall)",
                 s.measured,

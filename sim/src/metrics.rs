@@ -97,6 +97,19 @@ pub struct Counters {
     pub gate_vetoes: u64,
     /// Requests an engine refused (e.g. longer than its whole cache).
     pub refused: u64,
+    /// Decode-side saturation, sampled at every load tick inside the
+    /// measurement window over the decode-capable workers: Σ KV usage
+    /// (blocks held by requests / capacity), samples at or above 90%,
+    /// Σ requests waiting for admission, and the samples.
+    pub decode_kv_usage_sum: f64,
+    pub decode_kv_full_samples: u64,
+    pub decode_waiting_sum: u64,
+    pub decode_samples: u64,
+    /// Prompt tokens read back from the host tier (G2), every worker.
+    pub host_read_tokens: u64,
+    /// KV bytes written to and read back from the host tier.
+    pub host_bytes_written: u64,
+    pub host_bytes_read: u64,
 }
 
 /// The figures of one run.
@@ -129,6 +142,15 @@ pub struct RunSummary {
     pub preemptions: u64,
     pub gate_vetoes: u64,
     pub refused: u64,
+    /// Decode workers' mean KV usage over the window (held by requests).
+    pub decode_kv_usage: f64,
+    /// Share of the samples with a decode worker at >= 90% KV usage.
+    pub decode_kv_full_share: f64,
+    /// Mean requests waiting for admission on a decode worker.
+    pub decode_waiting: f64,
+    /// KV read back from, and written to, the host tier (G2).
+    pub host_gb_read: f64,
+    pub host_gb_written: f64,
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
@@ -194,6 +216,11 @@ impl RunSummary {
             preemptions: counters.preemptions,
             gate_vetoes: counters.gate_vetoes,
             refused: counters.refused,
+            decode_kv_usage: counters.decode_kv_usage_sum / counters.decode_samples.max(1) as f64,
+            decode_kv_full_share: ratio(counters.decode_kv_full_samples, counters.decode_samples),
+            decode_waiting: ratio(counters.decode_waiting_sum, counters.decode_samples),
+            host_gb_read: counters.host_bytes_read as f64 / 1e9,
+            host_gb_written: counters.host_bytes_written as f64 / 1e9,
         }
     }
 }

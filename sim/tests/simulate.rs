@@ -25,6 +25,7 @@ fn config(deployment: Deployment, seed: u64) -> SimConfig {
         seed,
         warmup_fraction: 0.0,
         fetch: router::FetchConfig::default(),
+        host_offload_gib: 0.0,
     }
 }
 
@@ -251,4 +252,40 @@ fn fetched_prefixes_reach_the_prefill_workers_caches() {
         .any(|r| r.path == protocol::Path::RemoteFetch));
     let again = with(true);
     assert_eq!(on.records, again.records);
+}
+
+/// The host tier (G2): with device caches too small for the sessions'
+/// histories, evicted blocks are written to host and prefixes come back
+/// from there (KV read back), every request is still served, and the run
+/// is the same for the same seed. Without the tier nothing is written or
+/// read. (Whether it pays is the benchmark's question, `sim compare
+/// --host-offload-gib`: in a closed loop the routing and timing change
+/// too, so a short run's hit rate may go either way.)
+#[test]
+fn a_host_tier_serves_evicted_prefixes_back() {
+    let small = |gib: f64| {
+        let mut c = config(Deployment::Aggregated { workers: 2 }, 4);
+        // (2 x 0.5 x 80 GiB - 70 GB) / 160 KiB: about 97k tokens a worker.
+        c.preset.gpu_memory_utilization = 0.5;
+        c.host_offload_gib = gib;
+        c
+    };
+    let busy = || {
+        Agentic::new(AgenticConfig {
+            sessions_per_s: 1.0,
+            duration_s: 15.0,
+            seed: 4,
+            ..AgenticConfig::default()
+        })
+    };
+    let off = simulate(&small(0.0), &mut busy()).unwrap();
+    let on = simulate(&small(64.0), &mut busy()).unwrap();
+    let again = simulate(&small(64.0), &mut busy()).unwrap();
+    assert_eq!(on.records, again.records);
+    assert_eq!(on.summary, again.summary);
+    assert_eq!(on.records.len(), off.records.len());
+    let (a, b) = (&off.summary, &on.summary);
+    assert_eq!((a.host_gb_read, a.host_gb_written), (0.0, 0.0));
+    assert!(b.host_gb_written > 0.0 && b.host_gb_read > 0.0, "{b:?}");
+    assert_eq!(b.refused, 0);
 }

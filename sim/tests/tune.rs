@@ -25,6 +25,7 @@ fn base() -> SimConfig {
         seed: 1,
         warmup_fraction: 0.2,
         fetch: router::FetchConfig::default(),
+        host_offload_gib: 0.0,
     }
 }
 

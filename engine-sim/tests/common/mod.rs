@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use engine_sim::{Engine, EngineConfig, EngineRequest, Mode, Preset, StepOutput};
-use protocol::{BlockHash, KvEvent, Role, WorkerId};
+use protocol::{BlockHash, KvEvent, Role, Tier, WorkerId};
 
 /// The 8B preset's cost model on a small cache.
 pub fn small_config(
@@ -64,13 +64,15 @@ pub fn run_to_idle(
     panic!("engine not idle after {max_steps} steps");
 }
 
-/// Rebuilds a worker's cache content from its events, checking the
-/// stream's contract on the way.
+/// Rebuilds a worker's cache content, device and host tiers, from its
+/// events, checking the stream's contract on the way.
 #[derive(Debug, Default)]
 pub struct Replay {
     pub blocks: HashSet<BlockHash>,
     /// Each block's parent, as the events said.
     parents: HashMap<BlockHash, Option<BlockHash>>,
+    /// The host tier's blocks with their parents.
+    pub host: HashMap<BlockHash, Option<BlockHash>>,
 }
 
 impl Replay {
@@ -81,13 +83,46 @@ impl Replay {
                 KvEvent::Cleared => {
                     self.blocks.clear();
                     self.parents.clear();
+                    self.host.clear();
+                }
+                KvEvent::Stored {
+                    parent,
+                    blocks,
+                    tier: Tier::Host,
+                } => {
+                    assert!(!blocks.is_empty());
+                    if let Some(p) = parent {
+                        assert!(
+                            self.blocks.contains(p) || self.host.contains_key(p),
+                            "stored on host under a parent on no tier"
+                        );
+                    }
+                    let mut parent = *parent;
+                    for b in blocks {
+                        assert!(
+                            self.host.insert(*b, parent).is_none(),
+                            "block stored on host twice"
+                        );
+                        parent = Some(*b);
+                    }
+                }
+                KvEvent::Removed {
+                    blocks,
+                    tier: Tier::Host,
+                } => {
+                    for b in blocks {
+                        assert!(
+                            self.host.remove(b).is_some(),
+                            "removed an unknown host block"
+                        );
+                    }
                 }
                 KvEvent::Stored {
                     parent,
                     blocks,
                     tier,
                 } => {
-                    assert_eq!(*tier, protocol::Tier::Device);
+                    assert_eq!(*tier, Tier::Device);
                     assert!(!blocks.is_empty());
                     if let Some(p) = parent {
                         assert!(self.blocks.contains(p), "stored under an unknown parent");
@@ -100,7 +135,7 @@ impl Replay {
                     }
                 }
                 KvEvent::Removed { blocks, tier } => {
-                    assert_eq!(*tier, protocol::Tier::Device);
+                    assert_eq!(*tier, Tier::Device);
                     for b in blocks {
                         assert!(self.blocks.remove(b), "removed an unknown block");
                         self.parents.remove(b);
@@ -121,6 +156,8 @@ impl Replay {
             self.parents, links,
             "the cache's parents differ from the events'"
         );
+        let host: HashMap<BlockHash, Option<BlockHash>> = engine.host_block_links().collect();
+        assert_eq!(self.host, host, "replayed events differ from the host tier");
     }
 }
 

@@ -88,7 +88,7 @@ const LOAD_PARAMS: [ParamSpec; 2] = [
     },
 ];
 
-const SLA_PARAMS: [ParamSpec; 11] = [
+const SLA_PARAMS: [ParamSpec; 13] = [
     ParamSpec {
         name: "ttft_target_ms",
         help: "SLA policy: time-to-first-token target (ms)",
@@ -142,6 +142,16 @@ const SLA_PARAMS: [ParamSpec; 11] = [
     ParamSpec {
         name: "read_step_overhead",
         help: "SLA cost model: share by which a decode worker's steps are longer while it serves a prefix read (the third path; an assumption)",
+        tune: &[],
+    },
+    ParamSpec {
+        name: "host_read_setup_ms",
+        help: "SLA cost model: fixed cost of reading a held prefix back from a worker's host memory (ms)",
+        tune: &[],
+    },
+    ParamSpec {
+        name: "host_read_bytes_per_ms",
+        help: "SLA cost model: host link (PCIe) bandwidth per GPU for a host-held prefix's read-back (bytes per ms; an assumption)",
         tune: &[],
     },
 ];

@@ -7,7 +7,11 @@
 use protocol::Path;
 use serde::{Deserialize, Serialize};
 
-use super::{positive, rules, ConditionalDisaggPolicy, ParamError, PolicyInput, Verdict};
+use protocol::WorkerRecord;
+
+use super::{
+    positive, rules, ConditionalDisaggPolicy, HeldTokens, ParamError, PolicyInput, Verdict,
+};
 use crate::core::calibrate::{Expected, Factors};
 
 /// Engine timing constants, in milliseconds. The defaults fit Llama-3.3-70B
@@ -44,6 +48,15 @@ pub struct CostModel {
     /// contention of the NIXL read). Default 0.03: an assumption, not a
     /// measurement (engine-sim uses the same figure).
     pub read_step_overhead: f64,
+    /// Fixed cost of reading a prefix back from a worker's host memory
+    /// (an offloaded tier, G2). Default 0.05.
+    pub host_read_setup_ms: f64,
+    /// Host link bandwidth per GPU of the worker (PCIe), bytes per ms: a
+    /// worker reads back at `gpus` times this. Default 50e6 (50 GB/s, an
+    /// assumption: PCIe Gen5 x16 at about 80%; engine-sim uses the same
+    /// figure). Tokens held only on host (or disk) are neither free nor
+    /// recomputed: the request waits for this read before it runs.
+    pub host_read_bytes_per_ms: f64,
 }
 
 impl Default for CostModel {
@@ -58,6 +71,8 @@ impl Default for CostModel {
             transfer_setup_ms: 2.0,
             transfer_bytes_per_ms: 87e6,
             read_step_overhead: 0.03,
+            host_read_setup_ms: 0.05,
+            host_read_bytes_per_ms: 50e6,
         }
     }
 }
@@ -93,6 +108,20 @@ impl CostModel {
         self.transfer_setup_ms + bytes as f64 / self.transfer_bytes_per_ms.max(f64::MIN_POSITIVE)
     }
 
+    /// Reading back the KV of `tokens` tokens a worker holds only in an
+    /// offloaded tier (host or disk: disk is read at the host link's rate,
+    /// a lower bound) before the request can run there: 0 when none.
+    pub fn host_read_ms(&self, held: &HeldTokens, isl: u64, record: &WorkerRecord) -> f64 {
+        let device = u64::from(held.device).min(isl);
+        let offloaded = u64::from(held.any()).min(isl).saturating_sub(device);
+        if offloaded == 0 {
+            return 0.0;
+        }
+        let bytes = offloaded.saturating_mul(record.kv_bytes_per_token) as f64;
+        let rate = self.host_read_bytes_per_ms * f64::from(record.gpus.max(1));
+        self.host_read_setup_ms + bytes / rate.max(f64::MIN_POSITIVE)
+    }
+
     /// Time to work off `queued` prefill tokens in steps of at most
     /// `max_batched` tokens, ignoring their attention term (their context is
     /// unknown): a lower bound of the wait.
@@ -112,9 +141,13 @@ impl CostModel {
 pub struct SlaPrediction {
     /// Tokens a bypass prefills on the decode worker (after its overlap).
     pub local_prefill_tokens: u64,
+    /// The decode worker's read-back of the part of its overlap it holds
+    /// only on host ([`CostModel::host_read_ms`]; 0 when all on device).
+    pub local_host_read_ms: f64,
     /// The model's time to a bypass's first token: the decode worker's
-    /// prefill queue, the local prefill, and the decode batch run in each of
-    /// the prefill's chunked steps.
+    /// prefill queue, the read-back of its host-held overlap, the local
+    /// prefill, and the decode batch run in each of the prefill's chunked
+    /// steps.
     pub local_model_ms: f64,
     /// `local_model_ms` times the local TTFT factor.
     pub local_ttft_ms: f64,
@@ -137,8 +170,10 @@ pub struct SlaPrediction {
     /// Tokens a remote prefill computes on the prefill worker (after its
     /// overlap).
     pub remote_prefill_tokens: u64,
+    /// The prefill worker's read-back of its host-held overlap.
+    pub remote_host_read_ms: f64,
     /// The model's time to the end of a remote prefill: the prefill worker's
-    /// queue and its prefill.
+    /// queue, the read-back of its host-held overlap and its prefill.
     pub remote_model_ms: f64,
     /// KV transfer time of the whole prompt to the decode worker.
     pub transfer_ms: f64,
@@ -240,7 +275,8 @@ impl SlaDynamic {
     pub fn validate(&self) -> Result<(), ParamError> {
         positive("ttft_target_ms", self.ttft_target_ms)?;
         positive("itl_target_ms", self.itl_target_ms)?;
-        positive("transfer_bytes_per_ms", self.cost.transfer_bytes_per_ms)
+        positive("transfer_bytes_per_ms", self.cost.transfer_bytes_per_ms)?;
+        positive("host_read_bytes_per_ms", self.cost.host_read_bytes_per_ms)
     }
 
     /// The numbers the policy decides on.
@@ -264,7 +300,9 @@ impl SlaDynamic {
             0.0
         };
         let local_work = c.prefill_ms(local, isl - local);
+        let local_read = c.host_read_ms(&d.held, isl, d.record);
         let local_model = c.queue_ms(d.load.queued_prefill_tokens, mbt_d as u32)
+            + local_read
             + local_work
             + chunks as f64 * step_now;
         // Chunk k attends to the cached prefix and the chunks before it.
@@ -283,8 +321,10 @@ impl SlaDynamic {
         let remote = (isl - p_hit).max(1);
         let transfer = c.transfer_ms(isl.saturating_mul(p.record.kv_bytes_per_token));
         let remote_work = c.prefill_ms(remote, isl - remote);
-        let remote_model =
-            c.queue_ms(p.load.queued_prefill_tokens, p.record.max_batched_tokens) + remote_work;
+        let remote_read = c.host_read_ms(&p.held, isl, p.record);
+        let remote_model = c.queue_ms(p.load.queued_prefill_tokens, p.record.max_batched_tokens)
+            + remote_read
+            + remote_work;
 
         let fetch = input.fetch.map(|f| {
             let prefix = u64::from(f.prefix_tokens).min(isl - 1);
@@ -316,6 +356,7 @@ impl SlaDynamic {
 
         SlaPrediction {
             local_prefill_tokens: local,
+            local_host_read_ms: local_read,
             local_model_ms: local_model,
             local_ttft_ms: k.local_ttft * local_model,
             step_model_ms: step_model,
@@ -324,6 +365,7 @@ impl SlaDynamic {
             itl_local_ms: itl_local,
             running: batch,
             remote_prefill_tokens: remote,
+            remote_host_read_ms: remote_read,
             remote_model_ms: remote_model,
             transfer_ms: transfer,
             remote_ttft_ms: k.remote_ttft * remote_model + transfer,
@@ -441,6 +483,12 @@ impl ConditionalDisaggPolicy for SlaDynamic {
             s.remote_ttft_ms,
             s.transfer_ms,
         );
+        if s.local_host_read_ms > 0.0 || s.remote_host_read_ms > 0.0 {
+            numbers.push_str(&format!(
+                "; host read-back {:.1} ms local, {:.1} ms remote",
+                s.local_host_read_ms, s.remote_host_read_ms
+            ));
+        }
         if let (Some(f), Some(offer)) = (s.fetch, input.fetch) {
             numbers.push_str(&format!(
                 "; fetch: {} of {} prefix tokens from {} (pull {:.0} ms, its ITL {:.1} ms while read), then {} tokens on {p}: TTFT {:.0} ms",
@@ -649,6 +697,55 @@ mod tests {
         );
     }
 
+    /// A prefix the decode worker holds only in host memory is neither a
+    /// free hit nor a recompute: the bypass's TTFT adds its read-back over
+    /// the host link (setup + bytes / (gpus x per-GPU rate)), which sits
+    /// between the device hit's and the cold prompt's. Same on the prefill
+    /// worker's side.
+    #[test]
+    fn a_host_held_prefix_costs_its_read_back() {
+        let f = Fixture::new();
+        let policy = SlaDynamic::default();
+        let c = policy.cost;
+        let idle = EffectiveLoad::default();
+        let on_device = policy.predict(&f.input(40_000, 39_000, idle, idle));
+        let cold = policy.predict(&f.input(40_000, 0, idle, idle));
+        let mut input = f.input(40_000, 39_000, idle, idle);
+        input.decode.held = HeldTokens {
+            device: 1_000,
+            host: 39_000,
+            disk: 39_000,
+        };
+        let on_host = policy.predict(&input);
+        // 38,000 tokens x 163,840 B over 2 GPUs at 50 GB/s each.
+        let want = c.host_read_setup_ms + 38_000.0 * 163_840.0 / (2.0 * c.host_read_bytes_per_ms);
+        assert!(
+            (on_host.local_host_read_ms - want).abs() < 1e-9,
+            "{on_host:?}"
+        );
+        assert_eq!(on_device.local_host_read_ms, 0.0);
+        assert_eq!(on_host.local_prefill_tokens, on_device.local_prefill_tokens);
+        assert!(
+            on_device.local_ttft_ms < on_host.local_ttft_ms
+                && on_host.local_ttft_ms < cold.local_ttft_ms,
+            "device {} < host {} < cold {}",
+            on_device.local_ttft_ms,
+            on_host.local_ttft_ms,
+            cold.local_ttft_ms
+        );
+        assert!(
+            (on_host.local_ttft_ms - on_device.local_ttft_ms - want).abs() < 1e-6,
+            "the read-back is the whole difference"
+        );
+        // The prefill worker's host-held overlap is read back too.
+        input.prefill.held = input.decode.held;
+        let p = policy.predict(&input);
+        assert!((p.remote_host_read_ms - want).abs() < 1e-9);
+        assert_eq!(p.remote_prefill_tokens, on_host.local_prefill_tokens);
+        let (_, _, why) = decide(&policy, &input);
+        assert!(why.contains("host read-back"), "{why}");
+    }
+
     /// The calibration factors scale the predictions they correct, and the
     /// explanation names them with the predicted numbers.
     #[test]
@@ -684,7 +781,7 @@ mod tests {
         ] {
             assert!(why.contains(needle), "{needle}: {why}");
         }
-        assert_eq!(crate::core::Policy::from(policy).params().len(), 11);
+        assert_eq!(crate::core::Policy::from(policy).params().len(), 13);
     }
 
     /// The third option: a long append to a conversation the decode worker
