@@ -5,8 +5,8 @@
 
 use protocol::decision_log::LogEntry;
 use protocol::generate::{
-    CancelRequest, GenerateChunk, GenerateEvent, GenerateRequest, OverlapQuery, OverlapReply,
-    RequestProgress, ResyncReply, Stage,
+    CancelRequest, GenerateChunk, GenerateEvent, GenerateRequest, LegProbe, LegProbeReply,
+    OverlapQuery, OverlapReply, RequestProgress, ResyncReply, Stage,
 };
 use protocol::{
     BlockHash, DecisionId, IndexDelta, IndexSnapshot, IndexStatus, KvEvent, KvEventBatch,
@@ -50,6 +50,8 @@ const CHECKS: &[Check] = &[
     (RequestProgress::NAME, check::<RequestProgress>),
     (IndexStatus::NAME, check::<IndexStatus>),
     (LogEntry::NAME, check::<LogEntry>),
+    (LegProbe::NAME, check::<LegProbe>),
+    (LegProbeReply::NAME, check::<LegProbeReply>),
 ];
 
 pub fn run(data: &[u8]) {
@@ -115,5 +117,12 @@ pub fn seeds() -> Vec<Vec<u8>> {
         seed(&request),
         seed(&chunk),
         seed(&cancel),
+        seed(&LegProbe {
+            decision: DecisionId(42),
+        }),
+        seed(&LegProbeReply {
+            decision: DecisionId(42),
+            in_flight: true,
+        }),
     ]
 }

@@ -29,8 +29,8 @@ pub use decision_log::{
 pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
 pub use generate::{
     CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams,
-    OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply, Sampling, Stage,
-    WorkerOverlap,
+    LegProbe, LegProbeReply, OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply,
+    Sampling, Stage, WorkerOverlap,
 };
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, InvalidSessionId, SessionId, WorkerId};

@@ -28,7 +28,7 @@
 //! | `router_ledger_expired_total` | counter | |
 //! | `router_peers` | gauge | (peer replicas heard of, alive) |
 //! | `router_peer_released_total` | counter | `why` (`left`, `silent`): peers' reservations released when the peer stopped or fell silent |
-//! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
+//! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `not_held`: the agent does not generate the leg, two in a row fail it as lost, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
 //! | `router_admission_queued` | gauge | (requests waiting while every decode worker is busy) |
 //! | `router_admission_total` | counter | `outcome` (`admitted`, `queued`, `rejected`: queue full, `timed_out`: waited `max_wait`) |
 //! | `router_breaker_transitions_total` | counter | `to` (`open`, `half_open`, `closed`) |
@@ -151,7 +151,7 @@ const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         "router_worker_probes_total",
-        "Liveness probes of the worker of a quiet leg, by outcome (gone: no agent listens any more, the leg failed at once)",
+        "Liveness probes of the worker of a quiet leg, by outcome (gone: no agent listens any more, the leg failed at once; not_held: the agent does not generate the leg, lost on the bus)",
     ),
     (
         "router_admission_queued",
