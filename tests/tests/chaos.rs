@@ -393,18 +393,27 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
     let mut text = String::new();
     let _ = writeln!(
         text,
-        "{:<22} {:>5} {:>5} {:>6} {:>5} {:>8} {:>10} {:>14}",
-        "fault", "sent", "ok", "failed", "hung", "ready_s", "converge_s", "digest=replay"
+        "{:<22} {:>5} {:>5} {:>6} {:>5} {:>7} {:>8} {:>10} {:>14}",
+        "fault",
+        "sent",
+        "ok",
+        "failed",
+        "hung",
+        "retried",
+        "ready_s",
+        "converge_s",
+        "digest=replay"
     );
     for r in rows {
         let _ = writeln!(
             text,
-            "{:<22} {:>5} {:>5} {:>6} {:>5} {:>8.2} {:>10.2} {:>14}",
+            "{:<22} {:>5} {:>5} {:>6} {:>5} {:>7} {:>8.2} {:>10.2} {:>14}",
             r.fault,
             r.load.sent,
             r.load.ok,
             r.load.failed,
             r.load.hung,
+            r.load.client_retries,
             r.ready_s,
             r.converge_s,
             if r.digest_equals_log && r.replay_reproduced {
@@ -445,6 +454,7 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
         "lost": sum(|l| l.failed),
         "hung": sum(|l| l.hung),
         "unclear_5xx": sum(|l| l.unclear_5xx),
+        "client_retries": sum(|l| l.client_retries),
         "max_converge_s": (max_converge * 100.0).round() / 100.0,
         "digest_mismatches": rows.iter().filter(|r| !(r.digest_equals_log && r.replay_reproduced)).count(),
         "crashed": rows.iter().map(|r| r.crashed.len()).sum::<usize>(),
