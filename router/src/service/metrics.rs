@@ -21,7 +21,7 @@
 //! | `router_index_head_seq` | gauge | (last delta in the stream, polled) |
 //! | `router_index_delta_seq_lag` | gauge | (head - applied) |
 //! | `router_index_reloads_total` | counter | `reason` |
-//! | `router_deltas_total` | counter | `outcome` (`applied`, `duplicate`, `gap`, `error`) |
+//! | `router_deltas_total` | counter | `outcome` (`applied`, `duplicate`, `gap`, `error`, `stalled`: the feed stood still behind the stream's head and was opened again) |
 //! | `router_decision_log_lag_seconds` | histogram | (a peer's decision: JetStream publication to application) |
 //! | `router_peer_messages_total` | counter | `kind`, `outcome` |
 //! | `router_ledger_in_flight` | gauge | |
@@ -240,7 +240,7 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
     (
         "router_deltas_total",
         "outcome",
-        &["applied", "duplicate", "gap", "error"],
+        &["applied", "duplicate", "gap", "error", "stalled"],
     ),
     ("router_peer_released_total", "why", &["left", "silent"]),
     (
