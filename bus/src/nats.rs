@@ -131,6 +131,24 @@ impl BusError {
             _ => false,
         }
     }
+
+    /// Whether JetStream did not take a write: refused for want of room
+    /// ([`BusError::is_store_full`]), or not confirmed at all (a timeout,
+    /// no stream leader, no responders: a clustered JetStream whose store
+    /// is full stops confirming rather than refusing). The write is held
+    /// and retried; the service says it is not accepted meanwhile.
+    pub fn is_unaccepted(&self) -> bool {
+        self.is_store_full()
+            || match self {
+                BusError::Publish { message, .. } => {
+                    let m = message.to_ascii_lowercase();
+                    m.contains("timed out")
+                        || m.contains("no stream found")
+                        || m.contains("no responders")
+                }
+                _ => false,
+            }
+    }
 }
 
 /// JetStream's answers for a store without room: insufficient resources

@@ -62,17 +62,19 @@ enum Fault {
     PrefillAgent,
     NatsNode,
     EtcdMember,
+    FullStore,
     IndexerWithStandby,
 }
 
 impl Fault {
-    const ALL: [Fault; 7] = [
+    const ALL: [Fault; 8] = [
         Fault::Indexer,
         Fault::Router,
         Fault::DecodeAgent,
         Fault::PrefillAgent,
         Fault::NatsNode,
         Fault::EtcdMember,
+        Fault::FullStore,
         Fault::IndexerWithStandby,
     ];
 
@@ -84,6 +86,7 @@ impl Fault {
             Fault::PrefillAgent => "prefill agent",
             Fault::NatsNode => "NATS node (1 of 3)",
             Fault::EtcdMember => "etcd member",
+            Fault::FullStore => "full JetStream store",
             Fault::IndexerWithStandby => "indexer with standby",
         }
     }
@@ -97,6 +100,10 @@ async fn chaos() -> Result<()> {
     let full = std::env::var("SWITCHYARD_CHAOS").is_ok_and(|v| v == "full");
     let mut cluster = Cluster::start_ha_secured(&["p0"], &["d0", "d1"], 2).await?;
     let result = run(&mut cluster, full).await;
+    // SWITCHYARD_CHAOS_LOGS=1: every service's log, also when it passed.
+    if std::env::var("SWITCHYARD_CHAOS_LOGS").is_ok_and(|v| v == "1") {
+        eprintln!("{}", cluster.logs());
+    }
     result.with_context(|| cluster.logs())
 }
 
@@ -119,19 +126,24 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         }
         let started = Instant::now();
         let watch = ReadyWatch::start(cluster, fault.name()).await?;
+        // The store takes seconds to fill: the load must outlast it.
+        let duration = match fault {
+            Fault::FullStore => load.duration.max(Duration::from_secs(15)),
+            _ => load.duration,
+        };
         let window = Load {
             seed: 100 + i as u64,
+            duration,
             ..load.clone()
         }
         .start(&cluster.router_urls())?;
         tokio::time::sleep(load.duration / 4).await;
-        let (ready_s, since) = inject(cluster, fault).await?;
+        let (ready_s, since, mut note) = inject(cluster, fault).await?;
         let mut crashed = cluster.heal().await?;
         let converge_s = converge(cluster, since).await?;
-        let note = match fault {
-            Fault::NatsNode => Some(nats_node_healthy(cluster, since).await?),
-            _ => None,
-        };
+        if let Fault::NatsNode = fault {
+            note = Some(nats_node_healthy(cluster, since).await?);
+        }
         watch.stop(since).await;
         let outcome = window.await??;
         crashed.extend(cluster.heal().await?);
@@ -201,14 +213,39 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
 /// Kills the fault's component (SIGKILL), restarts it after [`DOWN`]
 /// (the failover: the standby takes over at once), and waits until it
 /// is ready again. Returns the seconds from the restart (the failover:
-/// from the kill) to readiness, and that instant.
-async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant)> {
+/// from the kill; the full store: from the room's return) to readiness,
+/// that instant, and what else the fault showed.
+async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant, Option<String>)> {
     let since;
+    let mut note = None;
     match fault {
         Fault::IndexerWithStandby => {
             since = Instant::now();
             let took = cluster.fail_over_indexer().await?;
-            return Ok((took, since));
+            return Ok((took, since, None));
+        }
+        Fault::FullStore => {
+            let js = async_nats::jetstream::new(cluster.nats_client().await?);
+            let filled = fill_store(&js).await?;
+            let full_at = Instant::now();
+            let said = said_store_full(cluster).await;
+            // Room again (from when the filler is gone: its deletion can
+            // take seconds on a full cluster); nothing is restarted, the
+            // services must see it.
+            free_store(&js).await?;
+            since = Instant::now();
+            note = Some(format!(
+                "store full after {filled} ({}); {}",
+                cluster::HA_STORE_PER_NODE,
+                match said {
+                    Some((who, text, after)) => format!(
+                        "said so {after:.2} s later on {who}: {}",
+                        text.chars().take(120).collect::<String>()
+                    ),
+                    None => "NOT said on any /readyz or /healthz within 5 s".into(),
+                }
+            ));
+            let _ = full_at;
         }
         Fault::Indexer => {
             // Alone: the standby stands down first.
@@ -224,7 +261,7 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant)> {
             let port = standby.port;
             cluster::wait_http(port, "/healthz").await?;
             cluster.standby = Some(standby);
-            return Ok((ready, since));
+            return Ok((ready, since, None));
         }
         Fault::Router => {
             let router = &mut cluster.routers[1];
@@ -275,7 +312,95 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant)> {
     for router in &cluster.routers {
         cluster::wait_http(router.port, "/readyz").await?;
     }
-    Ok((since.elapsed().as_secs_f64(), since))
+    if let Fault::FullStore = fault {
+        // Every service took writes again.
+        cluster::wait_http(cluster.indexer.port, "/readyz").await?;
+        for worker in &cluster.workers {
+            cluster::wait_http(worker.agent.port, "/healthz").await?;
+        }
+    }
+    Ok((since.elapsed().as_secs_f64(), since, note))
+}
+
+/// The stream that fills the store (another tenant's, R3).
+const FILLER: &str = "CHAOS_FILLER";
+
+/// Fills JetStream's store with a stream of 1 MB messages until it refuses
+/// one for want of room; says how much it took.
+async fn fill_store(js: &async_nats::jetstream::Context) -> Result<String> {
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: FILLER.into(),
+        subjects: vec!["chaos.filler".into()],
+        num_replicas: 3,
+        ..Default::default()
+    })
+    .await?;
+    let chunk = bytes::Bytes::from(vec![0u8; 1 << 20]);
+    for mb in 0..4096u32 {
+        let sent = async { js.publish("chaos.filler", chunk.clone()).await?.await }.await;
+        if let Err(e) = sent {
+            let e = e.to_string();
+            ensure!(bus::store_full(&e), "filling the store: {e}");
+            return Ok(format!("{mb} MB of filler"));
+        }
+    }
+    bail!("4 GB of filler did not fill the store")
+}
+
+/// Deletes the filler (its meta request may time out on a full cluster:
+/// tried again for up to 30 s, until the stream is gone).
+async fn free_store(js: &async_nats::jetstream::Context) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match js.delete_stream(FILLER).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.to_string().contains("not found") => return Ok(()),
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("chaos: deleting the filler: {e}; again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => bail!("deleting the filler for 30 s: {e}"),
+        }
+    }
+}
+
+/// Waits (5 s at most) until a service says the store is full: a router's
+/// or the indexer's `/readyz`, or an agent's `/healthz`, not 200. Returns
+/// who, what it said and after how long.
+async fn said_store_full(cluster: &Cluster) -> Option<(String, String, f64)> {
+    let mut targets: Vec<(String, String)> = cluster
+        .routers
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (format!("router {i} /readyz"), format!("{}/readyz", r.url())))
+        .collect();
+    targets.push((
+        "indexer /readyz".into(),
+        format!("{}/readyz", cluster.indexer.url()),
+    ));
+    for w in &cluster.workers {
+        targets.push((
+            format!("agent {} /healthz", w.name),
+            format!("http://127.0.0.1:{}/healthz", w.agent.port),
+        ));
+    }
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        for (who, url) in &targets {
+            if let Ok(r) = cluster.http.get(url).send().await {
+                if !r.status().is_success() {
+                    let text = r.text().await.unwrap_or_default();
+                    return Some((
+                        who.clone(),
+                        text.trim().to_owned(),
+                        started.elapsed().as_secs_f64(),
+                    ));
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
 }
 
 /// What the routers' and the indexers' `/readyz` answered during a fault,
