@@ -880,6 +880,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn unconfirmed_and_refused_writes_are_unaccepted_a_fence_is_not() {
+        let publish = |message: &str| BusError::Publish {
+            subject: "s".into(),
+            message: message.into(),
+        };
+        for message in [
+            "publish failed: insufficient resources (code 503, error code 10023)",
+            "no stream found for given subject",
+            "timed out: didn't receive ack in time",
+            "no responders",
+        ] {
+            assert!(publish(message).is_unaccepted(), "{message}");
+        }
+        assert!(!publish("maximum payload exceeded").is_unaccepted());
+        assert!(!BusError::Fenced { seq: 3 }.is_unaccepted());
+        assert!(!publish("no stream found for given subject").is_store_full());
+    }
+
+    #[test]
     fn several_urls_one_login() {
         let none = NatsAuth::default();
         let (addresses, auth) = split_urls("nats://a:4222, nats://b:4222,", &none).unwrap();

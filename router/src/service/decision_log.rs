@@ -157,13 +157,17 @@ struct Full(Arc<AtomicBool>, Option<std::time::Instant>);
 const FULL_FOR: Duration = Duration::from_secs(2);
 
 impl Full {
+    /// Only a refusal for want of room counts: a write JetStream does not
+    /// confirm (a stream re-electing its leader, seconds) is logged as
+    /// lost, but routing needs no decision log, and every router not ready
+    /// at once during a re-election would leave nothing to route.
     fn saw(&mut self, error: &BusError) {
-        if !error.is_unaccepted() {
+        if !error.is_store_full() {
             return;
         }
         self.1 = Some(std::time::Instant::now());
         if !self.0.swap(true, Ordering::Relaxed) {
-            tracing::error!(%error, store_full = error.is_store_full(), "JetStream does not accept this replica's decisions (its store is full, or it does not confirm them): not ready until it does again");
+            tracing::error!(%error, "JetStream's store is full: the decision log refuses this replica's decisions (not ready until it has room, or no refusal for 2 s)");
         }
     }
 

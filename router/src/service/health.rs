@@ -102,7 +102,7 @@ pub fn readiness(observed: &Observed, config: &ReadinessConfig) -> Readiness {
     }
     if store_full {
         return Readiness::not_ready(format!(
-            "{position}: JetStream does not accept the decision log (its store is full, or it does not confirm writes)"
+            "{position}: JetStream's store is full: the decision log refuses this replica's decisions"
         ));
     }
     if decode_workers == 0 {
@@ -181,7 +181,7 @@ mod tests {
                     store_full: true,
                     ..healthy()
                 },
-                "JetStream does not accept the decision log",
+                "JetStream's store is full",
             ),
         ];
         for (observed, why) in cases {

@@ -171,7 +171,7 @@ const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         "router_jetstream_store_full",
-        "1 while JetStream refuses this replica's decision log for want of room, or does not confirm it (not ready meanwhile)",
+        "1 while JetStream's store refuses this replica's decision log for want of room (not ready meanwhile, until a write is accepted or none is refused for 2 s)",
     ),
     (
         "router_calibration_factor",
