@@ -200,8 +200,11 @@ pub struct RetryPolicy {
 
 type Entry = Pin<Box<dyn Future<Output = Result<Confirmed, PipelineError>> + Send>>;
 
-/// How long the stream may take to confirm a delta.
-const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the stream may take to confirm a delta: past it, the deltas
+/// it does not hold are sent again in place ([`Pipeline::recover`]). A
+/// delta sent to a stream leader that died is never confirmed: 30 s here
+/// stalled the index for 23 s after a NATS node was killed.
+const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Confirmations awaited at once beyond the configured in-flight limit
 /// (removals, a fetched chunk's overshoot) before `push` waits for the
 /// oldest one.
