@@ -148,7 +148,7 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         let outcome = window.await??;
         crashed.extend(cluster.heal().await?);
         let digest_equals_log = cluster.index_matches_log().await?;
-        let replay_reproduced = replay_verify(cluster)?;
+        let replay_reproduced = replay_verify(cluster).await?;
         eprintln!(
             "chaos: {} done in {:.1} s: {outcome:?}",
             fault.name(),
@@ -564,17 +564,31 @@ async fn converge(cluster: &Cluster, since: Instant) -> Result<f64> {
 }
 
 /// `replay export` of the last decisions, then `replay verify`: every
-/// decision reproduced and the rebuilt index equal to the live one.
-fn replay_verify(cluster: &Cluster) -> Result<bool> {
+/// decision reproduced and the rebuilt index equal to the live one. An
+/// export that has not ended in a minute is killed and run once more (one
+/// hung once, reading the stream after an indexer restart: cause not
+/// found; a hang is reported, never waited for).
+async fn replay_verify(cluster: &Cluster) -> Result<bool> {
     let dir = tempfile::tempdir()?;
     let file = dir.path().join("window.syx");
     let file = file.to_str().context("a UTF-8 path")?;
     let replay = tests::binary("replay")?;
     let nats = cluster.nats.url();
-    let mut export = Command::new(&replay);
-    export.args(["export", "--nats", &nats, "--out", file, "--last", "200"]);
-    export.args(cluster.nats_login(bus::permissions::REPLAY_USER));
-    let output = export.output().context("replay export")?;
+    let mut output = None;
+    for attempt in 1..=2 {
+        let mut export = tokio::process::Command::new(&replay);
+        export.args(["export", "--nats", &nats, "--out", file, "--last", "200"]);
+        export.args(cluster.nats_login(bus::permissions::REPLAY_USER));
+        export.kill_on_drop(true);
+        match tokio::time::timeout(Duration::from_secs(60), export.output()).await {
+            Ok(done) => {
+                output = Some(done.context("replay export")?);
+                break;
+            }
+            Err(_) => eprintln!("chaos: replay export hung for 60 s (attempt {attempt}); killed"),
+        }
+    }
+    let output = output.context("replay export hung twice for 60 s")?;
     if !output.status.success() {
         bail!(
             "replay export failed: {}",
@@ -587,6 +601,15 @@ fn replay_verify(cluster: &Cluster) -> Result<bool> {
         .context("replay verify")?;
     let verify: Value = serde_json::from_slice(&output.stdout)
         .with_context(|| format!("replay verify: {}", String::from_utf8_lossy(&output.stderr)))?;
+    if verify["decisions"] != verify["reproduced"]
+        || verify["digest"]["live"] != verify["digest"]["rebuilt"]
+    {
+        let text = verify.to_string();
+        eprintln!(
+            "chaos: replay verify: {}",
+            text.chars().take(2000).collect::<String>()
+        );
+    }
     Ok(verify["decisions"] == verify["reproduced"]
         && verify["digest"]["live"] == verify["digest"]["rebuilt"])
 }
