@@ -131,6 +131,24 @@ impl BusError {
             _ => false,
         }
     }
+
+    /// Whether JetStream did not take a write: refused for want of room
+    /// ([`BusError::is_store_full`]), or not confirmed at all (a timeout,
+    /// no stream leader, no responders: a clustered JetStream whose store
+    /// is full stops confirming rather than refusing). The write is held
+    /// and retried; the service says it is not accepted meanwhile.
+    pub fn is_unaccepted(&self) -> bool {
+        self.is_store_full()
+            || match self {
+                BusError::Publish { message, .. } => {
+                    let m = message.to_ascii_lowercase();
+                    m.contains("timed out")
+                        || m.contains("no stream found")
+                        || m.contains("no responders")
+                }
+                _ => false,
+            }
+    }
 }
 
 /// JetStream's answers for a store without room: insufficient resources
@@ -860,6 +878,25 @@ impl Bus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unconfirmed_and_refused_writes_are_unaccepted_a_fence_is_not() {
+        let publish = |message: &str| BusError::Publish {
+            subject: "s".into(),
+            message: message.into(),
+        };
+        for message in [
+            "publish failed: insufficient resources (code 503, error code 10023)",
+            "no stream found for given subject",
+            "timed out: didn't receive ack in time",
+            "no responders",
+        ] {
+            assert!(publish(message).is_unaccepted(), "{message}");
+        }
+        assert!(!publish("maximum payload exceeded").is_unaccepted());
+        assert!(!BusError::Fenced { seq: 3 }.is_unaccepted());
+        assert!(!publish("no stream found for given subject").is_store_full());
+    }
 
     #[test]
     fn several_urls_one_login() {

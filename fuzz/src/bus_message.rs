@@ -5,8 +5,8 @@
 
 use protocol::decision_log::LogEntry;
 use protocol::generate::{
-    CancelRequest, GenerateChunk, GenerateEvent, GenerateRequest, OverlapQuery, OverlapReply,
-    RequestProgress, ResyncReply, Stage,
+    CancelRequest, GenerateChunk, GenerateEvent, GenerateRequest, LegProbe, LegProbeReply,
+    OverlapQuery, OverlapReply, RequestProgress, ResyncReply, Stage,
 };
 use protocol::{
     BlockHash, DecisionId, IndexDelta, IndexSnapshot, IndexStatus, KvEvent, KvEventBatch,
@@ -51,6 +51,8 @@ const CHECKS: &[Check] = &[
     (IndexStatus::NAME, check::<IndexStatus>),
     (LogEntry::NAME, check::<LogEntry>),
     (RequestFragment::NAME, check::<RequestFragment>),
+    (LegProbe::NAME, check::<LegProbe>),
+    (LegProbeReply::NAME, check::<LegProbeReply>),
 ];
 
 pub fn run(data: &[u8]) {
@@ -134,5 +136,12 @@ pub fn seeds() -> Vec<Vec<u8>> {
         seed(&scored),
         seed(&protocol::fragment::split(&request.encode(), 16).remove(1)),
         seed(&cancel),
+        seed(&LegProbe {
+            decision: DecisionId(42),
+        }),
+        seed(&LegProbeReply {
+            decision: DecisionId(42),
+            in_flight: true,
+        }),
     ]
 }

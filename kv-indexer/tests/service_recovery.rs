@@ -219,3 +219,105 @@ async fn a_second_writer_fences_the_indexer_off() -> Result<()> {
         other => bail!("expected the indexer to be fenced off at delta 2, got {other:?}"),
     }
 }
+
+/// A full JetStream store refuses deltas: the pipeline sends the ones the
+/// stream does not hold again, in place and in order, once room returns
+/// (no gap, none twice), and counts each refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Result<()> {
+    use kv_indexer::service::consumer::{Pipeline, RetryPolicy};
+    use protocol::{BlockHash, IndexChange, IndexDelta, Tier};
+
+    init_tracing();
+    let dir = tempfile::tempdir()?;
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(&conf, "jetstream {\n  max_file_store: 48MB\n}\n")?;
+    let nats = tests::NatsServer::start_with_config(&conf)?;
+    let bus = bus::Bus::connect(&nats.url(), "kv-indexer-test").await?;
+    bus.ensure_streams(&bus::StreamLimits::default()).await?;
+    let delta = |seq: u64| IndexDelta {
+        seq,
+        changes: vec![IndexChange::Stored {
+            worker: worker("d0"),
+            parent: None,
+            blocks: vec![BlockHash(seq)],
+            tier: Tier::Device,
+        }],
+        source: None,
+    };
+    let mut pipeline = Pipeline::new(&bus, 16, None);
+    for seq in 1..=3 {
+        pipeline.push(Some(delta(seq)), None).await?;
+    }
+    while let Some(done) = pipeline.next().await {
+        done?;
+    }
+    // Another tenant's stream takes the rest of the store.
+    bus.jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "FILLER".into(),
+            subjects: vec!["filler".into()],
+            ..Default::default()
+        })
+        .await?;
+    let chunk = vec![0u8; 512 << 10];
+    for _ in 0..200 {
+        let sent = async {
+            bus.jetstream()
+                .publish("filler", chunk.clone().into())
+                .await?
+                .await
+        }
+        .await;
+        if sent.is_err() {
+            break;
+        }
+    }
+    let mut refused = None;
+    for seq in 4..=6 {
+        if let Err(e) = pipeline.push(Some(delta(seq)), None).await {
+            refused.get_or_insert(e);
+        }
+    }
+    while let Some(done) = pipeline.next().await {
+        if let Err(e) = done {
+            refused.get_or_insert(e);
+        }
+    }
+    let refused = refused.context("the full store refused no delta")?;
+    ensure!(refused.retryable(), "{refused}");
+    ensure!(bus.last_delta_seq().await? == 3);
+
+    // Room returns a second later, while the pipeline retries.
+    let freeing = {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            bus.jetstream().delete_stream("FILLER").await
+        })
+    };
+    let mut retries = 0;
+    let policy = RetryPolicy {
+        backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(400),
+        give_up: WAIT,
+    };
+    let last = pipeline.recover(&bus, policy, |_| retries += 1).await?;
+    freeing.await??;
+    ensure!(last == 6, "recovered to {last}");
+    ensure!(retries >= 1, "no refusal was retried");
+    let mut deltas = bus.deltas_from(1).await?;
+    for seq in 1..=6 {
+        let got = tokio::time::timeout(WAIT, deltas.next())
+            .await?
+            .context("the delta stream ended")??;
+        ensure!(got == delta(seq), "delta {seq}: {got:?}");
+    }
+    ensure!(bus.last_delta_seq().await? == 6, "a delta twice");
+    // Fenced still stops: a delta that does not follow the stream's end.
+    let mut other = Pipeline::new(&bus, 16, None);
+    other.push(Some(delta(9)), None).await?;
+    let fenced = other.next().await.context("an entry")?.unwrap_err();
+    ensure!(!fenced.retryable(), "{fenced}");
+    Ok(())
+}

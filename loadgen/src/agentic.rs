@@ -25,6 +25,9 @@ pub struct AgenticRun {
     pub request_timeout: Duration,
     /// The routers' API key.
     pub api_key: Option<String>,
+    /// Sends of a turn again, through the next router, after a connection
+    /// failure before any response.
+    pub connect_retries: u32,
 }
 
 /// One finished turn.
@@ -40,6 +43,23 @@ struct Turn {
 struct Results {
     turns: Vec<Turn>,
     errors: Vec<String>,
+    /// Turns sent again after a connection failure before any response
+    /// (each retry counted).
+    connect_retries: u64,
+}
+
+/// Why a turn failed: before any response (its connection failed: a client
+/// may send it again elsewhere), or after.
+#[derive(Debug)]
+enum TurnError {
+    Connect(anyhow::Error),
+    Answered(anyhow::Error),
+}
+
+impl From<anyhow::Error> for TurnError {
+    fn from(e: anyhow::Error) -> Self {
+        TurnError::Answered(e)
+    }
 }
 
 /// A turn's response, from the stream.
@@ -79,7 +99,7 @@ async fn complete(
     spec: &RequestSpec,
     max_tokens: u32,
     timeout: Duration,
-) -> anyhow::Result<(Streamed, Instant)> {
+) -> Result<(Streamed, Instant), TurnError> {
     let started = Instant::now();
     let body = serde_json::json!({
         "prompt": &spec.prompt[..],
@@ -93,12 +113,22 @@ async fn complete(
         .json(&body)
         .timeout(timeout)
         .send()
-        .await
-        .context("sending the request")?;
+        .await;
+    let response = match response {
+        Ok(response) => response,
+        // No response at all, and not for want of time: the connection
+        // was refused or reset.
+        Err(e) if !e.is_timeout() => {
+            return Err(TurnError::Connect(
+                anyhow::Error::new(e).context("sending the request"),
+            ))
+        }
+        Err(e) => return Err(anyhow::Error::new(e).context("sending the request").into()),
+    };
     let status = response.status();
     if !status.is_success() {
         let text = response.text().await.unwrap_or_default();
-        bail!("HTTP {status}: {text}");
+        return Err(anyhow::anyhow!("HTTP {status}: {text}").into());
     }
     let mut streamed = Streamed::default();
     let mut buffer = String::new();
@@ -121,7 +151,7 @@ async fn complete(
             }
         }
     }
-    bail!("the stream ended without [DONE]")
+    Err(anyhow::anyhow!("the stream ended without [DONE]").into())
 }
 
 /// Runs the workload to its end and returns a JSON summary.
@@ -145,7 +175,7 @@ pub async fn run(config: AgenticRun) -> anyhow::Result<serde_json::Value> {
             .next_arrival();
         let Some(arrival) = arrival else { break };
         tokio::time::sleep_until(at(arrival.at_us).into()).await;
-        let router = config.routers[next_router % config.routers.len()].clone();
+        let mut router = next_router % config.routers.len();
         next_router += 1;
         let (client, workload, results, config) = (
             client.clone(),
@@ -158,7 +188,22 @@ pub async fn run(config: AgenticRun) -> anyhow::Result<serde_json::Value> {
             while let Some(Arrival { at_us, request }) = turn.take() {
                 tokio::time::sleep_until(at(at_us).into()).await;
                 let max_tokens = (request.output.len() as u32).min(config.max_output_tokens).max(1);
-                match complete(&client, &router, &request, max_tokens, config.request_timeout).await {
+                let mut retries = 0;
+                let outcome = loop {
+                    let url = &config.routers[router];
+                    match complete(&client, url, &request, max_tokens, config.request_timeout).await {
+                        Err(TurnError::Connect(e)) if retries < config.connect_retries => {
+                            retries += 1;
+                            tracing::info!(session = request.session, turn = request.turn, router = %url, error = %format!("{e:#}"), "no response; sending the turn through the next router");
+                            results.lock().expect("no panic while locked").connect_retries += 1;
+                            // The session moves with it, as behind a load balancer.
+                            router = (router + 1) % config.routers.len();
+                        }
+                        Err(TurnError::Connect(e) | TurnError::Answered(e)) => break Err(e),
+                        Ok(done) => break Ok(done),
+                    }
+                };
+                match outcome {
                     Ok((streamed, started)) => {
                         let e2e = started.elapsed();
                         let ttft = streamed.first_token.map_or(e2e, |t| t - started);
@@ -202,6 +247,7 @@ pub async fn run(config: AgenticRun) -> anyhow::Result<serde_json::Value> {
     Ok(serde_json::json!({
         "turns": results.turns.len(),
         "errors": results.errors.len(),
+        "connect_retries": results.connect_retries,
         "first_errors": results.errors.iter().take(5).collect::<Vec<_>>(),
         "output_tokens": tokens,
         "seconds": round3(elapsed),

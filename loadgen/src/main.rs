@@ -51,6 +51,13 @@ enum Command {
         /// The routers' API key (`Authorization: Bearer KEY`).
         #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
         api_key: Option<String>,
+        /// Times a turn is sent again, through the next router, when its
+        /// connection failed before any response (refused, reset), as a
+        /// client behind a load balancer does (the `openai` client retries
+        /// connection errors twice by default). A stream cut after its
+        /// response began is never retried: it counts as failed.
+        #[arg(long, default_value_t = 2)]
+        connect_retries: u32,
     },
     /// `/v1/route` at fixed rates (open loop); one JSON line per rate.
     Route {
@@ -188,8 +195,10 @@ async fn main() -> anyhow::Result<()> {
             request_timeout_s,
             seed,
             api_key,
+            connect_retries,
         } => {
             let summary = agentic::run(agentic::AgenticRun {
+                connect_retries,
                 routers,
                 workload: AgenticConfig {
                     sessions_per_s,

@@ -7,8 +7,8 @@ use crate::decision::RouteDecision;
 use crate::events::{KvEventBatch, LoadReport};
 use crate::fragment::RequestFragment;
 use crate::generate::{
-    CancelRequest, GenerateChunk, GenerateRequest, OverlapQuery, OverlapReply, RequestProgress,
-    ResyncReply,
+    CancelRequest, GenerateChunk, GenerateRequest, LegProbe, LegProbeReply, OverlapQuery,
+    OverlapReply, RequestProgress, ResyncReply,
 };
 use crate::index::{IndexDelta, IndexSnapshot};
 use crate::presence::RouterHeartbeat;
@@ -121,4 +121,6 @@ message! {
     RequestProgress => "RequestProgress", version 1;
     IndexStatus => "IndexStatus", version 1;
     RouterHeartbeat => "RouterHeartbeat", version 1;
+    LegProbe => "LegProbe", version 1;
+    LegProbeReply => "LegProbeReply", version 1;
 }

@@ -385,6 +385,25 @@ impl TryFrom<u8> for Progress {
     }
 }
 
+/// A router's probe of a quiet leg, on [`crate::subjects::ping`]: is the
+/// agent there, and does it still serve the leg of `decision`? A leg the
+/// agent does not hold was lost on the bus (a NATS node died with the
+/// request or its last chunks): the router retries it while nothing has
+/// streamed. An empty probe asks only whether the agent is there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LegProbe {
+    pub decision: DecisionId,
+}
+
+/// The agent's answer to a [`LegProbe`] (an empty answer: the agent is
+/// there, and says nothing of legs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LegProbeReply {
+    pub decision: DecisionId,
+    /// Whether a stream of that decision is still being generated here.
+    pub in_flight: bool,
+}
+
 /// Sent by the router to a worker serving a request nobody waits for any
 /// more (the client went away): the worker stops generating it and frees
 /// its KV. A cancel for a request the worker no longer serves is ignored.

@@ -31,8 +31,8 @@ pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
 pub use fragment::{Reassembly, RequestFragment};
 pub use generate::{
     CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams,
-    OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply, Sampling, Stage,
-    TokenLogprob, WorkerOverlap,
+    LegProbe, LegProbeReply, OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply,
+    Sampling, Stage, TokenLogprob, WorkerOverlap,
 };
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, InvalidSessionId, SessionId, WorkerId};

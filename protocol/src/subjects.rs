@@ -94,7 +94,8 @@ pub const CANCEL_ALL: &str = "sy.worker.*.*.cancel";
 /// Request/reply: a liveness probe of a worker's agent, answered with an
 /// empty message while it serves (also while it drains). A router probes
 /// the worker of a quiet leg: "no responders" means the agent is gone, and
-/// the leg fails at once instead of at its timeout.
+/// the leg fails at once instead of at its timeout. A probe may name the
+/// leg (`LegProbe`): the agent answers whether it still serves it.
 pub fn ping(worker: &WorkerId) -> String {
     format!("sy.worker.{}.ping", worker.subject_tokens())
 }

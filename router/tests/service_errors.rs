@@ -244,6 +244,67 @@ async fn a_retryable_failure_is_retried_once_on_another_worker() -> Result<()> {
     router.stop().await
 }
 
+/// A leg the bus lost (a NATS node died with the request, or with its
+/// first chunk) is retried on another worker within a few probe periods,
+/// not failed at the first-chunk timeout: the agent says, when probed, that
+/// it does not hold the leg; a stream that lost its first chunk is retried
+/// since nothing streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leg_lost_on_the_bus_is_retried_before_its_timeout() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let mut config = cluster.config("r1");
+    config.timeouts.first_chunk = Duration::from_secs(30);
+    config.timeouts.idle = Duration::from_secs(30);
+    // Each failing worker holds its prompt: the first decision goes there.
+    let prompts = [tokens(7, 300), tokens(8, 300)];
+    let mut indexer = Indexer::new(&cluster);
+    indexer.store("d0", &prompts[0]).await?;
+    indexer.store("d2", &prompts[1]).await?;
+    let mut good = FakeWorker::start(&cluster, record("d1", Role::Decode), Behavior::Serve).await?;
+    let router = RouterHandle::ready(config).await?;
+    for ((name, behavior, retried), prompt) in
+        [("d0", Behavior::Forget, 1), ("d2", Behavior::SkipFirst, 2)]
+            .into_iter()
+            .zip(prompts)
+    {
+        let mut bad = FakeWorker::start(&cluster, record(name, Role::Decode), behavior).await?;
+        router.wait_workers(2).await?;
+        let started = Instant::now();
+        let r = router
+            .post(
+                "/v1/completions",
+                serde_json::json!({"prompt": prompt, "max_tokens": 4}),
+            )
+            .await?;
+        let took = started.elapsed();
+        let status = r.status();
+        let body: serde_json::Value = r.json().await?;
+        assert_eq!(status, 200, "{name}: {body}");
+        assert_eq!(body["switchyard"]["decode"], "d1", "{name}: {body}");
+        let first = bad.next_request().await?;
+        assert_eq!(
+            body["switchyard"]["retry_of"],
+            first.annotation.decision.to_string(),
+            "{name}"
+        );
+        good.next_request().await?;
+        // Two probe periods (1 s each) and their probes, not 30 s.
+        assert!(took < Duration::from_secs(8), "{name}: took {took:?}");
+        let metrics = router.get_text("/metrics").await?;
+        assert!(
+            metrics.contains(&format!(
+                "router_dispatch_total{{outcome=\"retried\"}} {retried}"
+            )),
+            "{name}: {metrics}"
+        );
+        bad.deregister().await?;
+        router.wait_workers(1).await?;
+    }
+    let metrics = router.get_text("/metrics").await?;
+    assert!(metrics.contains("router_worker_probes_total{outcome=\"not_held\"} 2"));
+    router.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_another_block_size_is_refused_and_never_routed_to() -> Result<()> {
     let cluster = Cluster::start().await?;

@@ -96,3 +96,47 @@ async fn readiness_follows_nats_the_indexer_and_the_workers() -> Result<()> {
     drop(prefill);
     router.stop().await
 }
+
+/// A router's delta feed is an ordered consumer, which lives on one NATS
+/// node: when that node dies the feed stands still while the router's own
+/// connection (to another node) is fine, and the client would notice only
+/// after 10 s of missed heartbeats. Deleting the consumer on the server
+/// does the same here: the router sees the stream's head move ahead of its
+/// index with no delta coming and opens the feed again within about
+/// `max_delta_stall` plus a tick, not 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delta_feed_whose_consumer_died_is_opened_again() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let mut config = cluster.config("r1");
+    config.readiness.max_delta_stall = Duration::from_millis(500);
+    config.timeouts.tick = Duration::from_millis(100);
+    let _decode = FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
+    let router = RouterHandle::ready(config).await?;
+    let mut indexer = Indexer::new(&cluster);
+    indexer.store("d0", &tokens(1, 64)).await?;
+    wait_readyz(&router, 200, "index at delta 1 of 1").await?;
+
+    // The router's consumers of the delta stream vanish (their node died).
+    let js = async_nats::jetstream::new(async_nats::connect(cluster.nats.url()).await?);
+    let mut stream = js.get_stream(subjects::INDEX_DELTAS_STREAM).await?;
+    let mut names = stream.consumer_names();
+    let mut deleted = 0;
+    while let Some(name) = names.next().await {
+        stream.delete_consumer(&name?).await?;
+        deleted += 1;
+    }
+    assert!(deleted > 0, "the router follows deltas through a consumer");
+    let started = std::time::Instant::now();
+    indexer.store("d0", &tokens(2, 64)).await?;
+    indexer.store("d0", &tokens(3, 64)).await?;
+    wait_readyz(&router, 200, "index at delta 3 of 3").await?;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "caught up after {took:?}");
+    let metrics = router.get_text("/metrics").await?;
+    assert!(
+        metrics.contains("router_deltas_total{outcome=\"stalled\"} 1"),
+        "{metrics}"
+    );
+    let _ = stream.info().await?;
+    router.stop().await
+}

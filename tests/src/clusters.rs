@@ -182,6 +182,24 @@ impl NatsCluster {
     /// first) on its ports with its store, and waits until it accepts
     /// clients and JetStream reports it healthy.
     pub fn restart(&mut self, i: usize) -> Result<()> {
+        self.restart_waiting(i, true)
+    }
+
+    /// [`restart`](Self::restart), waiting only until the node accepts
+    /// clients: its JetStream may still be catching up
+    /// ([`jetstream_healthy`](Self::jetstream_healthy) says when it is).
+    pub fn restart_accepting(&mut self, i: usize) -> Result<()> {
+        self.restart_waiting(i, false)
+    }
+
+    /// Whether node `i`'s JetStream reports itself healthy now (its
+    /// `/healthz`: caught up with its streams' and consumers' leaders).
+    pub fn jetstream_healthy(&self, i: usize) -> bool {
+        http_request(self.nodes[i].monitor_port, "GET", "/healthz", "")
+            .is_ok_and(|body| body.contains("ok"))
+    }
+
+    fn restart_waiting(&mut self, i: usize, jetstream: bool) -> Result<()> {
         if let Some(mut process) = self.processes[i].take() {
             process.stop()?;
         }
@@ -196,7 +214,7 @@ impl NatsCluster {
                 &node_dir,
                 self.config.as_deref(),
             )?;
-            wait_nats_node(&mut process, &self.nodes[i], true)?;
+            wait_nats_node(&mut process, &self.nodes[i], jetstream)?;
             Ok(process)
         })
         .with_context(|| format!("restarting nats node {i}"))?;

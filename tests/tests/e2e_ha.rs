@@ -2,9 +2,12 @@
 //! stream with 3 replicas), a 3-member etcd cluster, a leading and a
 //! standby kv-indexer, two routers under agentic load. One NATS node is
 //! killed (SIGKILL) and restarted: the streams lose nothing and the system
-//! serves on (requests whose chunks were in flight through the dead node
-//! may fail: core NATS delivers at most once, and the router's retry is
-//! another piece of work; their count is printed). Then one etcd member
+//! serves on: a leg the dead node lost before its first token is retried
+//! (no request fails before streaming; one cut mid-stream may, as core
+//! NATS delivers at most once: their count is printed). The load's client
+//! is also given a router URL nobody listens on, and sends those turns
+//! again through the next router, as one behind a load balancer does (it
+//! must have retried some, and lost none for it). Then one etcd member
 //! and the leading indexer: no request is lost, the standby takes over
 //! within 2 s, and the index equals both a rebuild from the raw KV log and
 //! what the routers hold.
@@ -54,7 +57,14 @@ async fn one_nats_node_one_etcd_member_and_the_leading_indexer_die_under_load() 
             duration: Duration::from_secs(5),
             ..Load::default()
         };
-        let nats_load = load.start(&cluster.router_urls())?;
+        // A router nobody listens on (the port of a listener just closed).
+        let dead = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+            format!("http://{}", listener.local_addr()?)
+        };
+        let mut urls = vec![dead];
+        urls.extend(cluster.router_urls());
+        let nats_load = load.start(&urls)?;
         tokio::time::sleep(Duration::from_secs(1)).await;
         let nats = cluster.nats.cluster().context("a NATS cluster")?;
         nats.kill(0)?;
@@ -62,6 +72,13 @@ async fn one_nats_node_one_etcd_member_and_the_leading_indexer_die_under_load() 
         nats.restart(0)?;
         let nats_outcome = nats_load.await??;
         ensure!(nats_outcome.ok > 0, "{nats_outcome:?}");
+        ensure!(nats_outcome.client_retries > 0, "{nats_outcome:?}");
+        // Nothing failed before its first token (a status; a stream cut
+        // after it reads "ended without [DONE]" or a router error event).
+        ensure!(
+            !nats_outcome.first_errors.iter().any(|e| e.contains("HTTP ")),
+            "{nats_outcome:?}"
+        );
 
         let load = Load {
             seed: 2,

@@ -45,7 +45,7 @@ async fn healthz(Extract(state): Extract<HttpState>) -> (StatusCode, &'static st
     match state.nats.connection_state() {
         State::Connected if state.store_full.load(Ordering::Relaxed) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "JetStream's store is full: KV events are not accepted (held and retried)\n",
+            "JetStream does not accept KV events (its store is full, or it does not confirm them): held and retried\n",
         ),
         State::Connected => (StatusCode::OK, "ok\n"),
         State::Pending | State::Disconnected => {

@@ -91,11 +91,11 @@ pub fn describe() {
     describe_gauge!(KV_EPOCH, "The current KV epoch");
     describe_gauge!(
         STORE_FULL,
-        "1 while JetStream refuses KV batches for want of room in its store (held and retried)"
+        "1 while JetStream refuses KV batches for want of room in its store, or does not confirm them (held and retried)"
     );
     describe_counter!(
         STORE_FULL_ERRORS,
-        "KV batch publishes refused for want of room in JetStream's store"
+        "KV batch publishes refused for want of room in JetStream's store, or not confirmed"
     );
     describe_counter!(
         RESYNCS,

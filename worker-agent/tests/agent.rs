@@ -14,8 +14,9 @@ use engine_sim::Preset;
 use futures::StreamExt;
 use protocol::{
     subjects, BlockHash, BlockHasher, CancelRequest, DecisionId, FinishReason, GenerateChunk,
-    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvTransferParams, LoadReport,
-    Message, ResyncReply, Role, Stage, WorkerId, WorkerRecord, WorkerSubjects,
+    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvTransferParams, LegProbe,
+    LegProbeReply, LoadReport, Message, ResyncReply, Role, Stage, WorkerId, WorkerRecord,
+    WorkerSubjects,
 };
 use tests::fixtures::{generate_request as request, output_tokens, worker};
 use tests::{EtcdServer, NatsServer};
@@ -737,6 +738,12 @@ async fn a_cancelled_generation_stops_and_leaves_the_engine() -> Result<()> {
     until_running(&mut reports, true)
         .await
         .context("the request never showed as running")?;
+    // A probe naming the leg: held while it streams.
+    assert_eq!(
+        probe(&client, &id, long.annotation.decision).await?,
+        Some(true)
+    );
+    assert_eq!(probe(&client, &id, DecisionId(0xbad)).await?, Some(false));
     send_cancel(&client, &id, &long).await?;
     client
         .publish(subjects::cancel(&id), b"garbage".to_vec().into())
@@ -748,6 +755,13 @@ async fn a_cancelled_generation_stops_and_leaves_the_engine() -> Result<()> {
         .await
         .context("the cancelled request kept running")?;
     assert_eq!((idle.waiting, idle.active_decode_blocks), (0, 0));
+    // Cancelled: no longer held; an empty probe gets an empty answer.
+    assert_eq!(
+        probe(&client, &id, long.annotation.decision).await?,
+        Some(false)
+    );
+    let empty = timeout(WAIT, client.request(subjects::ping(&id), Vec::new().into())).await??;
+    assert!(empty.payload.is_empty());
     // No chunk comes any more (a few may have been in flight).
     tokio::time::sleep(Duration::from_millis(100)).await;
     while let Ok(Some(_)) = timeout(Duration::from_millis(10), replies.next()).await {}
@@ -767,6 +781,20 @@ async fn a_cancelled_generation_stops_and_leaves_the_engine() -> Result<()> {
     client.flush().await?;
     agent.shutdown(WAIT).await?;
     Ok(())
+}
+
+/// Asks the agent whether it generates `decision`'s leg (`None`: it
+/// answered nothing about legs).
+async fn probe(client: &Client, id: &WorkerId, decision: DecisionId) -> Result<Option<bool>> {
+    let answer = timeout(
+        WAIT,
+        client.request(subjects::ping(id), LegProbe { decision }.encode().into()),
+    )
+    .await??;
+    Ok(LegProbeReply::decode(&answer.payload).ok().map(|reply| {
+        assert_eq!(reply.decision, decision);
+        reply.in_flight
+    }))
 }
 
 async fn send_cancel(client: &Client, id: &WorkerId, request: &GenerateRequest) -> Result<()> {

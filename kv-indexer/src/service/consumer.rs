@@ -12,9 +12,10 @@
 //! back only after the ack wait, behind newer ones: the core would see gaps
 //! and ask workers to resync for nothing.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::context::ConsumerInfoErrorKind;
@@ -165,12 +166,45 @@ pub enum PipelineError {
     },
     #[error("injected crash after delta {seq} was published, before its KV message was acked")]
     InjectedCrash { seq: u64 },
+    #[error("the delta stream ends at {last}, but this indexer holds deltas {first} on only: another writer, or deltas lost")]
+    Diverged { last: u64, first: u64 },
+    #[error("delta {seq} still refused after retrying for {after:?}: {source}")]
+    GaveUp {
+        seq: u64,
+        after: Duration,
+        #[source]
+        source: BusError,
+    },
+}
+
+impl PipelineError {
+    /// Whether sending the deltas again may succeed: JetStream refused or
+    /// did not confirm (a full store, no stream leader during an election,
+    /// a timeout), not a rival writer's fence.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            PipelineError::Publish { source, .. } if matches!(source, BusError::Publish { .. })
+        )
+    }
+}
+
+/// How [`Pipeline::recover`] retries: the wait after the first refusal,
+/// doubled after each next one up to `max_backoff`, for at most `give_up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    pub backoff: Duration,
+    pub max_backoff: Duration,
+    pub give_up: Duration,
 }
 
 type Entry = Pin<Box<dyn Future<Output = Result<Confirmed, PipelineError>> + Send>>;
 
-/// How long the stream may take to confirm a delta.
-const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the stream may take to confirm a delta: past it, the deltas
+/// it does not hold are sent again in place ([`Pipeline::recover`]). A
+/// delta sent to a stream leader that died is never confirmed: 30 s here
+/// stalled the index for 23 s after a NATS node was killed.
+const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Confirmations awaited at once beyond the configured in-flight limit
 /// (removals, a fetched chunk's overshoot) before `push` waits for the
 /// oldest one.
@@ -190,6 +224,9 @@ const IN_FLIGHT_SLACK: usize = 1024;
 pub struct Pipeline {
     publisher: DeltaPublisher,
     entries: FuturesOrdered<Entry>,
+    /// The deltas sent and not confirmed yet, in order (sent again by
+    /// [`Pipeline::recover`]).
+    unconfirmed: VecDeque<IndexDelta>,
     capacity: usize,
     crash_after_delta: Option<u64>,
 }
@@ -213,6 +250,7 @@ impl Pipeline {
         Self {
             publisher,
             entries: FuturesOrdered::new(),
+            unconfirmed: VecDeque::new(),
             capacity,
             crash_after_delta,
         }
@@ -238,17 +276,21 @@ impl Pipeline {
         ack: Option<(Acker, AckKind)>,
     ) -> Result<Option<Result<Confirmed, PipelineError>>, PipelineError> {
         let oldest = if self.entries.len() >= self.capacity {
-            self.entries.next().await
+            self.next().await
         } else {
             None
         };
         let sent = match delta {
-            Some(delta) => Some(self.publisher.send(&delta).await.map_err(|source| {
-                PipelineError::Publish {
+            Some(delta) => {
+                let sent = self.publisher.send(&delta).await;
+                // Held (also when refused at once) for a recovery to send
+                // again.
+                self.unconfirmed.push_back(delta.clone());
+                Some(sent.map_err(|source| PipelineError::Publish {
                     seq: delta.seq,
                     source,
-                }
-            })?),
+                })?)
+            }
             None => None,
         };
         let crash_after = self.crash_after_delta;
@@ -277,11 +319,104 @@ impl Pipeline {
 
     /// The next entry to complete, in push order; `None` when empty.
     pub async fn next(&mut self) -> Option<Result<Confirmed, PipelineError>> {
-        self.entries.next().await
+        let done = self.entries.next().await;
+        self.confirmed(&done);
+        done
     }
 
     /// The next completed entry if it is ready now.
     pub fn try_next(&mut self) -> Option<Result<Confirmed, PipelineError>> {
-        futures::FutureExt::now_or_never(self.entries.next()).flatten()
+        let done = futures::FutureExt::now_or_never(self.entries.next()).flatten();
+        self.confirmed(&done);
+        done
+    }
+
+    /// Forgets the deltas a completed entry confirmed.
+    fn confirmed(&mut self, done: &Option<Result<Confirmed, PipelineError>>) {
+        if let Some(Ok(Confirmed { seq: Some(seq) })) = done {
+            while self.unconfirmed.front().is_some_and(|d| d.seq <= *seq) {
+                self.unconfirmed.pop_front();
+            }
+        }
+    }
+
+    /// After a retryable refusal ([`PipelineError::retryable`]): lets every
+    /// entry in flight complete (their KV messages are acked when their
+    /// deltas were confirmed; the others' are redelivered later, and the
+    /// core drops them as duplicates), then sends the deltas the stream
+    /// does not hold again, in order, each expecting the one before (so no
+    /// gap and no delta twice: a delta already stored is also a duplicate
+    /// by its message id), waiting `policy.backoff` (doubling) after each
+    /// refusal. Returns the last delta the stream holds, or an error: a
+    /// stream that diverged from this indexer's deltas, a fence (a rival
+    /// writer), or refusals for longer than `policy.give_up`.
+    pub async fn recover(
+        &mut self,
+        bus: &Bus,
+        policy: RetryPolicy,
+        mut on_retry: impl FnMut(&PipelineError),
+    ) -> Result<u64, PipelineError> {
+        while let Some(done) = self.entries.next().await {
+            self.confirmed(&Some(done));
+        }
+        let started = Instant::now();
+        let mut backoff = policy.backoff;
+        loop {
+            let attempt = self.send_again(bus).await;
+            let error = match attempt {
+                Ok(last) => return Ok(last),
+                Err(e) if e.retryable() => e,
+                Err(e) => return Err(e),
+            };
+            on_retry(&error);
+            if started.elapsed() >= policy.give_up {
+                let PipelineError::Publish { seq, source } = error else {
+                    return Err(error);
+                };
+                return Err(PipelineError::GaveUp {
+                    seq,
+                    after: started.elapsed(),
+                    source,
+                });
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(policy.max_backoff);
+        }
+    }
+
+    /// One try of [`Pipeline::recover`]: the stream's end, then the
+    /// deltas after it, each confirmed before the next is sent.
+    async fn send_again(&mut self, bus: &Bus) -> Result<u64, PipelineError> {
+        let first = self.unconfirmed.front().map_or(0, |d| d.seq);
+        let last = bus
+            .last_delta_seq()
+            .await
+            .map_err(|source| PipelineError::Publish { seq: first, source })?;
+        while self.unconfirmed.front().is_some_and(|d| d.seq <= last) {
+            self.unconfirmed.pop_front();
+        }
+        if let Some(front) = self.unconfirmed.front() {
+            if front.seq != last + 1 {
+                return Err(PipelineError::Diverged {
+                    last,
+                    first: front.seq,
+                });
+            }
+        }
+        let mut confirmed = last;
+        while let Some(delta) = self.unconfirmed.front() {
+            let seq = delta.seq;
+            let publish = |source| PipelineError::Publish { seq, source };
+            self.publisher
+                .send(delta)
+                .await
+                .map_err(publish)?
+                .confirmed()
+                .await
+                .map_err(publish)?;
+            self.unconfirmed.pop_front();
+            confirmed = seq;
+        }
+        Ok(confirmed)
     }
 }

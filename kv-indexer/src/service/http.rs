@@ -103,7 +103,19 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     let role = *state.role.borrow();
     match role {
         _ if state.status.is_closed() => (StatusCode::SERVICE_UNAVAILABLE, "stopped\n".to_owned()),
-        Role::Leader => (StatusCode::OK, "leader\n".to_owned()),
+        Role::Leader => match state
+            .metrics
+            .refused_because
+            .lock()
+            .expect("no panic while held")
+            .as_deref()
+        {
+            Some(why) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("leader: JetStream refuses the deltas (retrying): {why}\n"),
+            ),
+            None => (StatusCode::OK, "leader\n".to_owned()),
+        },
         Role::Standby | Role::Recovering => (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("{}: not leading\n", role.as_str()),

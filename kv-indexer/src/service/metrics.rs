@@ -47,6 +47,11 @@ pub struct Metrics {
     pub registry_errors: Counter,
     pub leader: Gauge,
     pub takeover_seconds: Gauge,
+    pub delta_publish_retries: Counter,
+    pub delta_publish_refused: Gauge,
+    /// Why JetStream refuses the deltas being retried, while it does (the
+    /// HTTP `/readyz` reads it).
+    pub refused_because: std::sync::Mutex<Option<String>>,
 }
 
 const STATUSES: [&str; 6] = [
@@ -262,8 +267,25 @@ impl Metrics {
                 "kv_indexer_takeover_seconds",
                 "Seconds from this indexer's election to consuming: recovering the latest snapshot and the delta log",
             ),
+            delta_publish_retries: r.counter(
+                "kv_indexer_delta_publish_retries_total",
+                &[],
+                "Delta publishes JetStream refused or did not confirm (a full store, no stream leader during an election, a timeout), sent again in place after a backoff",
+            ),
+            delta_publish_refused: r.gauge(
+                "kv_indexer_delta_publish_refused",
+                "1 while JetStream refuses this indexer's deltas and it retries them (not ready)",
+            ),
+            refused_because: std::sync::Mutex::new(None),
             handle: r.recorder.handle(),
         }
+    }
+
+    /// JetStream refuses the deltas (`Some(why)`), or takes them again.
+    pub fn set_refused(&self, why: Option<String>) {
+        self.delta_publish_refused
+            .set(if why.is_some() { 1.0 } else { 0.0 });
+        *self.refused_because.lock().expect("no panic while held") = why;
     }
 
     /// The counter of batches with this status.

@@ -62,6 +62,15 @@ use crate::indexer::{BatchStatus, KvIndexer};
 const OVERLAP_QUEUE_GROUP: &str = "kv-indexer";
 /// Wait between attempts to list and watch etcd after a failure.
 const REGISTRY_RETRY: Duration = Duration::from_secs(1);
+/// How refused delta publishes are retried in place: 100 ms, doubling up
+/// to 2 s, for at most 5 minutes (then the service stops, as before, and a
+/// standby or a restart takes over).
+const DELTA_RETRY: consumer::RetryPolicy = consumer::RetryPolicy {
+    backoff: Duration::from_millis(100),
+    max_backoff: Duration::from_secs(2),
+    give_up: Duration::from_secs(300),
+};
+
 /// On shutdown, how long in-flight delta publishes may take to complete.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -605,9 +614,9 @@ impl Loop {
                     return Err(ServiceError::KvConsumer("the message stream ended".into()))
                 }
                 Event::Published(done) => {
-                    self.on_published(done)?;
+                    self.on_published(done).await?;
                     while let Some(done) = self.pipeline.try_next() {
-                        self.on_published(done)?;
+                        self.on_published(done).await?;
                     }
                     self.store_pending_snapshot();
                 }
@@ -652,7 +661,7 @@ impl Loop {
         let in_flight = self.pipeline.len();
         let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
             while let Some(done) = self.pipeline.next().await {
-                self.on_published(done)?;
+                self.on_published(done).await?;
             }
             Ok::<(), ServiceError>(())
         })
@@ -794,23 +803,72 @@ impl Loop {
         if let Some(delta) = &delta {
             self.metrics.delta_seq.set(delta.seq as f64);
         }
-        if let Some(oldest) = self.pipeline.push(delta, ack).await? {
-            self.on_published(oldest)?;
+        match self.pipeline.push(delta, ack).await {
+            Ok(Some(oldest)) => self.on_published(oldest).await,
+            Ok(None) => Ok(()),
+            Err(e) => self.on_published(Err(e)).await,
         }
-        Ok(())
     }
 
-    fn on_published(&mut self, done: Result<Confirmed, PipelineError>) -> Result<(), ServiceError> {
+    async fn on_published(
+        &mut self,
+        done: Result<Confirmed, PipelineError>,
+    ) -> Result<(), ServiceError> {
         match done {
             Ok(Confirmed { seq: Some(seq) }) => {
-                self.confirmed_seq = seq;
+                self.confirmed(seq);
                 self.metrics.deltas_published.increment(1);
-                self.metrics.delta_seq_published.set(seq as f64);
                 Ok(())
             }
             Ok(Confirmed { seq: None }) => Ok(()),
+            Err(e) if e.retryable() => self.recover_publishes(e).await,
             Err(e) => Err(e.into()),
         }
+    }
+
+    fn confirmed(&mut self, seq: u64) {
+        self.confirmed_seq = self.confirmed_seq.max(seq);
+        self.metrics
+            .delta_seq_published
+            .set(self.confirmed_seq as f64);
+    }
+
+    /// JetStream refused a delta or did not confirm it (a full store, no
+    /// stream leader during an election): the deltas it does not hold are
+    /// sent again in place, after a bounded backoff ([`DELTA_RETRY`]),
+    /// keeping their order and numbers; not ready meanwhile.
+    async fn recover_publishes(&mut self, first: PipelineError) -> Result<(), ServiceError> {
+        let started = Instant::now();
+        let metrics = self.metrics.clone();
+        tracing::warn!(
+            error = %first,
+            store_full = matches!(&first, PipelineError::Publish { source, .. } if source.is_store_full()),
+            "JetStream refused a delta; sending the unconfirmed deltas again in place"
+        );
+        metrics.delta_publish_retries.increment(1);
+        metrics.set_refused(Some(first.to_string()));
+        let mut logged = 0u32;
+        let recovered = self
+            .pipeline
+            .recover(&self.bus, DELTA_RETRY, |e| {
+                metrics.delta_publish_retries.increment(1);
+                metrics.set_refused(Some(e.to_string()));
+                // Every refusal counted; a few logged.
+                logged += 1;
+                if logged.is_power_of_two() {
+                    tracing::warn!(error = %e, retries = logged, "JetStream still refuses the deltas; retrying");
+                }
+            })
+            .await;
+        metrics.set_refused(None);
+        let last = recovered?;
+        self.confirmed(last);
+        tracing::info!(
+            delta_seq = last,
+            took_ms = started.elapsed().as_millis() as u64,
+            "the delta stream takes deltas again"
+        );
+        Ok(())
     }
 
     fn request_resync(&mut self, worker: &WorkerId, now: Instant) {

@@ -244,6 +244,11 @@ fn fixed_flags() -> Vec<Flag> {
         "/readyz fails when no delta came for this long and no kv-indexer pulls the KV events",
     ),
     Flag::new(
+        "readiness.max_delta_stall",
+        Kind::Duration,
+        "The delta feed is opened again when the stream's head is ahead of the index and no delta came for this long (its consumer died with a NATS node)",
+    ),
+    Flag::new(
         "http.api_keys",
         Kind::List,
         "Bearer keys accepted on /v1/completions and /v1/route, comma separated (none: open); prefer the variable or the file",

@@ -98,7 +98,8 @@ async fn run(
     metrics: Metrics,
     store_full: Arc<AtomicBool>,
 ) {
-    let full = Full(store_full);
+    let mut full = Full(store_full, None);
+    let mut expiry = tokio::time::interval(Duration::from_secs(1));
     let mut writer = LogWriter::new(WriterLimits::default());
     let mut acks: FuturesUnordered<Ack> = FuturesUnordered::new();
     loop {
@@ -126,7 +127,8 @@ async fn run(
                     lost(&mut writer, &metrics, &entry, &error);
                 }
                 Ok(()) => full.cleared(),
-            }
+            },
+            _ = expiry.tick() => full.expire(),
         }
     }
     let drained = tokio::time::timeout(DRAIN, async {
@@ -145,18 +147,39 @@ async fn run(
     }
 }
 
-/// Whether JetStream's store is full, as the writes saw: logged once when
-/// it fills and once when it has room again.
-struct Full(Arc<AtomicBool>);
+/// Whether JetStream takes the writes, as they saw: logged once when it
+/// stops and once when it takes them again (a write accepted, or no write
+/// refused for [`FULL_FOR`]: an idle replica writes nothing that would
+/// show room again).
+struct Full(Arc<AtomicBool>, Option<std::time::Instant>);
+
+/// How long a refusal keeps the replica not ready with no later write.
+const FULL_FOR: Duration = Duration::from_secs(2);
 
 impl Full {
-    fn saw(&self, error: &BusError) {
-        if error.is_store_full() && !self.0.swap(true, Ordering::Relaxed) {
-            tracing::error!(%error, "JetStream's store is full: the decision log refuses this replica's decisions (not ready until it has room)");
+    /// Only a refusal for want of room counts: a write JetStream does not
+    /// confirm (a stream re-electing its leader, seconds) is logged as
+    /// lost, but routing needs no decision log, and every router not ready
+    /// at once during a re-election would leave nothing to route.
+    fn saw(&mut self, error: &BusError) {
+        if !error.is_store_full() {
+            return;
+        }
+        self.1 = Some(std::time::Instant::now());
+        if !self.0.swap(true, Ordering::Relaxed) {
+            tracing::error!(%error, "JetStream's store is full: the decision log refuses this replica's decisions (not ready until it has room, or no refusal for 2 s)");
         }
     }
 
-    fn cleared(&self) {
+    /// Clears a refusal older than [`FULL_FOR`].
+    fn expire(&mut self) {
+        if self.1.is_some_and(|at| at.elapsed() >= FULL_FOR) {
+            self.cleared();
+        }
+    }
+
+    fn cleared(&mut self) {
+        self.1 = None;
         if self.0.swap(false, Ordering::Relaxed) {
             tracing::info!("JetStream's store has room again: decisions are logged");
         }

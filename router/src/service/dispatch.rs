@@ -31,18 +31,23 @@
 //! timeout, and is retried when nothing has streamed. Only a worker seen
 //! answering a probe before (each is probed once at its first leg) is
 //! taken for gone: an agent too old to answer probes is left to the
-//! timeouts.
+//! timeouts. The probe names the leg's decision (`LegProbe`): an agent
+//! that answers twice in a row that it does not generate it lost it on
+//! the bus (a NATS node died with the request or its chunks while this
+//! router's or the agent's connection moved to another node), and the leg
+//! fails ([`DispatchError::LegLost`]) and is retried when nothing has
+//! streamed; so is a stream that lost a chunk before any token.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bus::Bus;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use protocol::{
     subjects, BlockHash, CancelRequest, DecisionId, FinishReason, GenerateChunk, GenerateEvent,
-    GenerateRequest, Message, Path, Progress, RequestProgress, RouteDecision, Sampling, Stage,
-    WorkerId,
+    GenerateRequest, LegProbe, LegProbeReply, Message, Path, Progress, RequestProgress,
+    RouteDecision, Sampling, Stage, WorkerId,
 };
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -61,6 +66,12 @@ pub enum DispatchError {
     NoResponders { worker: WorkerId, subject: String },
     #[error("{worker}'s agent is gone: no one answers its probe subject after {after:?} without a chunk of the {stage} leg")]
     WorkerGone {
+        worker: WorkerId,
+        stage: &'static str,
+        after: Duration,
+    },
+    #[error("{worker}'s agent does not hold the {stage} leg any more, {after:?} without a chunk: the leg was lost on the bus")]
+    LegLost {
         worker: WorkerId,
         stage: &'static str,
         after: Duration,
@@ -139,7 +150,9 @@ impl DispatchError {
         match self {
             DispatchError::NoResponders { .. }
             | DispatchError::WorkerGone { .. }
+            | DispatchError::LegLost { .. }
             | DispatchError::FirstChunkTimeout { .. }
+            | DispatchError::MissingChunk { .. }
             | DispatchError::Nats { .. } => true,
             DispatchError::WorkerFailed { retryable, .. } => *retryable,
             _ => false,
@@ -175,6 +188,7 @@ impl DispatchError {
         match self {
             DispatchError::NoResponders { worker, .. }
             | DispatchError::WorkerGone { worker, .. }
+            | DispatchError::LegLost { worker, .. }
             | DispatchError::FirstChunkTimeout { worker, .. }
             | DispatchError::IdleTimeout { worker, .. }
             | DispatchError::WorkerFailed { worker, .. }
@@ -192,6 +206,7 @@ impl DispatchError {
         match self {
             DispatchError::NoResponders { .. } => "no_responders",
             DispatchError::WorkerGone { .. } => "worker_gone",
+            DispatchError::LegLost { .. } => "leg_lost",
             DispatchError::FirstChunkTimeout { .. } => "first_chunk_timeout",
             DispatchError::IdleTimeout { .. } => "idle_timeout",
             DispatchError::WorkerFailed { .. } => "worker_failed",
@@ -287,8 +302,21 @@ enum Probe {
     Alive,
     /// No one subscribes to its probe subject.
     NoResponders,
+    /// The agent answered, and does not generate the leg probed.
+    NotHeld,
     /// No answer in time, or a NATS error: nothing learnt.
     Unknown,
+}
+
+/// What a probe found of a quiet leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quiet {
+    /// Still served, or nothing learnt: keep waiting.
+    Serving,
+    /// The agent is gone.
+    Gone,
+    /// The agent is there and does not generate the leg.
+    NotHeld,
 }
 
 /// Sends routed requests to workers; cheap to clone.
@@ -330,15 +358,21 @@ impl Dispatcher {
         }
     }
 
-    /// Asks `worker`'s agent whether it is there, waiting at most the
-    /// probe period.
-    async fn ping(&self, worker: &WorkerId) -> Probe {
+    /// Asks `worker`'s agent whether it is there (and, with `leg`, whether
+    /// it generates that decision's leg), waiting at most the probe period.
+    async fn ping(&self, worker: &WorkerId, leg: Option<DecisionId>) -> Probe {
         let inner = &self.inner;
+        let payload = leg.map(|decision| LegProbe { decision }.encode());
         let request = inner
             .client
-            .request(subjects::ping(worker), Default::default());
+            .request(subjects::ping(worker), payload.unwrap_or_default().into());
         let probe = match tokio::time::timeout(inner.timeouts.probe, request).await {
-            Ok(Ok(_)) => Probe::Alive,
+            Ok(Ok(answer)) => match (leg, LegProbeReply::decode(&answer.payload)) {
+                (Some(leg), Ok(reply)) if reply.decision == leg && !reply.in_flight => {
+                    Probe::NotHeld
+                }
+                _ => Probe::Alive,
+            },
             Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
                 Probe::NoResponders
             }
@@ -351,7 +385,7 @@ impl Dispatcher {
         if probe != Probe::Unknown {
             let mut probes = inner.probes.lock().expect("no panic while held");
             let answered = probes.entry(worker.clone()).or_insert(false);
-            *answered |= probe == Probe::Alive;
+            *answered |= matches!(probe, Probe::Alive | Probe::NotHeld);
         }
         probe
     }
@@ -368,15 +402,16 @@ impl Dispatcher {
         if !known {
             let (this, worker) = (self.clone(), worker.clone());
             spawn(async move {
-                this.ping(&worker).await;
+                this.ping(&worker, None).await;
             });
         }
     }
 
-    /// Whether a quiet leg's worker is gone: no one listens on its probe
-    /// subject, and its agent answered probes before.
-    async fn gone(&self, worker: &WorkerId) -> bool {
-        let probe = self.ping(worker).await;
+    /// What became of a quiet leg (of `decision`) on `worker`: gone when
+    /// no one listens on its probe subject and its agent answered probes
+    /// before; not held when the agent says it does not generate it.
+    async fn quiet(&self, worker: &WorkerId, decision: DecisionId) -> Quiet {
+        let probe = self.ping(worker, Some(decision)).await;
         let answers = self
             .inner
             .probes
@@ -385,14 +420,15 @@ impl Dispatcher {
             .get(worker)
             .copied()
             .unwrap_or(false);
-        let outcome = match probe {
-            Probe::Alive => "alive",
-            Probe::NoResponders if answers => "gone",
-            Probe::NoResponders => "unsupported",
-            Probe::Unknown => "no_answer",
+        let (outcome, quiet) = match probe {
+            Probe::Alive => ("alive", Quiet::Serving),
+            Probe::NotHeld => ("not_held", Quiet::NotHeld),
+            Probe::NoResponders if answers => ("gone", Quiet::Gone),
+            Probe::NoResponders => ("unsupported", Quiet::Serving),
+            Probe::Unknown => ("no_answer", Quiet::Serving),
         };
         self.inner.metrics.worker_probe(outcome);
-        outcome == "gone"
+        quiet
     }
 
     /// Asks the decision's workers to stop generating it (only the one
@@ -807,6 +843,7 @@ impl Dispatcher {
         tracing::debug!(%worker, stage, %subject, "leg sent");
         self.first_probe(worker);
         Ok(Leg {
+            decision: request.annotation.decision,
             worker: worker.clone(),
             subject: subject.to_owned(),
             stage,
@@ -855,6 +892,7 @@ impl Drop for Ticket {
 
 /// One leg's reply stream.
 struct Leg {
+    decision: DecisionId,
     worker: WorkerId,
     subject: String,
     stage: &'static str,
@@ -905,6 +943,10 @@ impl Leg {
         };
         let started = Instant::now();
         let deadline = started + wait;
+        // Probes in a row whose agent said it does not hold the leg (two
+        // make it lost: the first may have overtaken the request on its
+        // way into the agent's loop).
+        let mut not_held = 0;
         // Quiet for a probe period: is the worker still there?
         let message = loop {
             let now = Instant::now();
@@ -922,8 +964,24 @@ impl Leg {
                     })
                 }
                 Err(_) if Instant::now() < deadline => {
-                    if self.dispatcher.gone(&self.worker).await {
-                        return Err(DispatchError::WorkerGone {
+                    match self.dispatcher.quiet(&self.worker, self.decision).await {
+                        Quiet::Gone => {
+                            return Err(DispatchError::WorkerGone {
+                                worker: self.worker.clone(),
+                                stage: self.stage,
+                                after: started.elapsed(),
+                            })
+                        }
+                        Quiet::NotHeld => not_held += 1,
+                        Quiet::Serving => not_held = 0,
+                    }
+                    if not_held >= 2 {
+                        // A last chunk may have come in meanwhile (the
+                        // agent sends it before it forgets the leg).
+                        if let Some(Some(message)) = self.replies.next().now_or_never() {
+                            break message;
+                        }
+                        return Err(DispatchError::LegLost {
                             worker: self.worker.clone(),
                             stage: self.stage,
                             after: started.elapsed(),

@@ -205,6 +205,12 @@ enum Event {
     DeltasEnded,
     IndexLoaded(Result<LoadedIndex, LoadError>),
     DeltaHead(Result<u64, BusError>),
+    /// The delta feed opened again after a stall (from the delta after
+    /// `from - 1`).
+    DeltasReopened {
+        from: u64,
+        deltas: Result<BoxStream<'static, Result<IndexDelta, BusError>>, BusError>,
+    },
     /// Whether an indexer is pulling the KV events.
     IndexerPolled(Result<bool, BusError>),
     Workers(WorkerEvent),
@@ -297,6 +303,8 @@ pub struct RouterLoop {
     deltas: BoxStream<'static, Result<IndexDelta, BusError>>,
     head: u64,
     head_poll: bool,
+    /// The stalled delta feed is being opened again.
+    reopening: bool,
     last_load: Option<Instant>,
     workers_listed: bool,
     readiness_bounds: ReadinessConfig,
@@ -363,6 +371,7 @@ impl RouterLoop {
             deltas: stream::pending().boxed(),
             head: 0,
             head_poll: false,
+            reopening: false,
             last_load: None,
             workers_listed: false,
             readiness_bounds,
@@ -435,6 +444,7 @@ impl RouterLoop {
                 }
                 Event::IndexLoaded(loaded) => self.on_index_loaded(loaded),
                 Event::DeltaHead(head) => self.on_head(head),
+                Event::DeltasReopened { from, deltas } => self.on_deltas_reopened(from, deltas),
                 Event::IndexerPolled(pulling) => self.on_indexer_polled(pulling),
                 Event::Workers(w) => self.on_workers(w),
                 Event::Load(m) => self.on_load(&m),
@@ -865,6 +875,56 @@ impl RouterLoop {
         }
     }
 
+    /// Opens the delta feed again when the stream's head is ahead of the
+    /// index and no delta came for `max_delta_stall`: its consumer is gone
+    /// (it lived on a NATS node that died) though this replica's own
+    /// connection is not. Duplicates after the reopening are dropped.
+    fn reopen_stalled_deltas(&mut self) {
+        let applied = self.core.replica().applied();
+        let quiet = self.last_delta_at.elapsed();
+        if self.reopening
+            || matches!(self.index, IndexState::Loading { .. })
+            || self.head <= applied
+            || quiet < self.readiness_bounds.max_delta_stall
+        {
+            return;
+        }
+        tracing::warn!(
+            applied,
+            head = self.head,
+            quiet_ms = quiet.as_millis() as u64,
+            "the delta feed is stalled behind the stream's head (its consumer may have died with a NATS node); opening it again from delta {}",
+            applied + 1
+        );
+        self.metrics.delta("stalled");
+        self.reopening = true;
+        let (bus, tx, from) = (self.bus.clone(), self.side_tx.clone(), applied + 1);
+        tokio::spawn(async move {
+            let deltas = bus.deltas_from(from).await;
+            let _ = tx.send(Event::DeltasReopened { from, deltas });
+        });
+    }
+
+    fn on_deltas_reopened(
+        &mut self,
+        from: u64,
+        deltas: Result<BoxStream<'static, Result<IndexDelta, BusError>>, BusError>,
+    ) {
+        self.reopening = false;
+        // Not while a reload replaced the feed meanwhile.
+        if matches!(self.index, IndexState::Loading { .. }) {
+            return;
+        }
+        match deltas {
+            Ok(deltas) => {
+                tracing::info!(from, "delta feed opened again");
+                self.deltas = deltas;
+                self.last_delta_at = Instant::now();
+            }
+            Err(e) => tracing::warn!(error = %e, "opening the delta feed again failed; retrying"),
+        }
+    }
+
     fn on_head(&mut self, head: Result<u64, BusError>) {
         self.head_poll = false;
         match head {
@@ -872,6 +932,7 @@ impl RouterLoop {
                 self.head = self.head.max(head);
                 self.metrics
                     .index_position(self.core.replica().applied(), self.head);
+                self.reopen_stalled_deltas();
             }
             Err(e) => tracing::warn!(error = %e, "polling the delta stream's head failed"),
         }

@@ -27,6 +27,12 @@ pub struct ReadinessConfig {
     /// pulling the KV events.
     #[serde(with = "settings::duration")]
     pub max_quiet: Duration,
+    /// The delta feed is opened again from the next delta when the
+    /// stream's head is ahead of the index and no delta came for this long
+    /// (its JetStream consumer died with a NATS node: the client would
+    /// notice only after 10 s of missed heartbeats).
+    #[serde(with = "settings::duration")]
+    pub max_delta_stall: Duration,
 }
 
 impl Default for ReadinessConfig {
@@ -34,6 +40,7 @@ impl Default for ReadinessConfig {
         Self {
             max_delta_lag: 10_000,
             max_quiet: Duration::from_secs(30),
+            max_delta_stall: Duration::from_millis(1500),
         }
     }
 }

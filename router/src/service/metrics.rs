@@ -21,14 +21,14 @@
 //! | `router_index_head_seq` | gauge | (last delta in the stream, polled) |
 //! | `router_index_delta_seq_lag` | gauge | (head - applied) |
 //! | `router_index_reloads_total` | counter | `reason` |
-//! | `router_deltas_total` | counter | `outcome` (`applied`, `duplicate`, `gap`, `error`) |
+//! | `router_deltas_total` | counter | `outcome` (`applied`, `duplicate`, `gap`, `error`, `stalled`: the feed stood still behind the stream's head and was opened again) |
 //! | `router_decision_log_lag_seconds` | histogram | (a peer's decision: JetStream publication to application) |
 //! | `router_peer_messages_total` | counter | `kind`, `outcome` |
 //! | `router_ledger_in_flight` | gauge | |
 //! | `router_ledger_expired_total` | counter | |
 //! | `router_peers` | gauge | (peer replicas heard of, alive) |
 //! | `router_peer_released_total` | counter | `why` (`left`, `silent`): peers' reservations released when the peer stopped or fell silent |
-//! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
+//! | `router_worker_probes_total` | counter | `outcome` (`alive`, `gone`, `not_held`: the agent does not generate the leg, two in a row fail it as lost, `unsupported`: no responders from an agent never seen answering, `no_answer`): liveness probes of a quiet leg's worker |
 //! | `router_admission_queued` | gauge | (requests waiting while every decode worker is busy) |
 //! | `router_admission_total` | counter | `outcome` (`admitted`, `queued`, `rejected`: queue full, `timed_out`: waited `max_wait`) |
 //! | `router_breaker_transitions_total` | counter | `to` (`open`, `half_open`, `closed`) |
@@ -151,7 +151,7 @@ const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         "router_worker_probes_total",
-        "Liveness probes of the worker of a quiet leg, by outcome (gone: no agent listens any more, the leg failed at once)",
+        "Liveness probes of the worker of a quiet leg, by outcome (gone: no agent listens any more, the leg failed at once; not_held: the agent does not generate the leg, lost on the bus)",
     ),
     (
         "router_admission_queued",
@@ -171,7 +171,7 @@ const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         "router_jetstream_store_full",
-        "1 while JetStream's store refuses this replica's decision log for want of room (not ready meanwhile)",
+        "1 while JetStream's store refuses this replica's decision log for want of room (not ready meanwhile, until a write is accepted or none is refused for 2 s)",
     ),
     (
         "router_calibration_factor",
@@ -240,7 +240,7 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
     (
         "router_deltas_total",
         "outcome",
-        &["applied", "duplicate", "gap", "error"],
+        &["applied", "duplicate", "gap", "error", "stalled"],
     ),
     ("router_peer_released_total", "why", &["left", "silent"]),
     (

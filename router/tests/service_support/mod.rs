@@ -277,6 +277,11 @@ pub enum Behavior {
     Fail { retryable: bool },
     /// Skip a chunk index.
     SkipChunk,
+    /// Lose the first chunk (index 0) and send the rest.
+    SkipFirst,
+    /// Never answer, and answer liveness probes that the leg is not held
+    /// (as an agent whose request a dying NATS node lost).
+    Forget,
 }
 
 /// The engine handle a prefill worker hands to the decode leg.
@@ -302,7 +307,12 @@ impl FakeWorker {
         client.flush().await?;
         let (tx, requests) = mpsc::unbounded_channel();
         let me = record.id.clone();
+        let probes = match behavior {
+            Behavior::Forget => Some(answer_probes_not_held(&client, &record.id).await?),
+            _ => None,
+        };
         let task = tokio::spawn(async move {
+            let _probes = probes.map(AbortOnDrop);
             // Requests larger than the bus's payload limit come in
             // fragments, as the agent takes them.
             let mut fragments = protocol::Reassembly::new(1 << 30, 60_000);
@@ -334,14 +344,18 @@ impl FakeWorker {
                 let behavior = behavior.clone();
                 tokio::spawn(async move {
                     let events = answer(&me, &request, &behavior).await;
-                    let skip = matches!(behavior, Behavior::SkipChunk);
+                    let skip = match behavior {
+                        Behavior::SkipChunk => Some(1),
+                        Behavior::SkipFirst => Some(0),
+                        _ => None,
+                    };
                     let hold = match &behavior {
                         Behavior::Hold(n) => Some(n.clone()),
                         _ => None,
                     };
                     let last = events.len().saturating_sub(1);
                     for (i, event) in events.into_iter().enumerate() {
-                        if skip && i == 1 {
+                        if skip == Some(i) {
                             continue;
                         }
                         if i == last {
@@ -397,13 +411,46 @@ impl Drop for FakeWorker {
     }
 }
 
+/// Aborts its task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Answers every `LegProbe` on the worker's ping subject: not held.
+async fn answer_probes_not_held(
+    client: &async_nats::Client,
+    worker: &WorkerId,
+) -> Result<JoinHandle<()>> {
+    let mut probes = client.subscribe(protocol::subjects::ping(worker)).await?;
+    client.flush().await?;
+    let client = client.clone();
+    Ok(tokio::spawn(async move {
+        while let Some(probe) = probes.next().await {
+            let Some(reply) = probe.reply else { continue };
+            let answer = match protocol::LegProbe::decode(&probe.payload) {
+                Ok(p) => protocol::LegProbeReply {
+                    decision: p.decision,
+                    in_flight: false,
+                }
+                .encode(),
+                Err(_) => Vec::new(),
+            };
+            let _ = client.publish(reply, answer.into()).await;
+        }
+    }))
+}
+
 async fn answer(
     me: &WorkerId,
     request: &GenerateRequest,
     behavior: &Behavior,
 ) -> Vec<GenerateEvent> {
     match behavior {
-        Behavior::Silent => return Vec::new(),
+        Behavior::Silent | Behavior::Forget => return Vec::new(),
         Behavior::Fail { retryable } => {
             return vec![GenerateEvent::Failed {
                 error: "engine overloaded".into(),

@@ -17,6 +17,9 @@ pub struct LoadOutcome {
     pub hung: u64,
     /// Failed turns answered 5xx with no JSON error naming the problem.
     pub unclear_5xx: u64,
+    /// Sends of a turn again through the other router after its connection
+    /// failed before any response (as a client behind a load balancer).
+    pub client_retries: u64,
     /// The first errors, as loadgen wrote them.
     pub first_errors: Vec<String>,
 }
@@ -103,6 +106,7 @@ pub fn parse_summary(summary: &Value) -> Result<LoadOutcome> {
                 .collect()
         })
         .unwrap_or_default();
+    let client_retries = summary["connect_retries"].as_u64().unwrap_or(0);
     let hung = first_errors
         .iter()
         .filter(|e| e.contains("timed out") || e.contains("operation timed out"))
@@ -117,6 +121,7 @@ pub fn parse_summary(summary: &Value) -> Result<LoadOutcome> {
         failed,
         hung,
         unclear_5xx,
+        client_retries,
         first_errors,
     })
 }

@@ -84,8 +84,14 @@ pub struct Permissions {
     /// The server's configuration file, rewritten when a worker joins.
     config: std::path::PathBuf,
     agents: Vec<protocol::WorkerId>,
+    /// JetStream's file store per server (`max_file_store`), when bounded.
+    max_file_store: Option<&'static str>,
     _dir: tempfile::TempDir,
 }
+
+/// JetStream's file store per node of the secured HA cluster (the chaos
+/// suite fills it; the indexer fits the streams' caps to it).
+pub const HA_STORE_PER_NODE: &str = "96MB";
 
 /// Every user's password in the tests.
 pub const PASSWORD: &str = "e2e-password";
@@ -99,6 +105,7 @@ impl Permissions {
         let mut permissions = Self {
             config: dir.path().join("nats.conf"),
             agents: Vec::new(),
+            max_file_store: None,
             _dir: dir,
         };
         permissions.write()?;
@@ -112,10 +119,11 @@ impl Permissions {
         );
         let test_user =
             format!("  users = [\n    {{ user: {TEST_USER:?}, password: {PASSWORD:?} }}\n");
-        std::fs::write(
-            &self.config,
-            config.replacen("  users = [\n", &test_user, 1),
-        )?;
+        let mut config = config.replacen("  users = [\n", &test_user, 1);
+        if let Some(size) = self.max_file_store {
+            config.push_str(&format!("jetstream {{\n  max_file_store: {size}\n}}\n"));
+        }
+        std::fs::write(&self.config, config)?;
         Ok(())
     }
 }
@@ -239,6 +247,8 @@ impl Cluster {
     ) -> Result<Self> {
         let mut permissions = secured.then(Permissions::new).transpose()?;
         if let Some(permissions) = &mut permissions {
+            // A bounded store, so that the chaos suite can fill it.
+            permissions.max_file_store = ha.then_some(HA_STORE_PER_NODE);
             for (name, _, _) in workers {
                 permissions.agents.push(name.parse()?);
             }

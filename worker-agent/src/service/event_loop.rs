@@ -23,6 +23,7 @@ use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::{debug, error, info, warn};
 
 use super::kv::PublishDone;
+use super::ping::InFlight;
 use crate::config::Config;
 use crate::core::{Backoff, Input, KvCore};
 use crate::engine::{Engine, EngineLoad, KvUpdate};
@@ -94,6 +95,9 @@ pub(super) struct Agent {
     /// The generation streams being forwarded, by decision: a cancel
     /// aborts the forwarder, which drops the engine's stream.
     pub(super) streams: HashMap<DecisionId, AbortHandle>,
+    /// The same decisions, for the probe task's answers (each stream's
+    /// forwarder holds its place).
+    pub(super) in_flight: InFlight,
     /// Numbering, retries, resyncs and owed replies of the KV batches.
     pub(super) kv: KvCore<Subject>,
     /// The KV core's time origin.
@@ -136,6 +140,7 @@ impl Agent {
         kv_updates: BoxStream<'static, KvUpdate>,
         subscriptions: Subscriptions,
         epochs: Epochs,
+        in_flight: InFlight,
     ) -> Self {
         let Subscriptions {
             generate,
@@ -165,6 +170,7 @@ impl Agent {
             resync,
             cancel,
             streams: HashMap::new(),
+            in_flight,
             kv,
             origin: Instant::now(),
             publishing: None,

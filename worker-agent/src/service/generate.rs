@@ -137,7 +137,14 @@ impl Agent {
         );
         let decision = request.annotation.decision;
         let events = self.engine.generate(request);
-        let task = self.tasks.spawn(forward(out, events).in_current_span());
+        let held = self.in_flight.hold(decision);
+        let task = self.tasks.spawn(
+            async move {
+                forward(out, events).await;
+                drop(held);
+            }
+            .in_current_span(),
+        );
         self.streams.insert(decision, task);
     }
 

@@ -67,7 +67,7 @@ impl Agent {
                 duplicate,
             },
             Err(e) => {
-                if e.is_store_full() {
+                if e.is_unaccepted() {
                     counter!(m::STORE_FULL_ERRORS).increment(1);
                     if !self.store_full.swap(true, Ordering::Relaxed) {
                         gauge!(m::STORE_FULL).set(1.0);
@@ -75,9 +75,10 @@ impl Agent {
                             epoch,
                             seq,
                             error = %e,
-                            "JetStream's store is full: KV events are not accepted; they are held \
-                             and retried (a resync past the queue bound) until it has room again; \
-                             /healthz fails meanwhile"
+                            store_full = e.is_store_full(),
+                            "JetStream does not accept KV events (its store is full, or it does \
+                             not confirm them); they are held and retried (a resync past the queue \
+                             bound) until it does again; /healthz fails meanwhile"
                         );
                     }
                 }

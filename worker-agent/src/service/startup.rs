@@ -126,9 +126,11 @@ async fn serve_worker(
         resync: subscribe(&client, subjects::resync(&worker)).await?,
         cancel: subscribe(&client, subjects::cancel(&worker)).await?,
     };
+    let in_flight = super::ping::InFlight::default();
     let pings = super::ping::answer(
         client.clone(),
         subscribe(&client, subjects::ping(&worker)).await?,
+        in_flight.clone(),
     );
 
     let store_full = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -174,7 +176,15 @@ async fn serve_worker(
         registry: registry.clone(),
     };
 
-    let mut agent = Agent::new(&config, engine, bus, kv_updates, subscriptions, epochs);
+    let mut agent = Agent::new(
+        &config,
+        engine,
+        bus,
+        kv_updates,
+        subscriptions,
+        epochs,
+        in_flight,
+    );
     agent.store_full = store_full;
     info!(
         role = %config.role,
