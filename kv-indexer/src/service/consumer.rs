@@ -104,6 +104,16 @@ pub async fn open(
     Ok((consumer, start))
 }
 
+/// How long one pull request waits for messages before the client sends
+/// another, and how often the server says it is still there while it has
+/// none. Without the heartbeat (async-nats 0.51's default is none) a pull
+/// whose consumer leader died with its NATS node waits out the whole
+/// request (30 s by default) before a new one reaches the new leader, and
+/// the index stands still that long; with it a silent leader is noticed
+/// after two missed beats and the next pull is sent.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+const PULL_HEARTBEAT: Duration = Duration::from_secs(1);
+
 /// The consumer's messages, pulled `fetch_batch` at a time.
 pub async fn messages(
     consumer: &PullConsumer,
@@ -112,6 +122,8 @@ pub async fn messages(
     consumer
         .stream()
         .max_messages_per_batch(config.fetch_batch.max(1))
+        .expires(PULL_EXPIRES)
+        .heartbeat(PULL_HEARTBEAT)
         .messages()
         .await
         .map_err(|e| ConsumerError::Consumer {

@@ -805,15 +805,22 @@ impl Cluster {
     /// Whether the routers' converged index comes to equal one built from
     /// the KV-event log, within 15 s: agents may still be publishing (an
     /// eviction, a late batch) when a fault's load ends, and the indexer
-    /// applies what the log holds a moment after it is there.
+    /// applies what the log holds a moment after it is there. A read that
+    /// fails (a stream without a leader for a moment, after a fault) is
+    /// tried again within the same 15 s; the last error is returned when
+    /// none succeeded by then.
     pub async fn index_matches_log(&self) -> Result<bool> {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            if self.converged_digest().await? == self.digest_from_event_log().await? {
-                return Ok(true);
+            let compared = async {
+                anyhow::Ok(self.converged_digest().await? == self.digest_from_event_log().await?)
             }
-            if Instant::now() > deadline {
-                return Ok(false);
+            .await;
+            match compared {
+                Ok(true) => return Ok(true),
+                Ok(false) if Instant::now() > deadline => return Ok(false),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Ok(false) | Err(_) => {}
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
