@@ -5,24 +5,9 @@ use std::time::Duration;
 use anyhow::Result;
 use bus::{Bus, BusError, Registry, StreamLimits, WorkerChange};
 use futures::StreamExt;
-use protocol::{
-    subjects, BlockHash, IndexChange, IndexDelta, IndexSnapshot, KvEvent, KvEventBatch, Tier,
-};
-use tests::fixtures::{worker, worker_record as record};
+use protocol::{subjects, IndexDelta, IndexSnapshot, KvEvent, KvEventBatch};
+use tests::fixtures::{one_block_delta as delta, worker, worker_record as record};
 use tests::{EtcdServer, NatsServer};
-
-fn delta(seq: u64) -> IndexDelta {
-    IndexDelta {
-        seq,
-        changes: vec![IndexChange::Stored {
-            worker: worker("d0"),
-            parent: None,
-            blocks: vec![BlockHash(seq)],
-            tier: Tier::Device,
-        }],
-        source: None,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn streams_dedup_fencing_and_snapshots() -> Result<()> {

@@ -226,7 +226,6 @@ async fn a_second_writer_fences_the_indexer_off() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Result<()> {
     use kv_indexer::service::consumer::{Pipeline, RetryPolicy};
-    use protocol::{BlockHash, IndexChange, IndexDelta, Tier};
 
     init_tracing();
     let dir = tempfile::tempdir()?;
@@ -235,16 +234,7 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
     let nats = tests::NatsServer::start_with_config(&conf)?;
     let bus = bus::Bus::connect(&nats.url(), "kv-indexer-test").await?;
     bus.ensure_streams(&bus::StreamLimits::default()).await?;
-    let delta = |seq: u64| IndexDelta {
-        seq,
-        changes: vec![IndexChange::Stored {
-            worker: worker("d0"),
-            parent: None,
-            blocks: vec![BlockHash(seq)],
-            tier: Tier::Device,
-        }],
-        source: None,
-    };
+    let delta = tests::fixtures::one_block_delta;
     let mut pipeline = Pipeline::new(&bus, 16, None);
     for seq in 1..=3 {
         pipeline.push(Some(delta(seq)), None).await?;

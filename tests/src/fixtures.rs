@@ -10,11 +10,26 @@ use async_nats::jetstream::{self, consumer};
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use protocol::{
-    subjects, Annotation, DecisionId, GenerateEvent, GenerateRequest, HashingContract,
-    KvEventBatch, Message, Path, Role, Stage, WorkerId, WorkerRecord, WorkerSubjects,
+    subjects, Annotation, BlockHash, DecisionId, GenerateEvent, GenerateRequest, HashingContract,
+    IndexChange, IndexDelta, KvEventBatch, Message, Path, Role, Stage, Tier, WorkerId,
+    WorkerRecord, WorkerSubjects,
 };
 
 /// The worker `name` at data-parallel rank 0.
+/// Index delta `seq`: d0 stored the one block `BlockHash(seq)`.
+pub fn one_block_delta(seq: u64) -> IndexDelta {
+    IndexDelta {
+        seq,
+        changes: vec![IndexChange::Stored {
+            worker: worker("d0"),
+            parent: None,
+            blocks: vec![BlockHash(seq)],
+            tier: Tier::Device,
+        }],
+        source: None,
+    }
+}
+
 pub fn worker(name: &str) -> WorkerId {
     WorkerId::new(name, 0).expect("a valid worker name")
 }

@@ -67,26 +67,10 @@ async fn the_official_openai_client_works_against_the_router() -> Result<()> {
     let Some(python) = python_with_openai() else {
         return Ok(());
     };
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_client.py");
     let mut cluster = Cluster::start(&["p0"], &["d0", "d1"], 0).await?;
     cluster.start_router_with("r0", &[tokenizer_flag()])?;
     cluster.wait_ready().await?;
-    let url = cluster.routers[0].url();
-    let out = tokio::process::Command::new(&python)
-        .args([script, &url, MODEL])
-        .output()
-        .await
-        .context("running the openai client")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}");
-    ensure!(
-        out.status.success() && stdout.contains("all checks passed"),
-        "the openai client failed ({}):\n{stdout}\n{stderr}\n--- cluster logs ---\n{}",
-        out.status,
-        cluster.logs()
-    );
-    Ok(())
+    run_openai_client(&python, &cluster, &[]).await
 }
 
 /// The same client on mock-vllm engines behind the vLLM adapter: several
@@ -97,7 +81,6 @@ async fn the_official_openai_client_gets_logprobs_from_vllm_engines() -> Result<
     let Some(python) = python_with_openai() else {
         return Ok(());
     };
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_client.py");
     let vllm = Engine::MockVllm(Wire {
         encoding: "tagged",
         hash_flavour: "vllm",
@@ -107,9 +90,17 @@ async fn the_official_openai_client_gets_logprobs_from_vllm_engines() -> Result<
         Cluster::start_with(&[("p0", "prefill", vllm), ("d0", "decode", vllm)], 0).await?;
     cluster.start_router_with("r0", &[tokenizer_flag()])?;
     cluster.wait_ready().await?;
+    run_openai_client(&python, &cluster, &["--engine", "vllm"]).await
+}
+
+/// Runs `clients/openai_client.py` against the cluster's first router; it
+/// prints "all checks passed" when every check did.
+async fn run_openai_client(python: &str, cluster: &Cluster, args: &[&str]) -> Result<()> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_client.py");
     let url = cluster.routers[0].url();
-    let out = tokio::process::Command::new(&python)
-        .args([script, &url, MODEL, "--engine", "vllm"])
+    let out = tokio::process::Command::new(python)
+        .args([script, &url, MODEL])
+        .args(args)
         .output()
         .await
         .context("running the openai client")?;
