@@ -245,29 +245,7 @@ async fn caps_larger_than_the_store_are_lowered_and_a_full_store_is_named() -> R
     );
 
     // Another tenant's stream takes the rest of the store...
-    let filler = bus
-        .jetstream()
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: "FILLER".into(),
-            subjects: vec!["filler".into()],
-            ..Default::default()
-        })
-        .await?;
-    let chunk = vec![0u8; 512 << 10];
-    let mut full = None;
-    for _ in 0..200 {
-        let sent = async {
-            bus.jetstream()
-                .publish("filler", chunk.clone().into())
-                .await?
-                .await
-        }
-        .await;
-        if let Err(e) = sent {
-            full = Some(e.to_string());
-            break;
-        }
-    }
+    let full = tests::fixtures::fill_store(bus.jetstream()).await?;
     let full = full.expect("the store filled");
     assert!(bus::store_full(&full), "{full}");
     // ... so a KV batch is refused, and the error says why.
@@ -280,7 +258,6 @@ async fn caps_larger_than_the_store_are_lowered_and_a_full_store_is_named() -> R
     let error = bus.publish_kv_batch(&batch).await.unwrap_err();
     assert!(error.is_store_full(), "{error}");
     // Room again: it goes through.
-    drop(filler);
     bus.jetstream().delete_stream("FILLER").await?;
     bus.publish_kv_batch(&batch).await?;
     Ok(())

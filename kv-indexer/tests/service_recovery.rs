@@ -243,26 +243,7 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
         done?;
     }
     // Another tenant's stream takes the rest of the store.
-    bus.jetstream()
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: "FILLER".into(),
-            subjects: vec!["filler".into()],
-            ..Default::default()
-        })
-        .await?;
-    let chunk = vec![0u8; 512 << 10];
-    for _ in 0..200 {
-        let sent = async {
-            bus.jetstream()
-                .publish("filler", chunk.clone().into())
-                .await?
-                .await
-        }
-        .await;
-        if sent.is_err() {
-            break;
-        }
-    }
+    tests::fixtures::fill_store(bus.jetstream()).await?;
     let mut refused = None;
     for seq in 4..=6 {
         if let Err(e) = pipeline.push(Some(delta(seq)), None).await {

@@ -123,3 +123,25 @@ pub async fn kv_batches(
         .map(|m| Ok(KvEventBatch::decode(&m?.payload)?))
         .boxed())
 }
+
+/// Fills the JetStream store behind `js` as another tenant would: a
+/// stream `FILLER` on subject `filler` takes 512 KiB messages until the
+/// server refuses one (at most 100 MiB). Returns that refusal's text, or
+/// `None` if all were taken. The caller frees the room again by deleting
+/// the stream `FILLER`.
+pub async fn fill_store(js: &jetstream::Context) -> Result<Option<String>> {
+    js.create_stream(jetstream::stream::Config {
+        name: "FILLER".into(),
+        subjects: vec!["filler".into()],
+        ..Default::default()
+    })
+    .await?;
+    let chunk = vec![0u8; 512 << 10];
+    for _ in 0..200 {
+        let sent = async { js.publish("filler", chunk.clone().into()).await?.await }.await;
+        if let Err(e) = sent {
+            return Ok(Some(e.to_string()));
+        }
+    }
+    Ok(None)
+}
