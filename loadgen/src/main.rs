@@ -51,13 +51,19 @@ enum Command {
         /// The routers' API key (`Authorization: Bearer KEY`).
         #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
         api_key: Option<String>,
-        /// Times a turn is sent again, through the next router, when its
-        /// connection failed before any response (refused, reset), as a
-        /// client behind a load balancer does (the `openai` client retries
-        /// connection errors twice by default). A stream cut after its
-        /// response began is never retried: it counts as failed.
-        #[arg(long, default_value_t = 2)]
-        connect_retries: u32,
+        /// Times a turn is sent again, through the next router, when it got
+        /// no response (connection refused, reset) or a 429 or 503 with
+        /// `Retry-After` (waited, at most 10 s), as the `openai` client
+        /// does (twice by default).
+        #[arg(long, visible_alias = "connect-retries", default_value_t = agentic::Retries::default().request)]
+        request_retries: u32,
+        /// Times a turn is sent again, from the start and through the next
+        /// router, when its stream was cut by a transport error once its
+        /// response began (its router died), as agent clients do (Codex
+        /// reconnects a dropped stream up to 5 times). An error the router
+        /// sends in the stream is never retried.
+        #[arg(long, default_value_t = agentic::Retries::default().stream)]
+        stream_retries: u32,
     },
     /// `/v1/route` at fixed rates (open loop); one JSON line per rate.
     Route {
@@ -195,10 +201,14 @@ async fn main() -> anyhow::Result<()> {
             request_timeout_s,
             seed,
             api_key,
-            connect_retries,
+            request_retries,
+            stream_retries,
         } => {
             let summary = agentic::run(agentic::AgenticRun {
-                connect_retries,
+                retries: agentic::Retries {
+                    request: request_retries,
+                    stream: stream_retries,
+                },
                 routers,
                 workload: AgenticConfig {
                     sessions_per_s,

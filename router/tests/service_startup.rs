@@ -31,7 +31,10 @@ async fn ready_after_catching_up_from_snapshot_and_deltas_across_a_gap() -> Resu
     cluster.bus.trim_deltas(6).await?;
     let _worker = FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
 
-    let router = RouterHandle::start(cluster.config("r1")).await?;
+    let mut config = cluster.config("r1");
+    config.admission.max_wait_ms = 1_500;
+    config.admission.retry_after_s = 2;
+    let router = RouterHandle::start(config).await?;
     let health = router.http.get(router.url("/healthz")).send().await?;
     assert_eq!(health.status(), 200);
     // Not ready: the gap makes it reload the (same) early snapshot.
@@ -55,9 +58,37 @@ async fn ready_after_catching_up_from_snapshot_and_deltas_across_a_gap() -> Resu
     let r = router.http.get(router.url("/readyz")).send().await?;
     assert_eq!(r.status(), 503, "still not ready while the gap lasts");
 
+    // A request to a replica still starting waits at the door (it would
+    // find no worker yet); after its longest wait it is told to come back.
+    let body = serde_json::json!({"prompt": tokens(3, 40), "max_tokens": 2});
+    let started = Instant::now();
+    let r = router.post("/v1/completions", body.clone()).await?;
+    let waited = started.elapsed();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "2");
+    assert!(waited >= Duration::from_millis(1_400), "{waited:?}");
+    let error: serde_json::Value = r.json().await?;
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("still starting")),
+        "{error}"
+    );
+    // The next one waits, and is served once the replica has started.
+    let held = tokio::spawn({
+        let (http, url) = (router.http.clone(), router.url("/v1/completions"));
+        async move { http.post(url).json(&body).send().await }
+    });
+    wait_for("a request held at the door", || async {
+        let m = router.get_text("/metrics").await.ok()?;
+        m.contains("router_admission_queued 1").then_some(())
+    })
+    .await?;
+
     // The indexer writes a snapshot that covers the trimmed deltas.
     cluster.bus.put_snapshot(&late).await?;
     router.wait_ready().await?;
+    assert_eq!(held.await??.status(), 200);
     let ledger = router.ledger().await?;
     assert_eq!(ledger["applied_delta"], 10);
     let metrics = router.get_text("/metrics").await?;

@@ -753,6 +753,13 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
         if let Some(note) = &r.note {
             let _ = writeln!(text, "    {note}");
         }
+        if r.load.streams_resent > 0 {
+            let _ = writeln!(
+                text,
+                "    of the retried, {} sent again from the start after their stream broke",
+                r.load.streams_resent
+            );
+        }
         if !r.crashed.is_empty() {
             let _ = writeln!(
                 text,
@@ -786,6 +793,7 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
         "hung": sum(|l| l.hung),
         "unclear_5xx": sum(|l| l.unclear_5xx),
         "client_retries": sum(|l| l.client_retries),
+        "streams_resent": sum(|l| l.streams_resent),
         "max_converge_s": (max_converge * 100.0).round() / 100.0,
         "digest_mismatches": rows.iter().filter(|r| !(r.digest_equals_log && r.replay_reproduced)).count(),
         "crashed": rows.iter().map(|r| r.crashed.len()).sum::<usize>(),

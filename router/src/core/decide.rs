@@ -75,6 +75,16 @@ pub enum RouteError {
         /// What the client is told to wait.
         retry_after_s: u32,
     },
+    /// The replica has not finished starting (its index or its list of
+    /// workers is still loading), and the request waited its longest in
+    /// the admission queue, or the queue was full. Nothing was reserved.
+    #[error("this router replica is still starting (loading its index and its workers); waited {waited_ms} ms: retry after {retry_after_s} s")]
+    Starting {
+        /// How long it waited (0: the queue was full).
+        waited_ms: u64,
+        /// What the client is told to wait.
+        retry_after_s: u32,
+    },
 }
 
 impl RouteError {
@@ -88,6 +98,7 @@ impl RouteError {
             RouteError::PromptTooLong(_) => "prompt_too_long",
             RouteError::Saturated { waited_ms: 0, .. } => "saturated",
             RouteError::Saturated { .. } => "queue_timeout",
+            RouteError::Starting { .. } => "starting",
             // The HTTP layer checks the prompt; these would be our bugs.
             RouteError::TooManyBlocks { .. } | RouteError::DuplicateDecision(_) => "internal",
         }

@@ -307,6 +307,10 @@ pub struct RouterLoop {
     reopening: bool,
     last_load: Option<Instant>,
     workers_listed: bool,
+    /// The index was loaded and the workers listed once: until then a
+    /// first decision waits in the admission queue (a restarted replica
+    /// would otherwise answer "no decode-capable worker").
+    started: bool,
     readiness_bounds: ReadinessConfig,
     /// When the last delta was applied (or the index loaded).
     last_delta_at: Instant,
@@ -374,6 +378,7 @@ impl RouterLoop {
             reopening: false,
             last_load: None,
             workers_listed: false,
+            started: false,
             readiness_bounds,
             last_delta_at: Instant::now(),
             indexer: health::Indexer::Unknown,
@@ -490,26 +495,22 @@ impl RouterLoop {
             // First attempts pass the door; dry runs and retries (already
             // admitted) are decided at once.
             Command::Route { job, reply } if !job.dry_run && job.avoid.is_empty() => {
-                let saturated = self.saturated();
+                let held = self.held();
                 let request_id = job.request_id.clone();
-                match self.admission.offer((job, reply), saturated, now_ms()) {
+                match self.admission.offer((job, reply), held, now_ms()) {
                     Offer::Admit((job, reply)) => {
                         self.metrics.admission("admitted", self.admission.len());
                         self.decide(job, reply);
                     }
                     Offer::Queued(position) => {
                         self.metrics.admission("queued", self.admission.len());
-                        tracing::debug!(%request_id, position, "every decode worker is busy: queued");
+                        tracing::debug!(%request_id, position, why = self.held_why(), "queued");
                     }
                     Offer::Rejected((_, reply)) => {
                         let queued = self.admission.len();
                         self.metrics.admission("rejected", queued);
-                        tracing::warn!(%request_id, queued, "every decode worker is busy and the admission queue is full: turned away");
-                        let _ = reply.send(Err(RouteError::Saturated {
-                            queued,
-                            waited_ms: 0,
-                            retry_after_s: self.admission.config().retry_after_s,
-                        }));
+                        tracing::warn!(%request_id, queued, why = self.held_why(), "the admission queue is full: turned away");
+                        let _ = reply.send(Err(self.turned_away(queued, 0)));
                     }
                 }
             }
@@ -582,6 +583,38 @@ impl RouterLoop {
         }
     }
 
+    /// Whether a first decision waits in the admission queue: the replica
+    /// has not started, or every decode worker is busy.
+    fn held(&self) -> bool {
+        !self.started || self.saturated()
+    }
+
+    /// Why a first decision waits (logs).
+    fn held_why(&self) -> &'static str {
+        if self.started {
+            "every decode worker is busy"
+        } else {
+            "the replica is starting"
+        }
+    }
+
+    /// What a request turned away from the admission queue is told.
+    fn turned_away(&self, queued: usize, waited_ms: u64) -> RouteError {
+        let retry_after_s = self.admission.config().retry_after_s;
+        if self.started {
+            RouteError::Saturated {
+                queued,
+                waited_ms,
+                retry_after_s,
+            }
+        } else {
+            RouteError::Starting {
+                waited_ms,
+                retry_after_s,
+            }
+        }
+    }
+
     /// Whether every decode worker is busy (see [`admission::saturated`]),
     /// those out of rotation left out.
     fn saturated(&self) -> bool {
@@ -638,7 +671,7 @@ impl RouterLoop {
         if self.admission.is_empty() {
             return;
         }
-        while let Some((job, reply)) = self.admission.next(self.saturated()) {
+        while let Some((job, reply)) = self.admission.next(self.held()) {
             if !reply.is_closed() {
                 self.decide(job, reply);
             }
@@ -649,16 +682,11 @@ impl RouterLoop {
     /// Turns away the requests that waited in the queue their longest, and
     /// forgets those whose requester left.
     fn expire_queue(&mut self) {
-        let retry_after_s = self.admission.config().retry_after_s;
         for ((job, reply), waited_ms) in self.admission.expire(now_ms()) {
             let queued = self.admission.len();
             self.metrics.admission("timed_out", queued);
-            tracing::warn!(request_id = %job.request_id, waited_ms, queued, "every decode worker stayed busy: turned away after waiting in the admission queue");
-            let _ = reply.send(Err(RouteError::Saturated {
-                queued,
-                waited_ms,
-                retry_after_s,
-            }));
+            tracing::warn!(request_id = %job.request_id, waited_ms, queued, why = self.held_why(), "turned away after waiting in the admission queue its longest");
+            let _ = reply.send(Err(self.turned_away(queued, waited_ms)));
         }
         self.admission.retain(|(_, reply)| !reply.is_closed());
         self.metrics.admission_queued(self.admission.len());
@@ -951,7 +979,15 @@ impl RouterLoop {
         self.publish_readiness();
     }
 
-    fn publish_readiness(&self) {
+    fn publish_readiness(&mut self) {
+        if !self.started && matches!(self.index, IndexState::Ready) && self.workers_listed {
+            self.started = true;
+            tracing::info!(
+                queued = self.admission.len(),
+                "started: index loaded and workers listed; routing"
+            );
+            self.admit();
+        }
         let applied = self.core.replica().applied();
         let readiness = match &self.index {
             IndexState::Loading { why } => Readiness::not_ready(why.clone()),

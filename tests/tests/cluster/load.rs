@@ -17,9 +17,13 @@ pub struct LoadOutcome {
     pub hung: u64,
     /// Failed turns answered 5xx with no JSON error naming the problem.
     pub unclear_5xx: u64,
-    /// Sends of a turn again through the other router after its connection
-    /// failed before any response (as a client behind a load balancer).
+    /// Sends of a turn again through the other router (loadgen's
+    /// `client_retries`: no response, a 429 or 503 with `Retry-After`, or
+    /// a broken stream).
     pub client_retries: u64,
+    /// Of those, turns sent again from the start after their stream was
+    /// cut once the response began (their router died).
+    pub streams_resent: u64,
     /// The first errors, as loadgen wrote them.
     pub first_errors: Vec<String>,
 }
@@ -106,7 +110,8 @@ pub fn parse_summary(summary: &Value) -> Result<LoadOutcome> {
                 .collect()
         })
         .unwrap_or_default();
-    let client_retries = summary["connect_retries"].as_u64().unwrap_or(0);
+    let client_retries = summary["client_retries"].as_u64().unwrap_or(0);
+    let streams_resent = summary["retried"]["broken_stream"].as_u64().unwrap_or(0);
     let hung = first_errors
         .iter()
         .filter(|e| e.contains("timed out") || e.contains("operation timed out"))
@@ -122,6 +127,7 @@ pub fn parse_summary(summary: &Value) -> Result<LoadOutcome> {
         hung,
         unclear_5xx,
         client_retries,
+        streams_resent,
         first_errors,
     })
 }

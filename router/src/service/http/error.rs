@@ -83,6 +83,15 @@ impl ApiError {
             e.retry_after_s = Some(*retry_after_s);
             return e;
         }
+        if let AskError::Route(RouteError::Starting { retry_after_s, .. }) = error {
+            let mut e = Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                request_id,
+                error.to_string(),
+            );
+            e.retry_after_s = Some(*retry_after_s);
+            return e;
+        }
         let status = match error {
             AskError::Route(RouteError::EmptyPrompt | RouteError::PromptTooLong(_)) => {
                 StatusCode::BAD_REQUEST
