@@ -818,7 +818,10 @@ impl Cluster {
             .await;
             match compared {
                 Ok(true) => return Ok(true),
-                Ok(false) if Instant::now() > deadline => return Ok(false),
+                Ok(false) if Instant::now() > deadline => {
+                    self.print_divergence().await;
+                    return Ok(false);
+                }
                 Err(e) if Instant::now() > deadline => return Err(e),
                 Ok(false) | Err(_) => {}
             }
@@ -826,9 +829,62 @@ impl Cluster {
         }
     }
 
+    /// Where the indexer and a rebuild from the KV log differ, per worker,
+    /// on stderr: what a digest mismatch needs to be explained.
+    async fn print_divergence(&self) {
+        let report = async {
+            let status = self.indexer_status().await?;
+            let rebuild = self.rebuild_from_event_log().await?;
+            let held: std::collections::BTreeMap<String, u64> = rebuild
+                .indexer
+                .index()
+                .workers()
+                .map(|(w, blocks)| (w.to_string(), blocks))
+                .collect();
+            let cursors: Vec<String> = rebuild
+                .indexer
+                .cursors()
+                .map(|c| {
+                    format!(
+                        "{} epoch {} seq {}{}",
+                        c.worker,
+                        c.epoch,
+                        c.last_seq,
+                        if c.resync_pending { " (awaiting resync)" } else { "" }
+                    )
+                })
+                .collect();
+            anyhow::Ok(format!(
+                "the indexer: digest {} at delta {}, KV stream seq {}, blocks per worker {}, frozen {}\n\
+                 the KV log ({} messages) rebuilt: digest {:016x}, blocks per worker {held:?}, cursors {cursors:?}, \
+                 removed as unregistered {:?}",
+                status["digest"],
+                status["delta_seq"],
+                status["kv_stream_seq"],
+                status["worker_blocks"],
+                status["frozen_workers"],
+                rebuild.last_seq,
+                rebuild.indexer.index().digest(),
+                rebuild.removed
+            ))
+        }
+        .await;
+        match report {
+            Ok(text) => eprintln!("index differs from the KV log:\n{text}"),
+            Err(e) => eprintln!("index differs from the KV log (no details: {e:#})"),
+        }
+    }
+
     /// The digest of an index built here, independently, from every batch
     /// on the KV-event stream: what the indexer must hold.
     pub async fn digest_from_event_log(&self) -> Result<String> {
+        let rebuild = self.rebuild_from_event_log().await?;
+        Ok(format!("{:016x}", rebuild.indexer.index().digest()))
+    }
+
+    /// An index built here, independently, from every batch on the
+    /// KV-event stream, without the workers no longer registered.
+    async fn rebuild_from_event_log(&self) -> Result<LogRebuild> {
         let client = self.nats_client().await?;
         let js = async_nats::jetstream::new(client);
         let stream = js.get_stream(protocol::subjects::KV_EVENTS_STREAM).await?;
@@ -865,10 +921,14 @@ impl Cluster {
             .map(|(w, _)| w.clone())
             .filter(|w| !alive.contains(w))
             .collect();
-        for worker in gone {
-            indexer.remove_worker(&worker);
+        for worker in &gone {
+            indexer.remove_worker(worker);
         }
-        Ok(format!("{:016x}", indexer.index().digest()))
+        Ok(LogRebuild {
+            indexer,
+            last_seq: last,
+            removed: gone,
+        })
     }
 
     /// Every router's base URL.
@@ -1050,4 +1110,13 @@ async fn until_running(reports: &mut async_nats::Subscriber, running: bool) -> R
         bail!("load reports ended")
     })
     .await?
+}
+
+/// An index rebuilt from the raw KV log ([`Cluster::index_matches_log`]).
+struct LogRebuild {
+    indexer: KvIndexer,
+    /// The log's last stream sequence read.
+    last_seq: u64,
+    /// Workers dropped for not being registered any more.
+    removed: Vec<protocol::WorkerId>,
 }
