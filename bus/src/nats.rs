@@ -60,6 +60,9 @@ const RESCALE_PATIENCE: Duration = Duration::from_secs(10);
 /// JetStream keeps at most this many copies of a stream.
 pub const MAX_REPLICAS: usize = 5;
 
+/// How long a snapshot read may wait for its next bytes before it fails.
+const SNAPSHOT_STALL: Duration = Duration::from_secs(10);
+
 /// The `stream_replicas` setting every service takes (the kv-indexer sets
 /// it on the streams; the others create missing streams with it).
 pub fn stream_replicas_flag() -> settings::Flag {
@@ -861,16 +864,39 @@ impl Bus {
     /// The latest snapshot, if one was ever stored.
     pub async fn latest_snapshot(&self) -> Result<Option<IndexSnapshot>, BusError> {
         let store = self.snapshot_store().await?;
-        let mut object = match store.get(subjects::SNAPSHOT_LATEST).await {
+        let got = tokio::time::timeout(SNAPSHOT_STALL, store.get(subjects::SNAPSHOT_LATEST))
+            .await
+            .map_err(|_| {
+                snapshot_error(format!(
+                    "opening {} took over {SNAPSHOT_STALL:?}",
+                    subjects::SNAPSHOT_LATEST
+                ))
+            })?;
+        let mut object = match got {
             Ok(object) => object,
             Err(e) if e.kind() == object_store::GetErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(snapshot_error(e)),
         };
+        // Read with a bound on each wait: the object's consumer can die
+        // with a NATS node, and a plain read would then wait for ever.
         let mut bytes = Vec::new();
-        object
-            .read_to_end(&mut bytes)
-            .await
-            .map_err(snapshot_error)?;
+        let mut chunk = vec![0u8; 256 * 1024];
+        loop {
+            let n = tokio::time::timeout(SNAPSHOT_STALL, object.read(&mut chunk))
+                .await
+                .map_err(|_| {
+                    snapshot_error(format!(
+                        "reading {} stalled: nothing for {SNAPSHOT_STALL:?} after {} bytes",
+                        subjects::SNAPSHOT_LATEST,
+                        bytes.len()
+                    ))
+                })?
+                .map_err(snapshot_error)?;
+            if n == 0 {
+                break;
+            }
+            bytes.extend_from_slice(&chunk[..n]);
+        }
         Ok(Some(IndexSnapshot::decode(&bytes)?))
     }
 }

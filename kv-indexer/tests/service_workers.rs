@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use bus::Registry;
 use common::*;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use protocol::{subjects, KvEventBatch, Message, ResyncReply};
 use tests::fixtures::worker_record as record;
 
@@ -136,5 +136,51 @@ async fn expired_and_unregistered_workers_leave_the_index() -> Result<()> {
     let replica = replica_at(&servers.bus, seq).await?;
     ensure!(digest_hex(replica.index().digest()) == status["digest"]);
     alive.revoke().await?;
+    service.stop().await
+}
+
+/// An agent alive all along whose lease lapsed (etcd unreachable for
+/// longer than its TTL) registers again under a new lease: the index
+/// dropped its blocks, so it is asked for them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_lease_lapsed_is_asked_to_resync_when_it_registers_again() -> Result<()> {
+    let servers = Servers::start().await?;
+    let registry = Registry::connect(&[servers.etcd.endpoint()]).await?;
+    let d0 = worker("d0");
+    let lapsing = registry
+        .register(&record("d0"), Duration::from_secs(1))
+        .await?;
+    let mut requests = servers
+        .bus
+        .client()
+        .subscribe(subjects::resync(&d0))
+        .await?;
+    let service = Running::start(servers.config()).await?;
+    let mut workload = Workload::new(std::slice::from_ref(&d0), 9);
+    for _ in 0..3 {
+        servers.bus.publish_kv_batch(&workload.batch()).await?;
+    }
+    wait_for_delta(service.http, 3, Duration::from_secs(10)).await?;
+
+    drop(lapsing);
+    wait_for("d0 to leave", Duration::from_secs(10), || async {
+        let s = service.status().await?;
+        Ok((s["workers"] == 0).then_some(()))
+    })
+    .await?;
+    ensure!(
+        requests.next().now_or_never().is_none(),
+        "asked to resync before it registered again"
+    );
+    let again = registry
+        .register(&record("d0"), Duration::from_secs(5))
+        .await?;
+    let request = tokio::time::timeout(Duration::from_secs(10), requests.next())
+        .await
+        .context("no resync request after it registered again")?
+        .context("subscription ended")?;
+    ensure!(request.reply.is_some());
+    ensure!(service.metric("kv_indexer_workers_returned_total").await? == 1.0);
+    again.revoke().await?;
     service.stop().await
 }

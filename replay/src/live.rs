@@ -18,8 +18,14 @@ use protocol::{
 use crate::file::Export;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a read from a start time waits for its first message before
+/// it takes the stream to hold none after it.
+const FIRST_BY_TIME: Duration = Duration::from_secs(2);
 
-/// Messages of a stream from `policy` on, up to its last message now.
+/// Messages of a stream from `policy` on, up to its last message now. A
+/// read that stops before that last message (its consumer died with a
+/// NATS node) is an error after `TIMEOUT` without a message, never a
+/// window cut short in silence.
 async fn read_stream(
     js: &jetstream::Context,
     stream: &str,
@@ -29,7 +35,16 @@ async fn read_stream(
         .get_stream(stream)
         .await
         .with_context(|| format!("stream {stream}"))?;
-    let last = s.info().await?.state.last_sequence;
+    let state = s.info().await?.state.clone();
+    if state.messages == 0 {
+        return Ok(Vec::new());
+    }
+    let last = state.last_sequence;
+    // From a start time there may be nothing to read: a short first wait.
+    let first_wait = match policy {
+        consumer::DeliverPolicy::All => TIMEOUT,
+        _ => FIRST_BY_TIME,
+    };
     let consumer = s
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy: policy,
@@ -38,14 +53,19 @@ async fn read_stream(
         .await?;
     let mut messages = consumer.messages().await?;
     let mut out = Vec::new();
+    let mut seq = 0;
     loop {
-        let next = tokio::time::timeout(Duration::from_millis(500), messages.next()).await;
-        let message = match next {
+        let wait = if out.is_empty() { first_wait } else { TIMEOUT };
+        let message = match tokio::time::timeout(wait, messages.next()).await {
             Ok(Some(m)) => m.map_err(|e| anyhow::anyhow!("reading {stream}: {e}"))?,
-            // Nothing more (the window may start after the last message).
-            Ok(None) | Err(_) => break,
+            Ok(None) => bail!("reading {stream}: the consumer ended at sequence {seq} of {last}"),
+            // Nothing after the start time.
+            Err(_) if out.is_empty() && first_wait < TIMEOUT => break,
+            Err(_) => bail!(
+                "reading {stream}: no message for {wait:?} at sequence {seq} of {last} (its consumer may have died with a NATS node: export again)"
+            ),
         };
-        let seq = message
+        seq = message
             .info()
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .stream_sequence;

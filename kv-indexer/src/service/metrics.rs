@@ -43,6 +43,7 @@ pub struct Metrics {
     pub overlap_malformed: Counter,
     pub workers_removed_lease: Counter,
     pub workers_removed_unregistered: Counter,
+    pub workers_returned: Counter,
     pub registry_malformed: Counter,
     pub registry_errors: Counter,
     pub leader: Gauge,
@@ -230,6 +231,11 @@ impl Metrics {
             overlap_malformed: overlap("malformed"),
             workers_removed_lease: removed("lease_expired"),
             workers_removed_unregistered: removed("unregistered"),
+            workers_returned: r.counter(
+                "kv_indexer_workers_returned_total",
+                &[],
+                "Workers removed from the index that registered again (each asked to resync)",
+            ),
             registry_malformed: r.counter(
                 "kv_indexer_registry_malformed_total",
                 &[],

@@ -871,6 +871,14 @@ impl Loop {
         Ok(())
     }
 
+    /// A worker removed from the index registered again (its lease had
+    /// lapsed, its agent lived on): its blocks are asked for again.
+    fn resync_returned(&mut self, worker: &WorkerId) {
+        tracing::info!(%worker, "a worker removed from the index registered again; asking for its blocks");
+        self.metrics.workers_returned.increment(1);
+        self.request_resync(worker, Instant::now());
+    }
+
     fn request_resync(&mut self, worker: &WorkerId, now: Instant) {
         if !self.resync.allow(worker, now) {
             self.metrics.resync_rate_limited.increment(1);
@@ -941,12 +949,17 @@ impl Loop {
                     }
                 }
                 tracing::info!(registered = workers.len(), "listed the registered workers");
-                self.liveness.listed(workers);
+                for worker in self.liveness.listed(workers) {
+                    self.resync_returned(&worker);
+                }
             }
             RegistryEvent::Changed(change) => match change {
                 WorkerChange::Up(record) => {
                     tracing::info!(worker = %record.id, role = %record.role, "worker registered");
-                    self.liveness.up(record.id);
+                    let worker = record.id;
+                    if self.liveness.up(worker.clone()) {
+                        self.resync_returned(&worker);
+                    }
                 }
                 WorkerChange::Down(worker) => {
                     self.liveness.down(&worker);
@@ -961,7 +974,9 @@ impl Loop {
                     self.metrics.registry_malformed.increment(1);
                     tracing::warn!(key, error, "malformed worker record in etcd; skipped");
                     if let Some(worker) = workers::worker_of(&change) {
-                        self.liveness.up(worker);
+                        if self.liveness.up(worker.clone()) {
+                            self.resync_returned(&worker);
+                        }
                     }
                 }
             },
@@ -987,6 +1002,7 @@ impl Loop {
             return Ok(false);
         };
         tracing::info!(%worker, delta_seq = delta.seq, reason, "worker removed from the index");
+        self.liveness.removed(worker.clone(), Instant::now());
         self.push(Some(delta), None).await?;
         self.update_gauges();
         Ok(true)

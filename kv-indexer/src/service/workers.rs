@@ -6,6 +6,12 @@
 //! of the indexer, or a late batch of a worker that left) is removed once it
 //! has stayed unregistered for a grace period, so that restarting agents
 //! can register again first.
+//!
+//! A removed worker may come back: its lease lapsed while etcd was
+//! unreachable, and its agent, alive all along, registered again under a
+//! new lease. Its blocks are gone from the index, and it has no reason to
+//! send them again: the worker is remembered (for an hour), and when it
+//! registers again it is asked to resync.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -80,7 +86,13 @@ pub struct Liveness {
     /// nobody is swept then.
     registered: Option<HashSet<WorkerId>>,
     unregistered_since: HashMap<WorkerId, Instant>,
+    /// Workers removed from the index, and when: one that registers again
+    /// is asked to resync.
+    removed: HashMap<WorkerId, Instant>,
 }
+
+/// How long a removed worker is remembered (see the module docs).
+const REMEMBER_REMOVED: Duration = Duration::from_secs(3600);
 
 impl Liveness {
     pub fn new(grace: Duration) -> Self {
@@ -88,6 +100,7 @@ impl Liveness {
             grace,
             registered: None,
             unregistered_since: HashMap::new(),
+            removed: HashMap::new(),
         }
     }
 
@@ -102,18 +115,37 @@ impl Liveness {
             .is_some_and(|set| set.contains(worker))
     }
 
-    /// The full list of registered workers.
-    pub fn listed(&mut self, workers: impl IntoIterator<Item = WorkerId>) {
+    /// The full list of registered workers; returns those of them that
+    /// were removed from the index (to ask for a resync).
+    pub fn listed(&mut self, workers: impl IntoIterator<Item = WorkerId>) -> Vec<WorkerId> {
         let set: HashSet<WorkerId> = workers.into_iter().collect();
         self.unregistered_since.retain(|w, _| !set.contains(w));
+        let mut back: Vec<WorkerId> = set
+            .iter()
+            .filter(|w| self.removed.remove(*w).is_some())
+            .cloned()
+            .collect();
+        back.sort();
         self.registered = Some(set);
+        back
     }
 
-    pub fn up(&mut self, worker: WorkerId) {
+    /// The worker registered; returns whether it was removed from the
+    /// index before (to ask for a resync).
+    pub fn up(&mut self, worker: WorkerId) -> bool {
         self.unregistered_since.remove(&worker);
+        let back = self.removed.remove(&worker).is_some();
         if let Some(set) = &mut self.registered {
             set.insert(worker);
         }
+        back
+    }
+
+    /// The worker was removed from the index (its key deleted, or swept).
+    pub fn removed(&mut self, worker: WorkerId, now: Instant) {
+        self.removed
+            .retain(|_, at| now.duration_since(*at) < REMEMBER_REMOVED);
+        self.removed.insert(worker, now);
     }
 
     /// The worker's key is gone: the caller removes it from the index now.
@@ -186,6 +218,30 @@ mod tests {
         assert!(!live.is_registered(&w("a")));
         assert!(live.sweep(&known[..1], t0 + grace * 3).is_empty());
         assert_eq!(live.sweep(&known[..1], t0 + grace * 4), vec![w("a")]);
+    }
+
+    #[test]
+    fn a_removed_worker_that_registers_again_is_named_once() {
+        let t0 = Instant::now();
+        let mut live = Liveness::new(Duration::from_secs(10));
+        live.listed([w("a"), w("b")]);
+        // a's lease lapsed: removed; it registers again under a new lease.
+        live.down(&w("a"));
+        live.removed(w("a"), t0);
+        assert!(live.up(w("a")));
+        assert!(!live.up(w("a")), "named once");
+        // b was swept; the next listing (a watch lost meanwhile) has it.
+        live.removed(w("b"), t0);
+        live.lost();
+        assert_eq!(live.listed([w("a"), w("b")]), vec![w("b")]);
+        assert!(live.listed([w("a"), w("b")]).is_empty());
+        // A worker that never registered before is not asked.
+        assert!(!live.up(w("c")));
+        // Removed workers are forgotten after an hour.
+        live.removed(w("d"), t0);
+        live.removed(w("e"), t0 + REMEMBER_REMOVED);
+        assert!(!live.up(w("d")));
+        assert!(live.up(w("e")));
     }
 
     #[test]
