@@ -10,6 +10,12 @@
 //! passing load it halves the lowest failing one likewise. Then it bisects
 //! the bracket until it is narrower than `tolerance` of its upper end.
 //! (Doubling is the default step; `growth` sets another.)
+//!
+//! Attainment does not always fall with load: on a closed-loop workload a
+//! deployment can fail at one load and pass at higher ones (a dip). So a
+//! failure found by bisection is confirmed: `confirm` loads above it, each
+//! `confirm_step` of it further, must fail too. When one passes, the search
+//! goes on from there, and the result names the dip (`dipped_at`).
 
 /// How to search.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -27,6 +33,11 @@ pub struct Search {
     pub growth: f64,
     /// Bisect until `fails_at - load <= tolerance * fails_at`.
     pub tolerance: f64,
+    /// Loads above a failure that must fail too before it is the
+    /// capacity's (0: the first failure is taken).
+    pub confirm: u32,
+    /// How far apart those loads are, as a share of the failing load.
+    pub confirm_step: f64,
 }
 
 impl Default for Search {
@@ -37,6 +48,8 @@ impl Default for Search {
             max_doublings: 4,
             growth: 2.0,
             tolerance: 0.03,
+            confirm: 2,
+            confirm_step: 0.1,
         }
     }
 }
@@ -44,8 +57,14 @@ impl Default for Search {
 /// What the search found.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Capacity {
-    /// `load` passes and `fails_at` (within the tolerance above it) fails.
-    Found { load: f64, fails_at: f64 },
+    /// `load` passes and `fails_at` (within the tolerance above it) fails,
+    /// as do the confirmation loads above it. `dipped_at`: a lower load
+    /// that failed (attainment is not monotone in load here).
+    Found {
+        load: f64,
+        fails_at: f64,
+        dipped_at: Option<f64>,
+    },
     /// Every load up to `bound`, the search's upper bound after doubling,
     /// passed: the capacity is above it.
     AboveBound { bound: f64 },
@@ -68,8 +87,19 @@ impl Capacity {
     /// or `"below": bound` when the search hit its bound.
     pub fn to_json(&self) -> serde_json::Value {
         match *self {
-            Capacity::Found { load, fails_at } => {
+            Capacity::Found {
+                load,
+                fails_at,
+                dipped_at: None,
+            } => {
                 serde_json::json!({"capacity": load, "fails_at": fails_at})
+            }
+            Capacity::Found {
+                load,
+                fails_at,
+                dipped_at: Some(dip),
+            } => {
+                serde_json::json!({"capacity": load, "fails_at": fails_at, "dipped_at": dip})
             }
             Capacity::AboveBound { bound } => {
                 serde_json::json!({"capacity": bound, "above": bound})
@@ -84,8 +114,19 @@ impl Capacity {
     /// bound.
     pub fn describe(&self, unit: &str) -> String {
         match *self {
-            Capacity::Found { load, fails_at } => {
+            Capacity::Found {
+                load,
+                fails_at,
+                dipped_at: None,
+            } => {
                 format!("{load:.3} {unit} (fails at {fails_at:.3})")
+            }
+            Capacity::Found {
+                load,
+                fails_at,
+                dipped_at: Some(dip),
+            } => {
+                format!("{load:.3} {unit} (fails at {fails_at:.3}; also failed lower, at {dip:.3})")
             }
             Capacity::AboveBound { bound } => {
                 format!("above {bound:.3} {unit}, the search's upper bound (after doubling)")
@@ -133,22 +174,10 @@ pub fn search<E>(
     }
     let (mut lo, mut hi) = match (pass, fail) {
         (Some(lo), Some(hi)) => (lo, hi),
-        (Some(mut lo), None) => {
-            let mut hi = None;
-            for _ in 0..s.max_doublings {
-                let probe = lo * s.growth;
-                if run(probe, &mut ran)? {
-                    lo = probe;
-                } else {
-                    hi = Some(probe);
-                    break;
-                }
-            }
-            match hi {
-                Some(hi) => (lo, hi),
-                None => return Ok((Capacity::AboveBound { bound: lo }, ran)),
-            }
-        }
+        (Some(lo), None) => match grow(s, lo, &mut ran, &mut run)? {
+            Ok(bracket) => bracket,
+            Err(bound) => return Ok((Capacity::AboveBound { bound }, ran)),
+        },
         (None, Some(mut hi)) => {
             let mut lo = None;
             for _ in 0..s.max_doublings {
@@ -166,21 +195,68 @@ pub fn search<E>(
         }
         (None, None) => unreachable!("the start load was run"),
     };
-    while hi - lo > s.tolerance * hi {
-        let mid = (lo + hi) / 2.0;
-        if run(mid, &mut ran)? {
-            lo = mid;
-        } else {
-            hi = mid;
+    let mut dipped_at = None;
+    // Each round starts above the last one's failure; a bound on rounds
+    // keeps a noisy attainment from searching for ever.
+    for round in 1..=MAX_ROUNDS {
+        while hi - lo > s.tolerance * hi {
+            let mid = (lo + hi) / 2.0;
+            if run(mid, &mut ran)? {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
         }
+        if round == MAX_ROUNDS {
+            break;
+        }
+        // Confirm the failure: the loads above it fail too.
+        let mut passed_above = None;
+        for k in 1..=s.confirm {
+            let probe = hi * (1.0 + s.confirm_step * f64::from(k));
+            if run(probe, &mut ran)? {
+                passed_above = Some(probe);
+                break;
+            }
+        }
+        let Some(above) = passed_above else { break };
+        dipped_at.get_or_insert(hi);
+        (lo, hi) = match grow(s, above, &mut ran, &mut run)? {
+            Ok(bracket) => bracket,
+            Err(bound) => return Ok((Capacity::AboveBound { bound }, ran)),
+        };
     }
     Ok((
         Capacity::Found {
             load: lo,
             fails_at: hi,
+            dipped_at,
         },
         ran,
     ))
+}
+
+/// How many times the search may go on above a failure that a higher
+/// load contradicted.
+const MAX_ROUNDS: u32 = 4;
+
+/// From a passing load, steps up by `growth` until a load fails: the
+/// bracket, or the last passing load when every step passed.
+fn grow<E>(
+    s: &Search,
+    mut lo: f64,
+    ran: &mut Vec<Probe>,
+    run: &mut impl FnMut(f64, &mut Vec<Probe>) -> Result<bool, E>,
+) -> Result<Result<(f64, f64), f64>, E> {
+    for _ in 0..s.max_doublings {
+        let probe = lo * s.growth;
+        if run(probe, ran)? {
+            lo = probe;
+        } else {
+            return Ok(Ok((lo, probe)));
+        }
+    }
+    Ok(Err(lo))
 }
 
 #[cfg(test)]
@@ -197,22 +273,77 @@ mod tests {
     fn bisects_inside_the_bracket_the_sweep_gave() {
         let known = [(0.5, 0.99), (1.0, 0.97), (1.5, 0.6), (2.0, 0.2)];
         let (c, ran) = search(&Search::default(), &known, step(1.37)).unwrap();
-        let Capacity::Found { load, fails_at } = c else {
+        let Capacity::Found {
+            load,
+            fails_at,
+            dipped_at,
+        } = c
+        else {
             panic!("{c:?}")
         };
         assert!(load <= 1.37 && 1.37 < fails_at, "{c:?}");
         assert!(fails_at - load <= 0.03 * fails_at);
-        assert!(ran.iter().all(|(l, _)| (1.0..1.5).contains(l)), "{ran:?}");
+        assert_eq!(dipped_at, None);
+        // Bisection inside the bracket, then the two confirmations above.
+        let (inside, above) = ran.split_at(ran.len() - 2);
+        assert!(
+            inside.iter().all(|(l, _)| (1.0..1.5).contains(l)),
+            "{ran:?}"
+        );
+        assert!(
+            above.iter().all(|&(l, a)| l > fails_at && a < 0.9),
+            "{ran:?}"
+        );
     }
 
     #[test]
     fn doubles_past_the_loads_tried_and_halves_below_them() {
         let known = [(0.5, 0.99), (1.0, 0.97)];
         let (c, _) = search(&Search::default(), &known, step(5.1)).unwrap();
-        assert!(matches!(c, Capacity::Found { load, fails_at } if load <= 5.1 && fails_at > 5.1));
+        assert!(
+            matches!(c, Capacity::Found { load, fails_at, .. } if load <= 5.1 && fails_at > 5.1)
+        );
         let known = [(1.0, 0.2)];
         let (c, _) = search(&Search::default(), &known, step(0.2)).unwrap();
-        assert!(matches!(c, Capacity::Found { load, fails_at } if load <= 0.2 && fails_at > 0.2));
+        assert!(
+            matches!(c, Capacity::Found { load, fails_at, .. } if load <= 0.2 && fails_at > 0.2)
+        );
+    }
+
+    #[test]
+    fn a_dip_below_the_capacity_is_stepped_over_and_named() {
+        // Fails between 1.3 and 1.4 only, and above 1.8.
+        let dip = |load: f64| -> Result<f64, Infallible> {
+            Ok(if (1.3..1.4).contains(&load) || load > 1.8 {
+                0.85
+            } else {
+                0.95
+            })
+        };
+        let known = [(1.0, 0.95), (1.35, 0.85)];
+        let (c, _) = search(&Search::default(), &known, dip).unwrap();
+        let Capacity::Found {
+            load,
+            fails_at,
+            dipped_at,
+        } = c
+        else {
+            panic!("{c:?}")
+        };
+        assert!(load <= 1.8 && fails_at > 1.8 && load > 1.7, "{c:?}");
+        assert!(dipped_at.is_some_and(|d| (1.3..1.4).contains(&d)), "{c:?}");
+        assert!(
+            c.describe("x").contains("also failed lower"),
+            "{}",
+            c.describe("x")
+        );
+        // Without confirmation, the first failure is taken.
+        let first = Search {
+            confirm: 0,
+            ..Search::default()
+        };
+        let (c, _) = search(&first, &known, dip).unwrap();
+        assert!(c.load() < 1.35, "{c:?}");
     }
 
     #[test]

@@ -82,7 +82,7 @@ fn the_search_finds_the_capacity_known_by_construction() {
         Ok::<_, Infallible>(attainment(slo_ms, load))
     })
     .unwrap();
-    let Capacity::Found { load, fails_at } = found else {
+    let Capacity::Found { load, fails_at, .. } = found else {
         panic!("{found:?}")
     };
     // Arrivals are rounded to microseconds: allow that much.
