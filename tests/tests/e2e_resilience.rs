@@ -1,6 +1,7 @@
 //! End-to-end, across processes: what a crash or a stop leaves behind. A
 //! decode agent killed mid-stream fails its stream at once (its probe
-//! subject has no responder any more), not at the 30 s idle timeout; a
+//! subject has no responder any more), not at the 30 s idle timeout, or,
+//! with another decode worker up, the stream goes on there; a
 //! router killed or stopped has its reservations in its peers' ledgers
 //! released within seconds, not at the ledger's 10 min TTL; SIGTERM drains
 //! a router and an agent (what is in flight finishes). Run against the
@@ -95,6 +96,72 @@ async fn a_killed_decode_agent_fails_its_stream_at_once() -> Result<()> {
         ensure!(
             m.contains(r#"router_dispatch_total{outcome="worker_gone"} 1"#)
                 && m.contains(r#"router_worker_probes_total{outcome="gone"} 1"#),
+            "{m}"
+        );
+        Ok(())
+    }
+    .await;
+    result.with_context(|| cluster.logs())
+}
+
+/// kill -9 of the decode agent in the middle of a stream, with another
+/// decode worker up: the stream goes on there (the tokens sent are
+/// appended to its prompt) and ends with every token asked for.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_whose_decode_agent_dies_goes_on_on_another_worker() -> Result<()> {
+    let mut cluster = Cluster::start_secured(&["p0"], &["d0", "d1"], 1).await?;
+    let result = async {
+        let max_tokens = 3_000;
+        let response = cluster
+            .http
+            .post(format!("{}/v1/completions", cluster.routers[0].url()))
+            .json(&json!({
+                "model": MODEL,
+                "prompt": tokens(77, 64),
+                "max_tokens": max_tokens,
+                "stream": true,
+            }))
+            .send()
+            .await?;
+        ensure!(response.status().is_success(), "{}", response.status());
+        let mut body: Body = Box::pin(response.bytes_stream());
+        // The first event names the decode worker.
+        let mut text = String::new();
+        while !text.contains("\n\n") {
+            let chunk = body.next().await.context("the stream ended")??;
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let first: Value = serde_json::from_str(
+            text.lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .context("no first event")?,
+        )?;
+        let home = decode(&first).to_owned();
+        let worker = cluster.workers.iter_mut().find(|w| w.name == home);
+        worker.context("the serving worker")?.agent.service.kill()?;
+        text.push_str(&rest(body, Duration::from_secs(25)).await?);
+        ensure!(
+            text.contains("[DONE]") && !text.contains("\"error\""),
+            "the stream did not end well: ...{}",
+            &text[text.len().saturating_sub(600)..]
+        );
+        let mut sent = 0;
+        let mut finish = None;
+        for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            let Ok(event) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            let choice = &event["choices"][0];
+            sent += choice["token_ids"].as_array().map_or(0, Vec::len);
+            if choice["finish_reason"].is_string() {
+                finish = Some(choice["finish_reason"].clone());
+            }
+        }
+        ensure!(sent == max_tokens, "{sent} tokens of {max_tokens}");
+        ensure!(finish == Some(json!("length")), "finish {finish:?}");
+        let m = metrics(&cluster, format!("{}/metrics", cluster.routers[0].url())).await?;
+        ensure!(
+            m.contains(r#"router_dispatch_total{outcome="resumed"} 1"#),
             "{m}"
         );
         Ok(())

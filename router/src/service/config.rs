@@ -46,7 +46,7 @@ pub enum ConfigError {
     Core(#[from] crate::core::ConfigError),
 }
 
-/// Retries of a dispatch that failed before its first token.
+/// Retries of a dispatch that failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Retry {
@@ -57,6 +57,11 @@ pub struct Retry {
     /// Default 50 ms.
     #[serde(with = "settings::duration")]
     pub backoff: Duration,
+    /// A stream whose worker died (or lost it, or stalled) after some
+    /// tokens goes on elsewhere: the tokens already sent are appended to
+    /// the prompt and the rest is generated on a new decision (see
+    /// `dispatch::resumable`). Default on.
+    pub resume: bool,
 }
 
 impl Default for Retry {
@@ -64,6 +69,7 @@ impl Default for Retry {
         Self {
             attempts: 2,
             backoff: Duration::from_millis(50),
+            resume: true,
         }
     }
 }
@@ -430,6 +436,12 @@ fn fixed_flags() -> Vec<Flag> {
         "Dispatch: wait before the first retry, doubled before each next one",
     )
     .long("retry-backoff"),
+    Flag::new(
+        "retry.resume",
+        Kind::Switch,
+        "Dispatch: a stream whose worker died after some tokens goes on on another worker (the tokens sent are appended to its prompt)",
+    )
+    .long("retry-resume"),
     Flag::new(
         "breaker.failures",
         Kind::Number,

@@ -183,6 +183,21 @@ impl DispatchError {
         )
     }
 
+    /// Whether a stream that failed this way after some tokens may go on
+    /// on another worker: its worker died, lost the leg, lost a chunk or
+    /// stalled, or said another worker may succeed. (Not a refusal, a
+    /// malformed chunk or a broken protocol: those would fail again.)
+    pub fn resumable(&self) -> bool {
+        match self {
+            DispatchError::WorkerGone { .. }
+            | DispatchError::LegLost { .. }
+            | DispatchError::MissingChunk { .. }
+            | DispatchError::IdleTimeout { .. } => true,
+            DispatchError::WorkerFailed { retryable, .. } => *retryable,
+            _ => false,
+        }
+    }
+
     /// The worker that failed.
     pub fn worker(&self) -> Option<&WorkerId> {
         match self {
@@ -253,6 +268,27 @@ pub enum Out {
         /// Why no retry was made, when it could have been.
         no_retry: Option<String>,
     },
+}
+
+/// Why a stream cut after some tokens cannot go on elsewhere, if it
+/// cannot: the rest would not be what the same engine would have sent.
+/// Stop strings may span the cut, penalties count the output tokens
+/// (which the next engine would read as prompt), and a structured output's
+/// grammar would start over. (A seed gives another sample after the cut.)
+pub fn not_resumable(sampling: &Sampling) -> Option<&'static str> {
+    let set = |v: Option<f64>, neutral: f64| v.is_some_and(|v| v != neutral);
+    if !sampling.stop.is_empty() {
+        Some("stop strings")
+    } else if set(sampling.presence_penalty, 0.0)
+        || set(sampling.frequency_penalty, 0.0)
+        || set(sampling.repetition_penalty, 1.0)
+    {
+        Some("penalties")
+    } else if sampling.response_format.is_some() {
+        Some("response_format")
+    } else {
+        None
+    }
 }
 
 /// What every decision of a request is made from: the request id, the
@@ -590,6 +626,10 @@ impl Dispatcher {
         };
         let mut retries = 0;
         let mut avoid: Vec<WorkerId> = Vec::new();
+        // Output tokens sent to the client by earlier attempts (a resumed
+        // stream's prompt ends with them).
+        let mut sent = 0u32;
+        let mut request = request;
         loop {
             generate.annotation = assignment.decision.annotation();
             let mut ticket = Ticket {
@@ -597,9 +637,9 @@ impl Dispatcher {
                 decision: assignment.decision.id,
                 finished: false,
             };
-            let mut streamed = false;
+            let mut streamed = Vec::new();
             let result = tokio::select! {
-                r = self.legs(&assignment, &mut generate, &mut ticket, &out, &mut streamed) => r,
+                r = self.legs(&assignment, &mut generate, &mut ticket, &out, &mut streamed, sent) => r,
                 _ = out.closed() => Err(DispatchError::ClientGone),
             };
             ticket.finish();
@@ -627,10 +667,43 @@ impl Dispatcher {
             }
             let mut no_retry = None;
             let retry = &self.inner.retry;
-            if retries < retry.attempts && !streamed && error.retryable() {
+            // After some tokens: go on elsewhere with them appended to the
+            // prompt, or say why not.
+            let resume = if streamed.is_empty() {
+                false
+            } else {
+                no_retry = if !retry.resume {
+                    Some("resuming is off (retry.resume)".to_owned())
+                } else if streamed.len() as u32 >= request.max_tokens {
+                    Some("every token asked for was sent".to_owned())
+                } else if !error.resumable() {
+                    Some(format!(
+                        "a stream that failed so ({}) is not resumed",
+                        error.outcome()
+                    ))
+                } else {
+                    not_resumable(&generate.sampling)
+                        .map(|why| format!("not resumed elsewhere: the request has {why}"))
+                };
+                no_retry.is_none()
+            };
+            if retries < retry.attempts && no_retry.is_none() && (resume || error.retryable()) {
                 let failed = assignment.decision.id;
                 let backoff = retry.backoff.saturating_mul(1 << retries.min(16));
-                tracing::warn!(decision = %failed, %error, ?backoff, attempt = retries + 1, "dispatch failed before any token; retrying on another worker");
+                if resume {
+                    // Whatever the failed worker still does is wasted.
+                    self.cancel(&assignment.decision, "the stream goes on on another worker");
+                    let n = streamed.len() as u32;
+                    sent += n;
+                    generate.prompt.extend_from_slice(&streamed);
+                    request.isl_tokens += n;
+                    request.max_tokens -= n;
+                    generate.max_tokens = request.max_tokens;
+                    generate.sampling.min_tokens = generate.sampling.min_tokens.saturating_sub(n);
+                    tracing::warn!(decision = %failed, %error, ?backoff, attempt = retries + 1, sent, "the stream failed after {sent} tokens; going on on another worker with them appended to the prompt");
+                } else {
+                    tracing::warn!(decision = %failed, %error, ?backoff, attempt = retries + 1, "dispatch failed before any token; retrying on another worker");
+                }
                 if let Some(worker) = error.worker() {
                     if !avoid.contains(worker) {
                         avoid.push(worker.clone());
@@ -648,7 +721,7 @@ impl Dispatcher {
                     .await
                 {
                     Ok(next) => {
-                        metrics.dispatch("retried");
+                        metrics.dispatch(if resume { "resumed" } else { "retried" });
                         let decided = Out::Decided {
                             decision: next.decision.clone(),
                             retry_of: Some(failed),
@@ -666,7 +739,8 @@ impl Dispatcher {
                     Err(e) => no_retry = Some(format!("no retry: {e}")),
                 }
             }
-            tracing::warn!(decision = %assignment.decision.id, %error, streamed, "dispatch failed");
+            let sent = sent + streamed.len() as u32;
+            tracing::warn!(decision = %assignment.decision.id, %error, sent, no_retry = ?no_retry, "dispatch failed");
             metrics.dispatch(error.outcome());
             let _ = out.send(Out::Failed { error, no_retry }).await;
             return;
@@ -679,7 +753,8 @@ impl Dispatcher {
         request: &mut GenerateRequest,
         ticket: &mut Ticket,
         out: &mpsc::Sender<Out>,
-        streamed: &mut bool,
+        streamed: &mut Vec<u32>,
+        sent_before: u32,
     ) -> Result<(), DispatchError> {
         let decision = &routed.decision;
         request.stage = Stage::Local;
@@ -741,7 +816,8 @@ impl Dispatcher {
                     cached_tokens,
                     reason,
                 } => {
-                    if let Some(first_token_ms) = first_token_ms {
+                    // A resumed stream's times are not a request's.
+                    if let (Some(first_token_ms), 0) = (first_token_ms, sent_before) {
                         self.observed(Command::Observed {
                             decision: decision.id,
                             path: decision.path,
@@ -752,10 +828,13 @@ impl Dispatcher {
                     }
                     let done = Out::Done {
                         reason,
-                        output_tokens,
-                        cached_tokens: match decision.path {
-                            Path::Remote | Path::RemoteFetch => prefill_cached,
-                            Path::Bypass => cached_tokens,
+                        output_tokens: sent_before + output_tokens,
+                        // A resumed stream's engine read the first tokens
+                        // as prompt: its figure is not the request's.
+                        cached_tokens: match (decision.path, sent_before) {
+                            (_, 1..) => None,
+                            (Path::Remote | Path::RemoteFetch, 0) => prefill_cached,
+                            (Path::Bypass, 0) => cached_tokens,
                         },
                     };
                     return match out.send(done).await {
@@ -787,7 +866,7 @@ impl Dispatcher {
                 ));
             }
             first_token_ms.get_or_insert_with(now_ms);
-            *streamed = true;
+            streamed.extend_from_slice(&tokens);
             if out.send(Out::Tokens { tokens, logprobs }).await.is_err() {
                 return Err(DispatchError::ClientGone);
             }
@@ -1026,5 +1105,88 @@ impl Leg {
         }
         self.next_index += 1;
         Ok(chunk.event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_resumes_elsewhere_only_when_the_rest_would_be_the_same() {
+        assert_eq!(not_resumable(&Sampling::default()), None);
+        let plain = Sampling {
+            temperature: Some(0.7),
+            seed: Some(3),
+            logprobs: Some(2),
+            stop_token_ids: vec![7],
+            presence_penalty: Some(0.0),
+            repetition_penalty: Some(1.0),
+            min_tokens: 10,
+            ..Sampling::default()
+        };
+        assert_eq!(not_resumable(&plain), None, "neutral values resume");
+        for (sampling, why) in [
+            (
+                Sampling {
+                    stop: vec!["\n\n".into()],
+                    ..Sampling::default()
+                },
+                "stop strings",
+            ),
+            (
+                Sampling {
+                    frequency_penalty: Some(0.5),
+                    ..Sampling::default()
+                },
+                "penalties",
+            ),
+            (
+                Sampling {
+                    repetition_penalty: Some(1.1),
+                    ..Sampling::default()
+                },
+                "penalties",
+            ),
+            (
+                Sampling {
+                    response_format: Some(r#"{"type":"json_object"}"#.into()),
+                    ..Sampling::default()
+                },
+                "response_format",
+            ),
+        ] {
+            assert_eq!(not_resumable(&sampling), Some(why));
+        }
+    }
+
+    #[test]
+    fn only_a_dead_lost_or_stalled_stream_resumes() {
+        let worker = WorkerId::new("d0", 0).unwrap();
+        let gone = DispatchError::WorkerGone {
+            worker: worker.clone(),
+            stage: "local",
+            after: Duration::from_secs(1),
+        };
+        let idle = DispatchError::IdleTimeout {
+            worker: worker.clone(),
+            stage: "local",
+            after: Duration::from_secs(30),
+        };
+        let malformed = DispatchError::Malformed {
+            worker: worker.clone(),
+            stage: "local",
+            error: "bad".into(),
+        };
+        let refused = DispatchError::Rejected {
+            worker,
+            stage: "local",
+            status: 400,
+            param: None,
+            error: "no".into(),
+        };
+        assert!(gone.resumable() && idle.resumable());
+        assert!(!malformed.resumable() && !refused.resumable());
+        assert!(!DispatchError::ClientGone.resumable());
     }
 }

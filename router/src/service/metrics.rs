@@ -206,6 +206,7 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
         &[
             "ok",
             "retried",
+            "resumed",
             "client_gone",
             "decision_log_dropped",
             "decision_log_error",
