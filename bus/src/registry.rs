@@ -305,25 +305,10 @@ async fn keep_alive(
     let period = Duration::from_millis((ttl_s as u64 * 1000 / 3).max(100));
     loop {
         let lease = *lease_tx.borrow();
-        let alive = async {
-            let (mut keeper, mut responses) = client.lease_keep_alive(lease).await?;
-            loop {
-                keeper.keep_alive().await?;
-                match responses.message().await? {
-                    Some(r) if r.ttl() > 0 => {}
-                    // TTL 0: the lease expired while we were away.
-                    _ => return Ok::<(), etcd_client::Error>(()),
-                }
-                tokio::time::sleep(period).await;
-            }
-        };
-        tokio::select! {
-            _ = stop.changed() => return,
-            result = alive => {
-                match result {
-                    Ok(()) => tracing::warn!(worker = %record.id, lease, "registration lease expired; registering again"),
-                    Err(e) => tracing::warn!(worker = %record.id, lease, error = %e, "lease keep-alive failed; retrying"),
-                }
+        match keep_lease(&mut client, &record, lease, period, &mut stop).await {
+            Kept::Stopped => return,
+            Kept::Expired => {
+                tracing::warn!(worker = %record.id, lease, "registration lease expired; registering again");
             }
         }
         // Re-register under a new lease once etcd answers.
@@ -347,6 +332,79 @@ async fn keep_alive(
             }
         }
     }
+}
+
+/// How keeping a lease alive ended.
+enum Kept {
+    /// etcd says it expired (TTL 0): register again.
+    Expired,
+    Stopped,
+}
+
+/// Keeps `lease` alive every `period`. A failed keep-alive (the member it
+/// went to died, a leader election, no answer within two periods) is
+/// tried again at once on the same lease, which another member may renew:
+/// only a lease etcd says expired is given up, so a brief etcd outage
+/// never deregisters the worker (its key would be deleted, and routers and
+/// the indexer would drop it).
+async fn keep_lease(
+    client: &mut Client,
+    record: &WorkerRecord,
+    lease: i64,
+    period: Duration,
+    stop: &mut watch::Receiver<bool>,
+) -> Kept {
+    let answer_within = period * 2;
+    let mut failures = 0u32;
+    loop {
+        let alive = async {
+            let (mut keeper, mut responses) = client.lease_keep_alive(lease).await?;
+            loop {
+                keeper.keep_alive().await?;
+                let answer = tokio::time::timeout(answer_within, responses.message())
+                    .await
+                    .map_err(|_| KeepAliveError::Silent(answer_within))??;
+                match answer {
+                    Some(r) if r.ttl() > 0 => {}
+                    // TTL 0: the lease expired while we were away.
+                    _ => return Ok::<(), KeepAliveError>(()),
+                }
+                tokio::time::sleep(period).await;
+            }
+        };
+        tokio::select! {
+            _ = stop.changed() => return Kept::Stopped,
+            result = alive => match result {
+                Ok(()) => return Kept::Expired,
+                Err(e) => {
+                    failures += 1;
+                    // Tried every 100 ms: said at the first failure, then
+                    // every 50th.
+                    if failures % 50 == 1 {
+                        tracing::warn!(worker = %record.id, lease, failures, error = %e, "lease keep-alive failed; trying the same lease again");
+                    } else {
+                        tracing::debug!(worker = %record.id, lease, failures, error = %e, "lease keep-alive failed again");
+                    }
+                }
+            },
+        }
+        tokio::select! {
+            _ = stop.changed() => return Kept::Stopped,
+            _ = tokio::time::sleep(KEEP_ALIVE_RETRY.min(period)) => {}
+        }
+    }
+}
+
+/// The wait before a failed keep-alive is tried again.
+const KEEP_ALIVE_RETRY: Duration = Duration::from_millis(100);
+
+/// Why a keep-alive failed.
+#[derive(Debug, thiserror::Error)]
+enum KeepAliveError {
+    #[error(transparent)]
+    Etcd(#[from] etcd_client::Error),
+    #[error("no answer within {0:?}")]
+    Silent(Duration),
 }
 
 /// A worker's registration; the lease is kept alive until this is revoked

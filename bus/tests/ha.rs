@@ -1,15 +1,16 @@
 //! High availability of the glue, against real servers: streams and the
 //! snapshot store replicated on a 3-node JetStream cluster (and serving
-//! through a node's death), clients given every node's URL, and the leader
-//! election on etcd.
+//! through a node's death), clients given every node's URL, the leader
+//! election on etcd, and a registration that outlives an etcd member's
+//! death.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bus::{Bus, Registry, StreamLimits};
 use protocol::{subjects, IndexSnapshot, KvEvent, KvEventBatch};
-use tests::fixtures::worker;
-use tests::{EtcdServer, NatsCluster};
+use tests::fixtures::{worker, worker_record};
+use tests::{EtcdCluster, EtcdServer, NatsCluster};
 
 async fn replicas(bus: &Bus, stream: &str) -> Result<usize> {
     let mut stream = bus.jetstream().get_stream(stream).await?;
@@ -144,5 +145,38 @@ async fn one_leader_at_a_time_and_a_resignation_hands_over() -> Result<()> {
         .await
         .context("a revoked lease went unnoticed")?;
     assert_eq!(registry.leader(election).await?, None);
+    Ok(())
+}
+
+/// Each member of a 3-member etcd cluster killed in turn, for longer than
+/// the registration's TTL: the worker stays registered under the same
+/// lease (its keep-alive goes on through the live members), never
+/// deregistered, which would make routers and the indexer drop it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_registration_keeps_its_lease_through_an_etcd_members_death() -> Result<()> {
+    let mut etcd = EtcdCluster::start(3)?;
+    let registry = Registry::connect(&etcd.endpoints()).await?;
+    let registration = registry
+        .register(&worker_record("d0"), Duration::from_secs(2))
+        .await?;
+    let lease = registration.lease();
+    for member in 0..etcd.len() {
+        etcd.kill(member)?;
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        etcd.restart(member)?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        anyhow::ensure!(
+            registration.lease() == lease,
+            "registered again under a new lease after member {member} died: the old one lapsed"
+        );
+        let (workers, _) = registry.workers().await?;
+        anyhow::ensure!(
+            workers
+                .iter()
+                .any(|w| matches!(w, bus::WorkerChange::Up(r) if r.id == worker("d0"))),
+            "d0 is not registered after member {member} died: {workers:?}"
+        );
+    }
+    registration.revoke().await?;
     Ok(())
 }
