@@ -643,7 +643,7 @@ impl Cluster {
 
     /// Restarts every service that stopped by itself (what a supervisor
     /// does) and, if the standby indexer leads now, makes it `indexer`.
-    /// Returns the names of those restarted.
+    /// Returns the names of those restarted, each with its last words.
     pub async fn heal(&mut self) -> Result<Vec<String>> {
         let mut restarted = Vec::new();
         let nodes = std::iter::once(&mut self.indexer)
@@ -652,7 +652,8 @@ impl Cluster {
             .chain(self.workers.iter_mut().map(|w| &mut w.agent));
         for node in nodes {
             if !node.service.is_running() {
-                restarted.push(node.service.name().to_owned());
+                let why = last_words(&node.service.log());
+                restarted.push(format!("{} ({why})", node.service.name()));
                 node.service.restart()?;
                 let port = node.port;
                 node.service.wait_http_ok(port, "/healthz", STARTUP)?;
@@ -1119,4 +1120,38 @@ struct LogRebuild {
     last_seq: u64,
     /// Workers dropped for not being registered any more.
     removed: Vec<protocol::WorkerId>,
+}
+
+/// A stopped service's last words: its last error line (else its last
+/// line), without colours, at most 300 characters.
+fn last_words(log: &str) -> String {
+    let plain = |line: &str| {
+        let mut out = String::new();
+        let mut chars = line.chars();
+        while let Some(c) = chars.next() {
+            if c == '\u{1b}' {
+                // An ANSI escape: up to its final letter.
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    };
+    let lines: Vec<String> = log
+        .lines()
+        .map(plain)
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    let line = lines
+        .iter()
+        .rev()
+        .find(|l| l.contains("ERROR") || l.starts_with("Error"))
+        .or(lines.last())
+        .map_or("no output", String::as_str);
+    line.chars().take(300).collect()
 }
