@@ -405,6 +405,12 @@ impl Default for WriterLimits {
 
 /// Turns decision records into log entries, each repeated part written
 /// once. Pure: time comes in as an argument.
+///
+/// Made with [`LogWriter::awaiting_acks`], it refers only to what the log
+/// confirmed ([`LogWriter::acked`]): an entry sent but unconfirmed may be
+/// lost (a NATS node dies with it), and every entry referring to it would
+/// then be unreadable. Until its confirmation a context is written again
+/// with each decision that names it, and a prompt is not referred to.
 #[derive(Debug, Default)]
 pub struct LogWriter {
     limits: WriterLimits,
@@ -413,13 +419,38 @@ pub struct LogWriter {
     prompt_order: VecDeque<BlockHash>,
     contexts: HashSet<ContextId>,
     context_order: VecDeque<ContextId>,
+    /// Whether its own entries wait for [`LogWriter::acked`].
+    await_acks: bool,
 }
 
 impl LogWriter {
+    /// A writer whose entries are on the log once written (a file, a
+    /// test).
     pub fn new(limits: WriterLimits) -> Self {
         Self {
             limits,
             ..Self::default()
+        }
+    }
+
+    /// A writer whose entries are on the log only once confirmed
+    /// ([`LogWriter::acked`]).
+    pub fn awaiting_acks(limits: WriterLimits) -> Self {
+        Self {
+            limits,
+            await_acks: true,
+            ..Self::default()
+        }
+    }
+
+    /// The log confirmed `entry` (see [`LogWriter::awaiting_acks`]): it may
+    /// be referred to from now on.
+    pub fn acked(&mut self, entry: &LogEntry, now_ms: u64) {
+        match entry {
+            LogEntry::Context { id, .. } => {
+                self.remember_context(*id);
+            }
+            LogEntry::Decision(d) => self.saw_prompt(&d.prompt, now_ms),
         }
     }
 
@@ -447,7 +478,12 @@ impl LogWriter {
         };
         let id = context.id();
         let mut entries = Vec::with_capacity(2);
-        if self.remember_context(id) {
+        let written = if self.await_acks {
+            self.contexts.contains(&id)
+        } else {
+            !self.remember_context(id)
+        };
+        if !written {
             entries.push(LogEntry::Context { id, context });
         }
         let hashes = &inputs.block_hashes;
@@ -457,7 +493,9 @@ impl LogWriter {
             prefix,
             blocks: PackedHashes(hashes[skip..].to_vec()),
         };
-        self.saw_prompt(&prompt, now_ms);
+        if !self.await_acks {
+            self.saw_prompt(&prompt, now_ms);
+        }
         entries.push(LogEntry::Decision(LoggedDecision {
             decision: record.decision.clone(),
             context: id,

@@ -269,18 +269,23 @@ mod tests {
         move |load| Ok(if load <= capacity { 0.95 } else { 0.5 })
     }
 
+    /// A found capacity's load, failing load and dip.
+    fn found(c: Capacity) -> (f64, f64, Option<f64>) {
+        match c {
+            Capacity::Found {
+                load,
+                fails_at,
+                dipped_at,
+            } => (load, fails_at, dipped_at),
+            other => panic!("not found: {other:?}"),
+        }
+    }
+
     #[test]
     fn bisects_inside_the_bracket_the_sweep_gave() {
         let known = [(0.5, 0.99), (1.0, 0.97), (1.5, 0.6), (2.0, 0.2)];
         let (c, ran) = search(&Search::default(), &known, step(1.37)).unwrap();
-        let Capacity::Found {
-            load,
-            fails_at,
-            dipped_at,
-        } = c
-        else {
-            panic!("{c:?}")
-        };
+        let (load, fails_at, dipped_at) = found(c);
         assert!(load <= 1.37 && 1.37 < fails_at, "{c:?}");
         assert!(fails_at - load <= 0.03 * fails_at);
         assert_eq!(dipped_at, None);
@@ -322,14 +327,7 @@ mod tests {
         };
         let known = [(1.0, 0.95), (1.35, 0.85)];
         let (c, _) = search(&Search::default(), &known, dip).unwrap();
-        let Capacity::Found {
-            load,
-            fails_at,
-            dipped_at,
-        } = c
-        else {
-            panic!("{c:?}")
-        };
+        let (load, fails_at, dipped_at) = found(c);
         assert!(load <= 1.8 && fails_at > 1.8 && load > 1.7, "{c:?}");
         assert!(dipped_at.is_some_and(|d| (1.3..1.4).contains(&d)), "{c:?}");
         assert!(

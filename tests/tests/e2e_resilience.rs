@@ -19,22 +19,27 @@ use serde_json::{json, Value};
 
 type Body = std::pin::Pin<Box<dyn Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
 
-/// A streamed completion of a short prompt (a bypass on the one decode
-/// worker) at `router`, after its first `chunks` chunks.
-async fn stream(cluster: &Cluster, router: usize, max_tokens: u32, chunks: usize) -> Result<Body> {
+/// A streamed completion of a short prompt (a bypass) at `router`.
+async fn open_stream(cluster: &Cluster, router: usize, seed: u64, max_tokens: u32) -> Result<Body> {
     let response = cluster
         .http
         .post(format!("{}/v1/completions", cluster.routers[router].url()))
         .json(&json!({
             "model": MODEL,
-            "prompt": tokens(91 + router as u64, 64),
+            "prompt": tokens(seed, 64),
             "max_tokens": max_tokens,
             "stream": true,
         }))
         .send()
         .await?;
     ensure!(response.status().is_success(), "{}", response.status());
-    let mut body: Body = Box::pin(response.bytes_stream());
+    Ok(Box::pin(response.bytes_stream()))
+}
+
+/// A streamed completion of a short prompt (a bypass on the one decode
+/// worker) at `router`, after its first `chunks` chunks.
+async fn stream(cluster: &Cluster, router: usize, max_tokens: u32, chunks: usize) -> Result<Body> {
+    let mut body = open_stream(cluster, router, 91 + router as u64, max_tokens).await?;
     for _ in 0..chunks {
         body.next().await.context("the stream ended")??;
     }
@@ -111,20 +116,8 @@ async fn a_killed_decode_agent_fails_its_stream_at_once() -> Result<()> {
 async fn a_stream_whose_decode_agent_dies_goes_on_on_another_worker() -> Result<()> {
     let mut cluster = Cluster::start_secured(&["p0"], &["d0", "d1"], 1).await?;
     let result = async {
-        let max_tokens = 3_000;
-        let response = cluster
-            .http
-            .post(format!("{}/v1/completions", cluster.routers[0].url()))
-            .json(&json!({
-                "model": MODEL,
-                "prompt": tokens(77, 64),
-                "max_tokens": max_tokens,
-                "stream": true,
-            }))
-            .send()
-            .await?;
-        ensure!(response.status().is_success(), "{}", response.status());
-        let mut body: Body = Box::pin(response.bytes_stream());
+        let max_tokens: u32 = 3_000;
+        let mut body = open_stream(&cluster, 0, 77, max_tokens).await?;
         // The first event names the decode worker.
         let mut text = String::new();
         while !text.contains("\n\n") {
@@ -157,7 +150,7 @@ async fn a_stream_whose_decode_agent_dies_goes_on_on_another_worker() -> Result<
                 finish = Some(choice["finish_reason"].clone());
             }
         }
-        ensure!(sent == max_tokens, "{sent} tokens of {max_tokens}");
+        ensure!(sent == max_tokens as usize, "{sent} tokens of {max_tokens}");
         ensure!(finish == Some(json!("length")), "finish {finish:?}");
         let m = metrics(&cluster, format!("{}/metrics", cluster.routers[0].url())).await?;
         ensure!(

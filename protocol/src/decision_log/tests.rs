@@ -280,3 +280,32 @@ proptest! {
         let _ = Columns::from_bytes(&bytes);
     }
 }
+
+#[test]
+fn awaiting_acks_only_what_the_log_confirmed_is_referred_to() {
+    let mut writer = LogWriter::awaiting_acks(WriterLimits::default());
+    let cands = vec![candidate(0, [0; 3], CandidateLoad::default())];
+    let first = writer.write(&record(1, chain(1, 10), cands.clone()), 0);
+    assert_eq!(first.len(), 2, "a context, then the decision");
+    // Not confirmed yet: the context again, and the whole prompt.
+    let second = writer.write(&record(2, chain(1, 11), cands.clone()), 0);
+    assert_eq!(second.len(), 2, "the unconfirmed context is written again");
+    assert_eq!(second[1].decision().unwrap().prompt.prefix, None);
+    // The first decision is confirmed, the second lost: only the first's
+    // prompt may be referred to.
+    for e in &first {
+        writer.acked(e, 0);
+    }
+    for e in &second {
+        match e {
+            LogEntry::Context { .. } => writer.acked(e, 0),
+            LogEntry::Decision(_) => writer.lost(e),
+        }
+    }
+    let third = writer.write(&record(3, chain(1, 12), cands), 0);
+    assert_eq!(third.len(), 1, "the confirmed context is not written again");
+    assert_eq!(
+        third[0].decision().unwrap().prompt.prefix.map(|p| p.blocks),
+        Some(10)
+    );
+}

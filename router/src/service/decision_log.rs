@@ -4,10 +4,13 @@
 //! block hashes once) and sends them in order, many unacknowledged at a
 //! time, off the event loop.
 //!
-//! An entry JetStream refuses is reported to the writer, which then never
-//! refers to it (its context is written again with the next decision). The
-//! other replicas' prompts, which the event loop sees on the log, may be
-//! referred to as well.
+//! The writer refers only to entries JetStream confirmed: one sent but
+//! unconfirmed may be lost with a NATS node, and the entries referring to it
+//! would be unreadable (`replay` found such a window after a node's kill).
+//! Until its confirmation a context is written again with each decision
+//! naming it, and a prompt is not referred to (a conversation's next turn
+//! comes long after). The other replicas' prompts, which the event loop sees
+//! on the log, may be referred to as well.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -100,7 +103,7 @@ async fn run(
 ) {
     let mut full = Full(store_full, None);
     let mut expiry = tokio::time::interval(Duration::from_secs(1));
-    let mut writer = LogWriter::new(WriterLimits::default());
+    let mut writer = LogWriter::awaiting_acks(WriterLimits::default());
     let mut acks: FuturesUnordered<Ack> = FuturesUnordered::new();
     loop {
         tokio::select! {
@@ -126,7 +129,10 @@ async fn run(
                     full.saw(&error);
                     lost(&mut writer, &metrics, &entry, &error);
                 }
-                Ok(()) => full.cleared(),
+                Ok(()) => {
+                    full.cleared();
+                    writer.acked(&entry, now_ms());
+                }
             },
             _ = expiry.tick() => full.expire(),
         }

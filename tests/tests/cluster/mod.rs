@@ -1122,8 +1122,8 @@ struct LogRebuild {
     removed: Vec<protocol::WorkerId>,
 }
 
-/// A stopped service's last words: its last error line (else its last
-/// line), without colours, at most 300 characters.
+/// A stopped service's last words: its error report with its causes, else
+/// its last error line (else its last line), without colours.
 fn last_words(log: &str) -> String {
     let plain = |line: &str| {
         let mut out = String::new();
@@ -1147,10 +1147,19 @@ fn last_words(log: &str) -> String {
         .map(plain)
         .filter(|l| !l.trim().is_empty())
         .collect();
+    // anyhow's report: "Error: …", then "Caused by:" and the causes.
+    if let Some(at) = lines.iter().rposition(|l| l.starts_with("Error")) {
+        let report: Vec<&str> = lines[at..]
+            .iter()
+            .map(|l| l.trim())
+            .filter(|l| *l != "Caused by:")
+            .collect();
+        return report.join(" / ").chars().take(600).collect();
+    }
     let line = lines
         .iter()
         .rev()
-        .find(|l| l.contains("ERROR") || l.starts_with("Error"))
+        .find(|l| l.contains("ERROR"))
         .or(lines.last())
         .map_or("no output", String::as_str);
     line.chars().take(300).collect()
