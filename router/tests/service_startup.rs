@@ -156,3 +156,47 @@ async fn start_up_errors_are_clear() -> Result<()> {
     );
     Ok(())
 }
+
+/// SIGTERM with a drain notice: `/readyz` says "draining" at once while
+/// requests are still served, so a load balancer can stop sending; then
+/// the listener closes and the replica stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_replica_says_so_and_serves_through_its_notice() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let _worker = FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
+    let mut config = cluster.config("r1");
+    config.timeouts.drain_notice = Duration::from_millis(1500);
+    let router = RouterHandle::ready(config).await?;
+    router.wait_workers(1).await?;
+    let (http, readyz, completions) = (
+        router.http.clone(),
+        router.url("/readyz"),
+        router.url("/v1/completions"),
+    );
+    let started = Instant::now();
+    let stopping = tokio::spawn(router.stop());
+    let body = wait_for("/readyz to say draining", || async {
+        let r = http.get(&readyz).send().await.ok()?;
+        (r.status() == 503).then_some(())?;
+        r.text().await.ok().filter(|b| b.contains("draining"))
+    })
+    .await?;
+    assert!(body.contains("\"ready\":false"), "{body}");
+    let served = http
+        .post(&completions)
+        .json(&serde_json::json!({"prompt": tokens(4, 40), "max_tokens": 2}))
+        .send()
+        .await?;
+    assert_eq!(served.status(), 200, "still served during the notice");
+    stopping.await??;
+    assert!(
+        started.elapsed() >= Duration::from_millis(1400),
+        "stopped before its notice: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        http.get(&readyz).send().await.is_err(),
+        "still accepting after the drain"
+    );
+    Ok(())
+}

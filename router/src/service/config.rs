@@ -96,6 +96,12 @@ pub struct Timeouts {
     /// Grace for in-flight HTTP requests at shutdown. Default 10 s.
     #[serde(with = "settings::duration")]
     pub drain: Duration,
+    /// At shutdown, how long the replica goes on serving while `/readyz`
+    /// says "draining", before it stops accepting: the time a load
+    /// balancer needs to see it and send elsewhere. Default 0 (stop
+    /// accepting at once).
+    #[serde(with = "settings::duration")]
+    pub drain_notice: Duration,
     /// Period of ledger expiry, gauges and delta-head polling. Default 1 s.
     #[serde(with = "settings::duration")]
     pub tick: Duration,
@@ -109,6 +115,7 @@ impl Default for Timeouts {
             route: Duration::from_secs(2),
             probe: Duration::from_secs(1),
             drain: Duration::from_secs(10),
+            drain_notice: Duration::ZERO,
             tick: Duration::from_secs(1),
         }
     }
@@ -503,6 +510,12 @@ fn fixed_flags() -> Vec<Flag> {
     )
     .long("drain-timeout")
     .legacy(Legacy::millis("drain-timeout-ms")),
+    Flag::new(
+        "timeouts.drain_notice",
+        Kind::Duration,
+        "On shutdown, serve on this long while /readyz says draining, before refusing new connections (a load balancer's notice)",
+    )
+    .long("drain-notice"),
     Flag::new(
         "timeouts.tick",
         Kind::Duration,

@@ -21,7 +21,7 @@ pub mod token_cache;
 
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::serve::ListenerExt;
@@ -165,6 +165,7 @@ pub async fn run(
         replica: replica.clone(),
         metrics,
         readiness: ready_rx,
+        draining: AtomicBool::new(false),
         dispatcher,
         route_timeout: config.timeouts.route,
         default_max_tokens: config.default_max_tokens,
@@ -175,7 +176,7 @@ pub async fn run(
             .map_or(0, |d| d.as_secs()),
         next_request: AtomicU64::new(0),
     });
-    let routes = http::router(app, config.max_body(), config.http.clone());
+    let routes = http::router(app.clone(), config.max_body(), config.http.clone());
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving HTTP");
     }
@@ -200,6 +201,15 @@ pub async fn run(
 
     let outcome = tokio::select! {
         _ = shutdown => {
+            app.draining.store(true, Ordering::Relaxed);
+            let notice = config.timeouts.drain_notice;
+            if !notice.is_zero() {
+                tracing::info!(?notice, "shutting down: /readyz says draining; serving on for the notice");
+                tokio::select! {
+                    () = tokio::time::sleep(notice) => {}
+                    _ = &mut http_task => {}
+                }
+            }
             tracing::info!("shutting down: draining HTTP requests");
             Ok(())
         }

@@ -63,6 +63,8 @@ pub struct App {
     pub replica: Arc<str>,
     pub metrics: Metrics,
     pub readiness: watch::Receiver<Readiness>,
+    /// Set at shutdown: `/readyz` says "draining" whatever the loop says.
+    pub draining: std::sync::atomic::AtomicBool,
     pub dispatcher: Dispatcher,
     pub route_timeout: std::time::Duration,
     pub default_max_tokens: u32,

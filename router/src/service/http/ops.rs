@@ -13,14 +13,20 @@ use tokio::sync::oneshot;
 use super::error::ApiError;
 use super::openai::{LedgerBody, LedgerPeer, LedgerQuery, LedgerWorker, ReadyBody};
 use super::{json_response, App};
-use crate::service::event_loop::{Command, LedgerView};
+use crate::service::event_loop::{Command, LedgerView, Readiness};
 
 pub(super) async fn healthz() -> &'static str {
     "ok\n"
 }
 
 pub(super) async fn readyz(State(app): State<Arc<App>>) -> Response {
-    let readiness = app.readiness.borrow().clone();
+    let mut readiness = app.readiness.borrow().clone();
+    if app.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        readiness = Readiness::not_ready(format!(
+            "draining: shutting down, finishing the requests in flight ({})",
+            readiness.status
+        ));
+    }
     let status = if readiness.ready {
         StatusCode::OK
     } else {
