@@ -3,8 +3,8 @@
 //! standby kv-indexer, two routers under agentic load. One NATS node is
 //! killed (SIGKILL) and restarted: the streams lose nothing and the system
 //! serves on: a leg the dead node lost before its first token is retried
-//! (no request fails before streaming; one cut mid-stream may, as core
-//! NATS delivers at most once: their count is printed). The load's client
+//! (no request fails before streaming), and one it lost mid-stream goes on
+//! on another worker (the router's resume; what failed is printed). The load's client
 //! is also given a router URL nobody listens on, and sends those turns
 //! again through the next router, as one behind a load balancer does (it
 //! must have retried some, and lost none for it). Then one etcd member
