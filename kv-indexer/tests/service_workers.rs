@@ -14,15 +14,23 @@ use futures::{FutureExt, StreamExt};
 use protocol::{subjects, KvEventBatch, Message, ResyncReply};
 use tests::fixtures::worker_record as record;
 
+/// The resync requests the indexer sends `worker`'s agent.
+async fn resync_requests(
+    servers: &Servers,
+    worker: &protocol::WorkerId,
+) -> Result<async_nats::Subscriber> {
+    Ok(servers
+        .bus
+        .client()
+        .subscribe(subjects::resync(worker))
+        .await?)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_triggers_a_resync_request() -> Result<()> {
     let servers = Servers::start().await?;
     let d0 = worker("d0");
-    let mut requests = servers
-        .bus
-        .client()
-        .subscribe(subjects::resync(&d0))
-        .await?;
+    let mut requests = resync_requests(&servers, &d0).await?;
     let service = Running::start(servers.config()).await?;
 
     let mut workload = Workload::new(std::slice::from_ref(&d0), 3);
@@ -150,11 +158,7 @@ async fn a_worker_whose_lease_lapsed_is_asked_to_resync_when_it_registers_again(
     let lapsing = registry
         .register(&record("d0"), Duration::from_secs(1))
         .await?;
-    let mut requests = servers
-        .bus
-        .client()
-        .subscribe(subjects::resync(&d0))
-        .await?;
+    let mut requests = resync_requests(&servers, &d0).await?;
     let service = Running::start(servers.config()).await?;
     let mut workload = Workload::new(std::slice::from_ref(&d0), 9);
     for _ in 0..3 {
