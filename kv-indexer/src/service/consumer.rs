@@ -192,12 +192,47 @@ pub enum PipelineError {
 impl PipelineError {
     /// Whether sending the deltas again may succeed: JetStream refused or
     /// did not confirm (a full store, no stream leader during an election,
-    /// a timeout), not a rival writer's fence.
+    /// a timeout), or did not answer the read of the stream's end that a
+    /// resend starts with (its leader being elected), not a rival writer's
+    /// fence.
     pub fn retryable(&self) -> bool {
-        matches!(
-            self,
-            PipelineError::Publish { source, .. } if matches!(source, BusError::Publish { .. })
-        )
+        match self {
+            PipelineError::Publish { source, .. } => match source {
+                BusError::Publish { .. } => true,
+                BusError::Stream { message, .. } => {
+                    let m = message.to_ascii_lowercase();
+                    m.contains("timed out") || m.contains("no responders")
+                }
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unanswered_read_of_the_streams_end_is_retried_a_fence_is_not() {
+        let publish = |source| PipelineError::Publish { seq: 3, source };
+        let unanswered = BusError::Stream {
+            stream: "SY_INDEX_DELTAS",
+            message: "request error: timed out: request timed out: deadline has elapsed".into(),
+        };
+        assert!(publish(unanswered).retryable());
+        let refused = BusError::Publish {
+            subject: "sy.index.deltas".into(),
+            message: "timed out: didn't receive ack in time".into(),
+        };
+        assert!(publish(refused).retryable());
+        let missing = BusError::Stream {
+            stream: "SY_INDEX_DELTAS",
+            message: "stream not found".into(),
+        };
+        assert!(!publish(missing).retryable());
+        assert!(!publish(BusError::Fenced { seq: 3 }).retryable());
     }
 }
 
