@@ -144,14 +144,24 @@ impl BusError {
         self.is_store_full()
             || match self {
                 BusError::Publish { message, .. } => {
-                    let m = message.to_ascii_lowercase();
-                    m.contains("timed out")
-                        || m.contains("no stream found")
-                        || m.contains("no responders")
+                    unanswered(message) || message.to_ascii_lowercase().contains("no stream found")
                 }
                 _ => false,
             }
     }
+
+    /// Whether a request about a stream (its info, its last message) went
+    /// unanswered: a timeout or no responders, as while its leader is
+    /// being elected. Asking again may succeed.
+    pub fn is_stream_unanswered(&self) -> bool {
+        matches!(self, BusError::Stream { message, .. } if unanswered(message))
+    }
+}
+
+/// JetStream gave no answer: a timeout, or no responders.
+fn unanswered(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("timed out") || m.contains("no responders")
 }
 
 /// JetStream's answers for a store without room: insufficient resources

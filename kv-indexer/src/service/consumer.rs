@@ -197,14 +197,9 @@ impl PipelineError {
     /// fence.
     pub fn retryable(&self) -> bool {
         match self {
-            PipelineError::Publish { source, .. } => match source {
-                BusError::Publish { .. } => true,
-                BusError::Stream { message, .. } => {
-                    let m = message.to_ascii_lowercase();
-                    m.contains("timed out") || m.contains("no responders")
-                }
-                _ => false,
-            },
+            PipelineError::Publish { source, .. } => {
+                matches!(source, BusError::Publish { .. }) || source.is_stream_unanswered()
+            }
             _ => false,
         }
     }
