@@ -455,7 +455,7 @@ impl RouterLoop {
                 Event::Load(m) => self.on_load(&m),
                 Event::Progress(m) => self.on_progress(&m),
                 Event::Heartbeat(m) => self.on_heartbeat(&m),
-                Event::Beat => self.beat(Presence::Alive),
+                Event::Beat => self.beat(),
                 Event::PeerDecision(m) => self.on_peer_decision(m),
                 Event::InputEnded(input) => {
                     // Subscriptions end only with the NATS connection, the
@@ -477,16 +477,7 @@ impl RouterLoop {
         }
         // Drained (the HTTP server stopped first): whatever the peers still
         // hold of this replica's is void.
-        self.beat(Presence::Leaving);
-        let flush = self.bus.client().flush();
-        if tokio::time::timeout(Duration::from_secs(1), flush)
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                "the leaving notice was not flushed in time; peers will time this replica out"
-            );
-        }
+        self.leave().await;
         tracing::info!(replica = %self.replica, "event loop stopped");
     }
 
@@ -1227,25 +1218,57 @@ impl RouterLoop {
         }
     }
 
-    /// Publishes this replica's heartbeat (or its leaving notice).
-    fn beat(&self, state: Presence) {
-        let payload = RouterHeartbeat {
+    /// This replica's heartbeat (or its leaving notice), encoded.
+    fn heartbeat(&self, state: Presence) -> Vec<u8> {
+        RouterHeartbeat {
             replica: self.replica.to_string(),
             state,
             every_ms: self.peers.config().heartbeat_ms,
             at_ms: now_ms(),
         }
-        .encode();
+        .encode()
+    }
+
+    /// Publishes this replica's heartbeat without waiting for it: a lost
+    /// beat is covered by the next one.
+    fn beat(&self) {
+        let payload = self.heartbeat(Presence::Alive);
         let client = self.bus.client().clone();
         let subject = self.own_heartbeat.clone();
-        if state == Presence::Leaving {
-            tracing::info!(replica = %self.replica, "telling the peers this replica leaves");
-        }
         tokio::spawn(async move {
             if let Err(e) = client.publish(subject, payload.into()).await {
                 tracing::debug!(error = %e, "publishing the heartbeat failed");
             }
         });
+    }
+
+    /// Tells the peers this replica leaves; the future ends once the notice
+    /// has reached the server (or after 1 s). Published in line, not in a
+    /// task that the connection's close could overtake.
+    fn leave(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        tracing::info!(replica = %self.replica, "telling the peers this replica leaves");
+        let client = self.bus.client().clone();
+        let subject = self.own_heartbeat.clone();
+        let payload = self.heartbeat(Presence::Leaving);
+        async move {
+            let sent = async {
+                client
+                    .publish(subject, payload.into())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                client.flush().await.map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(Duration::from_secs(1), sent).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(
+                    error = %e,
+                    "the leaving notice was not sent; peers will time this replica out"
+                ),
+                Err(_) => tracing::warn!(
+                    "the leaving notice was not flushed in time; peers will time this replica out"
+                ),
+            }
+        }
     }
 
     fn on_heartbeat(&mut self, message: &async_nats::Message) {
