@@ -65,6 +65,35 @@ const SNAPSHOT_STALL: Duration = Duration::from_secs(10);
 
 /// The `stream_replicas` setting every service takes (the kv-indexer sets
 /// it on the streams; the others create missing streams with it).
+/// The stream, created with `config` if missing. Services start in any
+/// order: another one creating the stream between the look and the create
+/// (JetStream: "stream name already in use with a different
+/// configuration", or "subjects overlap with an existing stream") is no
+/// error, the stream then exists, and is looked up again (a stream of
+/// another name over the same subjects fails the second look too). Retention is the kv-indexer's to set
+/// ([`Bus::apply_stream_limits`]), not the creator's.
+async fn get_or_create_stream(
+    js: &jetstream::Context,
+    config: stream::Config,
+) -> Result<stream::Stream, jetstream::context::CreateStreamError> {
+    match js.get_or_create_stream(config.clone()).await {
+        Err(e) if created_meanwhile(&e) => js.get_or_create_stream(config).await,
+        other => other,
+    }
+}
+
+fn created_meanwhile(e: &jetstream::context::CreateStreamError) -> bool {
+    matches!(
+        e.kind(),
+        jetstream::context::CreateStreamErrorKind::JetStream(err)
+            if [
+                jetstream::ErrorCode::STREAM_NAME_EXIST,
+                jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP,
+            ]
+            .contains(&err.error_code())
+    )
+}
+
 pub fn stream_replicas_flag() -> settings::Flag {
     settings::Flag::new(
         "stream_replicas",
@@ -507,8 +536,7 @@ impl Bus {
     /// only). Only features of nats-server 2.9 are used.
     pub async fn ensure_streams(&self, limits: &StreamLimits) -> Result<(), BusError> {
         for (name, config) in stream_configs(limits) {
-            self.js
-                .get_or_create_stream(config)
+            get_or_create_stream(&self.js, config)
                 .await
                 .map_err(|e| stream_error(name)(e.to_string()))?;
         }
@@ -523,8 +551,7 @@ impl Bus {
             .into_iter()
             .find(|(name, _)| *name == subjects::KV_EVENTS_STREAM)
             .expect("the KV-event stream is configured");
-        self.js
-            .get_or_create_stream(config)
+        get_or_create_stream(&self.js, config)
             .await
             .map_err(|e| stream_error(name)(e.to_string()))?;
         Ok(())
@@ -541,9 +568,7 @@ impl Bus {
         let mut changed = Vec::new();
         for (name, wanted) in stream_configs(limits) {
             let error = stream_error(name);
-            let mut stream = self
-                .js
-                .get_or_create_stream(wanted.clone())
+            let mut stream = get_or_create_stream(&self.js, wanted.clone())
                 .await
                 .map_err(|e| error(e.to_string()))?;
             let mut config = stream

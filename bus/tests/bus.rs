@@ -149,6 +149,47 @@ async fn stream_retention_is_set_by_the_indexer() -> Result<()> {
     Ok(())
 }
 
+/// Services start in any order: an agent creating the KV-event stream
+/// while the indexer creates it with other caps must not fail (JetStream
+/// answers the later create "stream name already in use with a different
+/// configuration"; seen as an agent's exit at start in the test suite).
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_created_at_once_by_services_with_other_caps_both_start() -> Result<()> {
+    let server = NatsServer::start()?;
+    let capped = StreamLimits {
+        kv_events_max_bytes: Some(1 << 30),
+        ..StreamLimits::default()
+    };
+    let mut buses = Vec::new();
+    for i in 0..4 {
+        buses.push(Bus::connect(&server.url(), &format!("bus-test-{i}")).await?);
+    }
+    for round in 0..40 {
+        let _ = buses[0]
+            .jetstream()
+            .delete_stream(subjects::KV_EVENTS_STREAM)
+            .await;
+        let creators = buses.iter().enumerate().map(|(i, bus)| {
+            let capped = &capped;
+            async move {
+                if i % 2 == 0 {
+                    bus.ensure_kv_stream(&StreamLimits::default()).await
+                } else {
+                    bus.apply_stream_limits(capped).await.map(drop)
+                }
+            }
+        });
+        for (i, result) in futures::future::join_all(creators)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            result.map_err(|e| anyhow::anyhow!("round {round}, creator {i}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn registration_lives_with_its_lease() -> Result<()> {
     let server = EtcdServer::start()?;

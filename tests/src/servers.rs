@@ -858,6 +858,7 @@ pub(crate) fn http_request(port: u16, method: &str, path: &str, body: &str) -> i
     if head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200") {
         Ok(body.to_owned())
     } else {
-        Err(io::Error::other(format!("HTTP error: {head}")))
+        let status = head.lines().next().unwrap_or(head);
+        Err(io::Error::other(format!("{status}: {}", body.trim())))
     }
 }

@@ -119,15 +119,16 @@ impl Service {
     pub fn wait_http_ok(&mut self, port: u16, path: &str, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
-            if http_request(port, "GET", path, "").is_ok() {
-                return Ok(());
-            }
+            let answer = match http_request(port, "GET", path, "") {
+                Ok(_) => return Ok(()),
+                Err(e) => e,
+            };
             if !self.is_running() {
                 bail!("{} exited; its output:\n{}", self.name, self.log());
             }
             if Instant::now() >= deadline {
                 bail!(
-                    "{} did not answer 200 on {path} within {timeout:?}; its output:\n{}",
+                    "{} did not answer 200 on {path} within {timeout:?} (its last answer: {answer}); its output:\n{}",
                     self.name,
                     self.log()
                 );

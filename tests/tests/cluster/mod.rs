@@ -298,7 +298,11 @@ impl Cluster {
         for i in 0..routers {
             cluster.start_router(&format!("r{i}"))?;
         }
-        cluster.wait_ready().await?;
+        // A start that fails shows every service's log, not only the one
+        // that was waited for.
+        if let Err(e) = cluster.wait_ready().await {
+            return Err(e.context(cluster.logs()));
+        }
         Ok(cluster)
     }
 
