@@ -138,7 +138,12 @@ impl Registry {
 
     /// The value of the current leader of election `name`, if any.
     pub async fn leader(&self, name: &str) -> Result<Option<String>, RegistryError> {
-        match self.client().clone().leader(name).await {
+        let name = name.to_owned();
+        let asked = crate::registry::reaching(self.client(), |mut c| {
+            let name = name.clone();
+            async move { c.leader(name).await }
+        });
+        match asked.await {
             Ok(response) => Ok(response
                 .kv()
                 .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())),
@@ -171,10 +176,20 @@ impl Leadership {
 
     /// Gives the leadership up at once (a standby is elected without
     /// waiting for the TTL): resigns and revokes the lease.
-    pub async fn resign(mut self) -> Result<(), RegistryError> {
+    pub async fn resign(self) -> Result<(), RegistryError> {
         let resign = etcd_client::ResignOptions::new().with_leader(self.key.clone());
-        let resigned = self.client.resign(Some(resign)).await;
-        let revoked = self.client.lease_revoke(self.lease).await;
+        let lease = self.lease;
+        let resigned = crate::registry::reaching(&self.client, |mut c| {
+            let resign = resign.clone();
+            async move { c.resign(Some(resign)).await }
+        })
+        .await;
+        let revoked =
+            crate::registry::reaching(
+                &self.client,
+                |mut c| async move { c.lease_revoke(lease).await },
+            )
+            .await;
         resigned.map_err(|source| RegistryError::Etcd {
             operation: "resign the election",
             source,

@@ -179,11 +179,15 @@ impl BusError {
             }
     }
 
-    /// Whether a request about a stream (its info, its last message) went
-    /// unanswered: a timeout or no responders, as while its leader is
-    /// being elected. Asking again may succeed.
-    pub fn is_stream_unanswered(&self) -> bool {
-        matches!(self, BusError::Stream { message, .. } if unanswered(message))
+    /// Whether a request about a stream (its info, its last message) or
+    /// the snapshot store went unanswered: a timeout or no responders, as
+    /// while a stream's leader is being elected. Asking again may succeed.
+    pub fn is_unanswered(&self) -> bool {
+        matches!(
+            self,
+            BusError::Stream { message, .. } | BusError::Snapshot { message, .. }
+                if unanswered(message)
+        )
     }
 }
 
@@ -903,7 +907,7 @@ impl Bus {
             .await
             .map_err(|_| {
                 snapshot_error(format!(
-                    "opening {} took over {SNAPSHOT_STALL:?}",
+                    "opening {} timed out after {SNAPSHOT_STALL:?}",
                     subjects::SNAPSHOT_LATEST
                 ))
             })?;
@@ -921,7 +925,7 @@ impl Bus {
                 .await
                 .map_err(|_| {
                     snapshot_error(format!(
-                        "reading {} stalled: nothing for {SNAPSHOT_STALL:?} after {} bytes",
+                        "reading {} timed out: nothing for {SNAPSHOT_STALL:?} after {} bytes",
                         subjects::SNAPSHOT_LATEST,
                         bytes.len()
                     ))
@@ -957,6 +961,26 @@ mod tests {
         assert!(!publish("maximum payload exceeded").is_unaccepted());
         assert!(!BusError::Fenced { seq: 3 }.is_unaccepted());
         assert!(!publish("no stream found for given subject").is_store_full());
+    }
+
+    #[test]
+    fn unanswered_stream_and_snapshot_requests_may_be_asked_again() {
+        let stream = |message: &str| BusError::Stream {
+            stream: "SY_INDEX_DELTAS",
+            message: message.into(),
+        };
+        assert!(stream("request error: timed out: request timed out").is_unanswered());
+        assert!(stream("jetstream error: no responders").is_unanswered());
+        assert!(!stream("stream not found (code 404, error code 10059)").is_unanswered());
+        // The snapshot store's own bounded waits say so too.
+        assert!(snapshot_error(format!(
+            "opening {} timed out after {SNAPSHOT_STALL:?}",
+            subjects::SNAPSHOT_LATEST
+        ))
+        .is_unanswered());
+        assert!(snapshot_error("timed out").is_unanswered());
+        assert!(!snapshot_error("checksum mismatch").is_unanswered());
+        assert!(!BusError::Fenced { seq: 3 }.is_unanswered());
     }
 
     #[test]

@@ -62,6 +62,57 @@ fn etcd(operation: &'static str) -> impl FnOnce(etcd_client::Error) -> RegistryE
     move |source| RegistryError::Etcd { operation, source }
 }
 
+/// Tries of an etcd call that failed on its way ([`connection_failed`]).
+const REACH_ATTEMPTS: u32 = 8;
+
+/// Runs an etcd call, again (after 20 ms, 40 ms, ..., 0.56 s in all)
+/// while it fails on its way. The client spreads its calls over every endpoint, a dead
+/// member's too: its balanced channel keeps a member it cannot connect to
+/// and fails the calls sent there at once ("tcp connect error"; the calls
+/// in flight when a member dies end with a reset), so with one member of
+/// three down a share of all calls failed, and a watch opened again failed
+/// for seconds in a row; and the calls sent while the members elect a new
+/// leader are refused. The next try most likely goes to a live member.
+/// Trying again is safe for every call made here: reads and watches; puts
+/// of the same value; a compare-and-put, whose second try, if the first
+/// did land, only fails its compare (the caller reads again); a lease
+/// grant, whose lost twin expires with no key under it.
+pub(crate) async fn reaching<T, F, Fut>(
+    client: &Client,
+    mut call: F,
+) -> Result<T, etcd_client::Error>
+where
+    F: FnMut(Client) -> Fut,
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut attempt = 1;
+    loop {
+        match call(client.clone()).await {
+            Err(e) if attempt < REACH_ATTEMPTS && connection_failed(&e) => {
+                tracing::debug!(error = %e, attempt, "an etcd call's connection failed; trying again");
+                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt))).await;
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
+/// Whether an etcd call failed on its way, not with etcd's answer to it:
+/// its connection could not be made or was reset, or the member it reached
+/// could not serve it (gRPC "unavailable": "leader changed", "no leader"
+/// while the members elect a new leader, after the old one died).
+pub(crate) fn connection_failed(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) => true,
+        etcd_client::Error::GRpcStatus(_) => {
+            let text = e.to_string();
+            text.contains("currently unavailable") || text.contains("transport error")
+        }
+        _ => false,
+    }
+}
+
 /// A change of the registered workers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WorkerChange {
@@ -203,15 +254,15 @@ impl Registry {
     /// Every registered worker now, and the etcd revision of that view
     /// (watch from the next one).
     pub async fn workers(&self) -> Result<(Vec<WorkerChange>, i64), RegistryError> {
-        let response = self
-            .client
-            .clone()
-            .get(
+        let response = reaching(&self.client, |mut c| async move {
+            c.get(
                 subjects::ETCD_WORKERS_PREFIX,
                 Some(GetOptions::new().with_prefix()),
             )
             .await
-            .map_err(etcd("list workers"))?;
+        })
+        .await
+        .map_err(etcd("list workers"))?;
         let revision = response.header().map_or(0, |h| h.revision());
         let changes = response
             .kvs()
@@ -226,12 +277,12 @@ impl Registry {
         let options = WatchOptions::new()
             .with_prefix()
             .with_start_revision(revision + 1);
-        let stream = self
-            .client
-            .clone()
-            .watch(subjects::ETCD_WORKERS_PREFIX, Some(options))
-            .await
-            .map_err(etcd("watch workers"))?;
+        let stream = reaching(&self.client, |mut c| {
+            let options = options.clone();
+            async move { c.watch(subjects::ETCD_WORKERS_PREFIX, Some(options)).await }
+        })
+        .await
+        .map_err(etcd("watch workers"))?;
         Ok(WorkerWatch { stream })
     }
 }
@@ -242,7 +293,9 @@ async fn recorded_epoch(
     client: &mut Client,
     key: &str,
 ) -> Result<(Option<u64>, i64), RegistryError> {
-    let response = client.get(key, None).await.map_err(etcd("read epoch"))?;
+    let response = reaching(client, |mut c| async move { c.get(key, None).await })
+        .await
+        .map_err(etcd("read epoch"))?;
     Ok(match response.kvs().first() {
         Some(kv) => (
             std::str::from_utf8(kv.value())
@@ -267,11 +320,13 @@ async fn put_if_unchanged(
     let txn = Txn::new()
         .when([unchanged])
         .and_then([TxnOp::put(key, epoch.to_string(), None)]);
-    Ok(client
-        .txn(txn)
-        .await
-        .map_err(etcd("record epoch"))?
-        .succeeded())
+    Ok(reaching(client, |mut c| {
+        let txn = txn.clone();
+        async move { c.txn(txn).await }
+    })
+    .await
+    .map_err(etcd("record epoch"))?
+    .succeeded())
 }
 
 async fn put_under_lease(
@@ -279,19 +334,23 @@ async fn put_under_lease(
     record: &WorkerRecord,
     ttl_s: i64,
 ) -> Result<i64, RegistryError> {
-    let lease = client
-        .lease_grant(ttl_s, None)
-        .await
-        .map_err(etcd("grant lease"))?
-        .id();
-    client
-        .put(
-            subjects::etcd_worker_key(&record.id),
-            record.encode(),
-            Some(PutOptions::new().with_lease(lease)),
-        )
-        .await
-        .map_err(etcd("register worker"))?;
+    let lease = reaching(
+        client,
+        |mut c| async move { c.lease_grant(ttl_s, None).await },
+    )
+    .await
+    .map_err(etcd("grant lease"))?
+    .id();
+    let (key, value) = (subjects::etcd_worker_key(&record.id), record.encode());
+    reaching(client, |mut c| {
+        let (key, value) = (key.clone(), value.clone());
+        async move {
+            c.put(key, value, Some(PutOptions::new().with_lease(lease)))
+                .await
+        }
+    })
+    .await
+    .map_err(etcd("register worker"))?;
     Ok(lease)
 }
 
@@ -436,10 +495,12 @@ impl Registration {
         let _ = self.stop.send(true);
         let _ = (&mut self.task).await;
         let lease = self.lease();
-        self.client
-            .lease_revoke(lease)
-            .await
-            .map_err(etcd("revoke lease"))?;
+        reaching(
+            &self.client,
+            |mut c| async move { c.lease_revoke(lease).await },
+        )
+        .await
+        .map_err(etcd("revoke lease"))?;
         Ok(())
     }
 }

@@ -198,7 +198,7 @@ impl PipelineError {
     pub fn retryable(&self) -> bool {
         match self {
             PipelineError::Publish { source, .. } => {
-                matches!(source, BusError::Publish { .. }) || source.is_stream_unanswered()
+                matches!(source, BusError::Publish { .. }) || source.is_unanswered()
             }
             _ => false,
         }

@@ -202,6 +202,46 @@ impl std::fmt::Debug for Service {
 /// lowered until they fit, with a warning naming what was set (an indexer
 /// that would not start on a small disk helps nobody). Another refusal is
 /// logged as an error and the streams keep their limits.
+/// How long an elected indexer goes on recovering while JetStream does not
+/// answer (a stream leader's election takes 4 to 9 s on nats-server).
+const RECOVERY_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Recovers the index from the latest snapshot and the delta log, again
+/// (after 0.2 s, doubling to 2 s) while JetStream does not answer, for
+/// [`RECOVERY_PATIENCE`]: an indexer elected just after a NATS node's death
+/// must not exit because the snapshot store's leader is still being
+/// elected. Other failures end the indexer at once.
+async fn recover_patiently(
+    bus: &Bus,
+    config: &Config,
+) -> Result<recovery::Recovered, RecoveryError> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(200);
+    let mut attempt = 1u32;
+    loop {
+        let mut index = match config.max_blocks {
+            Some(max) => OwnershipIndex::with_max_blocks(max),
+            None => OwnershipIndex::new(),
+        };
+        let cap = config.max_blocks.map_or(usize::MAX, |m| m as usize);
+        index.reserve(config.reserve_blocks.min(cap));
+        match recovery::recover(bus, index).await {
+            Err(error) if error.retryable() && started.elapsed() < RECOVERY_PATIENCE => {
+                tracing::warn!(
+                    %error,
+                    attempt,
+                    retry_in_ms = pause.as_millis() as u64,
+                    "recovering the index failed (JetStream did not answer); trying again"
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
 async fn set_retention(bus: &Bus, retention: &StreamLimits) -> Result<(), ServiceError> {
     match bus.fit_stream_limits(retention).await {
         Ok((set, changed)) => {
@@ -313,13 +353,7 @@ impl Candidate {
         );
         set_retention(&bus, &config.stream_limits()).await?;
 
-        let mut index = match config.max_blocks {
-            Some(max) => OwnershipIndex::with_max_blocks(max),
-            None => OwnershipIndex::new(),
-        };
-        let cap = config.max_blocks.map_or(usize::MAX, |m| m as usize);
-        index.reserve(config.reserve_blocks.min(cap));
-        let recovered = recovery::recover(&bus, index).await?;
+        let recovered = recover_patiently(&bus, &config).await?;
         let indexer = recovered.indexer;
         metrics.recovery_replayed.set(recovered.replayed as f64);
         metrics.snapshot_seq.set(recovered.snapshot_seq as f64);

@@ -33,6 +33,20 @@ pub enum RecoveryError {
     LogTimeout { at: u64, last: u64 },
 }
 
+impl RecoveryError {
+    /// Whether recovering again may succeed: JetStream did not answer (a
+    /// stream's or the snapshot store's leader being elected after a NATS
+    /// node's death), or the delta log's read stalled. A snapshot that
+    /// does not restore, or a log that does not continue it, stays so.
+    pub fn retryable(&self) -> bool {
+        match self {
+            RecoveryError::Bus(e) => e.is_unanswered(),
+            RecoveryError::LogTimeout { .. } => true,
+            _ => false,
+        }
+    }
+}
+
 /// The recovered state.
 #[derive(Debug)]
 pub struct Recovered {
@@ -77,4 +91,27 @@ pub async fn recover(bus: &Bus, index: OwnershipIndex) -> Result<Recovered, Reco
         indexer,
         snapshot_seq,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unanswered_store_or_a_stalled_log_is_recovered_again_a_broken_one_is_not() {
+        let snapshot_timeout = RecoveryError::Bus(BusError::Snapshot {
+            bucket: "sy-index-snapshots",
+            message: "timed out".into(),
+        });
+        assert!(snapshot_timeout.retryable());
+        assert!(RecoveryError::LogTimeout { at: 3, last: 9 }.retryable());
+        assert!(!RecoveryError::SnapshotAhead {
+            snapshot: 9,
+            last: 3
+        }
+        .retryable());
+        assert!(!RecoveryError::LogEnded { at: 3, last: 9 }.retryable());
+        let fenced = RecoveryError::Bus(BusError::Fenced { seq: 4 });
+        assert!(!fenced.retryable());
+    }
 }
