@@ -72,15 +72,40 @@ const SNAPSHOT_STALL: Duration = Duration::from_secs(10);
 /// error, the stream then exists, and is looked up again (a stream of
 /// another name over the same subjects fails the second look too). Retention is the kv-indexer's to set
 /// ([`Bus::apply_stream_limits`]), not the creator's.
+///
+/// A JetStream that does not answer (a cluster still forming, or electing
+/// a leader after a node's death) is asked again, after 0.25 s doubling to
+/// 2 s, for up to [`STREAM_PATIENCE`]: services starting together with
+/// a new cluster must not exit on its first slow answer.
 async fn get_or_create_stream(
     js: &jetstream::Context,
     config: stream::Config,
 ) -> Result<stream::Stream, jetstream::context::CreateStreamError> {
-    match js.get_or_create_stream(config.clone()).await {
-        Err(e) if created_meanwhile(&e) => js.get_or_create_stream(config).await,
-        other => other,
+    let started = tokio::time::Instant::now();
+    let mut pause = Duration::from_millis(250);
+    loop {
+        let result = match js.get_or_create_stream(config.clone()).await {
+            Err(e) if created_meanwhile(&e) => js.get_or_create_stream(config.clone()).await,
+            other => other,
+        };
+        match result {
+            Err(e) if unanswered(&e.to_string()) && started.elapsed() < STREAM_PATIENCE => {
+                tracing::warn!(
+                    stream = %config.name,
+                    error = %e,
+                    retry_in_ms = pause.as_millis() as u64,
+                    "JetStream did not answer about the stream; asking again"
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            other => return other,
+        }
     }
 }
+
+/// How long [`get_or_create_stream`] asks a JetStream that does not answer.
+const STREAM_PATIENCE: Duration = Duration::from_secs(60);
 
 fn created_meanwhile(e: &jetstream::context::CreateStreamError) -> bool {
     matches!(
@@ -851,9 +876,14 @@ impl Bus {
                 message: e.to_string(),
             }
         };
+        let mut message =
+            jetstream::message::PublishMessage::build().payload(entry.encode().into());
+        if let Some(d) = entry.decision() {
+            message = message.message_id(subjects::decision_msg_id(&d.decision.id));
+        }
         let ack = self
             .js
-            .publish(subject.clone(), entry.encode().into())
+            .send_publish(subject.clone(), message)
             .await
             .map_err(|e| publish_error(&e))?;
         Ok(async move {
@@ -900,9 +930,15 @@ impl Bus {
         Ok(())
     }
 
-    /// The latest snapshot, if one was ever stored.
+    /// The latest snapshot, if one was ever stored. Reading never creates
+    /// the store (routers may not: the bus's permissions keep that to the
+    /// indexer); a store not there yet holds no snapshot.
     pub async fn latest_snapshot(&self) -> Result<Option<IndexSnapshot>, BusError> {
-        let store = self.snapshot_store().await?;
+        let store = match self.js.get_object_store(subjects::SNAPSHOT_BUCKET).await {
+            Ok(store) => store,
+            Err(e) if stream_not_found(&e) => return Ok(None),
+            Err(e) => return Err(snapshot_error(e)),
+        };
         let got = tokio::time::timeout(SNAPSHOT_STALL, store.get(subjects::SNAPSHOT_LATEST))
             .await
             .map_err(|_| {

@@ -23,7 +23,15 @@ async fn streams_and_snapshots_are_replicated_and_survive_a_node() -> Result<()>
     let bus = Bus::connect(&nats.urls(), "bus-ha-test").await?;
     // Another service came first and created them with one replica.
     bus.ensure_streams(&StreamLimits::default()).await?;
-    assert_eq!(bus.latest_snapshot().await?, None); // creates the store
+    assert_eq!(bus.latest_snapshot().await?, None); // reading creates no store
+    let empty = IndexSnapshot {
+        delta_seq: 0,
+        workers: Vec::new(),
+        cursors: Vec::new(),
+        runs: Vec::new(),
+        digest: 0,
+    };
+    bus.put_snapshot(&empty).await?; // storing does
     for stream in [
         subjects::KV_EVENTS_STREAM,
         subjects::DECISIONS_STREAM,
@@ -89,13 +97,7 @@ async fn streams_and_snapshots_are_replicated_and_survive_a_node() -> Result<()>
             }
         }
     }
-    let snapshot = IndexSnapshot {
-        delta_seq: 0,
-        workers: Vec::new(),
-        cursors: Vec::new(),
-        runs: Vec::new(),
-        digest: 0,
-    };
+    let snapshot = empty;
     // The indexer retries a snapshot that failed, so does this.
     loop {
         match bus.put_snapshot(&snapshot).await {

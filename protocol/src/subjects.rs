@@ -23,6 +23,12 @@ pub fn kv_batch_msg_id(worker: &WorkerId, epoch: u64, seq: u64) -> String {
     format!("kv.{}.{epoch}.{seq}", worker.subject_tokens())
 }
 
+/// The JetStream message id of a decision's log entry: a decision sent
+/// again (its first write unconfirmed) is stored once.
+pub fn decision_msg_id(decision: &crate::DecisionId) -> String {
+    format!("decision.{decision}")
+}
+
 /// JetStream stream of the indexer's canonical [`crate::IndexDelta`]s. The
 /// stream sequence of delta `n` is `n`: the indexer publishes each delta
 /// expecting the stream's last sequence to be `n - 1`, which also fences

@@ -170,6 +170,66 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
     router.stop().await
 }
 
+/// A decision whose log entry JetStream did not take ("no stream found",
+/// as while the stream's leader is elected after a NATS node's death) is
+/// held and sent again until it does: the log loses nothing of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_the_log_did_not_take_is_sent_again_once_it_does() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let (mut workers, history) = deployment(&cluster).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    router.wait_workers(3).await?;
+    let js = cluster.bus.jetstream();
+    js.delete_stream(subjects::DECISIONS_STREAM).await?;
+    let mut prompt = history.clone();
+    prompt.extend(tokens(43, 50));
+    let r = router
+        .post(
+            "/v1/completions",
+            serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 5}),
+        )
+        .await?;
+    assert_eq!(r.status(), 200, "routing needs no decision log");
+    let decision = decision_header(&r);
+    workers[2].next_request().await?;
+    // Long enough for the first send and a resend to fail.
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    cluster
+        .bus
+        .ensure_streams(&bus::StreamLimits::default())
+        .await?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let logged = loop {
+        let last = js
+            .get_stream(subjects::DECISIONS_STREAM)
+            .await?
+            .get_last_raw_message_by_subject(&subjects::decisions("r1"))
+            .await;
+        if let Ok(message) = last {
+            break LogEntry::decode(&message.payload)?;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the decision never reached the log"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    match logged {
+        LogEntry::Decision(d) => assert_eq!(d.decision.id.to_string(), decision),
+        other => anyhow::bail!("the last entry is not a decision: {other:?}"),
+    }
+    let metrics = router.get_text("/metrics").await?;
+    assert!(
+        metrics.contains(r#"router_dispatch_total{outcome="decision_log_resent"}"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"router_dispatch_total{outcome="decision_log_error"} 0"#),
+        "{metrics}"
+    );
+    router.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_cold_prompt_is_prefilled_remotely() -> Result<()> {
     let cluster = Cluster::start().await?;

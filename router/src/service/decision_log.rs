@@ -11,12 +11,20 @@
 //! naming it, and a prompt is not referred to (a conversation's next turn
 //! comes long after). The other replicas' prompts, which the event loop sees
 //! on the log, may be referred to as well.
+//!
+//! An entry JetStream did not take (no confirmation, or "no stream found"
+//! while a stream's leader is elected after a NATS node's death) is held
+//! and sent again in the order it was first sent, for up to
+//! [`RESEND_FOR`]; a decision's entry carries its decision id as message
+//! id, so one sent again after a lost confirmation is stored once. Only
+//! then, or at a refusal for room, is it lost (logged, counted).
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bus::{Bus, BusError};
 use futures::stream::FuturesUnordered;
@@ -34,6 +42,16 @@ const QUEUE: usize = 16_384;
 const IN_FLIGHT: usize = 4_096;
 /// At shutdown, acknowledgements are awaited this long.
 const DRAIN: Duration = Duration::from_secs(2);
+/// An entry JetStream did not take is sent again for this long after its
+/// first failure (a stream's leader election takes 4 to 9 s).
+const RESEND_FOR: Duration = Duration::from_secs(60);
+/// The first pause before sending held entries again; it doubles while
+/// they keep failing, up to [`RESEND_PAUSE_MAX`].
+const RESEND_PAUSE: Duration = Duration::from_millis(250);
+const RESEND_PAUSE_MAX: Duration = Duration::from_secs(2);
+/// Entries held at most; beyond, a failed entry is lost (bounded memory
+/// through a long outage: about 20 MB of 1.3 KB entries).
+const HELD_MAX: usize = 16_384;
 
 enum LogCommand {
     Write(Box<DecisionRecord>),
@@ -49,7 +67,15 @@ pub struct DecisionLog {
     store_full: Arc<AtomicBool>,
 }
 
-type Ack = Pin<Box<dyn Future<Output = (LogEntry, Result<(), BusError>)> + Send>>;
+type Ack = Pin<Box<dyn Future<Output = (Sent, Result<(), BusError>)> + Send>>;
+
+/// An entry on its way, with its place in the order of first sends and
+/// when it first failed.
+struct Sent {
+    order: u64,
+    entry: LogEntry,
+    failed_at: Option<Instant>,
+}
 
 impl DecisionLog {
     /// Starts the writer; it stops when every handle is dropped, after
@@ -105,7 +131,10 @@ async fn run(
     let mut expiry = tokio::time::interval(Duration::from_secs(1));
     let mut writer = LogWriter::awaiting_acks(WriterLimits::default());
     let mut acks: FuturesUnordered<Ack> = FuturesUnordered::new();
+    let mut held = Held::default();
+    let mut order = 0u64;
     loop {
+        let resend_at = held.resend_at();
         tokio::select! {
             command = rx.recv(), if acks.len() < IN_FLIGHT => match command {
                 None => break,
@@ -114,33 +143,34 @@ async fn run(
                 }
                 Some(LogCommand::Write(record)) => {
                     for entry in writer.write(&record, now_ms()) {
-                        match bus.send_log_entry(&replica, &entry).await {
-                            Ok(ack) => acks.push(Box::pin(async move { (entry, ack.await) })),
-                            Err(error) => {
-                                full.saw(&error);
-                                lost(&mut writer, &metrics, &entry, &error)
-                            }
-                        }
+                        order += 1;
+                        let sent = Sent { order, entry, failed_at: None };
+                        send(&bus, &replica, sent, &mut acks, &mut held, &mut full, &mut writer, &metrics).await;
                     }
                 }
             },
-            Some((entry, acked)) = acks.next() => match acked {
-                Err(error) => {
-                    full.saw(&error);
-                    lost(&mut writer, &metrics, &entry, &error);
-                }
+            Some((sent, acked)) = acks.next() => match acked {
+                Err(error) => failed(sent, error, &mut held, &mut full, &mut writer, &metrics),
                 Ok(()) => {
                     full.cleared();
-                    writer.acked(&entry, now_ms());
+                    held.took_one();
+                    writer.acked(&sent.entry, now_ms());
                 }
             },
+            _ = tokio::time::sleep_until(resend_at.unwrap_or_else(far_future).into()), if resend_at.is_some() => {
+                let entries = held.take();
+                metrics.dispatch_by("decision_log_resent", entries.len() as u64);
+                for sent in entries {
+                    send(&bus, &replica, sent, &mut acks, &mut held, &mut full, &mut writer, &metrics).await;
+                }
+            }
             _ = expiry.tick() => full.expire(),
         }
     }
     let drained = tokio::time::timeout(DRAIN, async {
-        while let Some((entry, acked)) = acks.next().await {
+        while let Some((sent, acked)) = acks.next().await {
             if let Err(error) = acked {
-                lost(&mut writer, &metrics, &entry, &error);
+                lost(&mut writer, &metrics, &sent.entry, &error);
             }
         }
     })
@@ -151,13 +181,113 @@ async fn run(
             "decision-log entries still unacknowledged at shutdown"
         );
     }
+    if !held.entries.is_empty() {
+        metrics.dispatch_by("decision_log_error", held.entries.len() as u64);
+        tracing::warn!(
+            held = held.entries.len(),
+            "decision-log entries JetStream did not take are lost at shutdown"
+        );
+    }
+}
+
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(3600)
+}
+
+/// Sends an entry (first or again); a send that fails at once is handled
+/// as a failed acknowledgement.
+#[allow(clippy::too_many_arguments)]
+async fn send(
+    bus: &Bus,
+    replica: &str,
+    sent: Sent,
+    acks: &mut FuturesUnordered<Ack>,
+    held: &mut Held,
+    full: &mut Full,
+    writer: &mut LogWriter,
+    metrics: &Metrics,
+) {
+    match bus.send_log_entry(replica, &sent.entry).await {
+        Ok(ack) => acks.push(Box::pin(async move { (sent, ack.await) })),
+        Err(error) => failed(sent, error, held, full, writer, metrics),
+    }
+}
+
+/// An entry JetStream did not take: held to be sent again while it did not
+/// answer (for [`RESEND_FOR`], [`HELD_MAX`] at most), lost when it refused
+/// for room or after that.
+fn failed(
+    mut sent: Sent,
+    error: BusError,
+    held: &mut Held,
+    full: &mut Full,
+    writer: &mut LogWriter,
+    metrics: &Metrics,
+) {
+    full.saw(&error);
+    let failed_at = *sent.failed_at.get_or_insert_with(Instant::now);
+    let resend = error.is_unaccepted()
+        && !error.is_store_full()
+        && failed_at.elapsed() < RESEND_FOR
+        && held.entries.len() < HELD_MAX;
+    if resend {
+        held.hold(sent, &error);
+    } else {
+        lost(writer, metrics, &sent.entry, &error);
+    }
+}
+
+/// The entries waiting to be sent again, in the order of their first send
+/// (a decision's context before the decision), and when.
+#[derive(Default)]
+struct Held {
+    entries: BTreeMap<u64, Sent>,
+    pause: Option<Duration>,
+    at: Option<Instant>,
+}
+
+impl Held {
+    fn hold(&mut self, sent: Sent, error: &BusError) {
+        if self.entries.is_empty() && self.at.is_none() {
+            tracing::warn!(
+                %error,
+                "JetStream did not take a decision-log entry; holding this replica's entries and sending them again (for up to 60 s)"
+            );
+        }
+        self.entries.insert(sent.order, sent);
+        if self.at.is_none() {
+            let pause = self
+                .pause
+                .map_or(RESEND_PAUSE, |p| (p * 2).min(RESEND_PAUSE_MAX));
+            self.pause = Some(pause);
+            self.at = Some(Instant::now() + pause);
+        }
+    }
+
+    fn resend_at(&self) -> Option<Instant> {
+        self.at.filter(|_| !self.entries.is_empty())
+    }
+
+    /// The held entries, in order, to send now.
+    fn take(&mut self) -> Vec<Sent> {
+        self.at = None;
+        std::mem::take(&mut self.entries).into_values().collect()
+    }
+
+    /// JetStream took an entry: the next hold starts with a short pause.
+    fn took_one(&mut self) {
+        if self.pause.is_some() && self.entries.is_empty() && self.at.is_none() {
+            tracing::info!("JetStream takes the decision log's entries again");
+            self.pause = None;
+        }
+    }
 }
 
 /// Whether JetStream takes the writes, as they saw: logged once when it
 /// stops and once when it takes them again (a write accepted, or no write
 /// refused for [`FULL_FOR`]: an idle replica writes nothing that would
 /// show room again).
-struct Full(Arc<AtomicBool>, Option<std::time::Instant>);
+struct Full(Arc<AtomicBool>, Option<Instant>);
 
 /// How long a refusal keeps the replica not ready with no later write.
 const FULL_FOR: Duration = Duration::from_secs(2);
@@ -171,7 +301,7 @@ impl Full {
         if !error.is_store_full() {
             return;
         }
-        self.1 = Some(std::time::Instant::now());
+        self.1 = Some(Instant::now());
         if !self.0.swap(true, Ordering::Relaxed) {
             tracing::error!(%error, "JetStream's store is full: the decision log refuses this replica's decisions (not ready until it has room, or no refusal for 2 s)");
         }

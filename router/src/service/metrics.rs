@@ -476,11 +476,16 @@ impl Metrics {
 
     /// A dispatch ended (or was retried).
     pub fn dispatch(&self, outcome: &'static str) {
+        self.dispatch_by(outcome, 1);
+    }
+
+    /// [`Metrics::dispatch`], `n` at once.
+    pub fn dispatch_by(&self, outcome: &'static str, n: u64) {
         self.counter(
             "router_dispatch_total",
             vec![Label::new("outcome", outcome)],
         )
-        .increment(1);
+        .increment(n);
     }
 
     /// An HTTP response.
