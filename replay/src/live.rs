@@ -18,6 +18,8 @@ use protocol::{
 use crate::file::Export;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// Times a standing delta feed is opened again before an export gives up.
+const REOPEN_FEED: u32 = 3;
 /// How long a read from a start time waits for its first message before
 /// it takes the stream to hold none after it.
 const FIRST_BY_TIME: Duration = Duration::from_secs(2);
@@ -136,14 +138,31 @@ pub async fn export(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let mut deltas = Vec::new();
+    let mut deltas: Vec<protocol::IndexDelta> = Vec::new();
     if checkpoint.delta_seq >= start {
+        // A feed that stands still (its consumer died with a NATS node,
+        // a stream electing its leader) is opened again after the last
+        // delta read, a few times, before the export gives up.
+        let mut reopened = 0;
         let mut stream = bus.deltas_from(start).await?;
-        while let Some(delta) = tokio::time::timeout(TIMEOUT, stream.next())
-            .await
-            .context("reading deltas")?
-        {
-            let delta = delta?;
+        loop {
+            let delta = match tokio::time::timeout(TIMEOUT, stream.next()).await {
+                Ok(Some(delta)) => delta?,
+                Ok(None) => break,
+                Err(_) if reopened < REOPEN_FEED => {
+                    reopened += 1;
+                    let next = deltas.last().map_or(start, |d| d.seq + 1);
+                    eprintln!(
+                        "no delta for {TIMEOUT:?} (reading from {next}); opening the delta feed again ({reopened} of {REOPEN_FEED})"
+                    );
+                    stream = bus.deltas_from(next).await?;
+                    continue;
+                }
+                Err(_) => bail!(
+                    "reading deltas: none for {TIMEOUT:?} after delta {}, {REOPEN_FEED} times (is JetStream electing the delta stream's leader? try again)",
+                    deltas.last().map_or(start - 1, |d| d.seq)
+                ),
+            };
             if deltas.is_empty() && delta.seq != start {
                 bail!(
                     "deltas from {start} are needed but the stream starts at {} (trimmed) and the latest snapshot is newer than the window; export a shorter window",
