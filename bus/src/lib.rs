@@ -28,8 +28,8 @@ mod signal;
 pub use auth::{auth_flags, redact_url, AuthArgs, AuthError, EtcdAuth, NatsAuth, Secret};
 pub use election::Leadership;
 pub use nats::{
-    check_replicas, store_full, stream_replicas_flag, Bus, BusError, DeltaPublisher, DeltaSent,
-    StreamLimits, CONNECT_PATIENCE, MAX_REPLICAS, MIN_FITTED_BYTES,
+    check_replicas, create_consumer_patiently, store_full, stream_replicas_flag, Bus, BusError,
+    DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE, MAX_REPLICAS, MIN_FITTED_BYTES,
 };
 pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};
 pub use signal::shutdown_signal;

@@ -47,12 +47,14 @@ async fn read_stream(
         consumer::DeliverPolicy::All => TIMEOUT,
         _ => FIRST_BY_TIME,
     };
-    let consumer = s
-        .create_consumer(consumer::pull::OrderedConfig {
+    let consumer = bus::create_consumer_patiently(|| {
+        s.create_consumer(consumer::pull::OrderedConfig {
             deliver_policy: policy,
             ..Default::default()
         })
-        .await?;
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("reading {stream}: {e}"))?;
     let mut messages = consumer.messages().await?;
     let mut out = Vec::new();
     let mut seq = 0;

@@ -94,15 +94,16 @@ async fn decision_log(
         .get_stream(subjects::DECISIONS_STREAM)
         .await
         .map_err(|e| error(&e))?;
-    let consumer = stream
-        .create_consumer(consumer::push::OrderedConfig {
+    let consumer = bus::create_consumer_patiently(|| {
+        stream.create_consumer(consumer::push::OrderedConfig {
             deliver_subject: bus.client().new_inbox(),
             deliver_policy: consumer::DeliverPolicy::New,
             filter_subject: subjects::DECISIONS_ALL.into(),
             ..Default::default()
         })
-        .await
-        .map_err(|e| error(&e))?;
+    })
+    .await
+    .map_err(|e| error(&e))?;
     let messages = consumer.messages().await.map_err(|e| error(&e))?;
     Ok(messages.map(|m| m.map_err(|e| e.to_string())).boxed())
 }
