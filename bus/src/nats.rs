@@ -657,7 +657,7 @@ impl Bus {
             changed.push(name);
         }
         // The snapshot store is a stream too: its replicas follow.
-        self.snapshot_store_with(limits.replicas).await?;
+        self.snapshot_store_with(Some(limits.replicas)).await?;
         let name = subjects::SNAPSHOT_STREAM;
         let error = stream_error(name);
         let mut stream = self.stream(name).await?;
@@ -927,30 +927,45 @@ impl Bus {
         })
     }
 
+    /// The snapshot store, created if missing with as many replicas as the
+    /// delta stream has (a store of one replica, made while the indexer
+    /// could not set the limits, died with its node in a drill).
     async fn snapshot_store(&self) -> Result<object_store::ObjectStore, BusError> {
-        self.snapshot_store_with(1).await
+        self.snapshot_store_with(None).await
     }
 
-    /// The snapshot store, created with `replicas` if missing.
+    /// The snapshot store, created with `replicas` (`None`: the delta
+    /// stream's) if missing.
     async fn snapshot_store_with(
         &self,
-        replicas: usize,
+        replicas: Option<usize>,
     ) -> Result<object_store::ObjectStore, BusError> {
         match self.js.get_object_store(subjects::SNAPSHOT_BUCKET).await {
             Ok(store) => Ok(store),
             // A cluster electing the stream's leader answers slowly or not
             // at all: that is no reason to create the store.
             Err(e) if !stream_not_found(&e) => Err(snapshot_error(e)),
-            Err(_) => self
-                .js
-                .create_object_store(object_store::Config {
-                    bucket: subjects::SNAPSHOT_BUCKET.into(),
-                    storage: stream::StorageType::File,
-                    num_replicas: replicas.max(1),
-                    ..Default::default()
-                })
-                .await
-                .map_err(snapshot_error),
+            Err(_) => {
+                let replicas = match replicas {
+                    Some(r) => r,
+                    None => {
+                        let mut deltas = self.stream(subjects::INDEX_DELTAS_STREAM).await?;
+                        let info = deltas.info().await.map_err(|e| {
+                            stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string())
+                        })?;
+                        info.config.num_replicas
+                    }
+                };
+                self.js
+                    .create_object_store(object_store::Config {
+                        bucket: subjects::SNAPSHOT_BUCKET.into(),
+                        storage: stream::StorageType::File,
+                        num_replicas: replicas.max(1),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(snapshot_error)
+            }
         }
     }
 
