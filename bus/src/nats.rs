@@ -63,15 +63,17 @@ pub const MAX_REPLICAS: usize = 5;
 /// How long a snapshot read may wait for its next bytes before it fails.
 const SNAPSHOT_STALL: Duration = Duration::from_secs(3);
 
-/// The `stream_replicas` setting every service takes (the kv-indexer sets
-/// it on the streams; the others create missing streams with it).
+/// How long [`get_or_create_stream`] asks a JetStream that does not answer.
+const STREAM_PATIENCE: Duration = Duration::from_secs(60);
+
 /// The stream, created with `config` if missing. Services start in any
 /// order: another one creating the stream between the look and the create
 /// (JetStream: "stream name already in use with a different
 /// configuration", or "subjects overlap with an existing stream") is no
 /// error, the stream then exists, and is looked up again (a stream of
-/// another name over the same subjects fails the second look too). Retention is the kv-indexer's to set
-/// ([`Bus::apply_stream_limits`]), not the creator's.
+/// another name over the same subjects fails the second look too).
+/// Retention is the kv-indexer's to set ([`Bus::apply_stream_limits`]),
+/// not the creator's.
 ///
 /// A JetStream that does not answer (a cluster still forming, or electing
 /// a leader after a node's death) is asked again, after 0.25 s doubling to
@@ -102,6 +104,20 @@ async fn get_or_create_stream(
             other => return other,
         }
     }
+}
+
+/// Whether a create failed because another service created the stream
+/// first (see [`get_or_create_stream`]).
+fn created_meanwhile(e: &jetstream::context::CreateStreamError) -> bool {
+    matches!(
+        e.kind(),
+        jetstream::context::CreateStreamErrorKind::JetStream(err)
+            if [
+                jetstream::ErrorCode::STREAM_NAME_EXIST,
+                jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP,
+            ]
+            .contains(&err.error_code())
+    )
 }
 
 /// How long one try of [`create_consumer_patiently`] waits for JetStream.
@@ -138,21 +154,8 @@ where
     ))
 }
 
-/// How long [`get_or_create_stream`] asks a JetStream that does not answer.
-const STREAM_PATIENCE: Duration = Duration::from_secs(60);
-
-fn created_meanwhile(e: &jetstream::context::CreateStreamError) -> bool {
-    matches!(
-        e.kind(),
-        jetstream::context::CreateStreamErrorKind::JetStream(err)
-            if [
-                jetstream::ErrorCode::STREAM_NAME_EXIST,
-                jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP,
-            ]
-            .contains(&err.error_code())
-    )
-}
-
+/// The `stream_replicas` setting every service takes (the kv-indexer sets
+/// it on the streams; the others create missing streams with it).
 pub fn stream_replicas_flag() -> settings::Flag {
     settings::Flag::new(
         "stream_replicas",

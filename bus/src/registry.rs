@@ -66,17 +66,17 @@ fn etcd(operation: &'static str) -> impl FnOnce(etcd_client::Error) -> RegistryE
 const REACH_ATTEMPTS: u32 = 8;
 
 /// Runs an etcd call, again (after 20 ms, 40 ms, ..., 0.56 s in all)
-/// while it fails on its way. The client spreads its calls over every endpoint, a dead
-/// member's too: its balanced channel keeps a member it cannot connect to
-/// and fails the calls sent there at once ("tcp connect error"; the calls
-/// in flight when a member dies end with a reset), so with one member of
-/// three down a share of all calls failed, and a watch opened again failed
-/// for seconds in a row; and the calls sent while the members elect a new
-/// leader are refused. The next try most likely goes to a live member.
-/// Trying again is safe for every call made here: reads and watches; puts
-/// of the same value; a compare-and-put, whose second try, if the first
-/// did land, only fails its compare (the caller reads again); a lease
-/// grant, whose lost twin expires with no key under it.
+/// while it fails on its way. The client spreads its calls over every
+/// endpoint, a dead member's too: its balanced channel keeps a member it
+/// cannot connect to and fails the calls sent there at once ("tcp connect
+/// error"; the calls in flight when a member dies end with a reset), so
+/// with one member of three down a share of all calls failed, and a watch
+/// opened again failed for seconds in a row; and the calls sent while the
+/// members elect a new leader are refused. The next try most likely goes
+/// to a live member. Trying again is safe for every call made here: reads
+/// and watches; puts of the same value; a compare-and-put, whose second
+/// try, if the first did land, only fails its compare (the caller reads
+/// again); a lease grant, whose lost twin expires with no key under it.
 pub(crate) async fn reaching<T, F, Fut>(
     client: &Client,
     mut call: F,
