@@ -127,113 +127,137 @@ async fn run(
     metrics: Metrics,
     store_full: Arc<AtomicBool>,
 ) {
-    let mut full = Full(store_full, None);
+    let mut task = Task {
+        bus,
+        replica,
+        metrics,
+        full: Full(store_full, None),
+        writer: LogWriter::awaiting_acks(WriterLimits::default()),
+        acks: FuturesUnordered::new(),
+        held: Held::default(),
+        order: 0,
+    };
     let mut expiry = tokio::time::interval(Duration::from_secs(1));
-    let mut writer = LogWriter::awaiting_acks(WriterLimits::default());
-    let mut acks: FuturesUnordered<Ack> = FuturesUnordered::new();
-    let mut held = Held::default();
-    let mut order = 0u64;
     loop {
-        let resend_at = held.resend_at();
+        let resend_at = task.held.resend_at();
         tokio::select! {
-            command = rx.recv(), if acks.len() < IN_FLIGHT => match command {
+            command = rx.recv(), if task.acks.len() < IN_FLIGHT => match command {
                 None => break,
                 Some(LogCommand::PeerPrompt { last, blocks }) => {
-                    writer.saw_prompt_end(last, blocks, now_ms());
+                    task.writer.saw_prompt_end(last, blocks, now_ms());
                 }
-                Some(LogCommand::Write(record)) => {
-                    for entry in writer.write(&record, now_ms()) {
-                        order += 1;
-                        let sent = Sent { order, entry, failed_at: None };
-                        send(&bus, &replica, sent, &mut acks, &mut held, &mut full, &mut writer, &metrics).await;
-                    }
-                }
+                Some(LogCommand::Write(record)) => task.write(&record).await,
             },
-            Some((sent, acked)) = acks.next() => match acked {
-                Err(error) => failed(sent, error, &mut held, &mut full, &mut writer, &metrics),
+            Some((sent, acked)) = task.acks.next() => match acked {
+                Err(error) => task.failed(sent, error),
                 Ok(()) => {
-                    full.cleared();
-                    held.took_one();
-                    writer.acked(&sent.entry, now_ms());
+                    task.full.cleared();
+                    task.held.took_one();
+                    task.writer.acked(&sent.entry, now_ms());
                 }
             },
             _ = tokio::time::sleep_until(resend_at.unwrap_or_else(far_future).into()), if resend_at.is_some() => {
-                let entries = held.take();
-                metrics.dispatch_by("decision_log_resent", entries.len() as u64);
-                for sent in entries {
-                    send(&bus, &replica, sent, &mut acks, &mut held, &mut full, &mut writer, &metrics).await;
-                }
+                task.resend().await;
             }
-            _ = expiry.tick() => full.expire(),
+            _ = expiry.tick() => task.full.expire(),
         }
     }
-    let drained = tokio::time::timeout(DRAIN, async {
-        while let Some((sent, acked)) = acks.next().await {
-            if let Err(error) = acked {
-                lost(&mut writer, &metrics, &sent.entry, &error);
-            }
-        }
-    })
-    .await;
-    if drained.is_err() {
-        tracing::warn!(
-            unacknowledged = acks.len(),
-            "decision-log entries still unacknowledged at shutdown"
-        );
-    }
-    if !held.entries.is_empty() {
-        metrics.dispatch_by("decision_log_error", held.entries.len() as u64);
-        tracing::warn!(
-            held = held.entries.len(),
-            "decision-log entries JetStream did not take are lost at shutdown"
-        );
-    }
+    task.drain().await;
 }
 
 fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(3600)
 }
 
-/// Sends an entry (first or again); a send that fails at once is handled
-/// as a failed acknowledgement.
-#[allow(clippy::too_many_arguments)]
-async fn send(
-    bus: &Bus,
-    replica: &str,
-    sent: Sent,
-    acks: &mut FuturesUnordered<Ack>,
-    held: &mut Held,
-    full: &mut Full,
-    writer: &mut LogWriter,
-    metrics: &Metrics,
-) {
-    match bus.send_log_entry(replica, &sent.entry).await {
-        Ok(ack) => acks.push(Box::pin(async move { (sent, ack.await) })),
-        Err(error) => failed(sent, error, held, full, writer, metrics),
-    }
+/// The writer task's state: what it sent and awaits, what it holds to send
+/// again.
+struct Task {
+    bus: Bus,
+    replica: Arc<str>,
+    metrics: Metrics,
+    full: Full,
+    writer: LogWriter,
+    acks: FuturesUnordered<Ack>,
+    held: Held,
+    /// The last entry's place in the order of first sends.
+    order: u64,
 }
 
-/// An entry JetStream did not take: held to be sent again while it did not
-/// answer (for [`RESEND_FOR`], [`HELD_MAX`] at most), lost when it refused
-/// for room or after that.
-fn failed(
-    mut sent: Sent,
-    error: BusError,
-    held: &mut Held,
-    full: &mut Full,
-    writer: &mut LogWriter,
-    metrics: &Metrics,
-) {
-    full.saw(&error);
-    let failed_at = *sent.failed_at.get_or_insert_with(Instant::now);
-    let resend = error.is_unaccepted()
-        && !error.is_store_full()
-        && failed_at.elapsed() < RESEND_FOR
-        && held.entries.len() < HELD_MAX;
-    if resend {
-        held.hold(sent, &error);
-    } else {
-        lost(writer, metrics, &sent.entry, &error);
+impl Task {
+    /// Sends a record's entries.
+    async fn write(&mut self, record: &DecisionRecord) {
+        for entry in self.writer.write(record, now_ms()) {
+            self.order += 1;
+            let sent = Sent {
+                order: self.order,
+                entry,
+                failed_at: None,
+            };
+            self.send(sent).await;
+        }
+    }
+
+    /// Sends the held entries again, in order.
+    async fn resend(&mut self) {
+        let entries = self.held.take();
+        self.metrics
+            .dispatch_by("decision_log_resent", entries.len() as u64);
+        for sent in entries {
+            self.send(sent).await;
+        }
+    }
+
+    /// Sends an entry (first or again); a send that fails at once is
+    /// handled as a failed acknowledgement.
+    async fn send(&mut self, sent: Sent) {
+        match self.bus.send_log_entry(&self.replica, &sent.entry).await {
+            Ok(ack) => self.acks.push(Box::pin(async move { (sent, ack.await) })),
+            Err(error) => self.failed(sent, error),
+        }
+    }
+
+    /// An entry JetStream did not take: held to be sent again while it did
+    /// not answer (for [`RESEND_FOR`], [`HELD_MAX`] at most), lost when it
+    /// refused for room or after that.
+    fn failed(&mut self, mut sent: Sent, error: BusError) {
+        self.full.saw(&error);
+        let failed_at = *sent.failed_at.get_or_insert_with(Instant::now);
+        let resend = error.is_unaccepted()
+            && !error.is_store_full()
+            && failed_at.elapsed() < RESEND_FOR
+            && self.held.entries.len() < HELD_MAX;
+        if resend {
+            self.held.hold(sent, &error);
+        } else {
+            lost(&mut self.writer, &self.metrics, &sent.entry, &error);
+        }
+    }
+
+    /// At shutdown: waits (a little) for what was sent; what is still held
+    /// is lost, counted.
+    async fn drain(mut self) {
+        let drained = tokio::time::timeout(DRAIN, async {
+            while let Some((sent, acked)) = self.acks.next().await {
+                if let Err(error) = acked {
+                    lost(&mut self.writer, &self.metrics, &sent.entry, &error);
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(
+                unacknowledged = self.acks.len(),
+                "decision-log entries still unacknowledged at shutdown"
+            );
+        }
+        if !self.held.entries.is_empty() {
+            self.metrics
+                .dispatch_by("decision_log_error", self.held.entries.len() as u64);
+            tracing::warn!(
+                held = self.held.entries.len(),
+                "decision-log entries JetStream did not take are lost at shutdown"
+            );
+        }
     }
 }
 
