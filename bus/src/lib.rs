@@ -30,6 +30,7 @@ pub use election::Leadership;
 pub use nats::{
     check_replicas, create_consumer_patiently, store_full, stream_replicas_flag, Bus, BusError,
     DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE, MAX_REPLICAS, MIN_FITTED_BYTES,
+    STREAM_ASK_WAIT,
 };
 pub use registry::{Registration, Registry, RegistryError, WorkerChange, WorkerWatch};
 pub use signal::shutdown_signal;

@@ -253,6 +253,29 @@ impl BusError {
     }
 }
 
+/// How long a question about a stream's state (its last sequence, a
+/// consumer's info) waits for JetStream. A question sent while the
+/// stream's leader is being elected is never answered and used to wait out
+/// the client's whole request timeout: after a NATS node's kill -9 the
+/// kv-indexer's resend, and a standby's recovery, learnt of the new leader
+/// up to 10 s after its election. Asked again after this bound, they learn
+/// of it within it.
+pub const STREAM_ASK_WAIT: Duration = Duration::from_secs(2);
+
+/// `ask`'s answer, or an unanswered [`BusError::Stream`] about `stream`
+/// after `wait` ([`STREAM_ASK_WAIT`]).
+async fn within<T>(
+    wait: Duration,
+    stream: &'static str,
+    ask: impl std::future::Future<Output = Result<T, BusError>>,
+) -> Result<T, BusError> {
+    tokio::time::timeout(wait, ask).await.unwrap_or_else(|_| {
+        Err(stream_error(stream)(format!(
+            "timed out: no answer within {wait:?} (is its leader being elected?)"
+        )))
+    })
+}
+
 /// JetStream gave no answer: a timeout, or no responders.
 fn unanswered(message: &str) -> bool {
     let m = message.to_ascii_lowercase();
@@ -819,14 +842,19 @@ impl Bus {
         DeltaPublisher { js }
     }
 
-    /// The last delta in the stream (0 when none).
+    /// The last delta in the stream (0 when none), or an unanswered error
+    /// ([`BusError::is_unanswered`]) after [`STREAM_ASK_WAIT`].
     pub async fn last_delta_seq(&self) -> Result<u64, BusError> {
-        let mut stream = self.stream(subjects::INDEX_DELTAS_STREAM).await?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| stream_error(subjects::INDEX_DELTAS_STREAM)(e.to_string()))?;
-        Ok(info.state.last_sequence)
+        let name = subjects::INDEX_DELTAS_STREAM;
+        within(STREAM_ASK_WAIT, name, async {
+            let mut stream = self.stream(name).await?;
+            let info = stream
+                .info()
+                .await
+                .map_err(|e| stream_error(name)(e.to_string()))?;
+            Ok(info.state.last_sequence)
+        })
+        .await
     }
 
     /// Whether a client is pulling from the durable consumer `name` of the
@@ -834,12 +862,15 @@ impl Bus {
     /// waiting while it runs); `false` when there is no such consumer.
     pub async fn kv_consumer_pulling(&self, name: &str) -> Result<bool, BusError> {
         let error = stream_error(subjects::KV_EVENTS_STREAM);
-        let stream = self.stream(subjects::KV_EVENTS_STREAM).await?;
-        match stream.consumer_info(name).await {
-            Ok(info) => Ok(info.num_waiting > 0),
-            Err(e) if e.to_string().contains("consumer not found") => Ok(false),
-            Err(e) => Err(error(e.to_string())),
-        }
+        within(STREAM_ASK_WAIT, subjects::KV_EVENTS_STREAM, async {
+            let stream = self.stream(subjects::KV_EVENTS_STREAM).await?;
+            match stream.consumer_info(name).await {
+                Ok(info) => Ok(info.num_waiting > 0),
+                Err(e) if e.to_string().contains("consumer not found") => Ok(false),
+                Err(e) => Err(error(e.to_string())),
+            }
+        })
+        .await
     }
 
     /// Deltas from `start` on, in order, then new ones as they come. An
@@ -1088,6 +1119,17 @@ mod tests {
         assert!(snapshot_error("timed out").is_unanswered());
         assert!(!snapshot_error("checksum mismatch").is_unanswered());
         assert!(!BusError::Fenced { seq: 3 }.is_unanswered());
+    }
+
+    #[tokio::test]
+    async fn a_question_about_a_stream_unanswered_in_time_may_be_asked_again() {
+        let wait = Duration::from_millis(10);
+        let never = std::future::pending::<Result<u64, BusError>>();
+        let e = within(wait, "SY_INDEX_DELTAS", never).await.unwrap_err();
+        assert!(e.is_unanswered(), "{e}");
+        assert!(e.to_string().contains("SY_INDEX_DELTAS"), "{e}");
+        let answered = within(wait, "SY_INDEX_DELTAS", async { Ok(7) }).await;
+        assert_eq!(answered.unwrap(), 7);
     }
 
     #[test]

@@ -150,9 +150,24 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         let mut crashed = cluster.heal().await?;
         let converge_s = converge(cluster, since).await?;
         if let Fault::NatsNode = fault {
-            note = Some(nats_node_healthy(cluster, since).await?);
+            let killed = note.take().unwrap_or_default();
+            note = Some(format!(
+                "{killed}; {}",
+                nats_node_healthy(cluster, since).await?
+            ));
         }
-        watch.stop(since).await;
+        let delta_elected = watch.stop(since).await;
+        if let (Fault::NatsNode, Some(t)) = (fault, delta_elected) {
+            // nats-server's Raft waits 4-9 s for a dead leader: the
+            // deltas wait with it, and convergence cannot come sooner.
+            let elected = format!(
+                "the delta stream's leader died with the node; its new leader was elected {t:+.2} s from the restart (the kill was {DOWN:?} before it)"
+            );
+            note = Some(match note {
+                Some(n) => format!("{n}; {elected}"),
+                None => elected,
+            });
+        }
         let outcome = window.await??;
         crashed.extend(cluster.heal().await?);
         let digest_equals_log = cluster.index_matches_log().await?;
@@ -300,14 +315,21 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant, Op
             cluster.wait_routers_know_workers().await?;
         }
         Fault::NatsNode => {
-            // The system must converge on the two live nodes: the
-            // restarted node's own JetStream catch-up (seconds) is waited
-            // for after convergence, and reported apart.
+            // The node leading the delta stream: the worst case, every run
+            // (its deltas wait for a new leader's election). The system
+            // must converge on the two live nodes: the restarted node's
+            // own JetStream catch-up (seconds) is waited for after
+            // convergence, and reported apart.
+            let node = delta_stream_leader(cluster).await?;
             let nats = cluster.nats.cluster().context("a NATS cluster")?;
-            nats.kill(0)?;
+            nats.kill(node)?;
             tokio::time::sleep(DOWN).await;
             since = Instant::now();
-            nats.restart_accepting(0)?;
+            nats.restart_accepting(node)?;
+            note = Some(format!(
+                "killed {}, the delta stream's leader",
+                nats.name(node)
+            ));
         }
         Fault::EtcdMember => {
             let etcd = cluster.etcd.cluster().context("an etcd cluster")?;
@@ -529,21 +551,50 @@ impl ReadyWatch {
     }
 
     /// Stops polling (after convergence) and prints the changes, timed
-    /// from `since` (negative: before the restart).
-    async fn stop(self, since: Instant) {
+    /// from `since` (negative: before the restart). Returns when, from
+    /// `since`, the delta stream last got a new leader after the fault's
+    /// start (`None`: it kept its leader): the floor of a NATS node's
+    /// convergence when that node led the stream.
+    async fn stop(self, since: Instant) -> Option<f64> {
         let _ = self.stop.send(());
         let fault = self.fault;
-        if let Ok(changes) = self.task.await {
-            for (at, name, answer) in changes {
-                let t = if at >= since {
-                    (at - since).as_secs_f64()
-                } else {
-                    -(since - at).as_secs_f64()
-                };
-                eprintln!("chaos: {fault}: {t:+.2} s {name}: {answer}");
+        let changes = self.task.await.ok()?;
+        let delta_stream = format!("stream {}", subjects::INDEX_DELTAS_STREAM);
+        let mut delta_leaders = 0;
+        let mut delta_elected = None;
+        for (at, name, answer) in changes {
+            let t = if at >= since {
+                (at - since).as_secs_f64()
+            } else {
+                -(since - at).as_secs_f64()
+            };
+            eprintln!("chaos: {fault}: {t:+.2} s {name}: {answer}");
+            if name == delta_stream && answer.starts_with("leader ") && answer != "leader none" {
+                delta_leaders += 1;
+                // After the kill, DOWN before the restart.
+                if delta_leaders > 1 && t > -DOWN.as_secs_f64() {
+                    delta_elected = Some(t);
+                }
             }
         }
+        delta_elected
     }
+}
+
+/// Which node of the NATS cluster leads the delta stream.
+async fn delta_stream_leader(cluster: &mut Cluster) -> Result<usize> {
+    let js = async_nats::jetstream::new(cluster.nats_client().await?);
+    let mut stream = js.get_stream(subjects::INDEX_DELTAS_STREAM).await?;
+    let info = stream.info().await?;
+    let leader = info
+        .cluster
+        .as_ref()
+        .and_then(|c| c.leader.clone())
+        .context("the delta stream has no leader")?;
+    let nats = cluster.nats.cluster().context("a NATS cluster")?;
+    (0..nats.len())
+        .find(|&i| nats.name(i) == leader)
+        .with_context(|| format!("the delta stream's leader {leader} is no node of the cluster"))
 }
 
 /// Waits (at most a minute) until the restarted NATS node's JetStream is
@@ -551,7 +602,7 @@ impl ReadyWatch {
 async fn nats_node_healthy(cluster: &mut Cluster, since: Instant) -> Result<String> {
     let nats = cluster.nats.cluster().context("a NATS cluster")?;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !tokio::task::block_in_place(|| nats.jetstream_healthy(0)) {
+    while !(0..nats.len()).all(|i| tokio::task::block_in_place(|| nats.jetstream_healthy(i))) {
         ensure!(
             Instant::now() < deadline,
             "the restarted NATS node's JetStream was not healthy within a minute"

@@ -245,8 +245,11 @@ type Entry = Pin<Box<dyn Future<Output = Result<Confirmed, PipelineError>> + Sen
 /// How long the stream may take to confirm a delta: past it, the deltas
 /// it does not hold are sent again in place ([`Pipeline::recover`]). A
 /// delta sent to a stream leader that died is never confirmed: 30 s here
-/// stalled the index for 23 s after a NATS node was killed.
-const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// stalled the index for 23 s after a NATS node was killed, and 5 s
+/// delayed the resend past the new leader's election (which takes 4-9 s
+/// on nats-server 2.9). A false timeout costs only a resend that the
+/// stream drops as a duplicate.
+const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 /// Confirmations awaited at once beyond the configured in-flight limit
 /// (removals, a fetched chunk's overshoot) before `push` waits for the
 /// oldest one.

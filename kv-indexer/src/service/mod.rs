@@ -63,11 +63,13 @@ const OVERLAP_QUEUE_GROUP: &str = "kv-indexer";
 /// Wait between attempts to list and watch etcd after a failure.
 const REGISTRY_RETRY: Duration = Duration::from_secs(1);
 /// How refused delta publishes are retried in place: 100 ms, doubling up
-/// to 2 s, for at most 5 minutes (then the service stops, as before, and a
-/// standby or a restart takes over).
+/// to 0.5 s, for at most 5 minutes (then the service stops, as before, and
+/// a standby or a restart takes over). An unanswered try has itself waited
+/// [`bus::STREAM_ASK_WAIT`]-long already: a longer pause only delays the
+/// first try after a stream leader's election.
 const DELTA_RETRY: consumer::RetryPolicy = consumer::RetryPolicy {
     backoff: Duration::from_millis(100),
-    max_backoff: Duration::from_secs(2),
+    max_backoff: Duration::from_millis(500),
     give_up: Duration::from_secs(300),
 };
 
