@@ -51,8 +51,9 @@ struct Row {
     /// Services that stopped by themselves during the window (restarted,
     /// as a supervisor would).
     crashed: Vec<String>,
-    /// What else the fault measured (the NATS node's own catch-up).
-    note: Option<String>,
+    /// What else the fault measured (the NATS node's own catch-up), in
+    /// the order measured.
+    notes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -146,27 +147,20 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         }
         .start(&cluster.router_urls())?;
         tokio::time::sleep(load.duration / 4).await;
-        let (ready_s, since, mut note) = inject(cluster, fault).await?;
+        let (ready_s, since, note) = inject(cluster, fault).await?;
+        let mut notes: Vec<String> = note.into_iter().collect();
         let mut crashed = cluster.heal().await?;
         let converge_s = converge(cluster, since).await?;
         if let Fault::NatsNode = fault {
-            let killed = note.take().unwrap_or_default();
-            note = Some(format!(
-                "{killed}; {}",
-                nats_node_healthy(cluster, since).await?
-            ));
+            notes.push(nats_node_healthy(cluster, since).await?);
         }
         let delta_elected = watch.stop(since).await;
         if let (Fault::NatsNode, Some(t)) = (fault, delta_elected) {
             // nats-server's Raft waits 4-9 s for a dead leader: the
             // deltas wait with it, and convergence cannot come sooner.
-            let elected = format!(
+            notes.push(format!(
                 "the delta stream's leader died with the node; its new leader was elected {t:+.2} s from the restart (the kill was {DOWN:?} before it)"
-            );
-            note = Some(match note {
-                Some(n) => format!("{n}; {elected}"),
-                None => elected,
-            });
+            ));
         }
         let outcome = window.await??;
         crashed.extend(cluster.heal().await?);
@@ -185,7 +179,7 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
             digest_equals_log,
             replay_reproduced,
             crashed,
-            note,
+            notes,
         });
     }
     let forgeries = forgeries(cluster).await?;
@@ -597,20 +591,20 @@ async fn delta_stream_leader(cluster: &mut Cluster) -> Result<usize> {
         .with_context(|| format!("the delta stream's leader {leader} is no node of the cluster"))
 }
 
-/// Waits (at most a minute) until the restarted NATS node's JetStream is
-/// healthy (caught up); says how long it took from `since`.
+/// Waits (at most a minute) until every NATS node's JetStream is healthy
+/// (the restarted one caught up); says how long it took from `since`.
 async fn nats_node_healthy(cluster: &mut Cluster, since: Instant) -> Result<String> {
     let nats = cluster.nats.cluster().context("a NATS cluster")?;
     let deadline = Instant::now() + Duration::from_secs(60);
     while !(0..nats.len()).all(|i| tokio::task::block_in_place(|| nats.jetstream_healthy(i))) {
         ensure!(
             Instant::now() < deadline,
-            "the restarted NATS node's JetStream was not healthy within a minute"
+            "the NATS nodes' JetStream was not healthy within a minute"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(format!(
-        "the restarted node's own JetStream healthy (caught up) {:.2} s after its restart; nothing waited for it",
+        "every node's JetStream healthy (the restarted one caught up) {:.2} s after its restart; nothing waited for it",
         since.elapsed().as_secs_f64()
     ))
 }
@@ -810,8 +804,8 @@ fn report(rows: &[Row], forgeries: &[Forgery]) -> String {
                 "NO"
             }
         );
-        if let Some(note) = &r.note {
-            let _ = writeln!(text, "    {note}");
+        if !r.notes.is_empty() {
+            let _ = writeln!(text, "    {}", r.notes.join("; "));
         }
         if r.load.streams_resent > 0 {
             let _ = writeln!(
