@@ -13,7 +13,7 @@ use criterion::{
     criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
 use kv_indexer::workload::{miss, MooncakeReplay, PrefixGroups, ReplayEntry, ReplayLog, Sequence};
-use kv_indexer::OwnershipIndex;
+use kv_indexer::{OwnershipIndex, DEFAULT_RESERVE_BLOCKS};
 use protocol::{Tier, WorkerId};
 
 /// `../shared/traces/mooncake_conversation_trace.jsonl` from the repository root.
@@ -24,8 +24,11 @@ const TRACE: &str = concat!(
 
 const TOTAL_BLOCKS: usize = 1_000_000;
 
-fn build(sequences: &[Sequence], workers: &[WorkerId]) -> OwnershipIndex {
-    let mut index = OwnershipIndex::new();
+fn build(
+    mut index: OwnershipIndex,
+    sequences: &[Sequence],
+    workers: &[WorkerId],
+) -> OwnershipIndex {
     for s in sequences {
         index.store(&workers[s.worker], None, &s.chained, Tier::Device);
     }
@@ -52,13 +55,29 @@ fn apply(c: &mut Criterion) {
         };
         let sequences = workload.sequences();
         let workers = worker_ids(n);
+        // From an empty index, growing its table as it goes.
         group.bench_function(format!("store_1m_blocks_depth{depth}_{n}workers"), |b| {
             b.iter_batched(
-                || (),
-                |()| build(&sequences, &workers),
+                OwnershipIndex::new,
+                |index| build(index, &sequences, &workers),
                 BatchSize::PerIteration,
             )
         });
+        // Into a table sized at start, as the services size theirs.
+        group.bench_function(
+            format!("store_1m_blocks_depth{depth}_{n}workers_reserved"),
+            |b| {
+                b.iter_batched(
+                    || {
+                        let mut index = OwnershipIndex::new();
+                        index.reserve(DEFAULT_RESERVE_BLOCKS);
+                        index
+                    },
+                    |index| build(index, &sequences, &workers),
+                    BatchSize::PerIteration,
+                )
+            },
+        );
     }
     group.finish();
 }
@@ -146,7 +165,7 @@ fn find_matches(c: &mut Criterion) {
                 total_blocks: TOTAL_BLOCKS,
             };
             let sequences = workload.sequences();
-            let index = build(&sequences, &worker_ids(n));
+            let index = build(OwnershipIndex::new(), &sequences, &worker_ids(n));
             let queries: Vec<_> = sequences
                 .iter()
                 .step_by(7)

@@ -13,14 +13,18 @@
 //! changes that cover part of a run split it; the smaller side moves.
 //!
 //! Per distinct block the index costs the hash in its run (8 bytes) and one
-//! table slot (8 bytes plus a control byte, at hashbrown's load factor);
-//! per run a small header and its owner list.
+//! table slot (8 bytes, the table between 5/16 and 5/8 full: 13 to 26
+//! bytes per block; see [`block_table`]); per run a small header and its
+//! owner list.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use hashbrown::HashTable;
 use protocol::{BlockHash, OwnedRun, RunOwner, Tier, TierSet, WorkerId};
+
+mod block_table;
+
+use block_table::{BlockTable, Key, Loc, Slot, MAX_OFFSET};
 
 /// A worker's dense number inside one index. Stable while the worker is
 /// known to the index; reused after [`OwnershipIndex::remove_worker`].
@@ -119,85 +123,10 @@ struct Owner {
     tiers: TierSet,
 }
 
-/// Where a block lives: its run and its offset in the run's lineage (see
-/// [`Run::base`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Loc {
-    run: u32,
-    offset: u32,
-}
-
-/// Lineage offsets stay below this, so that a table entry has room for a
-/// hash tag (see [`Slot`]): a run is never extended to it, and a longer
-/// store or imported run continues in a new run. (Small in unit tests, so
-/// that they cross it.)
-#[cfg(not(test))]
-const MAX_OFFSET: u32 = 1 << 24;
-#[cfg(test)]
-const MAX_OFFSET: u32 = 8;
-
-/// A block table entry: the block's [`Loc`] and an 8-bit tag of its hash
-/// (the offset, below [`MAX_OFFSET`], takes the other 24 bits of the
-/// second word). hashbrown's 7-bit control tag lets about one insert in
-/// twelve match another block's entry in the probed group; the tag rejects
-/// nearly all of those without reading that entry's run (two dependent
-/// cache misses). Entries stay 8 bytes: the table's size is what bounds a
-/// store (a 12-byte entry carrying its whole hash, so that growth could be
-/// hashbrown's own rehash, was slower on every benchmark).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Slot {
-    run: u32,
-    offset_tag: u32,
-}
-
-impl Slot {
-    fn new(loc: Loc, key: Key) -> Self {
-        debug_assert!(loc.offset < MAX_OFFSET);
-        Slot {
-            run: loc.run,
-            offset_tag: loc.offset << 8 | key.tag,
-        }
-    }
-
-    fn loc(self) -> Loc {
-        Loc {
-            run: self.run,
-            offset: self.offset_tag >> 8,
-        }
-    }
-
-    fn tag(self) -> u32 {
-        self.offset_tag & 0xFF
-    }
-}
-
-/// A block with its table hash and tag, computed once per lookup.
-#[derive(Debug, Clone, Copy)]
-struct Key {
-    block: BlockHash,
-    hash: u64,
-    tag: u32,
-}
-
-impl Key {
-    fn of(block: BlockHash) -> Self {
-        // Block hashes are already uniform; the multiplies spread small test
-        // values over hashbrown's top (control) and low (bucket) bits, and
-        // over the tag, independently of both.
-        let x = block.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let tag = (block.0.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 56) as u32;
-        Key {
-            block,
-            hash: x ^ (x >> 32),
-            tag,
-        }
-    }
-
-    /// Whether the table entry is this block's: the tag first, then the
-    /// block itself in its run.
-    fn matches(self, runs: &[Run], slot: &Slot) -> bool {
-        slot.tag() == self.tag && runs[slot.run as usize].at(slot.loc()) == self.block
-    }
+/// Whether the table entry is `key`'s block: the tag first, then the block
+/// itself in its run.
+fn is_block(runs: &[Run], key: Key, slot: Slot) -> bool {
+    slot.tag() == key.tag && runs[slot.run() as usize].at(slot.loc()) == key.block
 }
 
 #[derive(Debug, Default)]
@@ -252,14 +181,18 @@ struct Cap {
     queue: BinaryHeap<Reverse<(u64, u32)>>,
 }
 
+/// How many blocks ahead a loop over new blocks asks for their table
+/// slots' cache lines (see [`BlockTable::prefetch`]).
+const PREFETCH_AHEAD: usize = 8;
+
 /// How many blocks the services size their index for at start (see
-/// [`OwnershipIndex::reserve`]): about 18 MB of table.
+/// [`OwnershipIndex::reserve`]): 16 MB of table.
 pub const DEFAULT_RESERVE_BLOCKS: usize = 1 << 20;
 
 /// The index. See the module docs for its layout.
 #[derive(Debug, Default)]
 pub struct OwnershipIndex {
-    table: HashTable<Slot>,
+    table: BlockTable,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     workers: Vec<Option<WorkerEntry>>,
@@ -432,7 +365,7 @@ impl OwnershipIndex {
         let key = Key::of(block);
         let runs = &self.runs;
         self.table
-            .find(key.hash, |slot| key.matches(runs, slot))
+            .find(key.hash, |slot| is_block(runs, key, slot))
             .map(|slot| slot.loc())
     }
 
@@ -448,26 +381,36 @@ impl OwnershipIndex {
         *entry = Slot::new(to, key);
     }
 
-    /// Makes room for `additional` more table entries. Growing rebuilds the
-    /// table by walking the runs in memory order: hashbrown's own rehash
-    /// would fetch every entry's block from a random place (our entries
-    /// hold no hash), which made growth nearly half of the store time.
+    /// Makes room for `additional` more table entries. A table without
+    /// room is rebuilt by walking the runs in memory order (its entries hold
+    /// no hash, so it cannot rehash itself): at its size when deleted slots
+    /// took the room and a rebuild frees at least an eighth of it, else at
+    /// twice the size; never below what was reserved. (Doubling whenever
+    /// deleted slots fill it would double the table of an index that holds
+    /// a steady number of blocks under eviction.)
     fn reserve_table(&mut self, additional: usize) {
-        let needed = self.table.len() + additional;
-        if needed <= self.table.capacity() {
+        if self.table.fits(additional) {
             return;
         }
-        let mut table = HashTable::with_capacity(needed.max(2 * self.table.capacity()).max(64));
+        let needed = self.table.len() + additional;
+        let capacity = self.table.capacity();
+        let entries = if needed <= capacity - capacity / 8 {
+            capacity
+        } else {
+            needed.max(2 * capacity)
+        };
+        let mut table = BlockTable::with_capacity(entries.max(self.reserved));
         for (id, run) in self.runs.iter().enumerate() {
             for (i, block) in run.blocks.iter().enumerate() {
+                if let Some(next) = run.blocks.get(i + PREFETCH_AHEAD) {
+                    table.prefetch(Key::of(*next).hash);
+                }
                 let loc = Loc {
                     run: id as u32,
                     offset: run.base + i as u32,
                 };
                 let key = Key::of(*block);
-                table.insert_unique(key.hash, Slot::new(loc, key), |_| {
-                    unreachable!("sized above")
-                });
+                table.insert_unique(key.hash, Slot::new(loc, key));
             }
         }
         self.table = table;
@@ -668,20 +611,21 @@ impl OwnershipIndex {
         let first = self.runs[run as usize].end();
         let room = (MAX_OFFSET - first) as usize;
         let mut placed = 0;
-        for block in blocks.iter().take(room) {
+        let blocks = &blocks[..blocks.len().min(room)];
+        for (i, block) in blocks.iter().enumerate() {
+            if let Some(next) = blocks.get(i + PREFETCH_AHEAD) {
+                self.table.prefetch(Key::of(*next).hash);
+            }
             let offset = first + placed as u32;
             let key = Key::of(*block);
             let runs = &self.runs;
-            let entry = self.table.entry(
-                key.hash,
-                |slot| key.matches(runs, slot),
-                |slot| Key::of(runs[slot.run as usize].at(slot.loc())).hash,
-            );
-            match entry {
-                hashbrown::hash_table::Entry::Occupied(_) => break,
-                hashbrown::hash_table::Entry::Vacant(v) => {
-                    v.insert(Slot::new(Loc { run, offset }, key));
-                }
+            let slot = Slot::new(Loc { run, offset }, key);
+            if self
+                .table
+                .insert_new(key.hash, slot, |s| is_block(runs, key, s))
+                .is_err()
+            {
+                break;
             }
             self.runs[run as usize].blocks.push(*block);
             placed += 1;
@@ -810,9 +754,7 @@ impl OwnershipIndex {
     /// Removes the table entry of `block`, which lives at `loc`.
     fn drop_entry(&mut self, block: BlockHash, loc: Loc) {
         let key = Key::of(block);
-        if let Ok(entry) = self.table.find_entry(key.hash, |slot| slot.loc() == loc) {
-            entry.remove();
-        }
+        self.table.remove(key.hash, |slot| slot.loc() == loc);
     }
 
     /// Drops every block of the worker; the worker stays known.
@@ -880,8 +822,8 @@ impl OwnershipIndex {
             let Some(parent) = r.parent else { break };
             let key = Key::of(parent);
             let runs = &self.runs;
-            match self.table.find(key.hash, |slot| key.matches(runs, slot)) {
-                Some(slot) => run = slot.run,
+            match self.table.find(key.hash, |slot| is_block(runs, key, slot)) {
+                Some(slot) => run = slot.run(),
                 None => break,
             }
         }
@@ -1084,9 +1026,9 @@ impl OwnershipIndex {
             self.intern(worker);
         }
         let total: usize = runs.iter().map(|r| r.blocks.len()).sum();
-        self.table.reserve(total.max(self.reserved), |_| {
-            unreachable!("an empty table never rehashes")
-        });
+        if !self.table.fits(total.max(self.reserved)) {
+            self.table = BlockTable::with_capacity(total.max(self.reserved));
+        }
         for (i, run) in runs.into_iter().enumerate() {
             if run.blocks.is_empty() || run.owners.is_empty() {
                 return Err(RestoreError::EmptyRun { run: i });
@@ -1148,31 +1090,27 @@ impl OwnershipIndex {
             let runs = &self.runs;
             // The run's blocks join it once all are placed: until then its
             // entries are read from `blocks`.
-            let at = |slot: &Slot| {
-                if slot.run == id {
+            let at = |slot: Slot| {
+                if slot.run() == id {
                     blocks[slot.loc().offset as usize]
                 } else {
-                    runs[slot.run as usize].at(slot.loc())
+                    runs[slot.run() as usize].at(slot.loc())
                 }
             };
-            match self.table.entry(
-                key.hash,
-                |slot| slot.tag() == key.tag && at(slot) == *block,
-                |slot| Key::of(at(slot)).hash,
-            ) {
-                hashbrown::hash_table::Entry::Occupied(_) => {
-                    return Err(RestoreError::DuplicateBlock {
-                        run: i,
-                        block: *block,
-                    })
-                }
-                hashbrown::hash_table::Entry::Vacant(v) => {
-                    let loc = Loc {
-                        run: id,
-                        offset: offset as u32,
-                    };
-                    v.insert(Slot::new(loc, key));
-                }
+            let loc = Loc {
+                run: id,
+                offset: offset as u32,
+            };
+            let placed = self
+                .table
+                .insert_new(key.hash, Slot::new(loc, key), |slot| {
+                    slot.tag() == key.tag && at(slot) == *block
+                });
+            if placed.is_err() {
+                return Err(RestoreError::DuplicateBlock {
+                    run: i,
+                    block: *block,
+                });
             }
         }
         let r = &mut self.runs[id as usize];
