@@ -21,6 +21,8 @@ use dynamo_kv_router::RouterEvent;
 use kv_indexer::alloc_counter::live_bytes;
 use kv_indexer::workload::{miss, PrefixGroups};
 use kv_indexer::OwnershipIndex;
+
+use crate::ours::Setup;
 use protocol::{BlockHash, Tier, WorkerId};
 
 use crate::events::{peer_worker, stored, Chain};
@@ -77,8 +79,7 @@ impl Workload {
             .collect()
     }
 
-    fn build_ours(&self) -> OwnershipIndex {
-        let mut index = OwnershipIndex::new();
+    fn build_ours(&self, mut index: OwnershipIndex) -> OwnershipIndex {
         for (w, chain) in &self.sequences {
             index.store(&self.workers[*w], None, &chain.ours, Tier::Device);
         }
@@ -101,9 +102,10 @@ fn per_call(mut batch: impl FnMut(usize) -> f64) -> f64 {
     crate::report::median(&samples)
 }
 
-fn ours_round(w: &Workload, s: &mut Samples) -> OwnershipIndex {
+fn ours_round(setup: Setup, w: &Workload, s: &mut Samples) -> OwnershipIndex {
+    let index = setup.index();
     let start = Instant::now();
-    let index = w.build_ours();
+    let index = w.build_ours(index);
     s.apply
         .push(TOTAL_BLOCKS as f64 / start.elapsed().as_secs_f64());
     s.find.push(per_call(|b| {
@@ -193,14 +195,22 @@ pub fn measure(
 ) -> Point {
     let w = Workload::new(depth, workers);
     let mut ours = Samples::default();
+    let mut unreserved = Samples::default();
     let mut theirs: Vec<Samples> = peers.iter().map(|_| Samples::default()).collect();
     let mut notes = Vec::new();
 
     // Memory, and the agreement check, from one build each.
     let before = live_bytes();
-    let reference = w.build_ours();
+    let reference = w.build_ours(Setup::Service.index());
     let pairs = reference.stats().pairs;
     ours.bytes = (live_bytes() - before) as f64 / pairs as f64;
+    unreserved.bytes = {
+        let with = live_bytes();
+        let grown = w.build_ours(Setup::Unreserved.index());
+        let bytes = live_bytes() - with;
+        drop(grown);
+        bytes as f64 / pairs as f64
+    };
     for (kind, s) in peers.iter().zip(&mut theirs) {
         let (bytes, disagreements) = peer_memory(*kind, &w, &reference, runtime);
         s.bytes = bytes as f64 / pairs as f64;
@@ -214,12 +224,13 @@ pub fn measure(
     }
     drop(reference);
 
-    let contenders = peers.len() + 1;
+    let contenders = peers.len() + 2;
     for round in 0..rounds {
         for k in 0..contenders {
             match (round + k) % contenders {
-                0 => drop(ours_round(&w, &mut ours)),
-                p => peer_round(peers[p - 1], &w, runtime, &mut theirs[p - 1]),
+                0 => drop(ours_round(Setup::Service, &w, &mut ours)),
+                1 => drop(ours_round(Setup::Unreserved, &w, &mut unreserved)),
+                p => peer_round(peers[p - 2], &w, runtime, &mut theirs[p - 2]),
             }
         }
     }
@@ -229,6 +240,7 @@ pub fn measure(
             w.sequences.len()
         ),
         ours: ours.figures(),
+        unreserved: unreserved.figures(),
         peers: peers
             .iter()
             .zip(&theirs)

@@ -19,6 +19,7 @@
 
 mod events;
 mod grid;
+mod ours;
 mod peers;
 mod report;
 mod trace;
@@ -116,6 +117,11 @@ fn main() {
     println!(
         "apply: blocks applied per second, until the last is applied (thread pools: their flush barrier); \
          find: time per lookup; bytes: live heap of the index (counting allocator) per (block, worker) pair."
+    );
+    println!(
+        "ours: its block table reserved for {} blocks before the clock starts, as the kv-indexer and the routers start; \
+         the unreserved row (an empty index growing its table) is printed beside it and not compared.",
+        kv_indexer::DEFAULT_RESERVE_BLOCKS
     );
     println!();
 

@@ -1,6 +1,8 @@
 //! Figures per index and point, the best peer per metric, the tables and
 //! the closing JSON line.
 
+use crate::ours::Setup;
+
 /// The targets of the comparison (issue 15): ours at least this many times
 /// the best peer's apply rate, at most this fraction of its lookup latency
 /// and of its bytes per pair.
@@ -52,7 +54,10 @@ impl Samples {
 #[derive(Debug)]
 pub struct Point {
     pub label: String,
+    /// Ours as the services set it up (see `crate::ours`).
     pub ours: Figures,
+    /// Ours from an empty index: printed, not compared.
+    pub unreserved: Figures,
     pub peers: Vec<(String, Figures)>,
     pub notes: Vec<String>,
 }
@@ -123,7 +128,8 @@ impl Point {
                 f.bytes
             );
         };
-        row("ours (OwnershipIndex)", &self.ours);
+        row(Setup::Service.name(), &self.ours);
+        row(Setup::Unreserved.name(), &self.unreserved);
         for (name, f) in &self.peers {
             row(name, f);
         }

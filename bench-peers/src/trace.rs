@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use dynamo_kv_router::RouterEvent;
 use kv_indexer::alloc_counter::live_bytes;
 use kv_indexer::workload::{ReplayEntry, ReplayLog};
-use kv_indexer::OwnershipIndex;
 
 use crate::events::{peer_worker, removed, stored, Chain};
+use crate::ours::Setup;
 use crate::peers::{Peer, PeerKind};
 use crate::report::{Point, Samples};
 
@@ -86,8 +86,8 @@ impl Replay {
         }
     }
 
-    fn ours_apply_pass(&self) -> f64 {
-        let mut index = OwnershipIndex::new();
+    fn ours_apply_pass(&self, setup: Setup) -> f64 {
+        let mut index = setup.index();
         let start = Instant::now();
         for e in &self.log.entries {
             self.log.apply(&mut index, e);
@@ -96,8 +96,8 @@ impl Replay {
     }
 
     /// Mean seconds per lookup.
-    fn ours_lookup_pass(&self) -> f64 {
-        let mut index = OwnershipIndex::new();
+    fn ours_lookup_pass(&self, setup: Setup) -> f64 {
+        let mut index = setup.index();
         let mut spent = Duration::ZERO;
         for e in &self.log.entries {
             match e {
@@ -116,9 +116,9 @@ impl Replay {
     }
 
     /// Our index's live heap bytes after the log, and its pairs.
-    fn ours_memory(&self) -> (usize, u64) {
+    fn ours_memory(&self, setup: Setup) -> (usize, u64) {
         let before = live_bytes();
-        let mut index = OwnershipIndex::new();
+        let mut index = setup.index();
         for e in &self.log.entries {
             self.log.apply(&mut index, e);
         }
@@ -183,7 +183,7 @@ impl Replay {
         kind: PeerKind,
         runtime: &tokio::runtime::Runtime,
     ) -> (usize, usize) {
-        let mut ours = OwnershipIndex::new();
+        let mut ours = Setup::Service.index();
         let mut disagreements = 0;
         let before = live_bytes();
         let mut peer = kind.build();
@@ -217,11 +217,13 @@ impl Replay {
         runtime: &tokio::runtime::Runtime,
     ) -> Point {
         let mut ours = Samples::default();
+        let mut unreserved = Samples::default();
         let mut theirs: Vec<Samples> = peers.iter().map(|_| Samples::default()).collect();
         let mut notes = Vec::new();
 
-        let (bytes, pairs) = self.ours_memory();
+        let (bytes, pairs) = self.ours_memory(Setup::Service);
         ours.bytes = bytes as f64 / pairs as f64;
+        unreserved.bytes = self.ours_memory(Setup::Unreserved).0 as f64 / pairs as f64;
         for (kind, s) in peers.iter().zip(&mut theirs) {
             let (bytes, disagreements) = self.peer_memory_pass(*kind, runtime);
             s.bytes = bytes as f64 / pairs as f64;
@@ -234,17 +236,25 @@ impl Replay {
             }
         }
 
-        let contenders = peers.len() + 1;
+        let contenders = peers.len() + 2;
         for round in 0..rounds {
             for k in 0..contenders {
                 let events = self.log.block_events as f64;
                 match (round + k) % contenders {
                     0 => {
-                        ours.apply.push(events / self.ours_apply_pass());
-                        ours.find.push(self.ours_lookup_pass());
+                        ours.apply
+                            .push(events / self.ours_apply_pass(Setup::Service));
+                        ours.find.push(self.ours_lookup_pass(Setup::Service));
+                    }
+                    1 => {
+                        let rate = events / self.ours_apply_pass(Setup::Unreserved);
+                        unreserved.apply.push(rate);
+                        unreserved
+                            .find
+                            .push(self.ours_lookup_pass(Setup::Unreserved));
                     }
                     p => {
-                        let (kind, s) = (peers[p - 1], &mut theirs[p - 1]);
+                        let (kind, s) = (peers[p - 2], &mut theirs[p - 2]);
                         s.apply.push(events / self.peer_apply_pass(kind, runtime));
                         s.find.push(self.peer_lookup_pass(kind, runtime));
                     }
@@ -257,6 +267,7 @@ impl Replay {
                 self.describe()
             ),
             ours: ours.figures(),
+            unreserved: unreserved.figures(),
             peers: peers
                 .iter()
                 .zip(&theirs)
