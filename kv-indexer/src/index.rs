@@ -476,6 +476,7 @@ impl OwnershipIndex {
             touched,
         });
         for i in 0..self.runs[id as usize].blocks.len() {
+            self.prefetch_block(id, i + PREFETCH_AHEAD);
             let block = self.runs[id as usize].blocks[i];
             let offset = moved_base + i as u32;
             self.relocate(block, Loc { run, offset }, Loc { run: id, offset });
@@ -492,6 +493,7 @@ impl OwnershipIndex {
     fn delete_run(&mut self, run: u32) -> Vec<BlockHash> {
         let base = self.runs[run as usize].base;
         for i in 0..self.runs[run as usize].blocks.len() {
+            self.prefetch_block(run, i + PREFETCH_AHEAD);
             let loc = Loc {
                 run,
                 offset: base + i as u32,
@@ -725,6 +727,7 @@ impl OwnershipIndex {
         }
         let first = (from - base) as usize;
         for i in first..first + len as usize {
+            self.prefetch_block(run, i + PREFETCH_AHEAD);
             let loc = Loc {
                 run,
                 offset: base + i as u32,
@@ -749,6 +752,14 @@ impl OwnershipIndex {
             w.pairs -= n;
         }
         true
+    }
+
+    /// Asks for the table slot of the run's `i`th block, if it has one: a
+    /// loop over a run's blocks calls it `PREFETCH_AHEAD` blocks ahead.
+    fn prefetch_block(&self, run: u32, i: usize) {
+        if let Some(block) = self.runs[run as usize].blocks.get(i) {
+            self.table.prefetch(Key::of(*block).hash);
+        }
     }
 
     /// Removes the table entry of `block`, which lives at `loc`.
