@@ -361,6 +361,7 @@ impl OwnershipIndex {
         slot
     }
 
+    #[inline]
     fn locate(&self, block: BlockHash) -> Option<Loc> {
         let key = Key::of(block);
         let runs = &self.runs;
@@ -374,31 +375,21 @@ impl OwnershipIndex {
     /// entries of its moving part no longer point at their blocks.
     fn relocate(&mut self, block: BlockHash, from: Loc, to: Loc) {
         let key = Key::of(block);
-        let entry = self
+        let found = self
             .table
-            .find_mut(key.hash, |slot| slot.loc() == from)
-            .expect("every stored block has a table entry");
-        *entry = Slot::new(to, key);
+            .replace(key.hash, |slot| slot.loc() == from, Slot::new(to, key));
+        assert!(found, "every stored block has a table entry");
     }
 
-    /// Makes room for `additional` more table entries. A table without
-    /// room is rebuilt by walking the runs in memory order (its entries hold
-    /// no hash, so it cannot rehash itself): at its size when deleted slots
-    /// took the room and a rebuild frees at least an eighth of it, else at
-    /// twice the size; never below what was reserved. (Doubling whenever
-    /// deleted slots fill it would double the table of an index that holds
-    /// a steady number of blocks under eviction.)
+    /// Makes room for `additional` more table entries. A full table is
+    /// rebuilt at twice its size by walking the runs in memory order (its
+    /// entries hold no hash, so it cannot rehash itself).
     fn reserve_table(&mut self, additional: usize) {
         if self.table.fits(additional) {
             return;
         }
         let needed = self.table.len() + additional;
-        let capacity = self.table.capacity();
-        let entries = if needed <= capacity - capacity / 8 {
-            capacity
-        } else {
-            needed.max(2 * capacity)
-        };
+        let entries = needed.max(2 * self.table.capacity());
         let mut table = BlockTable::with_capacity(entries.max(self.reserved));
         for (id, run) in self.runs.iter().enumerate() {
             for (i, block) in run.blocks.iter().enumerate() {
@@ -765,7 +756,12 @@ impl OwnershipIndex {
     /// Removes the table entry of `block`, which lives at `loc`.
     fn drop_entry(&mut self, block: BlockHash, loc: Loc) {
         let key = Key::of(block);
-        self.table.remove(key.hash, |slot| slot.loc() == loc);
+        let runs = &self.runs;
+        self.table.remove(
+            key.hash,
+            |slot| slot.loc() == loc,
+            |slot| Key::of(runs[slot.run() as usize].at(slot.loc())).hash,
+        );
     }
 
     /// Drops every block of the worker; the worker stays known.

@@ -5,11 +5,12 @@
 //! the table cannot rehash itself: when [`BlockTable::fits`] says no, the
 //! index rebuilds it from its runs, in memory order.
 //!
-//! Linear probing, at most 5/8 full (live plus deleted slots). Inserts of
-//! new blocks and lookups that miss are common and must probe to an empty
-//! slot, which stays short at that load (under 4 slots on average at the
-//! worst, one cache line). Deleted slots become empty at once when the slot
-//! after them is empty, so tombstones stay few. [`BlockTable::prefetch`] lets a caller
+//! Linear probing, at most 5/8 full. Inserts of new blocks and lookups
+//! that miss are common and must probe to an empty slot, which stays short
+//! at that load (under 4 slots on average at the worst, one cache line).
+//! Deletion shifts the rest of the probe cluster back (no tombstones, so
+//! an index under steady eviction never rebuilds its table): each slot
+//! carries its distance from its home slot, so the shift reads no block. [`BlockTable::prefetch`] lets a caller
 //! that knows the next blocks ask for their cache lines ahead: a store of
 //! a long run of new blocks then overlaps its cache misses instead of
 //! taking them one after another.
@@ -22,19 +23,26 @@ pub(super) struct Loc {
 }
 
 /// Lineage offsets stay below this, so that a table entry has room for a
-/// hash tag (see [`Slot`]): a run is never extended to it, and a longer
-/// store or imported run continues in a new run. (Small in unit tests, so
-/// that they cross it.)
+/// hash tag and a probe distance (see [`Slot`]): a run is never extended to
+/// it, and a longer store or imported run continues in a new run. (Small in
+/// unit tests, so that they cross it.)
 #[cfg(not(test))]
-pub(super) const MAX_OFFSET: u32 = 1 << 24;
+pub(super) const MAX_OFFSET: u32 = 1 << OFFSET_BITS;
 #[cfg(test)]
 pub(super) const MAX_OFFSET: u32 = 8;
 
-/// A table entry: the block's [`Loc`] and an 8-bit tag of its hash (the
-/// offset, below [`MAX_OFFSET`], takes the other 24 bits of the second
-/// word). The tag rejects nearly every other block met while probing
-/// without reading that block from its run (a cache miss). Run
-/// `u32::MAX` is never used, so it marks empty and deleted slots.
+const OFFSET_BITS: u32 = 18;
+const DISTANCE_BITS: u32 = 6;
+const TAG_BITS: u32 = 8;
+/// A probe distance this large or larger is stored as this: the entry's
+/// home is then computed from its block.
+const FAR: u32 = (1 << DISTANCE_BITS) - 1;
+
+/// A table entry: the block's [`Loc`], its distance from its home slot,
+/// and an 8-bit tag of its hash (the second word: offset, below
+/// [`MAX_OFFSET`], then distance, then tag). The tag rejects nearly every
+/// other block met while probing without reading that block from its run
+/// (a cache miss). Run `u32::MAX` is never used, so it marks empty slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Slot {
     run: u32,
@@ -45,10 +53,7 @@ const EMPTY: Slot = Slot {
     run: u32::MAX,
     offset_tag: u32::MAX,
 };
-const DELETED: Slot = Slot {
-    run: u32::MAX,
-    offset_tag: u32::MAX - 1,
-};
+const _: () = assert!(OFFSET_BITS + DISTANCE_BITS + TAG_BITS == 32);
 
 impl Slot {
     pub fn new(loc: Loc, key: Key) -> Self {
@@ -56,7 +61,7 @@ impl Slot {
         debug_assert!(loc.run != u32::MAX);
         Slot {
             run: loc.run,
-            offset_tag: loc.offset << 8 | key.tag,
+            offset_tag: loc.offset << (DISTANCE_BITS + TAG_BITS) | key.tag,
         }
     }
 
@@ -67,16 +72,25 @@ impl Slot {
     pub fn loc(self) -> Loc {
         Loc {
             run: self.run,
-            offset: self.offset_tag >> 8,
+            offset: self.offset_tag >> (DISTANCE_BITS + TAG_BITS),
         }
     }
 
     pub fn tag(self) -> u32 {
-        self.offset_tag & 0xFF
+        self.offset_tag & ((1 << TAG_BITS) - 1)
     }
 
-    fn is_live(self) -> bool {
-        self.run != u32::MAX
+    /// The stored probe distance ([`FAR`]: at least that).
+    fn distance(self) -> u32 {
+        self.offset_tag >> TAG_BITS & FAR
+    }
+
+    fn with_distance(self, distance: usize) -> Self {
+        let d = (distance as u32).min(FAR);
+        Slot {
+            run: self.run,
+            offset_tag: self.offset_tag & !(FAR << TAG_BITS) | d << TAG_BITS,
+        }
     }
 }
 
@@ -108,10 +122,9 @@ pub(super) struct BlockTable {
     /// A power of two in length, or empty.
     slots: Vec<Slot>,
     live: usize,
-    deleted: usize,
 }
 
-/// The maximum load, live plus deleted slots: 5/8. At 3/4, lookups that
+/// The maximum load: 5/8. At 3/4, lookups that
 /// miss took three times as long and the Mooncake replay 20% longer; at 1/2
 /// the table is larger for no faster apply (`cargo bench -p kv-indexer
 /// --bench index`).
@@ -131,7 +144,6 @@ impl BlockTable {
         BlockTable {
             slots: vec![EMPTY; slots_for(entries)],
             live: 0,
-            deleted: 0,
         }
     }
 
@@ -144,16 +156,17 @@ impl BlockTable {
         self.slots.len() / LOAD_DEN * LOAD_NUM
     }
 
-    /// Whether `additional` inserts fit without a rebuild (deleted slots
-    /// count as taken until then).
+    /// Whether `additional` inserts fit without a rebuild.
     pub fn fits(&self, additional: usize) -> bool {
-        self.live + self.deleted + additional <= self.capacity()
+        self.live + additional <= self.capacity()
     }
 
+    #[inline]
     fn mask(&self) -> usize {
         self.slots.len().wrapping_sub(1)
     }
 
+    #[inline]
     fn home(&self, hash: u64) -> usize {
         hash as usize & self.mask()
     }
@@ -167,6 +180,7 @@ impl BlockTable {
     }
 
     /// The index of the live slot `is` accepts, probing from `hash`'s home.
+    #[inline]
     fn position(&self, hash: u64, mut is: impl FnMut(Slot) -> bool) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
@@ -178,49 +192,69 @@ impl BlockTable {
             if slot == EMPTY {
                 return None;
             }
-            if slot.is_live() && is(slot) {
+            if is(slot) {
                 return Some(i);
             }
             i = (i + 1) & mask;
         }
     }
 
+    #[inline]
     pub fn find(&self, hash: u64, is: impl FnMut(Slot) -> bool) -> Option<Slot> {
         self.position(hash, is).map(|i| self.slots[i])
     }
 
-    pub fn find_mut(&mut self, hash: u64, is: impl FnMut(Slot) -> bool) -> Option<&mut Slot> {
-        self.position(hash, is).map(|i| &mut self.slots[i])
+    /// Points the entry `is` accepts at `to`'s place; returns whether there
+    /// was one.
+    #[inline]
+    pub fn replace(&mut self, hash: u64, is: impl FnMut(Slot) -> bool, to: Slot) -> bool {
+        let Some(i) = self.position(hash, is) else {
+            return false;
+        };
+        self.slots[i] = to.with_distance(self.slots[i].distance() as usize);
+        true
     }
 
-    /// Removes the entry `is` accepts; returns whether there was one.
-    pub fn remove(&mut self, hash: u64, is: impl FnMut(Slot) -> bool) -> bool {
-        let Some(mut i) = self.position(hash, is) else {
+    /// Removes the entry `is` accepts; returns whether there was one. The
+    /// entries after it in its probe cluster move back where they may;
+    /// `hash_of` gives an entry's hash when its stored distance is [`FAR`].
+    pub fn remove(
+        &mut self,
+        hash: u64,
+        is: impl FnMut(Slot) -> bool,
+        hash_of: impl Fn(Slot) -> u64,
+    ) -> bool {
+        let Some(mut hole) = self.position(hash, is) else {
             return false;
         };
         self.live -= 1;
         let mask = self.mask();
-        if self.slots[(i + 1) & mask] != EMPTY {
-            self.slots[i] = DELETED;
-            self.deleted += 1;
-            return true;
-        }
-        // No probe passes through this slot to reach a later one: it, and
-        // the deleted slots just before it, become empty.
-        self.slots[i] = EMPTY;
+        let mut j = hole;
         loop {
-            i = i.wrapping_sub(1) & mask;
-            if self.slots[i] != DELETED {
+            j = (j + 1) & mask;
+            let slot = self.slots[j];
+            if slot == EMPTY {
+                self.slots[hole] = EMPTY;
                 return true;
             }
-            self.slots[i] = EMPTY;
-            self.deleted -= 1;
+            let distance = match slot.distance() {
+                FAR => j.wrapping_sub(self.home(hash_of(slot))) & mask,
+                d => d as usize,
+            };
+            // The entry may fill the hole if the hole lies between its home
+            // and where it is.
+            let gap = j.wrapping_sub(hole) & mask;
+            if gap <= distance {
+                self.slots[hole] = slot.with_distance(distance - gap);
+                hole = j;
+            }
         }
     }
 
     /// Inserts `slot` unless an entry `is` accepts exists (then returns
     /// that entry and inserts nothing). The caller has made room
     /// ([`BlockTable::fits`]).
+    #[inline]
     pub fn insert_new(
         &mut self,
         hash: u64,
@@ -229,41 +263,34 @@ impl BlockTable {
     ) -> Result<(), Slot> {
         debug_assert!(self.fits(1), "the caller makes room first");
         let mask = self.mask();
-        let mut i = self.home(hash);
-        let mut reuse = None;
+        let home = self.home(hash);
+        let mut i = home;
         loop {
             let here = self.slots[i];
             if here == EMPTY {
                 break;
             }
-            if here == DELETED {
-                reuse.get_or_insert(i);
-            } else if is(here) {
+            if is(here) {
                 return Err(here);
             }
             i = (i + 1) & mask;
         }
-        if let Some(at) = reuse {
-            i = at;
-            self.deleted -= 1;
-        }
-        self.slots[i] = slot;
+        self.slots[i] = slot.with_distance(i.wrapping_sub(home) & mask);
         self.live += 1;
         Ok(())
     }
 
     /// Inserts an entry known to be absent (a rebuild).
+    #[inline]
     pub fn insert_unique(&mut self, hash: u64, slot: Slot) {
         debug_assert!(self.fits(1), "the caller makes room first");
         let mask = self.mask();
-        let mut i = self.home(hash);
-        while self.slots[i].is_live() {
+        let home = self.home(hash);
+        let mut i = home;
+        while self.slots[i] != EMPTY {
             i = (i + 1) & mask;
         }
-        if self.slots[i] == DELETED {
-            self.deleted -= 1;
-        }
-        self.slots[i] = slot;
+        self.slots[i] = slot.with_distance(i.wrapping_sub(home) & mask);
         self.live += 1;
     }
 
@@ -271,7 +298,6 @@ impl BlockTable {
     pub fn clear(&mut self) {
         self.slots.fill(EMPTY);
         self.live = 0;
-        self.deleted = 0;
     }
 }
 
@@ -296,11 +322,16 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::HashMap;
 
-    fn slot(run: u32, tag: u32) -> Slot {
+    /// Key `k`'s entry: run `k`, tag `k`.
+    fn slot(k: u64) -> Slot {
         Slot {
-            run,
-            offset_tag: tag & 0xFF,
+            run: k as u32,
+            offset_tag: k as u32 & 0xFF,
         }
+    }
+
+    fn is(k: u64) -> impl Fn(Slot) -> bool {
+        move |s: Slot| s.run == k as u32
     }
 
     #[derive(Debug, Clone)]
@@ -309,80 +340,97 @@ mod tests {
         Remove(u64),
     }
 
-    fn ops() -> impl Strategy<Value = Vec<Op>> {
-        // Few distinct keys and few home buckets, so that probes collide,
-        // wrap around the end, and cross deleted slots.
-        let key = 0u64..48;
+    /// Few home slots for many keys, so that probes collide, wrap around
+    /// the end, and clusters grow past the distance a slot can store.
+    fn check(ops: Vec<Op>, keys: u64, homes: u64) -> Result<(), TestCaseError> {
+        let mut table = BlockTable::with_capacity(keys as usize);
+        let hash = |k: u64| (k % homes).wrapping_mul(7);
+        let hash_of = |s: Slot| hash(u64::from(s.run));
+        let mut model: HashMap<u64, Slot> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Insert(k) => {
+                    let got = table.insert_new(hash(k), slot(k), is(k));
+                    match model.get(&k) {
+                        Some(_) => prop_assert!(got.is_err()),
+                        None => {
+                            prop_assert_eq!(got, Ok(()));
+                            model.insert(k, slot(k));
+                        }
+                    }
+                }
+                Op::Remove(k) => {
+                    let removed = table.remove(hash(k), is(k), hash_of);
+                    prop_assert_eq!(removed, model.remove(&k).is_some());
+                }
+            }
+            prop_assert_eq!(table.len(), model.len());
+        }
+        for k in 0..keys {
+            let found = table.find(hash(k), is(k));
+            prop_assert_eq!(found.map(Slot::loc), model.get(&k).map(|s| s.loc()));
+        }
+        // Every stored distance is the true one (or FAR for one at least
+        // that far).
+        let mask = table.mask();
+        for (i, s) in table.slots.iter().enumerate() {
+            if *s != EMPTY {
+                let d = i.wrapping_sub(table.home(hash_of(*s))) & mask;
+                prop_assert_eq!(s.distance() as usize, d.min(FAR as usize));
+            }
+        }
+        Ok(())
+    }
+
+    fn ops(keys: u64) -> impl Strategy<Value = Vec<Op>> {
+        let key = 0..keys;
         prop::collection::vec(
-            prop_oneof![key.clone().prop_map(Op::Insert), key.prop_map(Op::Remove)],
-            0..400,
+            prop_oneof![
+                3 => key.clone().prop_map(Op::Insert),
+                2 => key.prop_map(Op::Remove)
+            ],
+            0..600,
         )
     }
 
     proptest! {
         /// Against a HashMap: every key inserted and not removed is found,
-        /// no other is, and the counts agree; the table's hash of key `k`
-        /// is `k % 5` so that clusters form.
+        /// no other is, and the counts agree.
         #[test]
-        fn the_table_holds_what_was_inserted_and_not_removed(ops in ops()) {
-            let mut table = BlockTable::with_capacity(48);
-            let mut model: HashMap<u64, Slot> = HashMap::new();
-            let is = |k: u64| move |s: Slot| s.run == k as u32;
-            for op in ops {
-                match op {
-                    Op::Insert(k) => {
-                        let new = slot(k as u32, k as u32);
-                        let got = table.insert_new(k % 5, new, is(k));
-                        match model.get(&k) {
-                            Some(old) => prop_assert_eq!(got, Err(*old)),
-                            None => {
-                                prop_assert_eq!(got, Ok(()));
-                                model.insert(k, new);
-                            }
-                        }
-                    }
-                    Op::Remove(k) => {
-                        prop_assert_eq!(table.remove(k % 5, is(k)), model.remove(&k).is_some());
-                    }
-                }
-                prop_assert_eq!(table.len(), model.len());
-                prop_assert!(table.live + table.deleted <= table.slots.len());
-            }
-            for k in 0..48 {
-                prop_assert_eq!(table.find(k % 5, is(k)), model.get(&k).copied());
-            }
+        fn the_table_holds_what_was_inserted_and_not_removed(ops in ops(48)) {
+            check(ops, 48, 5)?;
+        }
+
+        /// The same with clusters longer than a stored distance reaches.
+        #[test]
+        fn entries_farther_than_a_slot_can_say_are_found_and_moved(ops in ops(160)) {
+            check(ops, 160, 2)?;
         }
     }
 
     #[test]
-    fn a_removed_slot_before_an_empty_one_leaves_no_tombstone() {
+    fn a_removal_moves_back_the_entries_that_probed_past_it() {
         let mut table = BlockTable::with_capacity(8);
-        let is = |k: u32| move |s: Slot| s.run == k;
+        let hash_of = |_: Slot| 0;
         for k in 0..3 {
-            table.insert_new(0, slot(k, 0), is(k)).unwrap();
+            table.insert_new(0, slot(k), is(k)).unwrap();
         }
-        assert!(table.remove(0, is(1)));
-        assert_eq!(
-            table.deleted, 1,
-            "slot 2 still needs the probe to pass slot 1"
-        );
-        assert!(table.remove(0, is(2)));
-        assert_eq!(table.deleted, 0, "slots 1 and 2 are empty again");
-        assert_eq!(table.find(0, is(0)), Some(slot(0, 0)));
-        assert_eq!(table.find(0, is(2)), None);
+        assert!(table.remove(0, is(0), hash_of));
+        assert_eq!(table.slots[0].run, 1, "key 1 moved to its home slot");
+        assert_eq!(table.slots[0].distance(), 0);
+        assert_eq!(table.slots[1].run, 2);
+        assert_eq!(table.slots[1].distance(), 1);
+        assert_eq!(table.slots[2], EMPTY);
+        assert_eq!(table.find(0, is(2)).map(|s| s.run), Some(2));
     }
 
     #[test]
-    fn an_insert_reuses_a_deleted_slot_but_still_finds_a_later_duplicate() {
+    fn a_replaced_entry_keeps_its_distance() {
         let mut table = BlockTable::with_capacity(8);
-        let is = |k: u32| move |s: Slot| s.run == k;
-        for k in 0..3 {
-            table.insert_new(0, slot(k, 0), is(k)).unwrap();
+        for k in 0..2 {
+            table.insert_new(0, slot(k), is(k)).unwrap();
         }
-        assert!(table.remove(0, is(0)));
-        assert_eq!(table.insert_new(0, slot(2, 9), is(2)), Err(slot(2, 0)));
-        table.insert_new(0, slot(7, 0), is(7)).unwrap();
-        assert_eq!(table.deleted, 0);
-        assert_eq!(table.len(), 3);
+        assert!(table.replace(0, is(1), slot(9)));
+        assert_eq!(table.find(0, is(9)).map(Slot::distance), Some(1));
     }
 }
