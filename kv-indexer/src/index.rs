@@ -515,6 +515,11 @@ impl OwnershipIndex {
     ) {
         let slot = self.intern(worker);
         self.clock += 1;
+        // The first blocks' slots (the loops below ask for the later ones
+        // as they go), and the parent's: in flight together.
+        for block in &blocks[..blocks.len().min(PREFETCH_AHEAD)] {
+            self.table.prefetch(Key::of(*block).hash);
+        }
         let mut prev = parent.map(|p| (p, self.locate(p)));
         let mut i = 0;
         while i < blocks.len() {
