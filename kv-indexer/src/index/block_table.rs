@@ -283,15 +283,8 @@ impl BlockTable {
     /// Inserts an entry known to be absent (a rebuild).
     #[inline]
     pub fn insert_unique(&mut self, hash: u64, slot: Slot) {
-        debug_assert!(self.fits(1), "the caller makes room first");
-        let mask = self.mask();
-        let home = self.home(hash);
-        let mut i = home;
-        while self.slots[i] != EMPTY {
-            i = (i + 1) & mask;
-        }
-        self.slots[i] = slot.with_distance(i.wrapping_sub(home) & mask);
-        self.live += 1;
+        let placed = self.insert_new(hash, slot, |_| false);
+        debug_assert!(placed.is_ok());
     }
 
     /// Empties the table; its allocation stays.
