@@ -1002,14 +1002,18 @@ impl OwnershipIndex {
 
     /// Rebuilds the index from [`OwnershipIndex::export`]'s output and checks
     /// it against the exporter's [`OwnershipIndex::digest`]. Keeps this
-    /// index's memory cap setting.
+    /// index's memory cap setting. On an error the index is left empty (a
+    /// half-placed run's table entries would name blocks it does not hold).
     pub fn import(
         &mut self,
         workers: Vec<WorkerId>,
         runs: Vec<OwnedRun>,
         digest: u64,
     ) -> Result<(), RestoreError> {
-        self.import_unchecked(workers, runs)?;
+        if let Err(e) = self.import_unchecked(workers, runs) {
+            *self = self.emptied();
+            return Err(e);
+        }
         let got = self.digest();
         if got != digest {
             *self = self.emptied();
@@ -1212,5 +1216,35 @@ mod tests {
         assert_eq!(depth(&index, &c, &a), 21);
         assert_eq!(index.stats().runs, 3);
         assert_eq!(index.stats().pairs, 21);
+    }
+
+    /// A snapshot that lists a block twice is refused, and the index is left
+    /// empty and usable: its half-placed run leaves nothing behind.
+    #[test]
+    fn an_import_refused_midway_leaves_an_empty_index() {
+        let a = worker("a");
+        let c = chain(6, 3);
+        let owners = vec![RunOwner {
+            worker: 0,
+            tiers: TierSet::only(Tier::Device),
+        }];
+        let mut doubled = c.clone();
+        doubled.push(c[2]);
+        let runs = vec![OwnedRun {
+            blocks: doubled,
+            owners,
+        }];
+        let mut index = OwnershipIndex::new();
+        index.store(&a, None, &chain(4, 9), Tier::Device);
+        let refused = index.import(vec![a.clone()], runs, 0);
+        assert!(matches!(
+            refused,
+            Err(RestoreError::DuplicateBlock { run: 0, .. })
+        ));
+        assert_eq!(index.stats(), IndexStats::default());
+        assert_eq!(depth(&index, &c, &a), 0);
+        index.store(&a, None, &c, Tier::Device);
+        index.remove(&a, &c[3..], Tier::Device);
+        assert_eq!(depth(&index, &c, &a), 3);
     }
 }
