@@ -13,9 +13,9 @@
 //! changes that cover part of a run split it; the smaller side moves.
 //!
 //! Per distinct block the index costs the hash in its run (8 bytes) and one
-//! table slot (8 bytes, the table between 5/16 and 5/8 full: 13 to 26
-//! bytes per block; see [`block_table`]); per run a small header and its
-//! owner list.
+//! table slot (8 bytes, the table at most 5/8 full and, while it grows,
+//! at least 5/16: 13 to 26 bytes per block; it never shrinks; see
+//! `block_table`); per run a small header and its owner list.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -762,11 +762,12 @@ impl OwnershipIndex {
     fn drop_entry(&mut self, block: BlockHash, loc: Loc) {
         let key = Key::of(block);
         let runs = &self.runs;
-        self.table.remove(
+        let removed = self.table.remove(
             key.hash,
             |slot| slot.loc() == loc,
             |slot| Key::of(runs[slot.run() as usize].at(slot.loc())).hash,
         );
+        debug_assert!(removed, "every stored block has a table entry");
     }
 
     /// Drops every block of the worker; the worker stays known.

@@ -10,7 +10,8 @@
 //! at that load (under 4 slots on average at the worst, one cache line).
 //! Deletion shifts the rest of the probe cluster back (no tombstones, so
 //! an index under steady eviction never rebuilds its table): each slot
-//! carries its distance from its home slot, so the shift reads no block. [`BlockTable::prefetch`] lets a caller
+//! carries its distance from its home slot, so the shift reads no block
+//! but that of an entry farther from home than a slot can say. [`BlockTable::prefetch`] lets a caller
 //! that knows the next blocks ask for their cache lines ahead: a store of
 //! a long run of new blocks then overlaps its cache misses instead of
 //! taking them one after another.
@@ -57,7 +58,10 @@ const _: () = assert!(OFFSET_BITS + DISTANCE_BITS + TAG_BITS == 32);
 
 impl Slot {
     pub fn new(loc: Loc, key: Key) -> Self {
-        debug_assert!(loc.offset < MAX_OFFSET);
+        assert!(
+            loc.offset < MAX_OFFSET,
+            "lineage offsets stay below MAX_OFFSET"
+        );
         debug_assert!(loc.run != u32::MAX);
         Slot {
             run: loc.run,
@@ -337,7 +341,8 @@ mod tests {
     /// the end, and clusters grow past the distance a slot can store.
     fn check(ops: Vec<Op>, keys: u64, homes: u64) -> Result<(), TestCaseError> {
         let mut table = BlockTable::with_capacity(keys as usize);
-        let hash = |k: u64| (k % homes).wrapping_mul(7);
+        // Homes near the table's end, so that clusters wrap around it.
+        let hash = |k: u64| (k % homes).wrapping_mul(7).wrapping_sub(20);
         let hash_of = |s: Slot| hash(u64::from(s.run));
         let mut model: HashMap<u64, Slot> = HashMap::new();
         for op in ops {
