@@ -123,10 +123,15 @@ struct Owner {
     tiers: TierSet,
 }
 
+/// The block a table entry names, read from its run.
+fn block_of(runs: &[Run], slot: Slot) -> BlockHash {
+    runs[slot.run() as usize].at(slot.loc())
+}
+
 /// Whether the table entry is `key`'s block: the tag first, then the block
 /// itself in its run.
 fn is_block(runs: &[Run], key: Key, slot: Slot) -> bool {
-    slot.tag() == key.tag && runs[slot.run() as usize].at(slot.loc()) == key.block
+    slot.tag() == key.tag && block_of(runs, slot) == key.block
 }
 
 #[derive(Debug, Default)]
@@ -765,7 +770,7 @@ impl OwnershipIndex {
         let removed = self.table.remove(
             key.hash,
             |slot| slot.loc() == loc,
-            |slot| Key::of(runs[slot.run() as usize].at(slot.loc())).hash,
+            |slot| Key::of(block_of(runs, slot)).hash,
         );
         debug_assert!(removed, "every stored block has a table entry");
     }
@@ -1111,7 +1116,7 @@ impl OwnershipIndex {
                 if slot.run() == id {
                     blocks[slot.loc().offset as usize]
                 } else {
-                    runs[slot.run() as usize].at(slot.loc())
+                    block_of(runs, slot)
                 }
             };
             let loc = Loc {

@@ -11,10 +11,11 @@
 //! Deletion shifts the rest of the probe cluster back (no tombstones, so
 //! an index under steady eviction never rebuilds its table): each slot
 //! carries its distance from its home slot, so the shift reads no block
-//! but that of an entry farther from home than a slot can say. [`BlockTable::prefetch`] lets a caller
-//! that knows the next blocks ask for their cache lines ahead: a store of
-//! a long run of new blocks then overlaps its cache misses instead of
-//! taking them one after another.
+//! but that of an entry farther from home than a slot can say.
+//!
+//! [`BlockTable::prefetch`] lets a caller that knows the next blocks ask
+//! for their cache lines ahead: a store of a long run of new blocks then
+//! overlaps its cache misses instead of taking them one after another.
 
 /// Where a block lives: its run and its offset in the run's lineage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
