@@ -21,11 +21,10 @@ use dynamo_kv_router::RouterEvent;
 use kv_indexer::alloc_counter::live_bytes;
 use kv_indexer::workload::{miss, PrefixGroups};
 use kv_indexer::OwnershipIndex;
-
-use crate::ours::Setup;
 use protocol::{BlockHash, Tier, WorkerId};
 
 use crate::events::{peer_worker, stored, Chain};
+use crate::ours::Setup;
 use crate::peers::{Peer, PeerKind};
 use crate::report::{Point, Samples};
 
