@@ -364,8 +364,8 @@ fn ledger(s: &Scenario, out: &mut String) {
         let l = workers.effective_load(w).unwrap_or_default();
         writeln!(
             out,
-            "{w}: charged {} requests, {} decode blocks, {} prefill tokens; effective used={} active={} queued={}",
-            c.requests, c.decode_blocks, c.prefill_tokens, l.kv_blocks_used, l.active_decode_blocks, l.queued_prefill_tokens
+            "{w}: charged {} requests, {} decode blocks ({} new in its cache), {} prefill tokens; effective used={} active={} queued={}",
+            c.requests, c.decode_blocks, c.cache_blocks, c.prefill_tokens, l.kv_blocks_used, l.active_decode_blocks, l.queued_prefill_tokens
         )
         .unwrap();
     }

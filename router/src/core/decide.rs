@@ -19,7 +19,7 @@ use super::select::{
     any_free, best_holder, pick, score_decode, score_prefill, Scored, Shape, Side,
 };
 use super::session::{rendezvous, Sessions};
-use super::workers::{Charge, EffectiveLoad, Workers};
+use super::workers::{cache_blocks, Charge, EffectiveLoad, Workers};
 
 /// Why a request could not be routed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -900,6 +900,7 @@ impl RouterCore {
                 prefiller,
                 prefill_tokens: u64::from(prefill_tokens),
                 decode_blocks: shape.request_blocks,
+                cache_blocks: cache_blocks(&decision, bs),
                 pin,
                 at_ms: now_ms,
             },

@@ -88,8 +88,17 @@ pub struct DecodeSelection {
 impl DecodeSelection {
     /// Whether a worker at `load` is busy: skipped while another is not,
     /// and, when every one is, the router saturated (admission queues).
+    ///
+    /// Its KV usage here is the larger of the cache in use
+    /// ([`EffectiveLoad::kv_blocks_used`]) and the blocks routed to it
+    /// ([`EffectiveLoad::active_decode_blocks`]: whole contexts, remote
+    /// prefills still on their prefill worker included), so that a burst
+    /// of remote prefills does not pile onto one worker before its KV
+    /// lands there.
     pub fn is_busy(&self, load: &EffectiveLoad) -> bool {
-        (load.kv_capacity_blocks > 0 && load.kv_usage() >= self.busy_kv_usage)
+        let routed = load.kv_blocks_used.max(load.active_decode_blocks);
+        (load.kv_capacity_blocks > 0
+            && routed as f64 >= self.busy_kv_usage * load.kv_capacity_blocks as f64)
             || load.waiting >= self.busy_waiting
     }
 }

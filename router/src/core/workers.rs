@@ -78,8 +78,15 @@ impl Default for LedgerConfig {
 pub struct Charges {
     /// Prompt tokens still to prefill on this worker.
     pub prefill_tokens: u64,
-    /// KV blocks of requests decoding on this worker.
+    /// KV blocks of requests decoding on this worker, each request's
+    /// whole context (what their decode steps read).
     pub decode_blocks: u64,
+    /// KV blocks these requests add to the worker's cache beyond the prefix
+    /// it held for them when they were decided, counted once they are on
+    /// the worker (a remote prefill's from when its prefill is done): a
+    /// lower bound of the memory they take, since a prefix shared by
+    /// several of them is not counted again.
+    pub cache_blocks: u64,
     /// Requests decoding on this worker.
     pub requests: u32,
     /// KV blocks pinned here while a prefill worker pulls them
@@ -126,9 +133,18 @@ impl Charges {
 pub struct EffectiveLoad {
     /// Prompt tokens admitted or routed whose prefill has not run yet.
     pub queued_prefill_tokens: u64,
-    /// KV blocks of running (or routed) decodes.
+    /// KV blocks of running (or routed) decodes, each request's whole
+    /// context, remote prefills still on their prefill worker included:
+    /// the decode load selection spreads and the steps read.
     pub active_decode_blocks: u64,
-    /// KV blocks in use, as reported plus routed requests.
+    /// KV blocks in use: the reported ones plus those routed requests add
+    /// to the cache ([`Charges::cache_blocks`]), what the decode gate and
+    /// the busy checks compare with the capacity. A request's prefix the
+    /// worker holds is not counted again, nor a remote prefill still on its
+    /// prefill worker: summing whole contexts counted a system prompt once
+    /// per request and a prefill queue as decode memory, and the gate then
+    /// vetoed bypasses on decode workers whose cache was half empty,
+    /// sending them to that queue.
     pub kv_blocks_used: u64,
     /// KV blocks in use as last reported, without the ledger (what a gate
     /// that reserves nothing would look at).
@@ -225,8 +241,8 @@ impl Slot {
                 .max(l.prefill_tokens),
             active_decode_blocks: active.saturating_add(u.decode_blocks).max(l.decode_blocks),
             kv_blocks_used: used
-                .saturating_add(u.decode_blocks)
-                .max(l.decode_blocks)
+                .saturating_add(u.cache_blocks)
+                .max(l.cache_blocks)
                 .saturating_add(l.pinned_blocks),
             reported_kv_blocks_used: used,
             kv_capacity_blocks: capacity,
@@ -253,6 +269,12 @@ struct Live {
     at_ms: u64,
     unreported_prefill: bool,
     unreported_decode: bool,
+    /// See [`Charges::cache_blocks`].
+    cache_blocks: u64,
+    /// On the decode worker: a bypass, or a remote prefill that is done.
+    landed: bool,
+    /// `cache_blocks` are in the decode worker's unreported charges.
+    unreported_cache: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -271,9 +293,20 @@ pub(crate) struct Charge {
     pub(crate) prefiller: u32,
     pub(crate) prefill_tokens: u64,
     pub(crate) decode_blocks: u64,
+    /// See [`Charges::cache_blocks`] ([`cache_blocks`]).
+    pub(crate) cache_blocks: u64,
     /// The supplying worker of a fetched prefix and its blocks to pin.
     pub(crate) pin: Option<(u32, u64)>,
     pub(crate) at_ms: u64,
+}
+
+/// The KV blocks a decision's request adds to its decode worker's cache:
+/// its reserved blocks less the whole blocks of the prefix the worker held
+/// for it ([`Charges::cache_blocks`]). Read from the decision alone, so
+/// that every replica charges a decision alike.
+pub(crate) fn cache_blocks(decision: &RouteDecision, block_size: u32) -> u64 {
+    let held = u64::from(decision.decode_overlap_tokens / block_size.max(1));
+    decision.reserved_decode_blocks.saturating_sub(held)
 }
 
 /// Registered workers, their latest load reports and the in-flight ledger.
@@ -404,6 +437,11 @@ impl Workers {
                 live.unreported_decode = false;
                 s.unreported.sub(0, live.decode_blocks, 1);
             }
+            if mine_decode && live.unreported_cache {
+                live.unreported_cache = false;
+                s.unreported.cache_blocks =
+                    s.unreported.cache_blocks.saturating_sub(live.cache_blocks);
+            }
             false
         });
         self.slots[slot as usize].unreported_ids = ids;
@@ -430,6 +468,7 @@ impl Workers {
                 prefiller,
                 prefill_tokens: decision.reserved_prefill_tokens,
                 decode_blocks: decision.reserved_decode_blocks,
+                cache_blocks: cache_blocks(decision, self.contract.block_size),
                 pin,
                 at_ms: decision.at_ms,
             },
@@ -437,12 +476,19 @@ impl Workers {
     }
 
     /// The request's prefill ran: its prefill tokens leave the prefilling
-    /// worker's charge, and a fetched prefix's pin its source's. Returns
-    /// whether anything was released.
+    /// worker's charge, a fetched prefix's pin its source's, and a remote
+    /// prefill's KV lands on its decode worker (its
+    /// [`Charges::cache_blocks`] count there from now). Returns whether
+    /// anything changed.
     pub fn on_prefill_done(&mut self, id: DecisionId) -> bool {
         let Some(live) = self.entries.get_mut(&id).and_then(|e| e.live.as_mut()) else {
             return false;
         };
+        let landing = !std::mem::replace(&mut live.landed, true);
+        if landing {
+            let d = &mut self.slots[live.decode as usize];
+            d.ledger.cache_blocks += live.cache_blocks;
+        }
         let unpinned = match live.pin.take() {
             Some((source, blocks)) => {
                 let s = &mut self.slots[source as usize];
@@ -452,7 +498,7 @@ impl Workers {
             None => false,
         };
         if live.prefill_tokens == 0 {
-            return unpinned;
+            return unpinned || landing;
         }
         let tokens = std::mem::take(&mut live.prefill_tokens);
         let s = &mut self.slots[live.prefiller as usize];
@@ -641,6 +687,9 @@ impl Workers {
             at_ms: c.at_ms,
             unreported_prefill: false,
             unreported_decode: false,
+            cache_blocks: c.cache_blocks,
+            landed: c.decode == c.prefiller,
+            unreported_cache: false,
         };
         if let Some((source, blocks)) = c.pin {
             let s = &mut self.slots[source as usize];
@@ -665,9 +714,18 @@ impl Workers {
             let d = &mut self.slots[c.decode as usize];
             d.refs += 1;
             d.ledger.add(0, c.decode_blocks, 1);
+            if live.landed {
+                d.ledger.cache_blocks += live.cache_blocks;
+            }
             if unseen(d) {
                 live.unreported_decode = true;
                 d.unreported.add(0, c.decode_blocks, 1);
+                // A remote prefill lands after reports the decision
+                // preceded: the ledger alone counts it.
+                if live.landed {
+                    live.unreported_cache = true;
+                    d.unreported.cache_blocks += live.cache_blocks;
+                }
                 if c.decode != c.prefiller || !live.unreported_prefill {
                     d.unreported_ids.push(id);
                 }
@@ -700,6 +758,13 @@ impl Workers {
             d.ledger.sub(0, live.decode_blocks, 1);
             if live.unreported_decode {
                 d.unreported.sub(0, live.decode_blocks, 1);
+            }
+            if live.landed {
+                d.ledger.cache_blocks = d.ledger.cache_blocks.saturating_sub(live.cache_blocks);
+            }
+            if live.unreported_cache {
+                d.unreported.cache_blocks =
+                    d.unreported.cache_blocks.saturating_sub(live.cache_blocks);
             }
             d.refs = d.refs.saturating_sub(1);
         }

@@ -224,9 +224,13 @@ pub struct FetchPrediction {
 ///    prefill what the prefill worker holds); equal work goes remote, which
 ///    slows no decode;
 /// 2. only one meets them: that one;
-/// 3. neither: remote when the local prefill would push the decode
-///    worker's running requests over the ITL target (it misses them all,
-///    remote misses one); otherwise the sooner first token (ties remote).
+/// 3. neither: remote when the decode worker's running requests would be
+///    over the ITL target with the local prefill (it misses them all,
+///    remote misses one), whether or not they already are without it (a
+///    decode worker past its ITL target takes no more prefill work: letting
+///    the sooner first token decide there drove ITL ever further past the
+///    target once the prefill workers' queue grew); otherwise the sooner
+///    first token (ties remote).
 ///
 /// "Remote" is the better of two remote prefills when the router offers
 /// the third path ([`PolicyInput::fetch`]): from the prefill worker's own
@@ -544,11 +548,11 @@ impl ConditionalDisaggPolicy for SlaDynamic {
                 meets,
                 format!("only remote meets the targets: {what}"),
             ),
-            (false, false) if s.running > 0 && s.itl_local_ms > it && s.itl_base_ms <= it => (
+            (false, false) if s.running > 0 && s.itl_local_ms > it => (
                 r.path,
                 spares,
                 format!(
-                    "neither meets the targets; local would push {} running requests over the ITL target: {what}",
+                    "neither meets the targets; local would leave {} running requests over the ITL target: {what}",
                     s.running
                 ),
             ),
@@ -666,6 +670,18 @@ mod tests {
         };
         let policy = SlaDynamic::with_slo(500.0, 40.0);
         let (path, rule, why) = decide(&policy, &f.input(8_000, 0, running(30, 30 * 64), busy_p));
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_SPARES_DECODES),
+            "{why}"
+        );
+        // A decode worker already past its ITL target without the prefill
+        // gets no more prefill work, however much sooner its first token.
+        let over = SlaDynamic::with_slo(500.0, 20.0);
+        let input = f.input(8_000, 0, running(30, 30 * 64), busy_p);
+        let s = over.predict(&input);
+        assert!(s.itl_base_ms > 20.0 && s.local_ttft_ms < s.remote_ttft_ms);
+        let (path, rule, why) = decide(&over, &input);
         assert_eq!(
             (path, rule),
             (Path::Remote, rules::SLA_REMOTE_SPARES_DECODES),
