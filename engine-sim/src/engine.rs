@@ -138,20 +138,24 @@ pub struct Engine {
     stats: EngineStats,
     scratch: Vec<u32>,
     outputs: Vec<StepOutput>,
-    /// Prefixes pinned for other workers' reads ([`Engine::pin_prefix`]).
-    pins: u32,
+    /// Pinned prefixes still being read by another worker
+    /// ([`Engine::pin_prefix`], [`Engine::end_read`]): steps are longer
+    /// while any is.
+    reads: u32,
     /// Their blocks (one entry per hold).
     pinned: Vec<BlockId>,
 }
 
 /// Blocks of a prefix held for another worker's read
 /// ([`Engine::pin_prefix`]): they are in use (not evictable) until
-/// [`Engine::unpin`].
+/// [`Engine::unpin`]; the read itself lengthens the engine's steps until
+/// [`Engine::end_read`] (or the unpin).
 #[derive(Debug)]
 #[must_use = "a pin holds its blocks until Engine::unpin"]
 pub struct PinnedPrefix {
     blocks: Vec<BlockId>,
     tokens: u32,
+    reading: bool,
 }
 
 impl PinnedPrefix {
@@ -179,7 +183,7 @@ impl Engine {
             stats: EngineStats::default(),
             scratch: Vec::new(),
             outputs: Vec::new(),
-            pins: 0,
+            reads: 0,
             pinned: Vec::new(),
         })
     }
@@ -201,8 +205,9 @@ impl Engine {
 
     /// Holds the cached blocks of `prompt`'s first `tokens` tokens (as many
     /// leading whole blocks as are cached) for another worker's read: they
-    /// stay in use, so cannot be evicted, and the engine's steps are longer
-    /// by [`EngineConfig::read_step_overhead`] while any pin is held.
+    /// stay in use, so cannot be evicted, until [`Engine::unpin`], and the
+    /// engine's steps are longer by [`EngineConfig::read_step_overhead`]
+    /// while any read runs (from the pin to [`Engine::end_read`]).
     pub fn pin_prefix(&mut self, prompt: &[u32], tokens: u32) -> PinnedPrefix {
         let mut blocks = Vec::new();
         for hash in self.prefix_hashes(prompt, tokens) {
@@ -212,14 +217,30 @@ impl Engine {
             self.cache.acquire(b);
             blocks.push(b);
         }
-        self.pins += 1;
+        self.reads += 1;
         self.pinned.extend_from_slice(&blocks);
         let tokens = blocks.len() as u32 * self.hasher.block_size();
-        PinnedPrefix { blocks, tokens }
+        PinnedPrefix {
+            blocks,
+            tokens,
+            reading: true,
+        }
     }
 
-    /// Releases a pin (the read is done); the blocks stay cached.
-    pub fn unpin(&mut self, pin: PinnedPrefix) {
+    /// The read of a pinned prefix is done: the steps are no longer slowed
+    /// by it, but its blocks stay held until [`Engine::unpin`] (a decode
+    /// worker keeps them for the reader until its prefill is done, as the
+    /// router's ledger counts them).
+    pub fn end_read(&mut self, pin: &mut PinnedPrefix) {
+        if std::mem::take(&mut pin.reading) {
+            self.reads = self.reads.saturating_sub(1);
+        }
+    }
+
+    /// Releases a pin (ending its read if still running); the blocks stay
+    /// cached.
+    pub fn unpin(&mut self, mut pin: PinnedPrefix) {
+        self.end_read(&mut pin);
         // A pin from before a restart holds nothing any more.
         for &b in pin.blocks.iter().rev() {
             if let Some(i) = self.pinned.iter().rposition(|&p| p == b) {
@@ -227,7 +248,6 @@ impl Engine {
                 self.cache.release(b);
             }
         }
-        self.pins = self.pins.saturating_sub(1);
     }
 
     /// Stores the KV of `prompt`'s first `tokens` tokens (whole blocks),
@@ -360,7 +380,7 @@ impl Engine {
             });
         }
         let mut duration_us = self.config.cost.step_us(&planned.work);
-        if self.pins > 0 {
+        if self.reads > 0 {
             // `as` saturates.
             duration_us =
                 (duration_us as f64 * (1.0 + self.config.read_step_overhead)).ceil() as u64;
@@ -441,7 +461,7 @@ impl Engine {
         self.cache.clear();
         self.outputs.clear();
         self.pinned.clear();
-        self.pins = 0;
+        self.reads = 0;
         dropped
     }
 

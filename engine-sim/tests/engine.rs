@@ -524,6 +524,10 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
     let pinned_step = d.step(now).unwrap().duration_us;
     let (_, now) = run_to_idle(&mut d, now, 50);
     assert!(d.cached_prefix_tokens(&prompt) >= 400);
+    // The read done, the blocks stay held for the reader until the unpin.
+    let mut pin = pin;
+    d.end_read(&mut pin);
+    assert_eq!(d.block_counts().in_use, 25);
     d.unpin(pin);
     assert_eq!(d.block_counts().in_use, 0);
     d.check_invariants().unwrap();
@@ -533,6 +537,15 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
     let plain_step = fresh.step(now).unwrap().duration_us;
     let want = (plain_step as f64 * (1.0 + cfg.read_step_overhead)).ceil() as u64;
     assert_eq!(pinned_step, want, "{plain_step} -> {pinned_step}");
+    // A pin whose read is done slows no step.
+    let mut held = engine(Role::Both, cfg);
+    held.submit(req(1, &prompt, 2, Mode::LocalPrefill)).unwrap();
+    let (_, now) = run_to_idle(&mut held, 0, 20);
+    let mut pin = held.pin_prefix(&prompt, 400);
+    held.end_read(&mut pin);
+    held.submit(req(2, &other, 1, Mode::LocalPrefill)).unwrap();
+    assert_eq!(held.step(now).unwrap().duration_us, plain_step);
+    held.unpin(pin);
 }
 
 /// The host tier (G2): an evicted prefix is written to host (Removed from

@@ -14,10 +14,11 @@
 //! - a KV transfer ends on the workers' shared links ([`SharedLinks`]:
 //!   concurrent transfers share each worker's link): a prefill's handoff
 //!   submits the request to its decode worker; a prefix pulled from a
-//!   decode worker (the third path, [`Path::RemoteFetch`]) unpins it there,
-//!   stores the prefix in the prefill worker's cache (its KV events show
-//!   the blocks) and submits the request to the prefill worker, which
-//!   computes only the rest;
+//!   decode worker (the third path, [`Path::RemoteFetch`]) ends the read
+//!   there (the source keeps the blocks pinned until the prefill is done,
+//!   as the router's ledger counts them), stores the prefix in the prefill
+//!   worker's cache (its KV events show the blocks) and submits the request
+//!   to the prefill worker, which computes only the rest;
 //! - every load interval each engine's load report reaches the router.
 
 use std::cmp::Ordering;
@@ -159,6 +160,9 @@ struct InFlight {
     /// The third path: the source worker's pin while the prefix is pulled,
     /// and the request to submit to the prefill worker once it arrived.
     pull: Option<(usize, PinnedPrefix, EngineRequest)>,
+    /// The third path after the pull: the source's pin, held until the
+    /// prefill is done.
+    held: Option<(usize, PinnedPrefix)>,
     first_token_us: Option<u64>,
 }
 
@@ -502,6 +506,7 @@ impl<'w> Cluster<'w> {
                 decode,
                 prefill,
                 pull: None,
+                held: None,
                 first_token_us: None,
             },
         );
@@ -544,23 +549,33 @@ impl<'w> Cluster<'w> {
     }
 
     /// A prefix pulled from its source arrived on the prefill worker: the
-    /// source's pin goes, the prefix is stored in the prefill worker's
-    /// cache, and the request is submitted there.
+    /// source's read ends (its pin stays until the prefill is done), the
+    /// prefix is stored in the prefill worker's cache, and the request is
+    /// submitted there.
     fn pull_done(&mut self, id: u64) {
         let Some(r) = self.in_flight.get_mut(&id) else {
             return;
         };
-        let (Some((source, pin, request)), Some(p)) = (r.pull.take(), r.prefill) else {
+        let (Some((source, mut pin, request)), Some(p)) = (r.pull.take(), r.prefill) else {
             return;
         };
         let tokens = pin.tokens();
-        self.engines[source].unpin(pin);
+        self.engines[source].end_read(&mut pin);
+        r.held = Some((source, pin));
         self.engines[p].receive_prefix(&request.prompt, tokens);
         let events = self.engines[p].take_kv_events();
         if !events.is_empty() {
             self.kv_step(p, Input::EngineEvents(events));
         }
         self.submit(p, request);
+    }
+
+    /// The third path's source lets its pinned prefix go (the request's
+    /// prefill is done, or it was refused).
+    fn release_source(&mut self, id: u64) {
+        if let Some((source, pin)) = self.in_flight.get_mut(&id).and_then(|r| r.held.take()) {
+            self.engines[source].unpin(pin);
+        }
     }
 
     fn count_path(&mut self, decision: &RouteDecision) {
@@ -581,6 +596,7 @@ impl<'w> Cluster<'w> {
         let id = request.id;
         if self.engines[worker].submit(request).is_err() {
             self.counters.refused += 1;
+            self.release_source(id);
             if let Some(r) = self.in_flight.remove(&id) {
                 self.router.on_finished(r.decision);
                 self.finish_session_turn(&r.spec);
@@ -678,6 +694,7 @@ impl<'w> Cluster<'w> {
 
     /// A remote prefill is done: move what the decode worker lacks.
     fn prefill_done(&mut self, id: u64) {
+        self.release_source(id);
         let Some(r) = self.in_flight.get(&id) else {
             return;
         };
