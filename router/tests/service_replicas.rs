@@ -43,7 +43,8 @@ async fn a_decision_of_one_replica_is_in_the_other_replicas_ledger() -> Result<(
             let d0 = &ledger["workers"][0];
             (ledger["in_flight"] == 1
                 && d0["charged_requests"] == 1
-                && d0["charged_decode_blocks"] == 7)
+                && d0["charged_decode_blocks"] == 7
+                && d0["charged_cache_blocks"] == 7)
                 .then_some(())
         })
         .await?;

@@ -721,7 +721,12 @@ pub struct LedgerWorker {
     /// `half_open` (one trial request may go).
     pub breaker: &'static str,
     pub charged_prefill_tokens: u64,
+    /// Whole contexts of the requests decoding here (what selection
+    /// spreads).
     pub charged_decode_blocks: u64,
+    /// What those requests add to its cache once there (what the decode
+    /// gate counts on top of the worker's report).
+    pub charged_cache_blocks: u64,
     pub charged_requests: u32,
     pub effective_kv_blocks_used: Option<u64>,
     pub effective_queued_prefill_tokens: Option<u64>,

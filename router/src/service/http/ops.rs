@@ -108,6 +108,7 @@ fn render(replica: &str, view: LedgerView) -> LedgerBody {
                 breaker: w.breaker.label(),
                 charged_prefill_tokens: w.charges.prefill_tokens,
                 charged_decode_blocks: w.charges.decode_blocks,
+                charged_cache_blocks: w.charges.cache_blocks,
                 charged_requests: w.charges.requests,
                 effective_kv_blocks_used: w.load.map(|l| l.kv_blocks_used),
                 effective_queued_prefill_tokens: w.load.map(|l| l.queued_prefill_tokens),
