@@ -82,10 +82,9 @@ pub struct Charges {
     /// whole context (what their decode steps read).
     pub decode_blocks: u64,
     /// KV blocks these requests add to the worker's cache beyond the prefix
-    /// it held for them when they were decided, counted once they are on
-    /// the worker (a remote prefill's from when its prefill is done): a
-    /// lower bound of the memory they take, since a prefix shared by
-    /// several of them is not counted again.
+    /// it held for them when they were decided: a lower bound of the memory
+    /// they take (or will, a remote prefill's once its KV lands), since a
+    /// prefix shared by several of them is not counted again.
     pub cache_blocks: u64,
     /// Requests decoding on this worker.
     pub requests: u32,
@@ -95,16 +94,25 @@ pub struct Charges {
 }
 
 impl Charges {
-    fn add(&mut self, prefill_tokens: u64, decode_blocks: u64, requests: u32) {
-        self.prefill_tokens = self.prefill_tokens.saturating_add(prefill_tokens);
-        self.decode_blocks = self.decode_blocks.saturating_add(decode_blocks);
-        self.requests = self.requests.saturating_add(requests);
+    fn add_prefill(&mut self, tokens: u64) {
+        self.prefill_tokens = self.prefill_tokens.saturating_add(tokens);
     }
 
-    fn sub(&mut self, prefill_tokens: u64, decode_blocks: u64, requests: u32) {
-        self.prefill_tokens = self.prefill_tokens.saturating_sub(prefill_tokens);
-        self.decode_blocks = self.decode_blocks.saturating_sub(decode_blocks);
-        self.requests = self.requests.saturating_sub(requests);
+    fn sub_prefill(&mut self, tokens: u64) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
+    }
+
+    /// One request decoding here.
+    fn add_decode(&mut self, live: &Live) {
+        self.decode_blocks = self.decode_blocks.saturating_add(live.decode_blocks);
+        self.cache_blocks = self.cache_blocks.saturating_add(live.cache_blocks);
+        self.requests = self.requests.saturating_add(1);
+    }
+
+    fn sub_decode(&mut self, live: &Live) {
+        self.decode_blocks = self.decode_blocks.saturating_sub(live.decode_blocks);
+        self.cache_blocks = self.cache_blocks.saturating_sub(live.cache_blocks);
+        self.requests = self.requests.saturating_sub(1);
     }
 }
 
@@ -140,11 +148,11 @@ pub struct EffectiveLoad {
     /// KV blocks in use: the reported ones plus those routed requests add
     /// to the cache ([`Charges::cache_blocks`]), what the decode gate and
     /// the busy checks compare with the capacity. A request's prefix the
-    /// worker holds is not counted again, nor a remote prefill still on its
-    /// prefill worker: summing whole contexts counted a system prompt once
-    /// per request and a prefill queue as decode memory, and the gate then
-    /// vetoed bypasses on decode workers whose cache was half empty,
-    /// sending them to that queue.
+    /// worker holds is not counted again: summing whole contexts counted a
+    /// system prompt once per request (and a long prefill queue of such
+    /// requests as decode memory), and the gate then vetoed bypasses on
+    /// decode workers whose cache was a quarter full, sending them to that
+    /// queue.
     pub kv_blocks_used: u64,
     /// KV blocks in use as last reported, without the ledger (what a gate
     /// that reserves nothing would look at).
@@ -271,10 +279,6 @@ struct Live {
     unreported_decode: bool,
     /// See [`Charges::cache_blocks`].
     cache_blocks: u64,
-    /// On the decode worker: a bypass, or a remote prefill that is done.
-    landed: bool,
-    /// `cache_blocks` are in the decode worker's unreported charges.
-    unreported_cache: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -431,16 +435,11 @@ impl Workers {
             }
             if mine_prefill {
                 live.unreported_prefill = false;
-                s.unreported.sub(live.prefill_tokens, 0, 0);
+                s.unreported.sub_prefill(live.prefill_tokens);
             }
             if mine_decode {
                 live.unreported_decode = false;
-                s.unreported.sub(0, live.decode_blocks, 1);
-            }
-            if mine_decode && live.unreported_cache {
-                live.unreported_cache = false;
-                s.unreported.cache_blocks =
-                    s.unreported.cache_blocks.saturating_sub(live.cache_blocks);
+                s.unreported.sub_decode(live);
             }
             false
         });
@@ -476,19 +475,12 @@ impl Workers {
     }
 
     /// The request's prefill ran: its prefill tokens leave the prefilling
-    /// worker's charge, a fetched prefix's pin its source's, and a remote
-    /// prefill's KV lands on its decode worker (its
-    /// [`Charges::cache_blocks`] count there from now). Returns whether
-    /// anything changed.
+    /// worker's charge, and a fetched prefix's pin its source's. Returns
+    /// whether anything was released.
     pub fn on_prefill_done(&mut self, id: DecisionId) -> bool {
         let Some(live) = self.entries.get_mut(&id).and_then(|e| e.live.as_mut()) else {
             return false;
         };
-        let landing = !std::mem::replace(&mut live.landed, true);
-        if landing {
-            let d = &mut self.slots[live.decode as usize];
-            d.ledger.cache_blocks += live.cache_blocks;
-        }
         let unpinned = match live.pin.take() {
             Some((source, blocks)) => {
                 let s = &mut self.slots[source as usize];
@@ -498,14 +490,14 @@ impl Workers {
             None => false,
         };
         if live.prefill_tokens == 0 {
-            return unpinned || landing;
+            return unpinned;
         }
         let tokens = std::mem::take(&mut live.prefill_tokens);
         let s = &mut self.slots[live.prefiller as usize];
-        s.ledger.sub(tokens, 0, 0);
+        s.ledger.sub_prefill(tokens);
         if live.unreported_prefill {
             live.unreported_prefill = false;
-            s.unreported.sub(tokens, 0, 0);
+            s.unreported.sub_prefill(tokens);
         }
         true
     }
@@ -687,9 +679,7 @@ impl Workers {
             at_ms: c.at_ms,
             unreported_prefill: false,
             unreported_decode: false,
-            cache_blocks: c.cache_blocks,
-            landed: c.decode == c.prefiller,
-            unreported_cache: false,
+            cache_blocks: c.cache_blocks.min(c.decode_blocks),
         };
         if let Some((source, blocks)) = c.pin {
             let s = &mut self.slots[source as usize];
@@ -703,29 +693,20 @@ impl Workers {
         {
             let p = &mut self.slots[c.prefiller as usize];
             p.refs += 1;
-            p.ledger.add(c.prefill_tokens, 0, 0);
+            p.ledger.add_prefill(c.prefill_tokens);
             if c.prefill_tokens > 0 && unseen(p) {
                 live.unreported_prefill = true;
-                p.unreported.add(c.prefill_tokens, 0, 0);
+                p.unreported.add_prefill(c.prefill_tokens);
                 p.unreported_ids.push(id);
             }
         }
         {
             let d = &mut self.slots[c.decode as usize];
             d.refs += 1;
-            d.ledger.add(0, c.decode_blocks, 1);
-            if live.landed {
-                d.ledger.cache_blocks += live.cache_blocks;
-            }
+            d.ledger.add_decode(&live);
             if unseen(d) {
                 live.unreported_decode = true;
-                d.unreported.add(0, c.decode_blocks, 1);
-                // A remote prefill lands after reports the decision
-                // preceded: the ledger alone counts it.
-                if live.landed {
-                    live.unreported_cache = true;
-                    d.unreported.cache_blocks += live.cache_blocks;
-                }
+                d.unreported.add_decode(&live);
                 if c.decode != c.prefiller || !live.unreported_prefill {
                     d.unreported_ids.push(id);
                 }
@@ -747,24 +728,17 @@ impl Workers {
         self.live = self.live.saturating_sub(1);
         {
             let p = &mut self.slots[live.prefiller as usize];
-            p.ledger.sub(live.prefill_tokens, 0, 0);
+            p.ledger.sub_prefill(live.prefill_tokens);
             if live.unreported_prefill {
-                p.unreported.sub(live.prefill_tokens, 0, 0);
+                p.unreported.sub_prefill(live.prefill_tokens);
             }
             p.refs = p.refs.saturating_sub(1);
         }
         {
             let d = &mut self.slots[live.decode as usize];
-            d.ledger.sub(0, live.decode_blocks, 1);
+            d.ledger.sub_decode(live);
             if live.unreported_decode {
-                d.unreported.sub(0, live.decode_blocks, 1);
-            }
-            if live.landed {
-                d.ledger.cache_blocks = d.ledger.cache_blocks.saturating_sub(live.cache_blocks);
-            }
-            if live.unreported_cache {
-                d.unreported.cache_blocks =
-                    d.unreported.cache_blocks.saturating_sub(live.cache_blocks);
+                d.unreported.sub_decode(live);
             }
             d.refs = d.refs.saturating_sub(1);
         }
