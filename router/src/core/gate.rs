@@ -4,10 +4,12 @@
 //! The check is `effective KV used + request blocks > budget_fraction ×
 //! capacity`, where the effective KV used already holds every reservation
 //! made since the worker's last report (see
-//! [`super::workers::EffectiveLoad`]): each routed request's blocks are
-//! reserved in the in-flight ledger the moment it is decided, so a burst of
-//! bypasses decided between two load reports cannot together overcommit
-//! one worker. (A gate that reserves nothing — `count_reservations: false`
+//! [`super::workers::EffectiveLoad::kv_blocks_used`]): each routed
+//! request's blocks beyond the prefix the worker held for it are reserved
+//! in the in-flight ledger the moment it is decided, so a burst of bypasses
+//! decided between two load reports cannot together overcommit one worker,
+//! while a prefix they share is counted once. The request's own blocks are
+//! counted whole: its prefix may be cached without being in use. (A gate that reserves nothing — `count_reservations: false`
 //! — compares against the last report only and lets such a burst through.)
 //!
 //! Without its signal — the worker's KV capacity unknown (registered as 0

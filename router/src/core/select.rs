@@ -90,11 +90,11 @@ impl DecodeSelection {
     /// and, when every one is, the router saturated (admission queues).
     ///
     /// Its KV usage here is the larger of the cache in use
-    /// ([`EffectiveLoad::kv_blocks_used`]) and the blocks routed to it
-    /// ([`EffectiveLoad::active_decode_blocks`]: whole contexts, remote
-    /// prefills still on their prefill worker included), so that a burst
-    /// of remote prefills does not pile onto one worker before its KV
-    /// lands there.
+    /// ([`EffectiveLoad::kv_blocks_used`], a shared prefix counted once)
+    /// and the blocks routed to it ([`EffectiveLoad::active_decode_blocks`],
+    /// whole contexts): selection keeps spreading whole contexts, as it
+    /// did before the gate counted shared prefixes once (disaggregated
+    /// deployments, which never bypass, route as before).
     pub fn is_busy(&self, load: &EffectiveLoad) -> bool {
         let routed = load.kv_blocks_used.max(load.active_decode_blocks);
         (load.kv_capacity_blocks > 0
