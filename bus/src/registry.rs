@@ -99,15 +99,19 @@ where
 }
 
 /// Whether an etcd call failed on its way, not with etcd's answer to it:
-/// its connection could not be made or was reset, or the member it reached
-/// could not serve it (gRPC "unavailable": "leader changed", "no leader"
-/// while the members elect a new leader, after the old one died).
+/// its connection could not be made or was reset, or closed under the call
+/// (gRPC "cancelled": a member killed while the call was in flight), or
+/// the member it reached could not serve it (gRPC "unavailable": "leader
+/// changed", "no leader" while the members elect a new leader, after the
+/// old one died).
 pub(crate) fn connection_failed(e: &etcd_client::Error) -> bool {
     match e {
         etcd_client::Error::TransportError(_) => true,
-        etcd_client::Error::GRpcStatus(_) => {
-            let text = e.to_string();
-            text.contains("currently unavailable") || text.contains("transport error")
+        etcd_client::Error::GRpcStatus(status) => {
+            matches!(
+                status.code(),
+                tonic::Code::Unavailable | tonic::Code::Cancelled
+            ) || e.to_string().contains("transport error")
         }
         _ => false,
     }
@@ -551,5 +555,30 @@ impl WorkerWatch {
                 })
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::connection_failed;
+
+    #[test]
+    fn a_call_cut_on_its_way_is_tried_again_and_an_answer_is_not() {
+        let status = |s: tonic::Status| etcd_client::Error::GRpcStatus(s);
+        // A member killed mid-call: its connection closed under the call.
+        assert!(connection_failed(&status(tonic::Status::cancelled(
+            "operation was canceled"
+        ))));
+        assert!(connection_failed(&status(tonic::Status::unavailable(
+            "etcdserver: leader changed"
+        ))));
+        // etcd's answers.
+        assert!(!connection_failed(&status(tonic::Status::not_found("key"))));
+        assert!(!connection_failed(&status(
+            tonic::Status::permission_denied("etcdserver: permission denied")
+        )));
+        assert!(!connection_failed(
+            &etcd_client::Error::LeaseKeepAliveError("lease expired".into())
+        ));
     }
 }
