@@ -157,12 +157,12 @@ struct InFlight {
     decode: usize,
     /// The prefill worker of a remote path.
     prefill: Option<usize>,
-    /// The third path: the source worker's pin while the prefix is pulled,
-    /// and the request to submit to the prefill worker once it arrived.
-    pull: Option<(usize, PinnedPrefix, EngineRequest)>,
-    /// The third path after the pull: the source's pin, held until the
-    /// prefill is done.
-    held: Option<(usize, PinnedPrefix)>,
+    /// The third path: the source worker and its pin, from the decision
+    /// until the prefill is done (read while the prefix is pulled).
+    source: Option<(usize, PinnedPrefix)>,
+    /// The third path: the request to submit to the prefill worker once the
+    /// pulled prefix arrived.
+    awaiting_pull: Option<EngineRequest>,
     first_token_us: Option<u64>,
 }
 
@@ -505,8 +505,8 @@ impl<'w> Cluster<'w> {
                 path: decision.path,
                 decode,
                 prefill,
-                pull: None,
-                held: None,
+                source: None,
+                awaiting_pull: None,
                 first_token_us: None,
             },
         );
@@ -514,7 +514,8 @@ impl<'w> Cluster<'w> {
             (Some((source, pin, bytes)), Some(p)) => {
                 let id = request.id;
                 if let Some(r) = self.in_flight.get_mut(&id) {
-                    r.pull = Some((source, pin, request));
+                    r.source = Some((source, pin));
+                    r.awaiting_pull = Some(request);
                 }
                 self.start_transfer(transfer_id(id, Transfer::Pull), source, p, bytes);
             }
@@ -556,12 +557,13 @@ impl<'w> Cluster<'w> {
         let Some(r) = self.in_flight.get_mut(&id) else {
             return;
         };
-        let (Some((source, mut pin, request)), Some(p)) = (r.pull.take(), r.prefill) else {
+        let (Some(request), Some((source, pin)), Some(p)) =
+            (r.awaiting_pull.take(), r.source.as_mut(), r.prefill)
+        else {
             return;
         };
         let tokens = pin.tokens();
-        self.engines[source].end_read(&mut pin);
-        r.held = Some((source, pin));
+        self.engines[*source].end_read(pin);
         self.engines[p].receive_prefix(&request.prompt, tokens);
         let events = self.engines[p].take_kv_events();
         if !events.is_empty() {
@@ -573,7 +575,7 @@ impl<'w> Cluster<'w> {
     /// The third path's source lets its pinned prefix go (the request's
     /// prefill is done, or it was refused).
     fn release_source(&mut self, id: u64) {
-        if let Some((source, pin)) = self.in_flight.get_mut(&id).and_then(|r| r.held.take()) {
+        if let Some((source, pin)) = self.in_flight.get_mut(&id).and_then(|r| r.source.take()) {
             self.engines[source].unpin(pin);
         }
     }

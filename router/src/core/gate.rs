@@ -9,8 +9,9 @@
 //! in the in-flight ledger the moment it is decided, so a burst of bypasses
 //! decided between two load reports cannot together overcommit one worker,
 //! while a prefix they share is counted once. The request's own blocks are
-//! counted whole: its prefix may be cached without being in use. (A gate that reserves nothing — `count_reservations: false`
-//! — compares against the last report only and lets such a burst through.)
+//! counted whole: its prefix may be cached without being in use. (A gate
+//! that reserves nothing — `count_reservations: false` — compares against
+//! the last report only and lets such a burst through.)
 //!
 //! Without its signal — the worker's KV capacity unknown (registered as 0
 //! and never reported) — an enabled gate vetoes, as Dynamo's does: it
