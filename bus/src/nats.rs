@@ -197,6 +197,8 @@ pub enum BusError {
     },
     #[error("publishing to {subject}: {message}")]
     Publish { subject: String, message: String },
+    #[error("subscribing to {subject}: {message}")]
+    Subscribe { subject: String, message: String },
     #[error(
         "delta {seq} refused: the delta stream does not end at {} (is another indexer running?)",
         seq - 1
@@ -491,13 +493,37 @@ fn snapshot_error(message: impl ToString) -> BusError {
 #[derive(Debug, Clone)]
 pub struct DeltaPublisher {
     js: jetstream::Context,
+    client: Client,
 }
 
 impl DeltaPublisher {
-    /// Queues the delta on the connection (in order); the returned
-    /// [`DeltaSent`] resolves when the stream confirms it.
+    /// Announces the delta on the live subject, then queues it for the
+    /// stream on the connection (in order); the returned [`DeltaSent`]
+    /// resolves when the stream confirms it.
     pub async fn send(&self, delta: &IndexDelta) -> Result<DeltaSent, BusError> {
-        send_delta(&self.js, delta).await
+        let payload = bytes::Bytes::from(delta.encode());
+        self.announce_encoded(delta.seq, payload.clone()).await;
+        send_delta(&self.js, delta.seq, payload).await
+    }
+
+    /// Announces the delta on the live subject only
+    /// ([`subjects::INDEX_DELTAS_LIVE`]): again, for routers that missed
+    /// it while the stream does not confirm it.
+    pub async fn announce(&self, delta: &IndexDelta) {
+        self.announce_encoded(delta.seq, delta.encode().into())
+            .await;
+    }
+
+    /// Best effort: the stream is the record, and a router that missed an
+    /// announcement reads the delta there.
+    async fn announce_encoded(&self, seq: u64, payload: bytes::Bytes) {
+        if let Err(e) = self
+            .client
+            .publish(subjects::INDEX_DELTAS_LIVE, payload)
+            .await
+        {
+            tracing::debug!(seq, error = %e, "announcing a delta failed (the stream still gets it)");
+        }
     }
 }
 
@@ -525,25 +551,21 @@ impl DeltaSent {
 /// Sends a delta expecting the stream to end at the one before it, with a
 /// message id naming its content (so republishing the same delta is a
 /// no-op).
-async fn send_delta(js: &jetstream::Context, delta: &IndexDelta) -> Result<DeltaSent, BusError> {
-    let payload = delta.encode();
-    let id = format!(
-        "delta.{}.{:016x}",
-        delta.seq,
-        xxhash_rust::xxh3::xxh3_64(&payload)
-    );
+async fn send_delta(
+    js: &jetstream::Context,
+    seq: u64,
+    payload: bytes::Bytes,
+) -> Result<DeltaSent, BusError> {
+    let id = format!("delta.{seq}.{:016x}", xxhash_rust::xxh3::xxh3_64(&payload));
     let message = jetstream::message::PublishMessage::build()
-        .payload(payload.into())
+        .payload(payload)
         .message_id(id)
-        .expected_last_sequence(delta.seq - 1);
+        .expected_last_sequence(seq - 1);
     let ack = js
         .send_publish(subjects::INDEX_DELTAS, message)
         .await
-        .map_err(|e| delta_error(delta.seq, &e))?;
-    Ok(DeltaSent {
-        seq: delta.seq,
-        ack,
-    })
+        .map_err(|e| delta_error(seq, &e))?;
+    Ok(DeltaSent { seq, ack })
 }
 
 fn delta_error(seq: u64, error: &dyn std::fmt::Display) -> BusError {
@@ -826,9 +848,14 @@ impl Bus {
     /// The stream must end at `delta.seq - 1`: otherwise another indexer
     /// is writing, or this one is behind, and the delta is refused
     /// ([`BusError::Fenced`]). Publishing the very same delta again is a
-    /// no-op (its message id names its content).
+    /// no-op (its message id names its content). To the stream only: not
+    /// announced on the live subject (the indexer's [`DeltaPublisher`]
+    /// does both).
     pub async fn publish_delta(&self, delta: &IndexDelta) -> Result<(), BusError> {
-        send_delta(&self.js, delta).await?.confirmed().await
+        send_delta(&self.js, delta.seq, delta.encode().into())
+            .await?
+            .confirmed()
+            .await
     }
 
     /// A publisher that sends deltas in order and lets their confirmations
@@ -839,7 +866,31 @@ impl Bus {
             .timeout(timeout)
             .max_ack_inflight(max_in_flight.max(1))
             .build(self.client.clone());
-        DeltaPublisher { js }
+        DeltaPublisher {
+            js,
+            client: self.client.clone(),
+        }
+    }
+
+    /// The deltas announced on the live subject from now on
+    /// ([`subjects::INDEX_DELTAS_LIVE`]), as they come: ahead of the
+    /// stream, maybe with gaps (core NATS drops what a reconnect misses)
+    /// and repeats (announced again while the stream does not confirm
+    /// them).
+    pub async fn live_deltas(
+        &self,
+    ) -> Result<BoxStream<'static, Result<IndexDelta, BusError>>, BusError> {
+        let subscriber = self
+            .client
+            .subscribe(subjects::INDEX_DELTAS_LIVE)
+            .await
+            .map_err(|e| BusError::Subscribe {
+                subject: subjects::INDEX_DELTAS_LIVE.into(),
+                message: e.to_string(),
+            })?;
+        Ok(subscriber
+            .map(|message| Ok(IndexDelta::decode(&message.payload)?))
+            .boxed())
     }
 
     /// The last delta in the stream (0 when none), or an unanswered error

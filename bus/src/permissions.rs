@@ -147,6 +147,7 @@ fn indexer() -> Permissions {
     Permissions {
         publish: vec![
             subjects::INDEX_DELTAS.to_owned(),
+            subjects::INDEX_DELTAS_LIVE.to_owned(),
             // Resync requests to any agent.
             subjects::RESYNC_ALL.to_owned(),
             // The streams' administrator: limits, consumers, trimming, the
@@ -194,6 +195,7 @@ fn router() -> Permissions {
             subjects::LOAD_ALL.to_owned(),
             subjects::PROGRESS_ALL.to_owned(),
             subjects::ROUTER_HEARTBEATS_ALL.to_owned(),
+            subjects::INDEX_DELTAS_LIVE.to_owned(),
             format!("{}.>", inbox_prefix(ROUTER_USER)),
         ],
         responds: false,
@@ -296,11 +298,14 @@ mod tests {
             assert!(!permissions
                 .publish
                 .iter()
-                .any(|s| s == subjects::INDEX_DELTAS || s.starts_with("$O.") || s == "$JS.API.>"));
+                .any(|s| s == subjects::INDEX_DELTAS
+                    || s == subjects::INDEX_DELTAS_LIVE
+                    || s.starts_with("$O.")
+                    || s == "$JS.API.>"));
         }
-        assert!(indexer()
-            .publish
-            .contains(&subjects::INDEX_DELTAS.to_owned()));
+        for subject in [subjects::INDEX_DELTAS, subjects::INDEX_DELTAS_LIVE] {
+            assert!(indexer().publish.contains(&subject.to_owned()));
+        }
     }
 
     #[test]

@@ -235,6 +235,7 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
     let bus = bus::Bus::connect(&nats.url(), "kv-indexer-test").await?;
     bus.ensure_streams(&bus::StreamLimits::default()).await?;
     let delta = tests::fixtures::one_block_delta;
+    let mut announced = bus.live_deltas().await?;
     let mut pipeline = Pipeline::new(&bus, 16, None);
     for seq in 1..=3 {
         pipeline.push(Some(delta(seq)), None).await?;
@@ -285,10 +286,74 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
         ensure!(got == delta(seq), "delta {seq}: {got:?}");
     }
     ensure!(bus.last_delta_seq().await? == 6, "a delta twice");
+    // Each delta was announced as it was sent, and the refused ones again
+    // on every try, for routers that missed them.
+    let mut times = [0; 7];
+    while let Ok(Some(got)) =
+        tokio::time::timeout(Duration::from_millis(500), announced.next()).await
+    {
+        let got = got?;
+        ensure!(got == delta(got.seq), "announced {got:?}");
+        times[got.seq as usize] += 1;
+    }
+    ensure!(times[1..=3] == [1, 1, 1], "announced {times:?}");
+    ensure!(times[4..=6].iter().all(|&n| n >= 2), "announced {times:?}");
     // Fenced still stops: a delta that does not follow the stream's end.
     let mut other = Pipeline::new(&bus, 16, None);
     other.push(Some(delta(9)), None).await?;
     let fenced = other.next().await.context("an entry")?.unwrap_err();
     ensure!(!fenced.retryable(), "{fenced}");
     Ok(())
+}
+
+/// While the delta stream refuses deltas (here: a message cap that
+/// discards new ones; in production a stream electing its leader), the
+/// indexer has announced them to the routers, tells `/status` where it
+/// stands (`recovering`), and stores them once the stream takes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_deltas_are_announced_and_status_answers_while_they_are_sent_again() -> Result<()> {
+    use async_nats::jetstream::stream::DiscardPolicy;
+    use protocol::subjects;
+
+    let servers = Servers::start().await?;
+    let service = Running::start(servers.config()).await?;
+    let mut announced = servers.bus.live_deltas().await?;
+    let workers = [worker("d0")];
+    let mut workload = Workload::new(&workers, 3);
+    servers.bus.publish_kv_batch(&workload.batch()).await?;
+    wait_for_delta(service.http, 1, WAIT).await?;
+
+    let js = servers.bus.jetstream();
+    let mut stream = js.get_stream(subjects::INDEX_DELTAS_STREAM).await?;
+    let open = stream.info().await?.config.clone();
+    js.update_stream(async_nats::jetstream::stream::Config {
+        max_messages: 1,
+        discard: DiscardPolicy::New,
+        ..open.clone()
+    })
+    .await?;
+    servers.bus.publish_kv_batch(&workload.batch()).await?;
+    let status = wait_for("/status while recovering", WAIT, || async {
+        let status = service.status().await?;
+        Ok((status["recovering"] == true).then_some(status))
+    })
+    .await?;
+    ensure!(
+        status["delta_seq"] == 2 && status["delta_seq_published"] == 1,
+        "{status}"
+    );
+    let mut seqs = Vec::new();
+    while seqs.last() != Some(&2) {
+        let delta = tokio::time::timeout(WAIT, announced.next())
+            .await?
+            .context("the announcements ended")??;
+        seqs.push(delta.seq);
+    }
+    ensure!(seqs.first() == Some(&1), "announced {seqs:?}");
+
+    js.update_stream(open).await?;
+    let status = wait_for_delta(service.http, 2, WAIT).await?;
+    ensure!(status["recovering"] == false, "{status}");
+    ensure!(servers.bus.last_delta_seq().await? == 2);
+    service.stop().await
 }

@@ -35,6 +35,12 @@ pub fn decision_msg_id(decision: &crate::DecisionId) -> String {
 /// off a second indexer.
 pub const INDEX_DELTAS_STREAM: &str = "SY_INDEX_DELTAS";
 pub const INDEX_DELTAS: &str = "sy.index.deltas";
+/// The same deltas on core NATS, outside every stream, sent as they are
+/// made (and again while the stream does not confirm them): a router
+/// follows them ahead of the stream, which stays the record it checks them
+/// against, so an election of the stream's leader does not stop routing on
+/// a current index.
+pub const INDEX_DELTAS_LIVE: &str = "sy.index.live";
 
 /// Object-store bucket of [`crate::IndexSnapshot`]s.
 pub const SNAPSHOT_BUCKET: &str = "sy-index-snapshots";

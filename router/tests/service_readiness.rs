@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Result;
 use async_nats::jetstream::consumer::pull;
 use futures::StreamExt;
-use protocol::{subjects, Role};
+use protocol::{subjects, Message, Role};
 use service_support::*;
 
 async fn readyz(router: &RouterHandle) -> Result<(u16, String)> {
@@ -139,4 +139,87 @@ async fn a_delta_feed_whose_consumer_died_is_opened_again() -> Result<()> {
     );
     let _ = stream.info().await?;
     router.stop().await
+}
+
+/// The indexer announces each delta on core NATS as it makes it: a router
+/// applies it before the stream holds it (the stream takes no write while
+/// it elects a leader), checks it when the stream gives it, and loads the
+/// index again when the stream's delta at that place is another one (the
+/// announcing indexer died before the stream stored it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announced_deltas_are_applied_ahead_of_the_stream_and_checked_against_it() -> Result<()> {
+    let cluster = Cluster::start().await?;
+    let _decode = FakeWorker::start(&cluster, record("d0", Role::Decode), Behavior::Serve).await?;
+    let router = RouterHandle::ready(cluster.config("r1")).await?;
+    let mut indexer = Indexer::new(&cluster);
+    let first = indexer.next_delta("d0", &tokens(1, 64))?;
+    cluster.bus.publish_delta(&first).await?;
+    wait_readyz(&router, 200, "index at delta 1 of 1").await?;
+    let client = cluster.bus.client();
+    let announce = |delta: &protocol::IndexDelta| {
+        client.publish(subjects::INDEX_DELTAS_LIVE, delta.encode().into())
+    };
+    // Deltas 2 and 3 announced only, 3 first (2's announcement came late):
+    // both applied, the stream still ending at 1.
+    let second = indexer.next_delta("d0", &tokens(2, 64))?;
+    let third = indexer.next_delta("d0", &tokens(3, 64))?;
+    announce(&third).await?;
+    announce(&second).await?;
+    let ledger = at_delta(&router, 3).await?;
+    assert_eq!(
+        ledger["index_digest"],
+        format!("{:016x}", indexer.snapshot().digest),
+        "the index the indexer holds"
+    );
+    assert_eq!(cluster.bus.last_delta_seq().await?, 1);
+    // The stream then holds them: confirmed, nothing applied twice.
+    cluster.bus.publish_delta(&second).await?;
+    cluster.bus.publish_delta(&third).await?;
+    counted(&router, "confirmed", 2).await?;
+
+    // Delta 4 announced, but the stream's delta 4 is another one: the
+    // router holds what the record does not, and loads the index again.
+    let announced = indexer.next_delta("d0", &tokens(4, 64))?;
+    announce(&announced).await?;
+    at_delta(&router, 4).await?;
+    let mut recorded = announced.clone();
+    for change in &mut recorded.changes {
+        if let protocol::IndexChange::Stored { blocks, .. } = change {
+            blocks.truncate(1);
+        }
+    }
+    assert_ne!(recorded, announced);
+    cluster.bus.publish_delta(&recorded).await?;
+    counted(&router, "superseded", 1).await?;
+    let mut expected = kv_indexer::IndexReplica::new();
+    for delta in [&first, &second, &third, &recorded] {
+        expected.apply(delta)?;
+    }
+    wait_for("the stream's index", || async {
+        let ledger = router.ledger().await.ok()?;
+        (ledger["applied_delta"].as_u64() == Some(4)
+            && ledger["index_digest"] == format!("{:016x}", expected.index().digest()))
+        .then_some(())
+    })
+    .await?;
+    router.stop().await
+}
+
+/// Waits for the router's index at delta `seq`; its ledger view.
+async fn at_delta(router: &RouterHandle, seq: u64) -> Result<serde_json::Value> {
+    wait_for(&format!("the router at delta {seq}"), || async {
+        let ledger = router.ledger().await.ok()?;
+        (ledger["applied_delta"].as_u64() == Some(seq)).then_some(ledger)
+    })
+    .await
+}
+
+/// Waits for `n` deltas counted with `outcome`.
+async fn counted(router: &RouterHandle, outcome: &str, n: u64) -> Result<()> {
+    let line = format!("router_deltas_total{{outcome=\"{outcome}\"}} {n}");
+    wait_for(&line, || async {
+        let metrics = router.get_text("/metrics").await.ok()?;
+        metrics.contains(&line).then_some(())
+    })
+    .await
 }

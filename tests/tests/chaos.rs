@@ -734,6 +734,11 @@ async fn forgeries(cluster: &Cluster) -> Result<Vec<Forgery>> {
             "index delta",
         ),
         (
+            subjects::INDEX_DELTAS_LIVE.to_owned(),
+            tests::fixtures::one_block_delta(1).encode(),
+            "index delta announcement",
+        ),
+        (
             subjects::generate(&d1),
             b"forged".to_vec(),
             "generate request to d1",

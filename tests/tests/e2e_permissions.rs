@@ -200,12 +200,13 @@ async fn the_services_work_with_least_privilege_and_forgeries_are_refused() -> R
         .subscribe_refused(&watcher, subjects::DECISIONS_ALL, "sy.decisions.r0")
         .await?;
     // ...nor forge what changes routing or answers: d0's KV events and
-    // load, deltas, decisions, progress, requests, cancels, a chunk on a
+    // load, deltas (in the stream or announced), decisions, progress, requests, cancels, a chunk on a
     // router's inbox, the streams' administration.
     for subject in [
         subjects::kv_events(&d0),
         subjects::load(&d0),
         subjects::INDEX_DELTAS.to_owned(),
+        subjects::INDEX_DELTAS_LIVE.to_owned(),
         subjects::decisions("r0"),
         subjects::progress("r0"),
         subjects::generate(&d0),
@@ -223,12 +224,14 @@ async fn the_services_work_with_least_privilege_and_forgeries_are_refused() -> R
         .publish_allowed(&watcher, &subjects::load(&d1))
         .await?;
 
-    // A router cannot forge workers' KV events, load or the index...
+    // A router cannot forge workers' KV events, load or the index (its
+    // deltas, nor their announcements)...
     let mut router = Client::connect(&cluster, ROUTER_USER).await?;
     for subject in [
         subjects::kv_events(&d0),
         subjects::load(&d0),
         subjects::INDEX_DELTAS.to_owned(),
+        subjects::INDEX_DELTAS_LIVE.to_owned(),
     ] {
         router.publish_refused(&watcher, &subject).await?;
     }

@@ -12,6 +12,7 @@ const CORES: &[&str] = &[
     "kv-indexer/src/index.rs",
     "kv-indexer/src/indexer.rs",
     "kv-indexer/src/replica.rs",
+    "kv-indexer/src/live.rs",
     "engine-sim/src",
     "worker-agent/src/core",
     "protocol/src/decision_log.rs",

@@ -388,7 +388,8 @@ impl Pipeline {
     /// After a retryable refusal ([`PipelineError::retryable`]): lets every
     /// entry in flight complete (their KV messages are acked when their
     /// deltas were confirmed; the others' are redelivered later, and the
-    /// core drops them as duplicates), then sends the deltas the stream
+    /// core drops them as duplicates), then, announcing every unconfirmed
+    /// delta again on each try, sends the deltas the stream
     /// does not hold again, in order, each expecting the one before (so no
     /// gap and no delta twice: a delta already stored is also a duplicate
     /// by its message id), waiting `policy.backoff` (doubling) after each
@@ -407,6 +408,11 @@ impl Pipeline {
         let started = Instant::now();
         let mut backoff = policy.backoff;
         loop {
+            // Routers that missed an announcement (their connection moved
+            // to another NATS node) get it while the stream cannot give it.
+            for delta in &self.unconfirmed {
+                self.publisher.announce(delta).await;
+            }
             let attempt = self.send_again(bus).await;
             let error = match attempt {
                 Ok(last) => return Ok(last),

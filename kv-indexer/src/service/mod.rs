@@ -9,8 +9,9 @@
 //!   state ends (see [`consumer`]). [`Service::start`] is both.
 //! - [`Service::run`] is one loop over one [`Event`] enum in one `select!`:
 //!   KV messages are decoded and applied to the core; each resulting delta
-//!   is published (pipelined, in order) and only then is its KV message
-//!   acked; worker removals from etcd, resync requests, overlap queries,
+//!   is announced to the routers on core NATS and published to the delta
+//!   stream (pipelined, in order), and only once the stream confirms it is
+//!   its KV message acked; worker removals from etcd, resync requests, overlap queries,
 //!   `/status`, periodic snapshots and trimming happen in the same loop.
 //!
 //! A refused delta ([`bus::BusError::Fenced`]: another indexer writes the
@@ -473,15 +474,14 @@ impl Service {
             config,
             leadership: Some(leadership),
             role: Role::Leader,
+            status_rx,
         };
         state.update_gauges();
         state.metrics.leader.set(1.0);
         let _ = role.send(Role::Leader);
         tracing::info!(http = %http_addr, delta_seq = state.indexer.delta_seq(), "kv-indexer running (the leader)");
 
-        let result = state
-            .run(shutdown, kv_messages, queries, status_rx, registry_rx)
-            .await;
+        let result = state.run(shutdown, kv_messages, queries, registry_rx).await;
         state.metrics.leader.set(0.0);
         let _ = role.send(Role::Standby);
 
@@ -581,7 +581,8 @@ enum TaskDone {
     },
 }
 
-/// The loop's state; the event sources are the loop's locals.
+/// The loop's state; the event sources are the loop's locals, but for
+/// `/status` requests, which a recovery of the delta publishes answers too.
 struct Loop {
     config: Config,
     bus: Bus,
@@ -605,6 +606,7 @@ struct Loop {
     /// [`Loop::leadership_handoff`] to resign).
     leadership: Option<Leadership>,
     role: Role,
+    status_rx: mpsc::Receiver<StatusRequest>,
 }
 
 impl Loop {
@@ -613,7 +615,6 @@ impl Loop {
         shutdown: impl Future<Output = ()>,
         mut kv_messages: K,
         mut queries: Q,
-        mut status_rx: mpsc::Receiver<StatusRequest>,
         mut registry_rx: mpsc::Receiver<RegistryEvent>,
     ) -> Result<(), ServiceError>
     where
@@ -632,7 +633,7 @@ impl Loop {
                     Some(message) => Event::Query(message),
                     None => Event::QueriesEnded,
                 },
-                Some(request) = status_rx.recv() => Event::Status(request),
+                Some(request) = self.status_rx.recv() => Event::Status(request),
                 Some(done) = self.pipeline.next() => Event::Published(done),
                 Some(done) = self.tasks.join_next() => Event::Task(done),
                 Some(change) = registry_rx.recv() => Event::Registry(change),
@@ -883,19 +884,30 @@ impl Loop {
         );
         metrics.delta_publish_retries.increment(1);
         metrics.set_refused(Some(first.to_string()));
+        // Nothing is applied meanwhile: `/status` is answered as it stands.
+        let mut status = self.status();
+        status["recovering"] = true.into();
         let mut logged = 0u32;
-        let recovered = self
-            .pipeline
-            .recover(&self.bus, DELTA_RETRY, |e| {
-                metrics.delta_publish_retries.increment(1);
-                metrics.set_refused(Some(e.to_string()));
-                // Every refusal counted; a few logged.
-                logged += 1;
-                if logged.is_power_of_two() {
-                    tracing::warn!(error = %e, retries = logged, "JetStream still refuses the deltas; retrying");
+        let recovery = self.pipeline.recover(&self.bus, DELTA_RETRY, |e| {
+            metrics.delta_publish_retries.increment(1);
+            metrics.set_refused(Some(e.to_string()));
+            // Every refusal counted; a few logged.
+            logged += 1;
+            if logged.is_power_of_two() {
+                tracing::warn!(error = %e, retries = logged, "JetStream still refuses the deltas; retrying");
+            }
+        });
+        let recovered = {
+            let mut recovery = std::pin::pin!(recovery);
+            loop {
+                tokio::select! {
+                    recovered = &mut recovery => break recovered,
+                    Some(reply) = self.status_rx.recv() => {
+                        let _ = reply.send(status.clone());
+                    }
                 }
-            })
-            .await;
+            }
+        };
         metrics.set_refused(None);
         let last = recovered?;
         self.confirmed(last);
@@ -1187,6 +1199,7 @@ impl Loop {
             "snapshot_seq": self.snapshots.covered(),
             "kv_stream_seq": self.last_kv_stream_seq,
             "in_flight": self.pipeline.len(),
+            "recovering": false,
             "blocks": stats.blocks,
             "pairs": stats.pairs,
             "runs": stats.runs,

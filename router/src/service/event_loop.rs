@@ -16,7 +16,7 @@ use async_nats::jetstream;
 use bus::{Bus, BusError, WorkerChange};
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
-use kv_indexer::DeltaError;
+use kv_indexer::{Announced, DeltaError, LiveDeltas, Logged};
 use protocol::{
     subjects, BlockHash, DecisionId, DecisionRecord, IndexDelta, LoadReport, LogEntry, Message,
     Path, Presence, Progress, RequestProgress, Role, RouteDecision, RouterHeartbeat, SessionId,
@@ -201,8 +201,11 @@ impl Readiness {
 /// Everything the loop reacts to.
 enum Event {
     Command(Command),
+    /// A delta read from the delta stream.
     Delta(Result<IndexDelta, BusError>),
     DeltasEnded,
+    /// A delta the indexer announced as it made it.
+    LiveDelta(Result<IndexDelta, BusError>),
     IndexLoaded(Result<LoadedIndex, LoadError>),
     DeltaHead(Result<u64, BusError>),
     /// The delta feed opened again after a stall (from the delta after
@@ -233,6 +236,7 @@ enum Input {
     Loads,
     Progress,
     Heartbeats,
+    LiveDeltas,
     Decisions,
 }
 
@@ -301,6 +305,14 @@ pub struct RouterLoop {
     decision_log: DecisionLog,
     index: IndexState,
     deltas: BoxStream<'static, Result<IndexDelta, BusError>>,
+    /// Announced deltas applied ahead of the stream, and those waiting for
+    /// the ones before them.
+    live: LiveDeltas,
+    /// The last delta the stream's feed gave (or the loaded position), and
+    /// when: the feed stands still when the stream's head is ahead of it.
+    logged: u64,
+    last_logged_at: Instant,
+    /// The stream's last delta, as last polled or read.
     head: u64,
     head_poll: bool,
     /// The stalled delta feed is being opened again.
@@ -312,7 +324,8 @@ pub struct RouterLoop {
     /// would otherwise answer "no decode-capable worker").
     started: bool,
     readiness_bounds: ReadinessConfig,
-    /// When the last delta was applied (or the index loaded).
+    /// When the last delta was applied from either feed (or the index
+    /// loaded).
     last_delta_at: Instant,
     /// Whether an indexer pulls the KV events, as last polled.
     indexer: health::Indexer,
@@ -373,6 +386,9 @@ impl RouterLoop {
                 why: "loading the index snapshot".into(),
             },
             deltas: stream::pending().boxed(),
+            live: LiveDeltas::new(),
+            logged: 0,
+            last_logged_at: Instant::now(),
             head: 0,
             head_poll: false,
             reopening: false,
@@ -414,6 +430,10 @@ impl RouterLoop {
                     Some(d) => Event::Delta(d),
                     None => Event::DeltasEnded,
                 },
+                live = inputs.live_deltas.next() => match live {
+                    Some(d) => Event::LiveDelta(d),
+                    None => Event::InputEnded(Input::LiveDeltas),
+                },
                 Some(side) = self.side_rx.recv() => side,
                 workers = inputs.workers.next() => match workers {
                     Some(w) => Event::Workers(w),
@@ -442,6 +462,7 @@ impl RouterLoop {
                 Event::Shutdown => break,
                 Event::Command(c) => self.on_command(c),
                 Event::Delta(d) => self.on_delta(d),
+                Event::LiveDelta(d) => self.on_live_delta(d),
                 Event::DeltasEnded => {
                     tracing::warn!("the delta stream ended; reloading the index");
                     self.deltas = stream::pending().boxed();
@@ -469,6 +490,7 @@ impl RouterLoop {
                         Input::Loads => inputs.loads = stream::pending().boxed(),
                         Input::Progress => inputs.progress = stream::pending().boxed(),
                         Input::Heartbeats => inputs.heartbeats = stream::pending().boxed(),
+                        Input::LiveDeltas => inputs.live_deltas = stream::pending().boxed(),
                         Input::Decisions => inputs.decisions = stream::pending().boxed(),
                     }
                 }
@@ -797,6 +819,7 @@ impl RouterLoop {
     fn load_index(&mut self, reason: &'static str) {
         self.metrics.index_reload(reason);
         self.deltas = stream::pending().boxed();
+        self.live.reset();
         self.index = IndexState::Loading {
             why: match reason {
                 "start" => "loading the index snapshot".into(),
@@ -831,6 +854,9 @@ impl RouterLoop {
         };
         let applied = loaded.replica.applied();
         self.last_delta_at = Instant::now();
+        self.logged = applied;
+        self.last_logged_at = Instant::now();
+        self.live.reset();
         *self.core.replica_mut() = loaded.replica;
         self.deltas = loaded.deltas;
         self.head = self.head.max(loaded.head);
@@ -852,6 +878,8 @@ impl RouterLoop {
         self.publish_readiness();
     }
 
+    /// A delta read from the stream: applied, or the check of one applied
+    /// from its announcement.
     fn on_delta(&mut self, delta: Result<IndexDelta, BusError>) {
         let delta = match delta {
             Ok(d) => d,
@@ -863,19 +891,20 @@ impl RouterLoop {
                 return;
             }
         };
-        match self.core.apply_delta(&delta) {
-            Ok(()) => {
+        self.logged = self.logged.max(delta.seq);
+        self.last_logged_at = Instant::now();
+        self.head = self.head.max(delta.seq);
+        match self.live.logged(self.core.replica_mut(), &delta) {
+            Ok(Logged::Applied { through }) => {
                 self.metrics.delta("applied");
-                self.last_delta_at = Instant::now();
-                self.head = self.head.max(delta.seq);
-                if let IndexState::CatchingUp { target } = self.index {
-                    if delta.seq >= target {
-                        self.index = IndexState::Ready;
-                        tracing::info!(applied = delta.seq, "caught up with the index deltas");
-                    }
-                    self.publish_readiness();
-                }
+                self.advanced(through);
             }
+            Ok(Logged::Confirmed) => self.metrics.delta("confirmed"),
+            Ok(Logged::Duplicate) => {
+                tracing::debug!(seq = delta.seq, "delta already applied");
+                self.metrics.delta("duplicate");
+            }
+            Ok(Logged::Superseded { seq }) => self.superseded(seq),
             Err(DeltaError::AlreadyApplied { at, got }) => {
                 tracing::debug!(at, got, "delta already applied");
                 self.metrics.delta("duplicate");
@@ -894,30 +923,82 @@ impl RouterLoop {
         }
     }
 
+    /// A delta the indexer announced: applied ahead of the stream when it
+    /// follows the replica's position (not while a snapshot loads).
+    fn on_live_delta(&mut self, delta: Result<IndexDelta, BusError>) {
+        let delta = match delta {
+            Ok(d) => d,
+            Err(e) => {
+                // The stream still gives it.
+                tracing::warn!(error = %e, "unreadable delta announcement");
+                self.metrics.delta("live_error");
+                return;
+            }
+        };
+        if matches!(self.index, IndexState::Loading { .. }) {
+            return;
+        }
+        match self.live.heard(self.core.replica_mut(), delta) {
+            Announced::Applied { through } => {
+                self.metrics.delta("live_applied");
+                self.advanced(through);
+            }
+            Announced::Early => self.metrics.delta("live_early"),
+            Announced::Duplicate => self.metrics.delta("live_duplicate"),
+            Announced::Skipped => self.metrics.delta("live_skipped"),
+            Announced::Superseded { seq } => self.superseded(seq),
+        }
+    }
+
+    /// The replica moved to delta `through`.
+    fn advanced(&mut self, through: u64) {
+        self.last_delta_at = Instant::now();
+        if let IndexState::CatchingUp { target } = self.index {
+            if through >= target {
+                self.index = IndexState::Ready;
+                tracing::info!(applied = through, "caught up with the index deltas");
+            }
+            self.publish_readiness();
+        }
+    }
+
+    /// The replica applied an announced delta `seq` that the record does
+    /// not hold (its indexer died before the stream stored it, and another
+    /// made a different one): the index is loaded again.
+    fn superseded(&mut self, seq: u64) {
+        tracing::warn!(
+            seq,
+            "announced delta {seq} differs from the delta stream's (a new indexer made another); reloading the latest snapshot"
+        );
+        self.metrics.delta("superseded");
+        self.load_index("superseded");
+    }
+
     /// Opens the delta feed again when the stream's head is ahead of the
     /// index and no delta came for `max_delta_stall`: its consumer is gone
     /// (it lived on a NATS node that died) though this replica's own
     /// connection is not. Duplicates after the reopening are dropped.
     fn reopen_stalled_deltas(&mut self) {
-        let applied = self.core.replica().applied();
-        let quiet = self.last_delta_at.elapsed();
+        let logged = self.logged;
+        let quiet = self.last_logged_at.elapsed();
         if self.reopening
             || matches!(self.index, IndexState::Loading { .. })
-            || self.head <= applied
+            || self.head <= logged
             || quiet < self.readiness_bounds.max_delta_stall
         {
             return;
         }
         tracing::warn!(
-            applied,
+            logged,
+            applied = self.core.replica().applied(),
             head = self.head,
             quiet_ms = quiet.as_millis() as u64,
             "the delta feed is stalled behind the stream's head (its consumer may have died with a NATS node); opening it again from delta {}",
-            applied + 1
+            logged + 1
         );
         self.metrics.delta("stalled");
         self.reopening = true;
-        let (bus, tx, from) = (self.bus.clone(), self.side_tx.clone(), applied + 1);
+        let (bus, tx, from) = (self.bus.clone(), self.side_tx.clone(), logged + 1);
         tokio::spawn(async move {
             let deltas = bus.deltas_from(from).await;
             let _ = tx.send(Event::DeltasReopened { from, deltas });
@@ -938,7 +1019,7 @@ impl RouterLoop {
             Ok(deltas) => {
                 tracing::info!(from, "delta feed opened again");
                 self.deltas = deltas;
-                self.last_delta_at = Instant::now();
+                self.last_logged_at = Instant::now();
             }
             Err(e) => tracing::warn!(error = %e, "opening the delta feed again failed; retrying"),
         }

@@ -1,15 +1,16 @@
-//! What the event loop listens to besides its HTTP commands: load reports,
-//! progress notices and the replicas' heartbeats (core NATS), the other
+//! What the event loop listens to besides its HTTP commands and the delta
+//! stream: load reports, progress notices, the replicas' heartbeats and
+//! the indexer's delta announcements (core NATS), the other
 //! replicas' decisions (the decision-log stream, new messages only) and
 //! the worker registry (etcd).
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
-use bus::{Bus, Registry, RegistryError, WorkerChange, WorkerWatch};
+use bus::{Bus, BusError, Registry, RegistryError, WorkerChange, WorkerWatch};
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
-use protocol::subjects;
+use protocol::{subjects, IndexDelta};
 
 /// Why an input could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +45,9 @@ pub struct Inputs {
     pub progress: BoxStream<'static, async_nats::Message>,
     /// The replicas' heartbeats (this one's included).
     pub heartbeats: BoxStream<'static, async_nats::Message>,
+    /// The indexer's deltas as it makes them, ahead of the delta stream
+    /// (`kv_indexer::LiveDeltas`).
+    pub live_deltas: BoxStream<'static, Result<IndexDelta, BusError>>,
     pub decisions: BoxStream<'static, Result<jetstream::Message, String>>,
     pub workers: BoxStream<'static, WorkerEvent>,
 }
@@ -69,11 +73,16 @@ impl Inputs {
         let loads = subscribe(subjects::LOAD_ALL).await?.boxed();
         let progress = subscribe(subjects::PROGRESS_ALL).await?.boxed();
         let heartbeats = subscribe(subjects::ROUTER_HEARTBEATS_ALL).await?.boxed();
+        let live_deltas = bus.live_deltas().await.map_err(|e| InputError::Subscribe {
+            subject: subjects::INDEX_DELTAS_LIVE,
+            message: e.to_string(),
+        })?;
         let decisions = decision_log(bus).await?;
         Ok(Self {
             loads,
             progress,
             heartbeats,
+            live_deltas,
             decisions,
             workers: worker_events(registry),
         })

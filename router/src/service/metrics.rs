@@ -21,7 +21,7 @@
 //! | `router_index_head_seq` | gauge | (last delta in the stream, polled) |
 //! | `router_index_delta_seq_lag` | gauge | (head - applied) |
 //! | `router_index_reloads_total` | counter | `reason` |
-//! | `router_deltas_total` | counter | `outcome` (`applied`, `duplicate`, `gap`, `error`, `stalled`: the feed stood still behind the stream's head and was opened again) |
+//! | `router_deltas_total` | counter | `outcome`: read from the delta stream (`applied`; `confirmed`: the same as the announced delta applied before it; `duplicate`, `gap`, `error`, `stalled`: the feed stood still behind the stream's head and was opened again; `superseded`: an announced delta applied before differs from the stream's, and the index is loaded again) or announced by the indexer ahead of the stream (`live_applied`, `live_early`: held for the ones before it, `live_duplicate`, `live_skipped`: left to the stream, `live_error`) |
 //! | `router_decision_log_lag_seconds` | histogram | (a peer's decision: JetStream publication to application) |
 //! | `router_peer_messages_total` | counter | `kind`, `outcome` |
 //! | `router_ledger_in_flight` | gauge | |
@@ -241,7 +241,20 @@ const ZEROED: &[(&str, &str, &[&str])] = &[
     (
         "router_deltas_total",
         "outcome",
-        &["applied", "duplicate", "gap", "error", "stalled"],
+        &[
+            "applied",
+            "confirmed",
+            "duplicate",
+            "gap",
+            "error",
+            "stalled",
+            "superseded",
+            "live_applied",
+            "live_early",
+            "live_duplicate",
+            "live_skipped",
+            "live_error",
+        ],
     ),
     ("router_peer_released_total", "why", &["left", "silent"]),
     (

@@ -1,7 +1,8 @@
 //! Loading the index: the latest snapshot, restored off the event loop,
 //! and the delta stream from the first delta after it.
 //!
-//! The event loop applies the deltas (`RouterCore::apply_delta`). When the
+//! The event loop applies the deltas, and the indexer's announcements of
+//! them ahead of the stream (`kv_indexer::LiveDeltas`). When the
 //! stream has a gap (the deltas after the replica's position were trimmed,
 //! or one was lost), the loop calls [`load`] again and swaps the fresh
 //! replica in.

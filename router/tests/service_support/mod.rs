@@ -14,8 +14,8 @@ use futures::StreamExt;
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     BlockHasher, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, HashingContract,
-    IndexSnapshot, KvEvent, KvEventBatch, KvTransferParams, Message, Role, Stage, Tier, WorkerId,
-    WorkerRecord,
+    IndexDelta, IndexSnapshot, KvEvent, KvEventBatch, KvTransferParams, Message, Role, Stage, Tier,
+    WorkerId, WorkerRecord,
 };
 use router::service::{self, Config, ServiceError, Timeouts};
 use router::IslBased;
@@ -548,8 +548,16 @@ impl Indexer {
     }
 
     /// `worker` now holds the full blocks of `prompt` (on the device);
-    /// the delta is published.
+    /// the delta is published to the stream.
     pub async fn store(&mut self, worker: &str, prompt: &[u32]) -> Result<u64> {
+        let delta = self.next_delta(worker, prompt)?;
+        self.bus.publish_delta(&delta).await?;
+        Ok(delta.seq)
+    }
+
+    /// The next delta: `worker` now holds the full blocks of `prompt` (on
+    /// the device); published nowhere.
+    pub fn next_delta(&mut self, worker: &str, prompt: &[u32]) -> Result<IndexDelta> {
         let worker = id(worker);
         let hashes = hasher().hash_prompt(prompt);
         let seq = self.seqs.entry(worker.clone()).or_insert(0);
@@ -569,13 +577,10 @@ impl Indexer {
             events,
         };
         *seq += 1;
-        let delta = self
-            .indexer
+        self.indexer
             .apply(batch)
             .delta
-            .context("the batch gave no delta")?;
-        self.bus.publish_delta(&delta).await?;
-        Ok(delta.seq)
+            .context("the batch gave no delta")
     }
 
     pub fn snapshot(&self) -> IndexSnapshot {

@@ -784,14 +784,16 @@ impl Cluster {
         Ok(body["switchyard"].clone())
     }
 
-    /// Waits until every router has applied the indexer's last delta, and
-    /// returns the common digest; fails if they differ.
+    /// Waits until every router has applied the indexer's last delta (the
+    /// last it made, which it announces at once, whether or not the
+    /// stream holds it yet), and returns the common digest; fails if they
+    /// differ.
     pub async fn converged_digest(&self) -> Result<String> {
         self.eventually_some(
             "routers to reach the indexer's delta and digest",
             || async {
                 let status = self.indexer_status().await?;
-                let seq = status["delta_seq_published"].as_u64().unwrap_or(0);
+                let seq = status["delta_seq"].as_u64().unwrap_or(0);
                 let expected = status["digest"].as_str().unwrap_or_default().to_owned();
                 for i in 0..self.routers.len() {
                     let state = self.router_state(i).await?;
