@@ -138,15 +138,21 @@ impl Registry {
 
     /// The value of the current leader of election `name`, if any.
     pub async fn leader(&self, name: &str) -> Result<Option<String>, RegistryError> {
+        Ok(self.leader_entry(name).await?.map(|entry| entry.value))
+    }
+
+    /// The current leader of election `name`, if any, with its lease.
+    pub async fn leader_entry(&self, name: &str) -> Result<Option<LeaderEntry>, RegistryError> {
         let name = name.to_owned();
         let asked = crate::registry::reaching(self.client(), |mut c| {
             let name = name.clone();
             async move { c.leader(name).await }
         });
         match asked.await {
-            Ok(response) => Ok(response
-                .kv()
-                .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())),
+            Ok(response) => Ok(response.kv().map(|kv| LeaderEntry {
+                value: String::from_utf8_lossy(kv.value()).into_owned(),
+                lease: kv.lease(),
+            })),
             // etcd answers "election: no leader" as an error.
             Err(e) if e.to_string().contains("no leader") => Ok(None),
             Err(source) => Err(RegistryError::Etcd {
@@ -155,6 +161,35 @@ impl Registry {
             }),
         }
     }
+
+    /// Revokes a leader's lease (one found dead by other means than its
+    /// lease, which would take its TTL): its key goes, and the next
+    /// candidate is elected at once. A live leader whose lease this was
+    /// notices on its next renewal ([`Leadership::lost`]) and the
+    /// resource's fencing stops it before that.
+    pub async fn revoke_lease(&self, lease: i64) -> Result<(), RegistryError> {
+        match crate::registry::reaching(self.client(), |mut c| async move {
+            c.lease_revoke(lease).await
+        })
+        .await
+        {
+            Ok(_) => Ok(()),
+            // It ran out meanwhile.
+            Err(e) if expired(&e) => Ok(()),
+            Err(source) => Err(RegistryError::Etcd {
+                operation: "revoke the leader's lease",
+                source,
+            }),
+        }
+    }
+}
+
+/// An election's current leader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaderEntry {
+    /// What it campaigned with.
+    pub value: String,
+    pub lease: i64,
 }
 
 impl Leadership {

@@ -26,7 +26,7 @@ mod registry;
 mod signal;
 
 pub use auth::{auth_flags, redact_url, AuthArgs, AuthError, EtcdAuth, NatsAuth, Secret};
-pub use election::Leadership;
+pub use election::{LeaderEntry, Leadership};
 pub use nats::{
     check_replicas, create_consumer_patiently, store_full, stream_replicas_flag, Bus, BusError,
     DeltaPublisher, DeltaSent, StreamLimits, CONNECT_PATIENCE, MAX_REPLICAS, MIN_FITTED_BYTES,

@@ -148,6 +148,8 @@ fn indexer() -> Permissions {
         publish: vec![
             subjects::INDEX_DELTAS.to_owned(),
             subjects::INDEX_DELTAS_LIVE.to_owned(),
+            // A standby's probe of the leader.
+            subjects::INDEX_LEADER.to_owned(),
             // Resync requests to any agent.
             subjects::RESYNC_ALL.to_owned(),
             // The streams' administrator: limits, consumers, trimming, the
@@ -160,6 +162,7 @@ fn indexer() -> Permissions {
         subscribe: vec![
             subjects::INDEX_OVERLAP.to_owned(),
             subjects::INDEX_STATUS.to_owned(),
+            subjects::INDEX_LEADER.to_owned(),
             format!("{}.>", inbox_prefix(INDEXER_USER)),
         ],
         responds: true,

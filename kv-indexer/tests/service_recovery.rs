@@ -357,3 +357,37 @@ async fn refused_deltas_are_announced_and_status_answers_while_they_are_sent_aga
     ensure!(servers.bus.last_delta_seq().await? == 2);
     service.stop().await
 }
+
+/// A leader that dies without resigning holds its etcd lease until the
+/// TTL runs out; the standby asks it over NATS whether it is there, and on
+/// "no responders" three times running revokes the lease and takes over
+/// well before (here the TTL is 10 s: the lease could not have run out in
+/// under 6.7 s, the last renewal being at most a third of it old).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_a_dead_leader_before_its_lease_runs_out() -> Result<()> {
+    let servers = Servers::start().await?;
+    let mut config = servers.config();
+    config.leader_ttl = Duration::from_secs(10);
+    let leader = Running::start(config.clone()).await?;
+    let standby = tokio::spawn(kv_indexer::service::Service::start(config));
+    // A standby that finds its leader alive stays one.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure!(
+        !standby.is_finished(),
+        "the standby took over from a live leader"
+    );
+    ensure!(leader.status().await?["role"] == "leader");
+
+    leader.abort().await;
+    let died = std::time::Instant::now();
+    let elected = tokio::time::timeout(WAIT, standby)
+        .await
+        .context("the standby did not take over")???;
+    let took = died.elapsed();
+    ensure!(
+        took < Duration::from_secs(6),
+        "took over after {took:?}: the lease ran out rather than being revoked"
+    );
+    drop(elected);
+    Ok(())
+}

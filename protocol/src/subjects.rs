@@ -54,6 +54,11 @@ pub const INDEX_OVERLAP: &str = "sy.index.overlap";
 
 /// Request/reply: the indexer's [`crate::IndexStatus`] (position, digest).
 pub const INDEX_STATUS: &str = "sy.index.status";
+/// Answered by the leading kv-indexer from its election on (by a task of
+/// its own, whatever its loop is doing): a standby asks it, and NATS's "no
+/// responders" three times running tells it the leader is gone before the
+/// leader's etcd lease runs out.
+pub const INDEX_LEADER: &str = "sy.index.leader";
 
 /// Core NATS: load reports (not persisted).
 pub const LOAD_ALL: &str = "sy.load.>";

@@ -39,15 +39,29 @@ pub enum ConsumerError {
     Consumer { name: String, message: String },
 }
 
+/// Where the recreated consumer delivers from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Opened {
+    /// The first KV stream message it delivers.
+    pub start: u64,
+    /// Whether the consumer existed (with an ack floor to resume after).
+    pub existed: bool,
+}
+
 /// The durable consumer over every worker's KV events, recreated to
 /// deliver from the first message not known to be covered by the deltas
-/// (see the module docs). `recovered_seq` is the recovered delta sequence:
-/// with no delta at all, every retained KV event is read again.
+/// (see the module docs): after its ack floor, or from the first retained
+/// message when it did not exist. `no_deltas`: nothing was recovered, so
+/// every retained KV event is read again whatever the floor.
+///
+/// It does not depend on the recovered state otherwise, so a takeover sets
+/// it up while the index is recovered ([`Opened::start`] then tells
+/// whether the state asks for another start).
 pub async fn open(
     bus: &Bus,
     config: &Config,
-    recovered_seq: u64,
-) -> Result<(PullConsumer, u64), ConsumerError> {
+    no_deltas: bool,
+) -> Result<(PullConsumer, Opened), ConsumerError> {
     let name = config.consumer.clone();
     let consumer_error = |message: String| ConsumerError::Consumer {
         name: name.clone(),
@@ -67,17 +81,8 @@ pub async fn open(
         Err(e) => return Err(consumer_error(e.to_string())),
     };
     let start = match ack_floor {
-        _ if recovered_seq == 0 => 1,
-        Some(floor) => floor + 1,
-        None => {
-            tracing::warn!(
-                consumer = %name,
-                recovered_seq,
-                "the KV consumer does not exist but deltas do: reading every retained KV event again \
-                 (already applied batches are duplicates)"
-            );
-            1
-        }
+        Some(floor) if !no_deltas => floor + 1,
+        _ => 1,
     };
     if ack_floor.is_some() {
         stream
@@ -101,7 +106,11 @@ pub async fn open(
         })
         .await
         .map_err(|e| consumer_error(e.to_string()))?;
-    Ok((consumer, start))
+    let opened = Opened {
+        start,
+        existed: ack_floor.is_some(),
+    };
+    Ok((consumer, opened))
 }
 
 /// How long one pull request waits for messages before the client sends

@@ -189,6 +189,8 @@ pub struct Service {
     http: HttpServer,
     metrics: Arc<Metrics>,
     leadership: Leadership,
+    /// Answers the standbys' probes while this indexer leads.
+    presence: standby::Presence,
 }
 
 impl std::fmt::Debug for Service {
@@ -343,20 +345,31 @@ impl Candidate {
         let candidate = format!("kv-indexer pid {} http {}", std::process::id(), http.addr);
         let leadership = standby::campaign(
             &registry,
+            bus.client(),
             &candidate,
             config.leader_ttl,
             &mut http.status_rx,
         )
         .await?;
         let elected = Instant::now();
+        let presence = standby::Presence::start(bus.client(), &candidate)
+            .await
+            .map_err(ServiceError::Nats)?;
         let _ = http.role.send(Role::Recovering);
         tracing::info!(
             lease = leadership.lease(),
             "elected the indexer's leader; recovering"
         );
+        // The KV consumer is set up while the index is recovered: a
+        // durable consumer's deletion and creation on a replicated stream
+        // take hundreds of milliseconds of a takeover.
         set_retention(&bus, &config.stream_limits()).await?;
-
-        let recovered = recover_patiently(&bus, &config).await?;
+        let (recovered, opened) = tokio::join!(
+            recover_patiently(&bus, &config),
+            consumer::open(&bus, &config, false)
+        );
+        let recovered = recovered?;
+        let (mut consumer, mut opened) = opened?;
         let indexer = recovered.indexer;
         metrics.recovery_replayed.set(recovered.replayed as f64);
         metrics.snapshot_seq.set(recovered.snapshot_seq as f64);
@@ -371,8 +384,19 @@ impl Candidate {
             elapsed_ms = elected.elapsed().as_millis() as u64,
             "recovered the index"
         );
-
-        let (consumer, start) = consumer::open(&bus, &config, indexer.delta_seq()).await?;
+        if indexer.delta_seq() == 0 && opened.start != 1 {
+            // No delta covers any KV event: all of them again.
+            (consumer, opened) = consumer::open(&bus, &config, true).await?;
+        }
+        if indexer.delta_seq() > 0 && !opened.existed {
+            tracing::warn!(
+                consumer = %config.consumer,
+                recovered_seq = indexer.delta_seq(),
+                "the KV consumer did not exist but deltas do: reading every retained KV event again \
+                 (already applied batches are duplicates)"
+            );
+        }
+        let start = opened.start;
         metrics
             .takeover_seconds
             .set(elected.elapsed().as_secs_f64());
@@ -393,6 +417,7 @@ impl Candidate {
             http,
             metrics,
             leadership,
+            presence,
         })
     }
 }
@@ -426,6 +451,7 @@ impl Service {
             http,
             metrics,
             leadership,
+            presence,
         } = self;
         let client = bus.client().clone();
         let HttpServer {
@@ -473,6 +499,7 @@ impl Service {
             metrics,
             config,
             leadership: Some(leadership),
+            _presence: presence,
             role: Role::Leader,
             status_rx,
         };
@@ -605,6 +632,8 @@ struct Loop {
     /// This indexer's hold on the leader election (taken by
     /// [`Loop::leadership_handoff`] to resign).
     leadership: Option<Leadership>,
+    /// Answers the standbys' probes until the loop is dropped.
+    _presence: standby::Presence,
     role: Role,
     status_rx: mpsc::Receiver<StatusRequest>,
 }

@@ -3,13 +3,15 @@
 //! ([`protocol::subjects::ETCD_INDEXER_ELECTION`]). While it waits it is a
 //! standby: `/healthz` says ok, `/readyz` says 503 "standby", `/status`
 //! names the role and the leader, `kv_indexer_leader` is 0. It consumes no
-//! KV event and publishes nothing: once elected it recovers from the
-//! latest snapshot and the delta log ([`super::recovery`]) like a
-//! restarted indexer, and leads.
+//! KV event and publishes nothing but its probes of the leader (see
+//! [`campaign`]): once elected it recovers from the latest snapshot and the
+//! delta log ([`super::recovery`]) like a restarted indexer, and leads.
 
 use std::time::Duration;
 
+use async_nats::RequestErrorKind;
 use bus::{Leadership, Registry, RegistryError};
+use futures::StreamExt;
 use protocol::subjects;
 use tokio::sync::mpsc;
 
@@ -37,16 +39,33 @@ impl Role {
     }
 }
 
+/// How often a standby asks the leader whether it is there
+/// ([`subjects::INDEX_LEADER`]).
+const PROBE_EVERY: Duration = Duration::from_millis(200);
+/// Answers of "no responders" in a row, with the same leader in the
+/// election throughout, after which the leader is taken for dead and its
+/// lease revoked: 0.4-0.6 s, where the lease's TTL would take 1-1.5 s.
+/// A leader whose NATS connection moves to another node answers again
+/// within milliseconds.
+const SILENT_PROBES: u32 = 3;
+
 /// Campaigns as `candidate` under a lease of `ttl` until elected,
-/// answering `/status` requests as a standby meanwhile.
+/// answering `/status` requests as a standby meanwhile. It also asks the
+/// leader over NATS whether it is there, and revokes the lease of a leader
+/// nobody answers for ([`SILENT_PROBES`]): a killed leader is replaced
+/// before its lease would run out.
 pub async fn campaign(
     registry: &Registry,
+    client: &async_nats::Client,
     candidate: &str,
     ttl: Duration,
     status_rx: &mut mpsc::Receiver<StatusRequest>,
 ) -> Result<Leadership, RegistryError> {
     let election = registry.campaign(subjects::ETCD_INDEXER_ELECTION, candidate, ttl);
     let mut election = std::pin::pin!(election);
+    let mut probe = tokio::time::interval(PROBE_EVERY);
+    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut silence = Silence::default();
     tracing::info!(candidate, ?ttl, "campaigning for the indexer's leadership");
     loop {
         tokio::select! {
@@ -62,6 +81,90 @@ pub async fn campaign(
                     "leader": leader,
                 }));
             }
+            _ = probe.tick() => silence.probe(registry, client, candidate).await,
         }
+    }
+}
+
+/// The leader's silence, as a standby counts it.
+#[derive(Debug, Default)]
+struct Silence {
+    /// Probes in a row that nobody answered, and the leader's lease in the
+    /// election at the first of them.
+    probes: u32,
+    lease: Option<i64>,
+}
+
+impl Silence {
+    async fn probe(&mut self, registry: &Registry, client: &async_nats::Client, candidate: &str) {
+        let asked = tokio::time::timeout(
+            PROBE_EVERY,
+            client.request(subjects::INDEX_LEADER, bytes::Bytes::new()),
+        )
+        .await;
+        let nobody = matches!(&asked, Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders);
+        if !nobody {
+            // Answered, or no answer in time (not proof of anything).
+            *self = Self::default();
+            return;
+        }
+        let leader = match registry.leader_entry(subjects::ETCD_INDEXER_ELECTION).await {
+            Ok(Some(leader)) if leader.value != candidate => leader,
+            // No leader (the election is deciding), or this one, or etcd
+            // did not answer.
+            _ => {
+                *self = Self::default();
+                return;
+            }
+        };
+        if self.lease != Some(leader.lease) {
+            *self = Self {
+                probes: 1,
+                lease: Some(leader.lease),
+            };
+            return;
+        }
+        self.probes += 1;
+        if self.probes < SILENT_PROBES {
+            return;
+        }
+        *self = Self::default();
+        tracing::warn!(
+            leader = %leader.value,
+            lease = leader.lease,
+            probes = SILENT_PROBES,
+            "the leading indexer answers nobody on NATS: revoking its lease to take over"
+        );
+        if let Err(e) = registry.revoke_lease(leader.lease).await {
+            tracing::warn!(error = %e, "revoking the silent leader's lease failed; its TTL will");
+        }
+    }
+}
+
+/// The leader's answer to the standbys' probes: a task of its own, from
+/// the election until dropped.
+#[derive(Debug)]
+pub struct Presence(tokio::task::JoinHandle<()>);
+
+impl Presence {
+    pub async fn start(client: &async_nats::Client, candidate: &str) -> Result<Self, String> {
+        let mut probes = client
+            .subscribe(subjects::INDEX_LEADER)
+            .await
+            .map_err(|e| format!("subscribing to {}: {e}", subjects::INDEX_LEADER))?;
+        let (client, candidate) = (client.clone(), bytes::Bytes::from(candidate.to_owned()));
+        Ok(Self(tokio::spawn(async move {
+            while let Some(probe) = probes.next().await {
+                if let Some(reply) = probe.reply {
+                    let _ = client.publish(reply, candidate.clone()).await;
+                }
+            }
+        })))
+    }
+}
+
+impl Drop for Presence {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
