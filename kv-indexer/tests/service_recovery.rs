@@ -225,7 +225,7 @@ async fn a_second_writer_fences_the_indexer_off() -> Result<()> {
 /// (no gap, none twice), and counts each refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Result<()> {
-    use kv_indexer::service::consumer::{Pipeline, RetryPolicy};
+    use kv_indexer::service::consumer::{Confirmed, Pipeline, RetryPolicy};
 
     init_tracing();
     let dir = tempfile::tempdir()?;
@@ -236,7 +236,12 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
     bus.ensure_streams(&bus::StreamLimits::default()).await?;
     let delta = tests::fixtures::one_block_delta;
     let mut announced = bus.live_deltas().await?;
-    let mut pipeline = Pipeline::new(&bus, 16, None);
+    let policy = RetryPolicy {
+        backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(400),
+        give_up: WAIT,
+    };
+    let mut pipeline = Pipeline::new(&bus, 16, None, policy);
     for seq in 1..=3 {
         pipeline.push(Some(delta(seq)), None).await?;
     }
@@ -245,20 +250,34 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
     }
     // Another tenant's stream takes the rest of the store.
     tests::fixtures::fill_store(bus.jetstream()).await?;
-    let mut refused = None;
+    let mut refusals = 0;
     for seq in 4..=6 {
-        if let Err(e) = pipeline.push(Some(delta(seq)), None).await {
-            refused.get_or_insert(e);
+        match pipeline.push(Some(delta(seq)), None).await {
+            Err(e) | Ok(Some(Err(e))) => {
+                ensure!(e.retryable(), "{e}");
+                pipeline.refuse();
+                refusals += 1;
+            }
+            Ok(_) => {}
         }
     }
-    while let Some(done) = pipeline.next().await {
-        if let Err(e) = done {
-            refused.get_or_insert(e);
+    while refusals == 0 {
+        match tokio::time::timeout(WAIT, pipeline.next()).await? {
+            Some(Err(e)) => {
+                ensure!(e.retryable(), "{e}");
+                pipeline.refuse();
+                refusals += 1;
+            }
+            Some(Ok(done)) => bail!("the full store took a delta: {done:?}"),
+            None => bail!("the full store refused no delta"),
         }
     }
-    let refused = refused.context("the full store refused no delta")?;
-    ensure!(refused.retryable(), "{refused}");
+    ensure!(pipeline.is_refused());
     ensure!(bus.last_delta_seq().await? == 3);
+    // Deltas made meanwhile wait for the next try (announced at once).
+    for seq in 7..=8 {
+        ensure!(pipeline.push(Some(delta(seq)), None).await?.is_none());
+    }
 
     // Room returns a second later, while the pipeline retries.
     let freeing = {
@@ -268,27 +287,32 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
             bus.jetstream().delete_stream("FILLER").await
         })
     };
-    let mut retries = 0;
-    let policy = RetryPolicy {
-        backoff: Duration::from_millis(50),
-        max_backoff: Duration::from_millis(400),
-        give_up: WAIT,
-    };
-    let last = pipeline.recover(&bus, policy, |_| retries += 1).await?;
+    loop {
+        match tokio::time::timeout(WAIT, pipeline.next()).await? {
+            Some(Ok(Confirmed { seq: Some(8) })) => break,
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                ensure!(e.retryable(), "{e}");
+                pipeline.refuse();
+                refusals += 1;
+            }
+            None => bail!("the pipeline stopped before delta 8"),
+        }
+    }
     freeing.await??;
-    ensure!(last == 6, "recovered to {last}");
-    ensure!(retries >= 1, "no refusal was retried");
+    ensure!(refusals >= 2, "no refusal was retried");
+    ensure!(!pipeline.is_refused() && pipeline.is_empty());
     let mut deltas = bus.deltas_from(1).await?;
-    for seq in 1..=6 {
+    for seq in 1..=8 {
         let got = tokio::time::timeout(WAIT, deltas.next())
             .await?
             .context("the delta stream ended")??;
         ensure!(got == delta(seq), "delta {seq}: {got:?}");
     }
-    ensure!(bus.last_delta_seq().await? == 6, "a delta twice");
-    // Each delta was announced as it was sent, and the refused ones again
+    ensure!(bus.last_delta_seq().await? == 8, "a delta twice");
+    // Each delta was announced as it was made, and the refused ones again
     // on every try, for routers that missed them.
-    let mut times = [0; 7];
+    let mut times = [0; 9];
     while let Ok(Some(got)) =
         tokio::time::timeout(Duration::from_millis(500), announced.next()).await
     {
@@ -297,10 +321,10 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
         times[got.seq as usize] += 1;
     }
     ensure!(times[1..=3] == [1, 1, 1], "announced {times:?}");
-    ensure!(times[4..=6].iter().all(|&n| n >= 2), "announced {times:?}");
+    ensure!(times[4..=8].iter().all(|&n| n >= 2), "announced {times:?}");
     // Fenced still stops: a delta that does not follow the stream's end.
-    let mut other = Pipeline::new(&bus, 16, None);
-    other.push(Some(delta(9)), None).await?;
+    let mut other = Pipeline::new(&bus, 16, None, policy);
+    other.push(Some(delta(11)), None).await?;
     let fenced = other.next().await.context("an entry")?.unwrap_err();
     ensure!(!fenced.retryable(), "{fenced}");
     Ok(())
@@ -308,10 +332,11 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
 
 /// While the delta stream refuses deltas (here: a message cap that
 /// discards new ones; in production a stream electing its leader), the
-/// indexer has announced them to the routers, tells `/status` where it
-/// stands (`recovering`), and stores them once the stream takes them.
+/// indexer goes on applying KV events and announcing their deltas to the
+/// routers, says so in `/status` (`deltas_refused`), and stores the deltas
+/// in order once the stream takes them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refused_deltas_are_announced_and_status_answers_while_they_are_sent_again() -> Result<()> {
+async fn kv_events_are_applied_and_announced_while_the_delta_stream_refuses() -> Result<()> {
     use async_nats::jetstream::stream::DiscardPolicy;
     use protocol::subjects;
 
@@ -320,7 +345,8 @@ async fn refused_deltas_are_announced_and_status_answers_while_they_are_sent_aga
     let mut announced = servers.bus.live_deltas().await?;
     let workers = [worker("d0")];
     let mut workload = Workload::new(&workers, 3);
-    servers.bus.publish_kv_batch(&workload.batch()).await?;
+    let batches: Vec<KvEventBatch> = (0..4).map(|_| workload.batch()).collect();
+    servers.bus.publish_kv_batch(&batches[0]).await?;
     wait_for_delta(service.http, 1, WAIT).await?;
 
     let js = servers.bus.jetstream();
@@ -332,29 +358,30 @@ async fn refused_deltas_are_announced_and_status_answers_while_they_are_sent_aga
         ..open.clone()
     })
     .await?;
-    servers.bus.publish_kv_batch(&workload.batch()).await?;
-    let status = wait_for("/status while recovering", WAIT, || async {
+    for batch in &batches[1..] {
+        servers.bus.publish_kv_batch(batch).await?;
+    }
+    let status = wait_for("the batches applied while refused", WAIT, || async {
         let status = service.status().await?;
-        Ok((status["recovering"] == true).then_some(status))
+        Ok((status["deltas_refused"] == true && status["delta_seq"] == 4).then_some(status))
     })
     .await?;
-    ensure!(
-        status["delta_seq"] == 2 && status["delta_seq_published"] == 1,
-        "{status}"
-    );
+    ensure!(status["delta_seq_published"] == 1, "{status}");
     let mut seqs = Vec::new();
-    while seqs.last() != Some(&2) {
+    while seqs.last() != Some(&4) {
         let delta = tokio::time::timeout(WAIT, announced.next())
             .await?
             .context("the announcements ended")??;
         seqs.push(delta.seq);
     }
-    ensure!(seqs.first() == Some(&1), "announced {seqs:?}");
+    ensure!(seqs.starts_with(&[1, 2, 3, 4]), "announced {seqs:?}");
 
     js.update_stream(open).await?;
-    let status = wait_for_delta(service.http, 2, WAIT).await?;
-    ensure!(status["recovering"] == false, "{status}");
-    ensure!(servers.bus.last_delta_seq().await? == 2);
+    let status = wait_for_delta(service.http, 4, WAIT).await?;
+    ensure!(status["deltas_refused"] == false, "{status}");
+    ensure!(servers.bus.last_delta_seq().await? == 4);
+    let replica = replica_at(&servers.bus, 4).await?;
+    ensure!(replica.index().digest() == local_indexer(&batches).index().digest());
     service.stop().await
 }
 

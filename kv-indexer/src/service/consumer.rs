@@ -240,8 +240,9 @@ mod tests {
     }
 }
 
-/// How [`Pipeline::recover`] retries: the wait after the first refusal,
-/// doubled after each next one up to `max_backoff`, for at most `give_up`.
+/// How the pipeline sends refused deltas again: the wait after a refused
+/// try, doubled after each next one up to `max_backoff`, for at most
+/// `give_up` of refusals in a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     pub backoff: Duration,
@@ -250,9 +251,10 @@ pub struct RetryPolicy {
 }
 
 type Entry = Pin<Box<dyn Future<Output = Result<Confirmed, PipelineError>> + Send>>;
+type Resend = Pin<Box<dyn Future<Output = Result<u64, PipelineError>> + Send>>;
 
 /// How long the stream may take to confirm a delta: past it, the deltas
-/// it does not hold are sent again in place ([`Pipeline::recover`]). A
+/// it does not hold are sent again in place. A
 /// delta sent to a stream leader that died is never confirmed: 30 s here
 /// stalled the index for 23 s after a NATS node was killed, and 5 s
 /// delayed the resend past the new leader's election (which takes 4-9 s
@@ -275,20 +277,64 @@ const IN_FLIGHT_SLACK: usize = 1024;
 /// order: a future woken with a send permit can be overtaken by a newer one
 /// that finds capacity free.) A refused delta makes every later one refused
 /// too; the first error, in order, is the one reported.
+///
+/// # Refused deltas
+///
+/// After a retryable refusal ([`PipelineError::retryable`]: a full store,
+/// no stream leader during an election, no confirmation in time) the
+/// caller calls [`Pipeline::refuse`], and the pipeline goes on without
+/// stopping its caller: the entries in flight complete (their KV messages
+/// are acked when their deltas were confirmed; the others' are redelivered
+/// later, and the core drops them as duplicates), then [`Pipeline::next`]
+/// sends the deltas the stream does not hold again, in order, each
+/// expecting the one before (no gap, no delta twice: a delta already stored
+/// is also a duplicate by its message id), after a pause that doubles with
+/// each refused try. Deltas pushed meanwhile are announced at once and
+/// join the next try, and their KV messages' acks wait for it. Once a try
+/// leaves nothing unconfirmed, the pipeline is back to sending as it goes.
+/// A stream that diverged from this indexer's deltas, a fence (a rival
+/// writer), or refusals for longer than `give_up` end it.
 pub struct Pipeline {
+    bus: Bus,
     publisher: DeltaPublisher,
     entries: FuturesOrdered<Entry>,
-    /// The deltas sent and not confirmed yet, in order (sent again by
-    /// [`Pipeline::recover`]).
+    /// The deltas made and not confirmed yet, in order.
     unconfirmed: VecDeque<IndexDelta>,
     capacity: usize,
     crash_after_delta: Option<u64>,
+    policy: RetryPolicy,
+    refused: Option<Refused>,
+}
+
+/// A KV message's ack (if any) waiting for the delta its message made
+/// (if any).
+struct HeldAck {
+    delta: Option<u64>,
+    ack: Option<(Acker, AckKind)>,
+}
+
+/// A pipeline sending refused deltas again.
+struct Refused {
+    /// When the first of the refusals in a row came.
+    since: Instant,
+    /// Whether the last try was refused (not ready), or went through and
+    /// its followers are being sent.
+    failing: bool,
+    backoff: Duration,
+    /// The acks of the KV messages pushed meanwhile, in order.
+    held: VecDeque<HeldAck>,
+    /// The try under way (it owns what it sends: the pipeline takes pushes
+    /// meanwhile), or the pause before the next one.
+    resend: Option<Resend>,
+    pause: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pipeline")
             .field("in_flight", &self.entries.len())
+            .field("unconfirmed", &self.unconfirmed.len())
+            .field("refused", &self.refused.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -296,31 +342,47 @@ impl std::fmt::Debug for Pipeline {
 impl Pipeline {
     /// A pipeline on its own JetStream context over the bus's connection,
     /// with room for `max_in_flight` confirmations (plus some slack).
-    pub fn new(bus: &Bus, max_in_flight: usize, crash_after_delta: Option<u64>) -> Self {
+    pub fn new(
+        bus: &Bus,
+        max_in_flight: usize,
+        crash_after_delta: Option<u64>,
+        policy: RetryPolicy,
+    ) -> Self {
         let capacity = max_in_flight.max(1) + IN_FLIGHT_SLACK;
         // One permit more than entries can hold: a send never waits for a
         // confirmation only this pipeline would poll.
         let publisher = bus.delta_publisher(capacity + 1, DELTA_ACK_TIMEOUT);
         Self {
+            bus: bus.clone(),
             publisher,
             entries: FuturesOrdered::new(),
             unconfirmed: VecDeque::new(),
             capacity,
             crash_after_delta,
+            policy,
+            refused: None,
         }
     }
 
+    /// KV messages waiting for their deltas' confirmation (or to be acked).
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.entries.len() + self.refused.as_ref().map_or(0, |r| r.held.len())
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len() == 0 && self.unconfirmed.is_empty()
+    }
+
+    /// Whether the stream refused the last try ([`Pipeline::refuse`]).
+    pub fn is_refused(&self) -> bool {
+        self.refused.as_ref().is_some_and(|r| r.failing)
     }
 
     /// Sends `delta` (if any) to the delta stream now, and queues the wait
     /// for its confirmation, after which the KV message (if any) is acked
-    /// (`AckKind::Ack`) or terminated (`AckKind::Term`).
+    /// (`AckKind::Ack`) or terminated (`AckKind::Term`). While refused
+    /// deltas are sent again, the delta is announced only and joins the
+    /// next try, and the ack waits for it.
     ///
     /// When the pipeline is full, the oldest entry is awaited first and
     /// returned (the caller handles it like one from [`Pipeline::next`]).
@@ -329,6 +391,15 @@ impl Pipeline {
         delta: Option<IndexDelta>,
         ack: Option<(Acker, AckKind)>,
     ) -> Result<Option<Result<Confirmed, PipelineError>>, PipelineError> {
+        if let Some(refused) = &mut self.refused {
+            let seq = delta.as_ref().map(|d| d.seq);
+            if let Some(delta) = delta {
+                self.publisher.announce(&delta).await;
+                self.unconfirmed.push_back(delta);
+            }
+            refused.held.push_back(HeldAck { delta: seq, ack });
+            return Ok(None);
+        }
         let oldest = if self.entries.len() >= self.capacity {
             self.next().await
         } else {
@@ -337,8 +408,7 @@ impl Pipeline {
         let sent = match delta {
             Some(delta) => {
                 let sent = self.publisher.send(&delta).await;
-                // Held (also when refused at once) for a recovery to send
-                // again.
+                // Held (also when refused at once) to be sent again.
                 self.unconfirmed.push_back(delta.clone());
                 Some(sent.map_err(|source| PipelineError::Publish {
                     seq: delta.seq,
@@ -360,29 +430,110 @@ impl Pipeline {
                 }
             }
             if let Some((acker, kind)) = ack {
-                // A lost ack only means a redelivery, which the core drops
-                // as a duplicate.
-                if let Err(e) = acker.ack_with(kind).await {
-                    tracing::warn!(error = %e, delta_seq = ?seq, "acking a KV message failed");
-                }
+                ack_one(acker, kind, seq).await;
             }
             Ok(Confirmed { seq })
         }));
         Ok(oldest)
     }
 
-    /// The next entry to complete, in push order; `None` when empty.
+    /// After a retryable refusal: from now on the deltas the stream does
+    /// not hold are sent again (see the type's docs). Again while already
+    /// doing so: nothing more.
+    pub fn refuse(&mut self) {
+        if self.refused.is_none() {
+            self.refused = Some(Refused {
+                since: Instant::now(),
+                failing: true,
+                backoff: self.policy.backoff,
+                held: VecDeque::new(),
+                resend: None,
+                pause: None,
+            });
+        }
+    }
+
+    /// The next entry to complete, in push order, or the next try at
+    /// sending refused deltas: its last confirmed delta, or its refusal
+    /// (retryable: the pipeline tries again after a pause); `None` when
+    /// there is nothing to wait for. Cancel-safe: a try under way is kept.
     pub async fn next(&mut self) -> Option<Result<Confirmed, PipelineError>> {
-        let done = self.entries.next().await;
-        self.confirmed(&done);
-        done
+        if self.refused.is_none() {
+            let done = self.entries.next().await;
+            self.confirmed(&done);
+            return done;
+        }
+        // The entries sent before the refusal complete first; their errors
+        // (the refusal again, or a later delta refused for not following
+        // it) are the refusal's, and the try below finds a real fence.
+        while !self.entries.is_empty() {
+            let done = self.entries.next().await;
+            self.confirmed(&done);
+            if let Some(Ok(confirmed)) = done {
+                return Some(Ok(confirmed));
+            }
+        }
+        let Self {
+            bus,
+            publisher,
+            unconfirmed,
+            policy,
+            refused,
+            ..
+        } = self;
+        let state = refused.as_mut()?;
+        if let Some(pause) = &mut state.pause {
+            pause.as_mut().await;
+            state.pause = None;
+        }
+        let resend = state.resend.get_or_insert_with(|| {
+            Box::pin(send_again(
+                bus.clone(),
+                publisher.clone(),
+                unconfirmed.iter().cloned().collect(),
+            ))
+        });
+        let tried = resend.await;
+        state.resend = None;
+        match tried {
+            Ok(last) => {
+                while unconfirmed.front().is_some_and(|d| d.seq <= last) {
+                    unconfirmed.pop_front();
+                }
+                // Give-up counts refusals in a row.
+                state.since = Instant::now();
+                state.failing = false;
+                state.backoff = policy.backoff;
+                release_acks(&mut state.held, last);
+                if unconfirmed.is_empty() {
+                    release_acks(&mut state.held, u64::MAX);
+                    *refused = None;
+                }
+                Some(Ok(Confirmed { seq: Some(last) }))
+            }
+            Err(e) if e.retryable() => {
+                if state.since.elapsed() >= policy.give_up {
+                    let PipelineError::Publish { seq, source } = e else {
+                        return Some(Err(e));
+                    };
+                    return Some(Err(PipelineError::GaveUp {
+                        seq,
+                        after: state.since.elapsed(),
+                        source,
+                    }));
+                }
+                state.failing = true;
+                state.pause = Some(Box::pin(tokio::time::sleep(state.backoff)));
+                state.backoff = (state.backoff * 2).min(policy.max_backoff);
+                Some(Err(e))
+            }
+            Err(e) => Some(Err(e)),
+        }
     }
 
     /// The next completed entry if it is ready now.
     pub fn try_next(&mut self) -> Option<Result<Confirmed, PipelineError>> {
-        let done = futures::FutureExt::now_or_never(self.entries.next()).flatten();
-        self.confirmed(&done);
-        done
+        futures::FutureExt::now_or_never(self.next()).flatten()
     }
 
     /// Forgets the deltas a completed entry confirmed.
@@ -393,90 +544,83 @@ impl Pipeline {
             }
         }
     }
+}
 
-    /// After a retryable refusal ([`PipelineError::retryable`]): lets every
-    /// entry in flight complete (their KV messages are acked when their
-    /// deltas were confirmed; the others' are redelivered later, and the
-    /// core drops them as duplicates), then, announcing every unconfirmed
-    /// delta again on each try, sends the deltas the stream
-    /// does not hold again, in order, each expecting the one before (so no
-    /// gap and no delta twice: a delta already stored is also a duplicate
-    /// by its message id), waiting `policy.backoff` (doubling) after each
-    /// refusal. Returns the last delta the stream holds, or an error: a
-    /// stream that diverged from this indexer's deltas, a fence (a rival
-    /// writer), or refusals for longer than `policy.give_up`.
-    pub async fn recover(
-        &mut self,
-        bus: &Bus,
-        policy: RetryPolicy,
-        mut on_retry: impl FnMut(&PipelineError),
-    ) -> Result<u64, PipelineError> {
-        while let Some(done) = self.entries.next().await {
-            self.confirmed(&Some(done));
-        }
-        let started = Instant::now();
-        let mut backoff = policy.backoff;
-        loop {
-            // Routers that missed an announcement (their connection moved
-            // to another NATS node) get it while the stream cannot give it.
-            for delta in &self.unconfirmed {
-                self.publisher.announce(delta).await;
-            }
-            let attempt = self.send_again(bus).await;
-            let error = match attempt {
-                Ok(last) => return Ok(last),
-                Err(e) if e.retryable() => e,
-                Err(e) => return Err(e),
-            };
-            on_retry(&error);
-            if started.elapsed() >= policy.give_up {
-                let PipelineError::Publish { seq, source } = error else {
-                    return Err(error);
-                };
-                return Err(PipelineError::GaveUp {
-                    seq,
-                    after: started.elapsed(),
-                    source,
-                });
-            }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(policy.max_backoff);
+/// Acks a KV message. A lost ack only means a redelivery, which the core
+/// drops as a duplicate.
+async fn ack_one(acker: Acker, kind: AckKind, delta_seq: Option<u64>) {
+    if let Err(e) = acker.ack_with(kind).await {
+        tracing::warn!(error = %e, ?delta_seq, "acking a KV message failed");
+    }
+}
+
+/// Acks, in a task of their own, the held KV messages whose deltas the
+/// stream now holds (up to `last`), up to the first whose delta it does
+/// not.
+fn release_acks(held: &mut VecDeque<HeldAck>, last: u64) {
+    let mut acks = Vec::new();
+    while held
+        .front()
+        .is_some_and(|h| h.delta.is_none_or(|seq| seq <= last))
+    {
+        if let Some(HeldAck {
+            delta,
+            ack: Some(ack),
+        }) = held.pop_front()
+        {
+            acks.push((delta, ack));
         }
     }
-
-    /// One try of [`Pipeline::recover`]: the stream's end, then the
-    /// deltas after it, each confirmed before the next is sent.
-    async fn send_again(&mut self, bus: &Bus) -> Result<u64, PipelineError> {
-        let first = self.unconfirmed.front().map_or(0, |d| d.seq);
-        let last = bus
-            .last_delta_seq()
-            .await
-            .map_err(|source| PipelineError::Publish { seq: first, source })?;
-        while self.unconfirmed.front().is_some_and(|d| d.seq <= last) {
-            self.unconfirmed.pop_front();
-        }
-        if let Some(front) = self.unconfirmed.front() {
-            if front.seq != last + 1 {
-                return Err(PipelineError::Diverged {
-                    last,
-                    first: front.seq,
-                });
+    if !acks.is_empty() {
+        tokio::spawn(async move {
+            for (seq, (acker, kind)) in acks {
+                ack_one(acker, kind, seq).await;
             }
+        });
+    }
+}
+
+/// One try at sending refused deltas again: the stream's end, then the
+/// deltas after it, in order, each expecting the one before, their
+/// confirmations awaited in order (the first error is the cause; those
+/// after it only did not follow). Returns the last delta the stream
+/// holds.
+async fn send_again(
+    bus: Bus,
+    publisher: DeltaPublisher,
+    deltas: Vec<IndexDelta>,
+) -> Result<u64, PipelineError> {
+    let first = deltas.first().map_or(0, |d| d.seq);
+    let last = bus
+        .last_delta_seq()
+        .await
+        .map_err(|source| PipelineError::Publish { seq: first, source })?;
+    let deltas: Vec<_> = deltas.into_iter().filter(|d| d.seq > last).collect();
+    if let Some(front) = deltas.first() {
+        if front.seq != last + 1 {
+            return Err(PipelineError::Diverged {
+                last,
+                first: front.seq,
+            });
         }
-        let mut confirmed = last;
-        while let Some(delta) = self.unconfirmed.front() {
-            let seq = delta.seq;
-            let publish = |source| PipelineError::Publish { seq, source };
-            self.publisher
+    }
+    let mut sent = Vec::with_capacity(deltas.len());
+    for delta in &deltas {
+        let seq = delta.seq;
+        sent.push(
+            publisher
                 .send(delta)
                 .await
-                .map_err(publish)?
-                .confirmed()
-                .await
-                .map_err(publish)?;
-            self.unconfirmed.pop_front();
-            confirmed = seq;
-        }
-        Ok(confirmed)
+                .map_err(|source| PipelineError::Publish { seq, source })?,
+        );
     }
+    let mut confirmed = last;
+    for sent in sent {
+        let seq = sent.seq();
+        sent.confirmed()
+            .await
+            .map_err(|source| PipelineError::Publish { seq, source })?;
+        confirmed = seq;
+    }
+    Ok(confirmed)
 }

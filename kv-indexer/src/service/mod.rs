@@ -478,7 +478,12 @@ impl Service {
 
         let now = Instant::now();
         let mut state = Loop {
-            pipeline: Pipeline::new(&bus, config.max_in_flight, config.crash_after_delta),
+            pipeline: Pipeline::new(
+                &bus,
+                config.max_in_flight,
+                config.crash_after_delta,
+                DELTA_RETRY,
+            ),
             confirmed_seq: indexer.delta_seq(),
             snapshots: SnapshotPolicy::new(
                 config.snapshot_interval,
@@ -501,14 +506,16 @@ impl Service {
             leadership: Some(leadership),
             _presence: presence,
             role: Role::Leader,
-            status_rx,
+            refused: None,
         };
         state.update_gauges();
         state.metrics.leader.set(1.0);
         let _ = role.send(Role::Leader);
         tracing::info!(http = %http_addr, delta_seq = state.indexer.delta_seq(), "kv-indexer running (the leader)");
 
-        let result = state.run(shutdown, kv_messages, queries, registry_rx).await;
+        let result = state
+            .run(shutdown, kv_messages, queries, status_rx, registry_rx)
+            .await;
         state.metrics.leader.set(0.0);
         let _ = role.send(Role::Standby);
 
@@ -608,8 +615,7 @@ enum TaskDone {
     },
 }
 
-/// The loop's state; the event sources are the loop's locals, but for
-/// `/status` requests, which a recovery of the delta publishes answers too.
+/// The loop's state; the event sources are the loop's locals.
 struct Loop {
     config: Config,
     bus: Bus,
@@ -635,7 +641,9 @@ struct Loop {
     /// Answers the standbys' probes until the loop is dropped.
     _presence: standby::Presence,
     role: Role,
-    status_rx: mpsc::Receiver<StatusRequest>,
+    /// Since when JetStream refuses the deltas, and how many times in a
+    /// row (the pipeline sends them again meanwhile).
+    refused: Option<(Instant, u32)>,
 }
 
 impl Loop {
@@ -644,6 +652,7 @@ impl Loop {
         shutdown: impl Future<Output = ()>,
         mut kv_messages: K,
         mut queries: Q,
+        mut status_rx: mpsc::Receiver<StatusRequest>,
         mut registry_rx: mpsc::Receiver<RegistryEvent>,
     ) -> Result<(), ServiceError>
     where
@@ -662,7 +671,7 @@ impl Loop {
                     Some(message) => Event::Query(message),
                     None => Event::QueriesEnded,
                 },
-                Some(request) = self.status_rx.recv() => Event::Status(request),
+                Some(request) = status_rx.recv() => Event::Status(request),
                 Some(done) = self.pipeline.next() => Event::Published(done),
                 Some(done) = self.tasks.join_next() => Event::Task(done),
                 Some(change) = registry_rx.recv() => Event::Registry(change),
@@ -884,10 +893,14 @@ impl Loop {
             Ok(Confirmed { seq: Some(seq) }) => {
                 self.confirmed(seq);
                 self.metrics.deltas_published.increment(1);
+                self.taken_again();
                 Ok(())
             }
             Ok(Confirmed { seq: None }) => Ok(()),
-            Err(e) if e.retryable() => self.recover_publishes(e).await,
+            Err(e) if e.retryable() => {
+                self.refused(&e);
+                Ok(())
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -900,52 +913,46 @@ impl Loop {
     }
 
     /// JetStream refused a delta or did not confirm it (a full store, no
-    /// stream leader during an election): the deltas it does not hold are
-    /// sent again in place, after a bounded backoff ([`DELTA_RETRY`]),
-    /// keeping their order and numbers; not ready meanwhile.
-    async fn recover_publishes(&mut self, first: PipelineError) -> Result<(), ServiceError> {
-        let started = Instant::now();
-        let metrics = self.metrics.clone();
-        tracing::warn!(
-            error = %first,
-            store_full = matches!(&first, PipelineError::Publish { source, .. } if source.is_store_full()),
-            "JetStream refused a delta; sending the unconfirmed deltas again in place"
-        );
-        metrics.delta_publish_retries.increment(1);
-        metrics.set_refused(Some(first.to_string()));
-        // Nothing is applied meanwhile: `/status` is answered as it stands.
-        let mut status = self.status();
-        status["recovering"] = true.into();
-        let mut logged = 0u32;
-        let recovery = self.pipeline.recover(&self.bus, DELTA_RETRY, |e| {
-            metrics.delta_publish_retries.increment(1);
-            metrics.set_refused(Some(e.to_string()));
-            // Every refusal counted; a few logged.
-            logged += 1;
-            if logged.is_power_of_two() {
-                tracing::warn!(error = %e, retries = logged, "JetStream still refuses the deltas; retrying");
-            }
-        });
-        let recovered = {
-            let mut recovery = std::pin::pin!(recovery);
-            loop {
-                tokio::select! {
-                    recovered = &mut recovery => break recovered,
-                    Some(reply) = self.status_rx.recv() => {
-                        let _ = reply.send(status.clone());
-                    }
-                }
-            }
-        };
-        metrics.set_refused(None);
-        let last = recovered?;
-        self.confirmed(last);
-        tracing::info!(
-            delta_seq = last,
-            took_ms = started.elapsed().as_millis() as u64,
-            "the delta stream takes deltas again"
-        );
-        Ok(())
+    /// stream leader during an election): the pipeline sends the deltas it
+    /// does not hold again, in place, after a bounded backoff
+    /// ([`DELTA_RETRY`]), while the loop goes on applying KV events and
+    /// announcing their deltas; not ready meanwhile.
+    fn refused(&mut self, error: &PipelineError) {
+        self.pipeline.refuse();
+        self.metrics.delta_publish_retries.increment(1);
+        self.metrics.set_refused(Some(error.to_string()));
+        let (since, times) = self.refused.get_or_insert((Instant::now(), 0));
+        *times += 1;
+        if *times == 1 {
+            tracing::warn!(
+                error = %error,
+                store_full = matches!(error, PipelineError::Publish { source, .. } if source.is_store_full()),
+                "JetStream refused a delta; sending the unconfirmed deltas again in place (KV events are still applied, their deltas announced)"
+            );
+        } else if times.is_power_of_two() {
+            tracing::warn!(
+                error = %error,
+                retries = *times,
+                refused_ms = since.elapsed().as_millis() as u64,
+                "JetStream still refuses the deltas; retrying"
+            );
+        }
+    }
+
+    /// A try at sending refused deltas went through: ready again.
+    fn taken_again(&mut self) {
+        if self.pipeline.is_refused() {
+            return;
+        }
+        if let Some((since, times)) = self.refused.take() {
+            self.metrics.set_refused(None);
+            tracing::info!(
+                delta_seq = self.confirmed_seq,
+                refusals = times,
+                took_ms = since.elapsed().as_millis() as u64,
+                "the delta stream takes deltas again"
+            );
+        }
     }
 
     /// A worker removed from the index registered again (its lease had
@@ -1228,7 +1235,7 @@ impl Loop {
             "snapshot_seq": self.snapshots.covered(),
             "kv_stream_seq": self.last_kv_stream_seq,
             "in_flight": self.pipeline.len(),
-            "recovering": false,
+            "deltas_refused": self.pipeline.is_refused(),
             "blocks": stats.blocks,
             "pairs": stats.pairs,
             "runs": stats.runs,
