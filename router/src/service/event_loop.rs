@@ -900,15 +900,12 @@ impl RouterLoop {
                 self.advanced(through);
             }
             Ok(Logged::Confirmed) => self.metrics.delta("confirmed"),
-            Ok(Logged::Duplicate) => {
+            // (`logged` gives a duplicate as `Logged::Duplicate`.)
+            Ok(Logged::Duplicate) | Err(DeltaError::AlreadyApplied { .. }) => {
                 tracing::debug!(seq = delta.seq, "delta already applied");
                 self.metrics.delta("duplicate");
             }
             Ok(Logged::Superseded { seq }) => self.superseded(seq),
-            Err(DeltaError::AlreadyApplied { at, got }) => {
-                tracing::debug!(at, got, "delta already applied");
-                self.metrics.delta("duplicate");
-            }
             Err(DeltaError::Gap { at, got }) => {
                 tracing::warn!(
                     at,
