@@ -506,6 +506,12 @@ impl DeltaPublisher {
         send_delta(&self.js, delta.seq, payload).await
     }
 
+    /// Queues the delta for the stream only (it was announced already:
+    /// a delta sent again).
+    pub async fn store(&self, delta: &IndexDelta) -> Result<DeltaSent, BusError> {
+        send_delta(&self.js, delta.seq, delta.encode().into()).await
+    }
+
     /// Announces the delta on the live subject only
     /// ([`subjects::INDEX_DELTAS_LIVE`]): again, for routers that missed
     /// it while the stream does not confirm it.

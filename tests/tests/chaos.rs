@@ -153,14 +153,23 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         let converge_s = converge(cluster, since).await?;
         if let Fault::NatsNode = fault {
             notes.push(nats_node_healthy(cluster, since).await?);
+            streams_led(cluster).await?;
         }
-        let delta_elected = watch.stop(since).await;
-        if let (Fault::NatsNode, Some(t)) = (fault, delta_elected) {
-            // nats-server's Raft waits 4-9 s for a dead leader: the
-            // deltas wait with it, and convergence cannot come sooner.
-            notes.push(format!(
-                "the delta stream's leader died with the node; its new leader was elected {t:+.2} s from the restart (the kill was {DOWN:?} before it)"
-            ));
+        let elections = watch.stop(since).await;
+        if let Fault::NatsNode = fault {
+            // nats-server's Raft waits 4-9 s for a dead leader. The routers
+            // follow the indexer's announcements meanwhile; the agents'
+            // batches wait for the KV-event stream's.
+            if let Some(t) = elections.deltas {
+                notes.push(format!(
+                    "the delta stream's leader died with the node; its new leader was elected {t:+.2} s from the restart (the kill was {DOWN:?} before it): the routers followed the indexer's announcements meanwhile"
+                ));
+            }
+            if let Some(t) = elections.kv {
+                notes.push(format!(
+                    "the KV-event stream's leader died with the node; its new leader was elected {t:+.2} s from the restart: the agents' batches waited for it, and the index lagged the engines that long"
+                ));
+            }
         }
         let outcome = window.await??;
         crashed.extend(cluster.heal().await?);
@@ -544,18 +553,20 @@ impl ReadyWatch {
         Ok(Self { task, stop, fault })
     }
 
-    /// Stops polling (after convergence) and prints the changes, timed
-    /// from `since` (negative: before the restart). Returns when, from
-    /// `since`, the delta stream last got a new leader after the fault's
-    /// start (`None`: it kept its leader): the floor of a NATS node's
-    /// convergence when that node led the stream.
-    async fn stop(self, since: Instant) -> Option<f64> {
+    /// Stops polling and prints the changes, timed from `since`
+    /// (negative: before the restart). Returns when, from `since`, the KV
+    /// and the delta stream last got a new leader after the fault's start
+    /// (`None`: it kept its leader).
+    async fn stop(self, since: Instant) -> Elections {
         let _ = self.stop.send(());
         let fault = self.fault;
-        let changes = self.task.await.ok()?;
-        let delta_stream = format!("stream {}", subjects::INDEX_DELTAS_STREAM);
-        let mut delta_leaders = 0;
-        let mut delta_elected = None;
+        let Ok(changes) = self.task.await else {
+            return Elections::default();
+        };
+        let streams = [subjects::KV_EVENTS_STREAM, subjects::INDEX_DELTAS_STREAM]
+            .map(|stream| format!("stream {stream}"));
+        let mut leaders = [0; 2];
+        let mut elected = [None; 2];
         for (at, name, answer) in changes {
             let t = if at >= since {
                 (at - since).as_secs_f64()
@@ -563,16 +574,49 @@ impl ReadyWatch {
                 -(since - at).as_secs_f64()
             };
             eprintln!("chaos: {fault}: {t:+.2} s {name}: {answer}");
-            if name == delta_stream && answer.starts_with("leader ") && answer != "leader none" {
-                delta_leaders += 1;
+            let Some(i) = streams.iter().position(|s| *s == name) else {
+                continue;
+            };
+            if answer.starts_with("leader ") && answer != "leader none" {
+                leaders[i] += 1;
                 // After the kill, DOWN before the restart.
-                if delta_leaders > 1 && t > -DOWN.as_secs_f64() {
-                    delta_elected = Some(t);
+                if leaders[i] > 1 && t > -DOWN.as_secs_f64() {
+                    elected[i] = Some(t);
                 }
             }
         }
-        delta_elected
+        Elections {
+            kv: elected[0],
+            deltas: elected[1],
+        }
     }
+}
+
+/// When, from the restart, a stream whose leader died got a new one.
+#[derive(Debug, Default)]
+struct Elections {
+    kv: Option<f64>,
+    deltas: Option<f64>,
+}
+
+/// Waits (at most 20 s) until the KV-event and the delta stream have a
+/// leader, so that the watch sees their elections.
+async fn streams_led(cluster: &Cluster) -> Result<()> {
+    let js = async_nats::jetstream::new(cluster.nats_client().await?);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for name in [subjects::KV_EVENTS_STREAM, subjects::INDEX_DELTAS_STREAM] {
+        loop {
+            let led = async { js.get_stream(name).await.ok()?.info().await.ok().cloned() }
+                .await
+                .and_then(|info| info.cluster?.leader)
+                .is_some();
+            if led || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
 }
 
 /// Which node of the NATS cluster leads the delta stream.

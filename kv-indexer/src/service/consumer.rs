@@ -580,16 +580,20 @@ fn release_acks(held: &mut VecDeque<HeldAck>, last: u64) {
     }
 }
 
-/// One try at sending refused deltas again: the stream's end, then the
-/// deltas after it, in order, each expecting the one before, their
-/// confirmations awaited in order (the first error is the cause; those
-/// after it only did not follow). Returns the last delta the stream
-/// holds.
+/// One try at sending refused deltas again: each announced again first
+/// (for routers that missed an announcement, while the stream cannot give
+/// it to them), then the stream's end, then the deltas after it, in
+/// order, each expecting the one before, their confirmations awaited in
+/// order (the first error is the cause; those after it only did not
+/// follow). Returns the last delta the stream holds.
 async fn send_again(
     bus: Bus,
     publisher: DeltaPublisher,
     deltas: Vec<IndexDelta>,
 ) -> Result<u64, PipelineError> {
+    for delta in &deltas {
+        publisher.announce(delta).await;
+    }
     let first = deltas.first().map_or(0, |d| d.seq);
     let last = bus
         .last_delta_seq()
@@ -609,7 +613,7 @@ async fn send_again(
         let seq = delta.seq;
         sent.push(
             publisher
-                .send(delta)
+                .store(delta)
                 .await
                 .map_err(|source| PipelineError::Publish { seq, source })?,
         );
