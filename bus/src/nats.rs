@@ -914,6 +914,21 @@ impl Bus {
         .await
     }
 
+    /// The delta stored at `seq`, as stored (its encoding), or an
+    /// unanswered error after [`STREAM_ASK_WAIT`].
+    pub async fn stored_delta(&self, seq: u64) -> Result<bytes::Bytes, BusError> {
+        let name = subjects::INDEX_DELTAS_STREAM;
+        within(STREAM_ASK_WAIT, name, async {
+            let stream = self.stream(name).await?;
+            let message = stream
+                .get_raw_message(seq)
+                .await
+                .map_err(|e| stream_error(name)(format!("reading delta {seq}: {e}")))?;
+            Ok(message.payload)
+        })
+        .await
+    }
+
     /// Whether a client is pulling from the durable consumer `name` of the
     /// KV-event stream (the indexer: it always has a pull request
     /// waiting while it runs); `false` when there is no such consumer.

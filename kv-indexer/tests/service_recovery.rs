@@ -302,17 +302,34 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
     freeing.await??;
     ensure!(refusals >= 2, "no refusal was retried");
     ensure!(!pipeline.is_refused() && pipeline.is_empty());
+    // Refused again, and a delta made while the try that goes through
+    // runs: it is sent as the pipeline goes on (by the next push, or by a
+    // try), in order.
+    pipeline.refuse();
+    let _ = tokio::time::timeout(Duration::from_millis(1), pipeline.next()).await;
+    for seq in 9..=10 {
+        if let Some(Err(e)) = pipeline.push(Some(delta(seq)), None).await? {
+            bail!("delta {seq}: {e}");
+        }
+    }
+    while !pipeline.is_empty() {
+        match tokio::time::timeout(WAIT, pipeline.next()).await? {
+            Some(Err(e)) => bail!("refused with room: {e}"),
+            Some(Ok(_)) => {}
+            None => break,
+        }
+    }
     let mut deltas = bus.deltas_from(1).await?;
-    for seq in 1..=8 {
+    for seq in 1..=10 {
         let got = tokio::time::timeout(WAIT, deltas.next())
             .await?
             .context("the delta stream ended")??;
         ensure!(got == delta(seq), "delta {seq}: {got:?}");
     }
-    ensure!(bus.last_delta_seq().await? == 8, "a delta twice");
+    ensure!(bus.last_delta_seq().await? == 10, "a delta twice");
     // Each delta was announced as it was made, and the refused ones again
     // on every try, for routers that missed them.
-    let mut times = [0; 9];
+    let mut times = [0; 11];
     while let Ok(Some(got)) =
         tokio::time::timeout(Duration::from_millis(500), announced.next()).await
     {
@@ -322,9 +339,10 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
     }
     ensure!(times[1..=3] == [1, 1, 1], "announced {times:?}");
     ensure!(times[4..=8].iter().all(|&n| n >= 2), "announced {times:?}");
+    ensure!(times[9..=10].iter().all(|&n| n >= 1), "announced {times:?}");
     // Fenced still stops: a delta that does not follow the stream's end.
     let mut other = Pipeline::new(&bus, 16, None, policy);
-    other.push(Some(delta(11)), None).await?;
+    other.push(Some(delta(13)), None).await?;
     let fenced = other.next().await.context("an entry")?.unwrap_err();
     ensure!(!fenced.retryable(), "{fenced}");
     Ok(())

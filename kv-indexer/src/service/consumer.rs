@@ -113,6 +113,30 @@ pub async fn open(
     Ok((consumer, opened))
 }
 
+/// [`open`], tried again for up to a minute while it fails (a takeover
+/// sets the consumer up while a stream may still be electing its leader,
+/// after a NATS node died).
+pub async fn open_patiently(
+    bus: &Bus,
+    config: &Config,
+    no_deltas: bool,
+) -> Result<(PullConsumer, Opened), ConsumerError> {
+    let started = Instant::now();
+    loop {
+        match open(bus, config, no_deltas).await {
+            Ok(opened) => return Ok(opened),
+            Err(e) if started.elapsed() < OPEN_PATIENCE => {
+                tracing::warn!(error = %e, "setting up the KV consumer failed; trying again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// How long [`open_patiently`] tries.
+const OPEN_PATIENCE: Duration = Duration::from_secs(60);
+
 /// How long one pull request waits for messages before the client sends
 /// another, and how often the server says it is still there while it has
 /// none. Without the heartbeat (async-nats 0.51's default is none) a pull
@@ -189,6 +213,8 @@ pub enum PipelineError {
     InjectedCrash { seq: u64 },
     #[error("the delta stream ends at {last}, but this indexer holds deltas {first} on only: another writer, or deltas lost")]
     Diverged { last: u64, first: u64 },
+    #[error("the delta stream's delta {seq} is not the one this indexer made there: another indexer writes the stream")]
+    Overwritten { seq: u64 },
     #[error("delta {seq} still refused after retrying for {after:?}: {source}")]
     GaveUp {
         seq: u64,
@@ -265,6 +291,12 @@ const DELTA_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 /// (removals, a fetched chunk's overshoot) before `push` waits for the
 /// oldest one.
 const IN_FLIGHT_SLACK: usize = 1024;
+/// Deltas a try sends before it awaits their confirmations (each holds a
+/// permit of the publisher's while unconfirmed).
+const RESEND_WINDOW: usize = 256;
+/// After a try that went through with deltas left, how long the pipeline
+/// waits for a push to send them as it goes before another try does.
+const RESUME_WAIT: Duration = Duration::from_millis(20);
 
 /// Delta publishes in flight, confirmed in order; each entry acks its KV
 /// message once its delta is confirmed.
@@ -329,6 +361,14 @@ struct Refused {
     pause: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
+impl Refused {
+    /// The last try went through and none is under way: the deltas left
+    /// may be sent as they go again ([`Pipeline::resume`]).
+    fn resumable(&self) -> bool {
+        !self.failing && self.resend.is_none()
+    }
+}
+
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pipeline")
@@ -364,9 +404,15 @@ impl Pipeline {
         }
     }
 
-    /// KV messages waiting for their deltas' confirmation (or to be acked).
+    /// KV messages waiting for their deltas' confirmation (or to be
+    /// acked), or while refused deltas are sent again the unconfirmed
+    /// deltas if more: what bounds the intake.
     pub fn len(&self) -> usize {
-        self.entries.len() + self.refused.as_ref().map_or(0, |r| r.held.len())
+        let refused = self
+            .refused
+            .as_ref()
+            .map_or(0, |r| r.held.len().max(self.unconfirmed.len()));
+        self.entries.len() + refused
     }
 
     pub fn is_empty(&self) -> bool {
@@ -391,6 +437,9 @@ impl Pipeline {
         delta: Option<IndexDelta>,
         ack: Option<(Acker, AckKind)>,
     ) -> Result<Option<Result<Confirmed, PipelineError>>, PipelineError> {
+        if self.refused.as_ref().is_some_and(Refused::resumable) {
+            self.resume().await?;
+        }
         if let Some(refused) = &mut self.refused {
             let seq = delta.as_ref().map(|d| d.seq);
             if let Some(delta) = delta {
@@ -417,6 +466,13 @@ impl Pipeline {
             }
             None => None,
         };
+        self.push_entry(sent, ack);
+        Ok(oldest)
+    }
+
+    /// Queues the wait for a sent delta's confirmation (if any), then the
+    /// ack of its KV message (if any).
+    fn push_entry(&mut self, sent: Option<DeltaSent>, ack: Option<(Acker, AckKind)>) {
         let crash_after = self.crash_after_delta;
         self.entries.push_back(Box::pin(async move {
             let seq = sent.as_ref().map(DeltaSent::seq);
@@ -434,7 +490,47 @@ impl Pipeline {
             }
             Ok(Confirmed { seq })
         }));
-        Ok(oldest)
+    }
+
+    /// After a try went through with deltas left (made while it ran):
+    /// sends those as it goes again, each with its held ack, and leaves
+    /// the refused state. A send refused at once puts the pipeline back in
+    /// it, with the acks not yet moved still held.
+    async fn resume(&mut self) -> Result<(), PipelineError> {
+        let Some(refused) = self.refused.take() else {
+            return Ok(());
+        };
+        let mut held = refused.held;
+        while let Some(next) = held.front() {
+            let sent = match next.delta {
+                Some(seq) => {
+                    let delta = self
+                        .unconfirmed_at(seq)
+                        .expect("a held delta is unconfirmed");
+                    match self.publisher.store(delta).await {
+                        Ok(sent) => Some(sent),
+                        Err(source) => {
+                            self.refuse();
+                            if let Some(refused) = &mut self.refused {
+                                refused.held = held;
+                            }
+                            return Err(PipelineError::Publish { seq, source });
+                        }
+                    }
+                }
+                None => None,
+            };
+            let next = held.pop_front().expect("looked at");
+            self.push_entry(sent, next.ack);
+        }
+        Ok(())
+    }
+
+    /// The unconfirmed delta `seq` (they are consecutive).
+    fn unconfirmed_at(&self, seq: u64) -> Option<&IndexDelta> {
+        let first = self.unconfirmed.front()?.seq;
+        self.unconfirmed
+            .get(usize::try_from(seq.checked_sub(first)?).ok()?)
     }
 
     /// After a retryable refusal: from now on the deltas the stream does
@@ -486,11 +582,13 @@ impl Pipeline {
             pause.as_mut().await;
             state.pause = None;
         }
+        let announce = state.failing;
         let resend = state.resend.get_or_insert_with(|| {
             Box::pin(send_again(
                 bus.clone(),
                 publisher.clone(),
                 unconfirmed.iter().cloned().collect(),
+                announce,
             ))
         });
         let tried = resend.await;
@@ -508,6 +606,10 @@ impl Pipeline {
                 if unconfirmed.is_empty() {
                     release_acks(&mut state.held, u64::MAX);
                     *refused = None;
+                } else {
+                    // Deltas made while the try ran: the next push sends
+                    // them as it goes (`resume`); with none, a try does.
+                    state.pause = Some(Box::pin(tokio::time::sleep(RESUME_WAIT)));
                 }
                 Some(Ok(Confirmed { seq: Some(last) }))
             }
@@ -581,50 +683,71 @@ fn release_acks(held: &mut VecDeque<HeldAck>, last: u64) {
 }
 
 /// One try at sending refused deltas again: each announced again first
-/// (for routers that missed an announcement, while the stream cannot give
-/// it to them), then the stream's end, then the deltas after it, in
-/// order, each expecting the one before, their confirmations awaited in
-/// order (the first error is the cause; those after it only did not
-/// follow). Returns the last delta the stream holds.
+/// when the try before was refused (for routers that missed an
+/// announcement, while the stream cannot give it to them), then the
+/// stream's end, checked to be this indexer's own delta when the stream
+/// holds some of these, then the deltas after it, in order, each
+/// expecting the one before, [`RESEND_WINDOW`] at a time, their
+/// confirmations awaited in order (the first error is the cause; those
+/// after it only did not follow). Returns the last delta the stream
+/// holds.
 async fn send_again(
     bus: Bus,
     publisher: DeltaPublisher,
     deltas: Vec<IndexDelta>,
+    announce: bool,
 ) -> Result<u64, PipelineError> {
-    for delta in &deltas {
-        publisher.announce(delta).await;
+    if announce {
+        for delta in &deltas {
+            publisher.announce(delta).await;
+        }
     }
     let first = deltas.first().map_or(0, |d| d.seq);
     let last = bus
         .last_delta_seq()
         .await
         .map_err(|source| PipelineError::Publish { seq: first, source })?;
-    let deltas: Vec<_> = deltas.into_iter().filter(|d| d.seq > last).collect();
-    if let Some(front) = deltas.first() {
-        if front.seq != last + 1 {
+    if let (Some(front), Some(back)) = (deltas.first(), deltas.last()) {
+        if last > back.seq {
+            return Err(PipelineError::Overwritten { seq: back.seq + 1 });
+        }
+        if last >= front.seq {
+            // Stored with a lost confirmation, or another indexer's.
+            let ours = &deltas[(last - front.seq) as usize];
+            let stored = bus
+                .stored_delta(last)
+                .await
+                .map_err(|source| PipelineError::Publish { seq: last, source })?;
+            if stored != ours.encode() {
+                return Err(PipelineError::Overwritten { seq: last });
+            }
+        } else if front.seq != last + 1 {
             return Err(PipelineError::Diverged {
                 last,
                 first: front.seq,
             });
         }
     }
-    let mut sent = Vec::with_capacity(deltas.len());
-    for delta in &deltas {
-        let seq = delta.seq;
-        sent.push(
-            publisher
-                .store(delta)
-                .await
-                .map_err(|source| PipelineError::Publish { seq, source })?,
-        );
-    }
+    let after: Vec<&IndexDelta> = deltas.iter().filter(|d| d.seq > last).collect();
     let mut confirmed = last;
-    for sent in sent {
-        let seq = sent.seq();
-        sent.confirmed()
-            .await
-            .map_err(|source| PipelineError::Publish { seq, source })?;
-        confirmed = seq;
+    for window in after.chunks(RESEND_WINDOW) {
+        let mut sent = Vec::with_capacity(window.len());
+        for delta in window {
+            let seq = delta.seq;
+            sent.push(
+                publisher
+                    .store(delta)
+                    .await
+                    .map_err(|source| PipelineError::Publish { seq, source })?,
+            );
+        }
+        for sent in sent {
+            let seq = sent.seq();
+            sent.confirmed()
+                .await
+                .map_err(|source| PipelineError::Publish { seq, source })?;
+            confirmed = seq;
+        }
     }
     Ok(confirmed)
 }

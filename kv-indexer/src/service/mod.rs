@@ -366,7 +366,7 @@ impl Candidate {
         set_retention(&bus, &config.stream_limits()).await?;
         let (recovered, opened) = tokio::join!(
             recover_patiently(&bus, &config),
-            consumer::open(&bus, &config, false)
+            consumer::open_patiently(&bus, &config, false)
         );
         let recovered = recovered?;
         let (mut consumer, mut opened) = opened?;
@@ -386,7 +386,7 @@ impl Candidate {
         );
         if indexer.delta_seq() == 0 && opened.start != 1 {
             // No delta covers any KV event: all of them again.
-            (consumer, opened) = consumer::open(&bus, &config, true).await?;
+            (consumer, opened) = consumer::open_patiently(&bus, &config, true).await?;
         }
         if indexer.delta_seq() > 0 && !opened.existed {
             tracing::warn!(

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use async_nats::RequestErrorKind;
-use bus::{Leadership, Registry, RegistryError};
+use bus::{LeaderEntry, Leadership, Registry, RegistryError};
 use futures::StreamExt;
 use protocol::subjects;
 use tokio::sync::mpsc;
@@ -42,18 +42,18 @@ impl Role {
 /// How often a standby asks the leader whether it is there
 /// ([`subjects::INDEX_LEADER`]).
 const PROBE_EVERY: Duration = Duration::from_millis(200);
-/// Answers of "no responders" in a row, with the same leader in the
-/// election throughout, after which the leader is taken for dead and its
-/// lease revoked: 0.4-0.6 s, where the lease's TTL would take 1-1.5 s.
-/// A leader whose NATS connection moves to another node answers again
-/// within milliseconds.
+/// Answers of "no responders" in a row, with the same leader (one that
+/// answered this standby before) in the election throughout, after which
+/// the leader is taken for dead and its lease revoked: 0.4-0.6 s, where
+/// the lease's TTL would take 1-1.5 s. A leader whose NATS connection
+/// moves to another node usually answers again well within that.
 const SILENT_PROBES: u32 = 3;
 
 /// Campaigns as `candidate` under a lease of `ttl` until elected,
 /// answering `/status` requests as a standby meanwhile. It also asks the
 /// leader over NATS whether it is there, and revokes the lease of a leader
-/// nobody answers for ([`SILENT_PROBES`]): a killed leader is replaced
-/// before its lease would run out.
+/// that answered before and then nobody answers for ([`SILENT_PROBES`]):
+/// a killed leader is replaced before its lease would run out.
 pub async fn campaign(
     registry: &Registry,
     client: &async_nats::Client,
@@ -86,13 +86,16 @@ pub async fn campaign(
     }
 }
 
-/// The leader's silence, as a standby counts it.
+/// The leader's silence, as a standby counts it. Only a leader that has
+/// answered this standby before is counted silent: "no responders" says
+/// what this standby's NATS server knows, and a server that has just
+/// (re)joined the cluster may not know of the leader's subscription yet.
 #[derive(Debug, Default)]
 struct Silence {
-    /// Probes in a row that nobody answered, and the leader's lease in the
-    /// election at the first of them.
+    /// The leader that last answered, as the election names it.
+    heard: Option<LeaderEntry>,
+    /// Probes in a row that nobody answered, that leader still elected.
     probes: u32,
-    lease: Option<i64>,
 }
 
 impl Silence {
@@ -102,40 +105,52 @@ impl Silence {
             client.request(subjects::INDEX_LEADER, bytes::Bytes::new()),
         )
         .await;
-        let nobody = matches!(&asked, Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders);
-        if !nobody {
-            // Answered, or no answer in time (not proof of anything).
-            *self = Self::default();
-            return;
+        match asked {
+            Ok(Ok(reply)) => {
+                self.probes = 0;
+                let value = String::from_utf8_lossy(&reply.payload);
+                if self.heard.as_ref().is_none_or(|h| h.value != value) {
+                    self.heard = match registry.leader_entry(subjects::ETCD_INDEXER_ELECTION).await
+                    {
+                        Ok(Some(leader)) if leader.value == value => Some(leader),
+                        _ => None,
+                    };
+                }
+            }
+            Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {
+                self.silent(registry, candidate).await;
+            }
+            // No answer in time, or no NATS: not proof of anything.
+            _ => self.probes = 0,
         }
-        let leader = match registry.leader_entry(subjects::ETCD_INDEXER_ELECTION).await {
-            Ok(Some(leader)) if leader.value != candidate => leader,
-            // No leader (the election is deciding), or this one, or etcd
+    }
+
+    async fn silent(&mut self, registry: &Registry, candidate: &str) {
+        let Some(heard) = &self.heard else {
+            return;
+        };
+        match registry.leader_entry(subjects::ETCD_INDEXER_ELECTION).await {
+            Ok(Some(leader)) if leader == *heard && leader.value != candidate => {}
+            // Another leader (or none: the election is deciding), or etcd
             // did not answer.
             _ => {
-                *self = Self::default();
+                self.probes = 0;
                 return;
             }
-        };
-        if self.lease != Some(leader.lease) {
-            *self = Self {
-                probes: 1,
-                lease: Some(leader.lease),
-            };
-            return;
         }
         self.probes += 1;
         if self.probes < SILENT_PROBES {
             return;
         }
-        *self = Self::default();
+        let lease = heard.lease;
         tracing::warn!(
-            leader = %leader.value,
-            lease = leader.lease,
+            leader = %heard.value,
+            lease,
             probes = SILENT_PROBES,
             "the leading indexer answers nobody on NATS: revoking its lease to take over"
         );
-        if let Err(e) = registry.revoke_lease(leader.lease).await {
+        *self = Self::default();
+        if let Err(e) = registry.revoke_lease(lease).await {
             tracing::warn!(error = %e, "revoking the silent leader's lease failed; its TTL will");
         }
     }
