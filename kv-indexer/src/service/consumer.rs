@@ -57,10 +57,15 @@ pub struct Opened {
 /// It does not depend on the recovered state otherwise, so a takeover sets
 /// it up while the index is recovered ([`Opened::start`] then tells
 /// whether the state asks for another start).
+///
+/// `floor` carries the ack floor over tries ([`open_patiently`]): a try
+/// that deleted the consumer and failed to create it again leaves the next
+/// one no consumer to read it from.
 pub async fn open(
     bus: &Bus,
     config: &Config,
     no_deltas: bool,
+    floor: &mut Option<u64>,
 ) -> Result<(PullConsumer, Opened), ConsumerError> {
     let name = config.consumer.clone();
     let consumer_error = |message: String| ConsumerError::Consumer {
@@ -75,16 +80,20 @@ pub async fn open(
             stream: subjects::KV_EVENTS_STREAM,
             message: e.to_string(),
         })?;
-    let ack_floor = match stream.consumer_info(&name).await {
+    let found = match stream.consumer_info(&name).await {
         Ok(info) => Some(info.ack_floor.stream_sequence),
         Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => None,
         Err(e) => return Err(consumer_error(e.to_string())),
     };
+    if found.is_some() {
+        *floor = found;
+    }
+    let ack_floor = found.or(*floor);
     let start = match ack_floor {
         Some(floor) if !no_deltas => floor + 1,
         _ => 1,
     };
-    if ack_floor.is_some() {
+    if found.is_some() {
         stream
             .delete_consumer(&name)
             .await
@@ -122,8 +131,9 @@ pub async fn open_patiently(
     no_deltas: bool,
 ) -> Result<(PullConsumer, Opened), ConsumerError> {
     let started = Instant::now();
+    let mut floor = None;
     loop {
-        match open(bus, config, no_deltas).await {
+        match open(bus, config, no_deltas, &mut floor).await {
             Ok(opened) => return Ok(opened),
             Err(e) if started.elapsed() < OPEN_PATIENCE => {
                 tracing::warn!(error = %e, "setting up the KV consumer failed; trying again");
