@@ -163,6 +163,7 @@ fn indexer() -> Permissions {
             subjects::INDEX_OVERLAP.to_owned(),
             subjects::INDEX_STATUS.to_owned(),
             subjects::INDEX_LEADER.to_owned(),
+            subjects::INDEX_REANNOUNCE.to_owned(),
             format!("{}.>", inbox_prefix(INDEXER_USER)),
         ],
         responds: true,
@@ -179,6 +180,7 @@ fn router() -> Permissions {
         subjects::PROGRESS_ALL.to_owned(),
         subjects::INDEX_STATUS.to_owned(),
         subjects::INDEX_OVERLAP.to_owned(),
+        subjects::INDEX_REANNOUNCE.to_owned(),
     ];
     publish.extend(stream_creator_api());
     // Whether an indexer is pulling KV events (readiness).

@@ -401,6 +401,23 @@ async fn kv_events_are_applied_and_announced_while_the_delta_stream_refuses() ->
         }
     }
     ensure!(firsts == [1, 2, 3, 4], "announced {seqs:?}");
+    // A router that missed them asks: the unconfirmed ones come again.
+    let mut again = servers.bus.live_deltas().await?;
+    servers
+        .bus
+        .client()
+        .publish(subjects::INDEX_REANNOUNCE, Vec::new().into())
+        .await?;
+    let mut resent = Vec::new();
+    while resent.len() < 3 {
+        let delta = tokio::time::timeout(WAIT, again.next())
+            .await?
+            .context("no announcement came again")??;
+        resent.push(delta.seq);
+    }
+    resent.sort_unstable();
+    resent.dedup();
+    ensure!(resent == [2, 3, 4], "announced again {resent:?}");
 
     js.update_stream(open).await?;
     let status = wait_for_delta(service.http, 4, WAIT).await?;

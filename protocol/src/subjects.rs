@@ -41,6 +41,10 @@ pub const INDEX_DELTAS: &str = "sy.index.deltas";
 /// against, so an election of the stream's leader does not stop routing on
 /// a current index.
 pub const INDEX_DELTAS_LIVE: &str = "sy.index.live";
+/// Core NATS, no body: a router that missed announcements (its connection
+/// moved to another NATS node) asks the indexer to announce the deltas the
+/// stream has not confirmed yet again.
+pub const INDEX_REANNOUNCE: &str = "sy.index.reannounce";
 
 /// Object-store bucket of [`crate::IndexSnapshot`]s.
 pub const SNAPSHOT_BUCKET: &str = "sy-index-snapshots";

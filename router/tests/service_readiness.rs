@@ -7,7 +7,7 @@ mod service_support;
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use async_nats::jetstream::consumer::pull;
 use futures::StreamExt;
 use protocol::{subjects, Message, Role};
@@ -163,7 +163,13 @@ async fn announced_deltas_are_applied_ahead_of_the_stream_and_checked_against_it
     // both applied, the stream still ending at 1.
     let second = indexer.next_delta("d0", &tokens(2, 64))?;
     let third = indexer.next_delta("d0", &tokens(3, 64))?;
+    let mut asks = client.subscribe(subjects::INDEX_REANNOUNCE).await?;
     announce(&third).await?;
+    // Held early: the router asks the indexer to announce its unconfirmed
+    // deltas again.
+    tokio::time::timeout(Duration::from_secs(10), asks.next())
+        .await?
+        .context("the router did not ask for the missed announcements")?;
     announce(&second).await?;
     let ledger = at_delta(&router, 3).await?;
     assert_eq!(

@@ -536,6 +536,15 @@ impl Pipeline {
         Ok(())
     }
 
+    /// Announces every delta the stream has not confirmed again (a router
+    /// asked: it missed some); how many.
+    pub async fn announce_unconfirmed(&mut self) -> usize {
+        for delta in &self.unconfirmed {
+            self.publisher.announce(delta).await;
+        }
+        self.unconfirmed.len()
+    }
+
     /// The unconfirmed delta `seq` (they are consecutive).
     fn unconfirmed_at(&self, seq: u64) -> Option<&IndexDelta> {
         let first = self.unconfirmed.front()?.seq;

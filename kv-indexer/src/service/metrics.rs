@@ -50,6 +50,7 @@ pub struct Metrics {
     pub takeover_seconds: Gauge,
     pub delta_publish_retries: Counter,
     pub delta_publish_refused: Gauge,
+    pub reannounced: Counter,
     /// Why JetStream refuses the deltas being retried, while it does (the
     /// HTTP `/readyz` reads it).
     pub refused_because: std::sync::Mutex<Option<String>>,
@@ -281,6 +282,11 @@ impl Metrics {
             delta_publish_refused: r.gauge(
                 "kv_indexer_delta_publish_refused",
                 "1 while JetStream refuses this indexer's deltas and it retries them (not ready)",
+            ),
+            reannounced: r.counter(
+                "kv_indexer_deltas_reannounced_total",
+                &[],
+                "Unconfirmed deltas announced again because a router asked (it missed announcements)",
             ),
             refused_because: std::sync::Mutex::new(None),
             handle: r.recorder.handle(),

@@ -74,6 +74,10 @@ const DELTA_RETRY: consumer::RetryPolicy = consumer::RetryPolicy {
     give_up: Duration::from_secs(300),
 };
 
+/// Requests to announce the unconfirmed deltas again are served at most
+/// this often.
+const REANNOUNCE_EVERY: Duration = Duration::from_millis(100);
+
 /// On shutdown, how long in-flight delta publishes may take to complete.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -471,7 +475,12 @@ impl Service {
             .queue_subscribe(subjects::INDEX_STATUS, OVERLAP_QUEUE_GROUP.into())
             .await
             .map_err(|e| ServiceError::Nats(format!("subscribing to status queries: {e}")))?;
-        let queries = futures::stream::select(overlap, status_queries);
+        let reannounce = client
+            .subscribe(subjects::INDEX_REANNOUNCE)
+            .await
+            .map_err(|e| ServiceError::Nats(format!("subscribing to reannounce requests: {e}")))?;
+        let queries =
+            futures::stream::select(futures::stream::select(overlap, status_queries), reannounce);
         let kv_messages = consumer::messages(&consumer, &config)
             .await?
             .ready_chunks(config.fetch_batch.max(1));
@@ -507,6 +516,7 @@ impl Service {
             _presence: presence,
             role: Role::Leader,
             refused: None,
+            reannounced: None,
         };
         state.update_gauges();
         state.metrics.leader.set(1.0);
@@ -644,6 +654,8 @@ struct Loop {
     /// Since when JetStream refuses the deltas, and how many times in a
     /// row (the pipeline sends them again meanwhile).
     refused: Option<(Instant, u32)>,
+    /// When the unconfirmed deltas were last announced again on request.
+    reannounced: Option<Instant>,
 }
 
 impl Loop {
@@ -955,6 +967,22 @@ impl Loop {
         }
     }
 
+    /// A router missed announcements: the deltas the stream has not
+    /// confirmed are announced again (at most every [`REANNOUNCE_EVERY`]:
+    /// every router that missed them asks).
+    async fn reannounce(&mut self) {
+        let now = Instant::now();
+        if self
+            .reannounced
+            .is_some_and(|at| now - at < REANNOUNCE_EVERY)
+        {
+            return;
+        }
+        self.reannounced = Some(now);
+        let announced = self.pipeline.announce_unconfirmed().await;
+        self.metrics.reannounced.increment(announced as u64);
+    }
+
     /// A worker removed from the index registered again (its lease had
     /// lapsed, its agent lived on): its blocks are asked for again.
     fn resync_returned(&mut self, worker: &WorkerId) {
@@ -980,6 +1008,10 @@ impl Loop {
     }
 
     async fn on_query(&mut self, message: async_nats::Message) {
+        if message.subject.as_str() == subjects::INDEX_REANNOUNCE {
+            self.reannounce().await;
+            return;
+        }
         let Some(reply) = message.reply.clone() else {
             self.metrics.overlap_malformed.increment(1);
             tracing::warn!(subject = %message.subject, "query without a reply subject; dropped");

@@ -36,6 +36,10 @@ use crate::core::{
     Explanation, Heard, Offer, PeerGone, Peers, RouteError, RouteOptions, RouteRequest, RouterCore,
 };
 
+/// How often a replica missing announced deltas asks the indexer to
+/// announce them again.
+const REANNOUNCE_ASK_EVERY: Duration = Duration::from_millis(250);
+
 /// A route command's job and where its answer goes.
 type RouteReply = oneshot::Sender<Result<Assignment, RouteError>>;
 
@@ -312,6 +316,8 @@ pub struct RouterLoop {
     /// when: the feed stands still when the stream's head is ahead of it.
     logged: u64,
     last_logged_at: Instant,
+    /// When the indexer was last asked to announce its deltas again.
+    reannounce_asked: Option<Instant>,
     /// The stream's last delta, as last polled or read.
     head: u64,
     head_poll: bool,
@@ -389,6 +395,7 @@ impl RouterLoop {
             live: LiveDeltas::new(),
             logged: 0,
             last_logged_at: Instant::now(),
+            reannounce_asked: None,
             head: 0,
             head_poll: false,
             reopening: false,
@@ -940,11 +947,37 @@ impl RouterLoop {
                 self.metrics.delta("live_applied");
                 self.advanced(through);
             }
-            Announced::Early => self.metrics.delta("live_early"),
+            Announced::Early => {
+                self.metrics.delta("live_early");
+                self.ask_reannounce();
+            }
             Announced::Duplicate => self.metrics.delta("live_duplicate"),
             Announced::Skipped => self.metrics.delta("live_skipped"),
             Announced::Superseded { seq } => self.superseded(seq),
         }
+    }
+
+    /// Announcements were missed (held early past a gap): the indexer is
+    /// asked to announce its unconfirmed deltas again, at most every
+    /// [`REANNOUNCE_ASK_EVERY`] (the stream gives them too, once it can).
+    fn ask_reannounce(&mut self) {
+        let now = Instant::now();
+        if self
+            .reannounce_asked
+            .is_some_and(|at| now - at < REANNOUNCE_ASK_EVERY)
+        {
+            return;
+        }
+        self.reannounce_asked = Some(now);
+        let client = self.bus.client().clone();
+        tokio::spawn(async move {
+            if let Err(e) = client
+                .publish(subjects::INDEX_REANNOUNCE, Vec::new().into())
+                .await
+            {
+                tracing::debug!(error = %e, "asking the indexer to announce its deltas again failed");
+            }
+        });
     }
 
     /// The replica moved to delta `through`.
