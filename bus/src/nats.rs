@@ -591,6 +591,8 @@ fn delta_error(seq: u64, error: &dyn std::fmt::Display) -> BusError {
 pub struct Bus {
     client: Client,
     js: jetstream::Context,
+    /// Connections made so far (the first and every reconnection).
+    connections: std::sync::Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl Bus {
@@ -619,12 +621,30 @@ impl Bus {
         let (addresses, auth) = split_urls(url, auth).map_err(connect_error)?;
         let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
         let mut pause = Duration::from_millis(100);
+        let connections = std::sync::Arc::new(tokio::sync::watch::Sender::new(0u64));
         loop {
+            let counted = connections.clone();
             let options = connect_options(&auth, name)
                 .await
-                .map_err(|e| connect_error(e.to_string()))?;
+                .map_err(|e| connect_error(e.to_string()))?
+                .event_callback(move |event| {
+                    let counted = counted.clone();
+                    async move {
+                        if let async_nats::Event::Connected = event {
+                            counted.send_modify(|n| *n += 1);
+                        }
+                        tracing::info!("event: {event}");
+                    }
+                });
             match options.connect(addresses.as_slice()).await {
-                Ok(client) => return Ok(Self::from_client(client)),
+                Ok(client) => {
+                    let js = jetstream::new(client.clone());
+                    return Ok(Self {
+                        client,
+                        js,
+                        connections,
+                    });
+                }
                 Err(e) if !refused(&e) && tokio::time::Instant::now() + pause < deadline => {
                     tracing::warn!(url = %shown, error = %e, "NATS not reachable yet; retrying");
                     tokio::time::sleep(pause).await;
@@ -637,7 +657,18 @@ impl Bus {
 
     pub fn from_client(client: Client) -> Self {
         let js = jetstream::new(client.clone());
-        Self { client, js }
+        Self {
+            client,
+            js,
+            connections: std::sync::Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
+    }
+
+    /// Changes with every reconnection (to another NATS server, or the same
+    /// one back): what core NATS delivered meanwhile is lost. A bus made
+    /// [`Bus::from_client`] does not count them.
+    pub fn reconnections(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.connections.subscribe()
     }
 
     pub fn client(&self) -> &Client {

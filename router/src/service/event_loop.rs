@@ -210,6 +210,8 @@ enum Event {
     DeltasEnded,
     /// A delta the indexer announced as it made it.
     LiveDelta(Result<IndexDelta, BusError>),
+    /// The NATS connection was made again: announcements were lost.
+    Reconnected,
     IndexLoaded(Result<LoadedIndex, LoadError>),
     DeltaHead(Result<u64, BusError>),
     /// The delta feed opened again after a stall (from the delta after
@@ -318,6 +320,8 @@ pub struct RouterLoop {
     last_logged_at: Instant,
     /// When the indexer was last asked to announce its deltas again.
     reannounce_asked: Option<Instant>,
+    /// Changes when the NATS connection is made again.
+    reconnections: watch::Receiver<u64>,
     /// The stream's last delta, as last polled or read.
     head: u64,
     head_poll: bool,
@@ -370,6 +374,7 @@ impl RouterLoop {
             admission,
             breakers,
         } = parts;
+        let reconnections = bus.reconnections();
         Self {
             core,
             seed,
@@ -396,6 +401,7 @@ impl RouterLoop {
             logged: 0,
             last_logged_at: Instant::now(),
             reannounce_asked: None,
+            reconnections,
             head: 0,
             head_poll: false,
             reopening: false,
@@ -442,6 +448,7 @@ impl RouterLoop {
                     None => Event::InputEnded(Input::LiveDeltas),
                 },
                 Some(side) = self.side_rx.recv() => side,
+                Ok(()) = self.reconnections.changed() => Event::Reconnected,
                 workers = inputs.workers.next() => match workers {
                     Some(w) => Event::Workers(w),
                     None => Event::InputEnded(Input::Workers),
@@ -470,6 +477,14 @@ impl RouterLoop {
                 Event::Command(c) => self.on_command(c),
                 Event::Delta(d) => self.on_delta(d),
                 Event::LiveDelta(d) => self.on_live_delta(d),
+                Event::Reconnected => {
+                    // The last announcements may have no later one to show
+                    // their gap.
+                    tracing::info!(
+                        "NATS connection made again; asking for the deltas announced meanwhile"
+                    );
+                    self.ask_reannounce();
+                }
                 Event::DeltasEnded => {
                     tracing::warn!("the delta stream ended; reloading the index");
                     self.deltas = stream::pending().boxed();
@@ -1468,6 +1483,7 @@ impl RouterLoop {
         }
         self.nats_connected =
             self.bus.client().connection_state() == async_nats::connection::State::Connected;
+
         self.metrics.store_full(self.decision_log.store_full());
         self.publish_readiness();
     }
