@@ -520,6 +520,13 @@ impl DeltaPublisher {
             .await;
     }
 
+    /// Announces each of `deltas` again, in order ([`Self::announce`]).
+    pub async fn announce_all<'a>(&self, deltas: impl IntoIterator<Item = &'a IndexDelta>) {
+        for delta in deltas {
+            self.announce(delta).await;
+        }
+    }
+
     /// Best effort: the stream is the record, and a router that missed an
     /// announcement reads the delta there.
     async fn announce_encoded(&self, seq: u64, payload: bytes::Bytes) {

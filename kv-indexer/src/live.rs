@@ -148,9 +148,7 @@ impl LiveDeltas {
 
     /// The tentative delta at `seq`, if there is one.
     fn tentative_at(&self, seq: u64) -> Option<&IndexDelta> {
-        let first = self.tentative.front()?.seq;
-        self.tentative
-            .get(usize::try_from(seq.checked_sub(first)?).ok()?)
+        delta_at(&self.tentative, seq)
     }
 
     /// Applies the delta after the replica's position, as tentative.
@@ -181,6 +179,12 @@ impl LiveDeltas {
             self.apply_tentative(replica, delta);
         }
     }
+}
+
+/// Delta `seq` of a run of consecutive deltas, if the run holds it.
+pub(crate) fn delta_at(run: &VecDeque<IndexDelta>, seq: u64) -> Option<&IndexDelta> {
+    let first = run.front()?.seq;
+    run.get(usize::try_from(seq.checked_sub(first)?).ok()?)
 }
 
 #[cfg(test)]

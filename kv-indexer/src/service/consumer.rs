@@ -514,8 +514,7 @@ impl Pipeline {
         while let Some(next) = held.front() {
             let sent = match next.delta {
                 Some(seq) => {
-                    let delta = self
-                        .unconfirmed_at(seq)
+                    let delta = crate::live::delta_at(&self.unconfirmed, seq)
                         .expect("a held delta is unconfirmed");
                     match self.publisher.store(delta).await {
                         Ok(sent) => Some(sent),
@@ -539,17 +538,8 @@ impl Pipeline {
     /// Announces every delta the stream has not confirmed again (a router
     /// asked: it missed some); how many.
     pub async fn announce_unconfirmed(&mut self) -> usize {
-        for delta in &self.unconfirmed {
-            self.publisher.announce(delta).await;
-        }
+        self.publisher.announce_all(&self.unconfirmed).await;
         self.unconfirmed.len()
-    }
-
-    /// The unconfirmed delta `seq` (they are consecutive).
-    fn unconfirmed_at(&self, seq: u64) -> Option<&IndexDelta> {
-        let first = self.unconfirmed.front()?.seq;
-        self.unconfirmed
-            .get(usize::try_from(seq.checked_sub(first)?).ok()?)
     }
 
     /// After a retryable refusal: from now on the deltas the stream does
@@ -614,9 +604,7 @@ impl Pipeline {
         state.resend = None;
         match tried {
             Ok(last) => {
-                while unconfirmed.front().is_some_and(|d| d.seq <= last) {
-                    unconfirmed.pop_front();
-                }
+                forget_through(unconfirmed, last);
                 // Give-up counts refusals in a row.
                 state.since = Instant::now();
                 state.failing = false;
@@ -660,10 +648,15 @@ impl Pipeline {
     /// Forgets the deltas a completed entry confirmed.
     fn confirmed(&mut self, done: &Option<Result<Confirmed, PipelineError>>) {
         if let Some(Ok(Confirmed { seq: Some(seq) })) = done {
-            while self.unconfirmed.front().is_some_and(|d| d.seq <= *seq) {
-                self.unconfirmed.pop_front();
-            }
+            forget_through(&mut self.unconfirmed, *seq);
         }
+    }
+}
+
+/// Drops the unconfirmed deltas up to `seq`, which the stream now holds.
+fn forget_through(unconfirmed: &mut VecDeque<IndexDelta>, seq: u64) {
+    while unconfirmed.front().is_some_and(|d| d.seq <= seq) {
+        unconfirmed.pop_front();
     }
 }
 
@@ -717,9 +710,7 @@ async fn send_again(
     announce: bool,
 ) -> Result<u64, PipelineError> {
     if announce {
-        for delta in &deltas {
-            publisher.announce(delta).await;
-        }
+        publisher.announce_all(&deltas).await;
     }
     let first = deltas.first().map_or(0, |d| d.seq);
     let last = bus

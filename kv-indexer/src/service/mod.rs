@@ -11,8 +11,9 @@
 //!   KV messages are decoded and applied to the core; each resulting delta
 //!   is announced to the routers on core NATS and published to the delta
 //!   stream (pipelined, in order), and only once the stream confirms it is
-//!   its KV message acked; worker removals from etcd, resync requests, overlap queries,
-//!   `/status`, periodic snapshots and trimming happen in the same loop.
+//!   its KV message acked; worker removals from etcd, resync requests,
+//!   overlap queries, `/status`, periodic snapshots and trimming happen in
+//!   the same loop.
 //!
 //! A refused delta ([`bus::BusError::Fenced`]: another indexer writes the
 //! delta stream) stops the service with [`ServiceError::Fenced`]; a lease

@@ -1483,7 +1483,6 @@ impl RouterLoop {
         }
         self.nats_connected =
             self.bus.client().connection_state() == async_nats::connection::State::Connected;
-
         self.metrics.store_full(self.decision_log.store_full());
         self.publish_readiness();
     }

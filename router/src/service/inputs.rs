@@ -25,6 +25,10 @@ pub enum InputError {
         stream: &'static str,
         message: String,
     },
+    /// The indexer's delta announcements (`Bus::live_deltas`, whose error
+    /// names the subject).
+    #[error(transparent)]
+    Bus(#[from] BusError),
 }
 
 /// A change of the registered workers, as the event loop takes it.
@@ -73,10 +77,7 @@ impl Inputs {
         let loads = subscribe(subjects::LOAD_ALL).await?.boxed();
         let progress = subscribe(subjects::PROGRESS_ALL).await?.boxed();
         let heartbeats = subscribe(subjects::ROUTER_HEARTBEATS_ALL).await?.boxed();
-        let live_deltas = bus.live_deltas().await.map_err(|e| InputError::Subscribe {
-            subject: subjects::INDEX_DELTAS_LIVE,
-            message: e.to_string(),
-        })?;
+        let live_deltas = bus.live_deltas().await?;
         let decisions = decision_log(bus).await?;
         Ok(Self {
             loads,
