@@ -888,6 +888,20 @@ impl Bus {
         Ok(ack.duplicate)
     }
 
+    /// Announces a KV batch on its worker's live subject
+    /// ([`subjects::kv_events_live`]), fire and forget: the stream (see
+    /// [`Self::publish_kv_batch`]) is the record.
+    pub async fn announce_kv_batch(&self, batch: &KvEventBatch) -> Result<(), BusError> {
+        let subject = subjects::kv_events_live(&batch.worker);
+        self.client
+            .publish(subject.clone(), batch.encode().into())
+            .await
+            .map_err(|e| BusError::Publish {
+                subject,
+                message: e.to_string(),
+            })
+    }
+
     /// Publishes the next delta and waits for the stream's confirmation.
     /// The stream must end at `delta.seq - 1`: otherwise another indexer
     /// is writing, or this one is behind, and the delta is refused

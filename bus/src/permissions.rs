@@ -123,7 +123,11 @@ struct Permissions {
 }
 
 fn agent(worker: &WorkerId) -> Permissions {
-    let mut publish = vec![subjects::kv_events(worker), subjects::load(worker)];
+    let mut publish = vec![
+        subjects::kv_events(worker),
+        subjects::kv_events_live(worker),
+        subjects::load(worker),
+    ];
     publish.extend([
         "$JS.API.INFO".to_owned(),
         format!("$JS.API.STREAM.INFO.{}", subjects::KV_EVENTS_STREAM),
@@ -164,6 +168,7 @@ fn indexer() -> Permissions {
             subjects::INDEX_STATUS.to_owned(),
             subjects::INDEX_LEADER.to_owned(),
             subjects::INDEX_REANNOUNCE.to_owned(),
+            subjects::KV_EVENTS_LIVE_ALL.to_owned(),
             format!("{}.>", inbox_prefix(INDEXER_USER)),
         ],
         responds: true,
@@ -287,6 +292,7 @@ mod tests {
         let d0 = agent(&worker("d0"));
         assert!(d0.publish.contains(&"sy.kv.events.d0.0".to_owned()));
         assert!(d0.publish.contains(&"sy.load.d0.0".to_owned()));
+        assert!(d0.publish.contains(&"sy.kv.live.d0.0".to_owned()));
         assert!(d0.publish.iter().all(|s| !s.contains('>')
             && !s.contains('*')
             && !s.starts_with("sy.index")

@@ -124,6 +124,16 @@ impl KvIndexer {
         self.cursors.get(worker).map(|c| c.epoch)
     }
 
+    /// Whether `batch` is the next one of its worker's current epoch:
+    /// [`KvIndexer::apply`] would apply it in order. (An announced batch is
+    /// applied ahead of the stream only then; anything else, a new epoch
+    /// included, is left to the stream's order.)
+    pub fn is_next(&self, batch: &KvEventBatch) -> bool {
+        self.cursors.get(&batch.worker).is_some_and(|c| {
+            c.epoch == batch.epoch && !c.resync_pending && batch.seq == c.last_seq + 1
+        })
+    }
+
     /// Workers whose streams are known, with their positions.
     pub fn cursors(&self) -> impl Iterator<Item = WorkerCursor> + '_ {
         self.cursors.iter().map(|(worker, c)| c.to_wire(worker))

@@ -17,6 +17,19 @@ pub fn kv_events(worker: &WorkerId) -> String {
     format!("sy.kv.events.{}", worker.subject_tokens())
 }
 
+/// Core NATS: every worker's [`crate::KvEventBatch`]es announced as its
+/// agent forms them, outside every stream (the indexer's subscription).
+/// The indexer applies an announced batch that is next in its worker's
+/// order ahead of the stream, which stays the record: a KV-event stream
+/// without a leader (an election, a full store) does not leave the index
+/// behind the engines.
+pub const KV_EVENTS_LIVE_ALL: &str = "sy.kv.live.>";
+
+/// The subject one worker announces its KV batches on.
+pub fn kv_events_live(worker: &WorkerId) -> String {
+    format!("sy.kv.live.{}", worker.subject_tokens())
+}
+
 /// Message id of a KV batch: JetStream drops a republished batch within
 /// the stream's duplicate window.
 pub fn kv_batch_msg_id(worker: &WorkerId, epoch: u64, seq: u64) -> String {

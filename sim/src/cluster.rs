@@ -687,8 +687,12 @@ impl<'w> Cluster<'w> {
                         inputs.push_back(Input::BlockSet(block_set(&self.engines[worker])));
                     }
                     Effect::Reply { to, .. } => match to {},
-                    // Publishes never fail nor stay in flight here.
-                    Effect::CancelPublish | Effect::RetryAt(_) | Effect::Note(_) => {}
+                    // Publishes never fail nor stay in flight here (so the
+                    // indexer needs no announcement ahead of them).
+                    Effect::Announce(_)
+                    | Effect::CancelPublish
+                    | Effect::RetryAt(_)
+                    | Effect::Note(_) => {}
                 }
             }
         }

@@ -104,9 +104,9 @@ async fn chaos() -> Result<()> {
     let result = run(&mut cluster, full).await;
     // SWITCHYARD_CHAOS_LOGS=1: every service's log, also when it passed.
     if std::env::var("SWITCHYARD_CHAOS_LOGS").is_ok_and(|v| v == "1") {
-        eprintln!("{}", cluster.logs());
+        eprintln!("{}{}", cluster.logs(), cluster.nats.log());
     }
-    result.with_context(|| cluster.logs())
+    result.with_context(|| format!("{}{}", cluster.logs(), cluster.nats.log()))
 }
 
 async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
@@ -147,10 +147,16 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         }
         .start(&cluster.router_urls())?;
         tokio::time::sleep(load.duration / 4).await;
-        let (ready_s, since, note) = inject(cluster, fault).await?;
+        let (mut ready_s, since, note) = inject(cluster, fault).await?;
         let mut notes: Vec<String> = note.into_iter().collect();
         let mut crashed = cluster.heal().await?;
         let converge_s = converge(cluster, since).await?;
+        if let Fault::FullStore = fault {
+            ready_s = took_writes_again(cluster, since).await?;
+            notes.push(format!(
+                "every service took JetStream writes again {ready_s:.2} s after the room returned (the streams' leader elections); the index followed the agents' announced batches meanwhile"
+            ));
+        }
         if let Fault::NatsNode = fault {
             notes.push(nats_node_healthy(cluster, since).await?);
             streams_led(cluster).await?;
@@ -167,7 +173,7 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
             }
             if let Some(t) = elections.kv {
                 notes.push(format!(
-                    "the KV-event stream's leader died with the node; its new leader was elected {t:+.2} s from the restart: the agents' batches waited for it, and the index lagged the engines that long"
+                    "the KV-event stream's leader died with the node; its new leader was elected {t:+.2} s from the restart: the agents' batches waited for it in their queues, and the indexer applied their announcements meanwhile"
                 ));
             }
         }
@@ -255,13 +261,26 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant, Op
             let filled = fill_store(&js).await?;
             let full_at = Instant::now();
             let said = said_store_full(cluster).await;
+            // While JetStream stores nothing, the index follows the
+            // engines through the announcements.
+            let current =
+                tokio::time::timeout(Duration::from_secs(10), cluster.converged_with_agents())
+                    .await;
+            let current = match current {
+                Ok(Ok(_)) => format!(
+                    "the index held every agent's last batch and the routers the index {:.2} s after the store filled",
+                    full_at.elapsed().as_secs_f64()
+                ),
+                Ok(Err(e)) => format!("the index did NOT follow the engines while the store was full: {e}"),
+                Err(_) => "the index did NOT follow the engines while the store was full (10 s)".into(),
+            };
             // Room again (from when the filler is gone: its deletion can
             // take seconds on a full cluster); nothing is restarted, the
             // services must see it.
             free_store(&js).await?;
             since = Instant::now();
             note = Some(format!(
-                "store full after {filled} ({}); {}",
+                "store full after {filled} ({}); {current}; {}",
                 cluster::HA_STORE_PER_NODE,
                 match said {
                     Some((who, text, after)) => format!(
@@ -271,7 +290,6 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant, Op
                     None => "NOT said on any /readyz or /healthz within 5 s".into(),
                 }
             ));
-            let _ = full_at;
         }
         Fault::Indexer => {
             // Alone: the standby stands down first.
@@ -345,14 +363,18 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant, Op
     for router in &cluster.routers {
         cluster::wait_http(router.port, "/readyz").await?;
     }
-    if let Fault::FullStore = fault {
-        // Every service took writes again.
-        cluster::wait_http(cluster.indexer.port, "/readyz").await?;
-        for worker in &cluster.workers {
-            cluster::wait_http(worker.agent.port, "/healthz").await?;
-        }
-    }
     Ok((since.elapsed().as_secs_f64(), since, note))
+}
+
+/// Seconds from `since` until every service takes JetStream writes again:
+/// the indexer ready (its deltas stored) and every agent healthy (its KV
+/// batches stored).
+async fn took_writes_again(cluster: &Cluster, since: Instant) -> Result<f64> {
+    cluster::wait_http(cluster.indexer.port, "/readyz").await?;
+    for worker in &cluster.workers {
+        cluster::wait_http(worker.agent.port, "/healthz").await?;
+    }
+    Ok(since.elapsed().as_secs_f64())
 }
 
 /// The stream that fills the store (another tenant's, R3).
@@ -653,10 +675,10 @@ async fn nats_node_healthy(cluster: &mut Cluster, since: Instant) -> Result<Stri
     ))
 }
 
-/// Seconds from `since` until every router holds the indexer's digest at
-/// its published delta.
+/// Seconds from `since` until the indexer holds every agent's last KV
+/// batch and every router holds the indexer's digest at its delta.
 async fn converge(cluster: &Cluster, since: Instant) -> Result<f64> {
-    cluster.converged_digest().await?;
+    cluster.converged_with_agents().await?;
     Ok(since.elapsed().as_secs_f64())
 }
 
@@ -770,6 +792,11 @@ async fn forgeries(cluster: &Cluster) -> Result<Vec<Forgery>> {
             subjects::kv_events(&d1),
             batch.encode(),
             "KV batch as d1, epoch 2^62",
+        ),
+        (
+            subjects::kv_events_live(&d1),
+            batch.encode(),
+            "KV batch announcement as d1",
         ),
         (subjects::load(&d1), b"forged".to_vec(), "load report as d1"),
         (

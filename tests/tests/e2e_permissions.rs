@@ -199,11 +199,20 @@ async fn the_services_work_with_least_privilege_and_forgeries_are_refused() -> R
     agent
         .subscribe_refused(&watcher, subjects::DECISIONS_ALL, "sy.decisions.r0")
         .await?;
-    // ...nor forge what changes routing or answers: d0's KV events and
-    // load, deltas (in the stream or announced), decisions, progress, requests, cancels, a chunk on a
-    // router's inbox, the streams' administration.
+    agent
+        .subscribe_refused(
+            &watcher,
+            subjects::KV_EVENTS_LIVE_ALL,
+            &subjects::kv_events_live(&d0),
+        )
+        .await?;
+    // ...nor forge what changes routing or answers: d0's KV events (in the
+    // stream or announced) and load, deltas (likewise), decisions,
+    // progress, requests, cancels, a chunk on a router's inbox, the
+    // streams' administration.
     for subject in [
         subjects::kv_events(&d0),
+        subjects::kv_events_live(&d0),
         subjects::load(&d0),
         subjects::INDEX_DELTAS.to_owned(),
         subjects::INDEX_DELTAS_LIVE.to_owned(),
@@ -220,15 +229,16 @@ async fn the_services_work_with_least_privilege_and_forgeries_are_refused() -> R
         agent.publish_refused(&watcher, &subject).await?;
     }
     // Its own worker's subjects it may publish.
-    agent
-        .publish_allowed(&watcher, &subjects::load(&d1))
-        .await?;
+    for subject in [subjects::load(&d1), subjects::kv_events_live(&d1)] {
+        agent.publish_allowed(&watcher, &subject).await?;
+    }
 
     // A router cannot forge workers' KV events, load or the index (its
     // deltas, nor their announcements)...
     let mut router = Client::connect(&cluster, ROUTER_USER).await?;
     for subject in [
         subjects::kv_events(&d0),
+        subjects::kv_events_live(&d0),
         subjects::load(&d0),
         subjects::INDEX_DELTAS.to_owned(),
         subjects::INDEX_DELTAS_LIVE.to_owned(),

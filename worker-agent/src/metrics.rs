@@ -8,6 +8,12 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// KV batches JetStream acknowledged.
 pub const KV_BATCHES_PUBLISHED: &str = "worker_agent_kv_batches_published_total";
+/// KV batches announced on core NATS as they were formed.
+pub const KV_BATCHES_ANNOUNCED: &str = "worker_agent_kv_batches_announced_total";
+/// The seq of the last KV batch formed (and announced), in the epoch
+/// `worker_agent_kv_epoch`: the indexer's cursor for this worker reaches
+/// it once the batch is applied.
+pub const KV_BATCH_SEQ: &str = "worker_agent_kv_batch_seq";
 /// Block events (stored or removed blocks) in acknowledged batches.
 pub const KV_BLOCKS_PUBLISHED: &str = "worker_agent_kv_blocks_published_total";
 /// Acknowledged batches JetStream had already stored (a retry after a lost ack).
@@ -71,6 +77,14 @@ pub const ENGINE_TEXT_ONLY_CHUNKS: &str = "worker_agent_engine_text_only_chunks_
 /// Registers the help texts with the installed recorder.
 pub fn describe() {
     describe_counter!(KV_BATCHES_PUBLISHED, "KV batches JetStream acknowledged");
+    describe_gauge!(
+        KV_BATCH_SEQ,
+        "Seq of the last KV batch formed and announced, in the current epoch (worker_agent_kv_epoch)"
+    );
+    describe_counter!(
+        KV_BATCHES_ANNOUNCED,
+        "KV batches announced on core NATS as they were formed (ahead of JetStream)"
+    );
     describe_counter!(
         KV_BLOCKS_PUBLISHED,
         "Block events in acknowledged KV batches"

@@ -7,7 +7,9 @@
 //! set; an unacknowledged batch goes again unchanged (same message id),
 //! never before its backoff; the block set is asked for once at a time;
 //! every resync reply is sent exactly once, after the epoch it names is
-//! acknowledged, for a block set that came after the request; and the
+//! acknowledged, for a block set that came after the request; every batch
+//! is announced once, before its first publish and as it is published,
+//! the announcements of an epoch numbered 0, 1, 2, ...; and the
 //! acknowledged stream replays to exactly the engine's blocks.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -76,6 +78,10 @@ struct Shell {
     in_flight: Option<KvEventBatch>,
     /// Every batch ever published, by message id.
     published: HashMap<String, KvEventBatch>,
+    /// Every batch ever announced, by message id.
+    announced: HashMap<String, KvEventBatch>,
+    /// The last batch announced: (epoch, seq).
+    last_announced: Option<(u64, u64)>,
     /// The batch whose publish failed last, until the next publish.
     failed: Option<KvEventBatch>,
     /// The shell's retry timer.
@@ -114,6 +120,8 @@ impl Shell {
             next_block: 1,
             in_flight: None,
             published: HashMap::new(),
+            announced: HashMap::new(),
+            last_announced: None,
             failed: None,
             retry_at: None,
             retry_due: None,
@@ -140,8 +148,29 @@ impl Shell {
 
     fn check(&mut self, effect: Effect<u32>) {
         match effect {
+            Effect::Announce(batch) => {
+                assert_eq!(batch.worker, self.worker);
+                assert_eq!(batch.epoch, self.epoch, "announced in the current epoch");
+                match self.last_announced {
+                    Some((epoch, seq)) if epoch == batch.epoch => {
+                        assert_eq!(batch.seq, seq + 1, "announcements in order, gap-free")
+                    }
+                    _ => assert_eq!(batch.seq, 0, "an epoch's announcements start at 0"),
+                }
+                self.last_announced = Some((batch.epoch, batch.seq));
+                let id = subjects::kv_batch_msg_id(&self.worker, batch.epoch, batch.seq);
+                assert!(
+                    self.announced.insert(id, batch).is_none(),
+                    "announced twice"
+                );
+            }
             Effect::Publish { batch, message_id } => {
                 assert!(self.in_flight.is_none(), "two publishes in flight");
+                assert_eq!(
+                    self.announced.get(&message_id),
+                    Some(&batch),
+                    "published as announced, after its announcement"
+                );
                 assert_eq!(
                     message_id,
                     subjects::kv_batch_msg_id(&self.worker, batch.epoch, batch.seq)
@@ -335,10 +364,18 @@ impl Shell {
                     },
                     self.now,
                 );
+                // Only what any step may do: announce batches formed
+                // while the publish in flight is stalled.
+                let (announced, other): (Vec<_>, Vec<_>) = effects
+                    .into_iter()
+                    .partition(|e| matches!(e, Effect::Announce(_)));
                 assert!(
-                    effects.is_empty(),
-                    "a stale acknowledgement does nothing: {effects:?}"
+                    other.is_empty(),
+                    "a stale acknowledgement does nothing: {other:?}"
                 );
+                for effect in announced {
+                    self.check(effect);
+                }
             }
         }
     }

@@ -188,11 +188,24 @@ pub enum Malformed {
     },
 }
 
-/// Decodes a KV message, checking that the batch came on its worker's
-/// subject.
+/// Decodes a KV message of the stream, checking that the batch came on
+/// its worker's subject.
 pub fn decode(message: &async_nats::Message) -> Result<KvEventBatch, Malformed> {
+    decode_on(message, subjects::kv_events)
+}
+
+/// Decodes a KV batch announced on core NATS, checking that it came on its
+/// worker's live subject.
+pub fn decode_live(message: &async_nats::Message) -> Result<KvEventBatch, Malformed> {
+    decode_on(message, subjects::kv_events_live)
+}
+
+fn decode_on(
+    message: &async_nats::Message,
+    subject_of: fn(&protocol::WorkerId) -> String,
+) -> Result<KvEventBatch, Malformed> {
     let batch = KvEventBatch::decode(&message.payload)?;
-    let expected = subjects::kv_events(&batch.worker);
+    let expected = subject_of(&batch.worker);
     if message.subject.as_str() != expected {
         return Err(Malformed::WrongSubject {
             worker: batch.worker.to_string(),

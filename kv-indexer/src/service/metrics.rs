@@ -51,6 +51,8 @@ pub struct Metrics {
     pub delta_publish_retries: Counter,
     pub delta_publish_refused: Gauge,
     pub reannounced: Counter,
+    pub live_applied: Counter,
+    pub live_left_to_stream: Counter,
     /// Why JetStream refuses the deltas being retried, while it does (the
     /// HTTP `/readyz` reads it).
     pub refused_because: std::sync::Mutex<Option<String>>,
@@ -287,6 +289,16 @@ impl Metrics {
                 "kv_indexer_deltas_reannounced_total",
                 &[],
                 "Unconfirmed deltas announced again because a router asked (it missed announcements)",
+            ),
+            live_applied: r.counter(
+                "kv_indexer_live_batches_total",
+                &[("outcome", "applied")],
+                "KV batches announced on core NATS: applied ahead of the stream (next in their worker's order), or left to the stream (not next: a gap, a new epoch, already applied)",
+            ),
+            live_left_to_stream: r.counter(
+                "kv_indexer_live_batches_total",
+                &[("outcome", "left_to_stream")],
+                "KV batches announced on core NATS: applied ahead of the stream (next in their worker's order), or left to the stream (not next: a gap, a new epoch, already applied)",
             ),
             refused_because: std::sync::Mutex::new(None),
             handle: r.recorder.handle(),

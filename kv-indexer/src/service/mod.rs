@@ -43,7 +43,7 @@ use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
 use async_nats::jetstream::message::AckKind;
 use bus::{Bus, BusError, Leadership, Registry, RegistryError, StreamLimits, WorkerChange};
 use futures::StreamExt;
-use protocol::{subjects, IndexDelta, Message, WorkerId};
+use protocol::{subjects, IndexDelta, KvEventBatch, Message, WorkerId};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -482,6 +482,15 @@ impl Service {
             .map_err(|e| ServiceError::Nats(format!("subscribing to reannounce requests: {e}")))?;
         let queries =
             futures::stream::select(futures::stream::select(overlap, status_queries), reannounce);
+        let live_kv = client
+            .subscribe(subjects::KV_EVENTS_LIVE_ALL)
+            .await
+            .map_err(|e| ServiceError::Nats(format!("subscribing to announced KV batches: {e}")))?;
+        // The server has the subscriptions before the loop says it runs.
+        client
+            .flush()
+            .await
+            .map_err(|e| ServiceError::Nats(format!("flushing the subscriptions: {e}")))?;
         let kv_messages = consumer::messages(&consumer, &config)
             .await?
             .ready_chunks(config.fetch_batch.max(1));
@@ -525,7 +534,14 @@ impl Service {
         tracing::info!(http = %http_addr, delta_seq = state.indexer.delta_seq(), "kv-indexer running (the leader)");
 
         let result = state
-            .run(shutdown, kv_messages, queries, status_rx, registry_rx)
+            .run(
+                shutdown,
+                kv_messages,
+                live_kv,
+                queries,
+                status_rx,
+                registry_rx,
+            )
             .await;
         state.metrics.leader.set(0.0);
         let _ = role.send(Role::Standby);
@@ -598,6 +614,9 @@ enum Event {
     Shutdown,
     /// Messages pulled from the KV consumer (or its errors), in order.
     Kv(KvChunk),
+    /// A KV batch announced on core NATS.
+    LiveKv(async_nats::Message),
+    LiveKvEnded,
     KvEnded,
     /// The oldest in-flight delta publish completed.
     Published(Result<Confirmed, PipelineError>),
@@ -624,6 +643,24 @@ enum TaskDone {
         worker: WorkerId,
         outcome: ResyncOutcome,
     },
+}
+
+/// Where a KV batch came from (for the logs).
+#[derive(Debug, Clone, Copy)]
+enum Via {
+    /// The KV-event stream, at this stream sequence.
+    Stream(u64),
+    /// Announced on core NATS.
+    Live,
+}
+
+impl std::fmt::Display for Via {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Via::Stream(seq) => write!(f, "stream seq {seq}"),
+            Via::Live => f.write_str("announced"),
+        }
+    }
 }
 
 /// The loop's state; the event sources are the loop's locals.
@@ -664,6 +701,7 @@ impl Loop {
         &mut self,
         shutdown: impl Future<Output = ()>,
         mut kv_messages: K,
+        mut live_kv: async_nats::Subscriber,
         mut queries: Q,
         mut status_rx: mpsc::Receiver<StatusRequest>,
         mut registry_rx: mpsc::Receiver<RegistryEvent>,
@@ -694,10 +732,20 @@ impl Loop {
                     Some(chunk) => Event::Kv(chunk),
                     None => Event::KvEnded,
                 },
+                message = live_kv.next(), if self.pipeline.len() < max_in_flight => match message {
+                    Some(message) => Event::LiveKv(message),
+                    None => Event::LiveKvEnded,
+                },
             };
             match event {
                 Event::Shutdown => break,
                 Event::Kv(chunk) => self.on_kv(chunk).await?,
+                Event::LiveKv(message) => self.on_live_kv(message).await?,
+                Event::LiveKvEnded => {
+                    return Err(ServiceError::Nats(
+                        "the announced KV batches' subscription ended".into(),
+                    ))
+                }
                 Event::KvEnded => {
                     return Err(ServiceError::KvConsumer("the message stream ended".into()))
                 }
@@ -790,34 +838,10 @@ impl Loop {
             self.last_kv_stream_seq = stream_seq;
             self.metrics.consumer_pending.set(pending as f64);
             let (message, acker) = message.split();
-            let batch = match consumer::decode(&message) {
-                Ok(batch) => batch,
-                Err(consumer::Malformed::WrongSubject { worker, .. }) => {
-                    // Counted as malformed too (it is not a batch of the
-                    // worker whose subject it came on).
-                    self.metrics.malformed_messages.increment(1);
-                    self.metrics.rejected_wrong_subject.increment(1);
-                    tracing::warn!(
-                        %worker,
-                        stream_seq,
-                        subject = %message.subject,
-                        "batch rejected: its worker is not its subject's"
-                    );
-                    self.push(None, Some((acker, AckKind::Term))).await?;
-                    continue;
-                }
-                Err(e) => {
-                    self.metrics.malformed_messages.increment(1);
-                    tracing::warn!(
-                        stream_seq,
-                        subject = %message.subject,
-                        bytes = message.payload.len(),
-                        error = %e,
-                        "malformed KV message; skipped"
-                    );
-                    self.push(None, Some((acker, AckKind::Term))).await?;
-                    continue;
-                }
+            let via = Via::Stream(stream_seq);
+            let Some(batch) = self.decoded(&message, via) else {
+                self.push(None, Some((acker, AckKind::Term))).await?;
+                continue;
             };
             let (worker, epoch, seq) = (batch.worker.clone(), batch.epoch, batch.seq);
             let limit = guard::epoch_limit(wall_clock_ms(), self.config.max_epoch_ahead);
@@ -842,43 +866,107 @@ impl Loop {
                 self.remove_worker(&worker, "its epoch is beyond --max-epoch-ahead")
                     .await?;
             }
-            let block_events = batch.block_events() as u64;
-            let outcome = self.indexer.apply(batch);
-            self.metrics.batches(&outcome.status).increment(1);
-            match &outcome.status {
-                BatchStatus::Applied => self.metrics.block_events.increment(block_events),
-                BatchStatus::NewEpoch { previous } => {
-                    self.metrics.block_events.increment(block_events);
-                    tracing::info!(%worker, epoch, ?previous, stream_seq, delta_seq = ?outcome.delta.as_ref().map(|d| d.seq), "worker started a new epoch");
-                }
-                BatchStatus::Duplicate { last_seq } => {
-                    tracing::debug!(%worker, epoch, seq, last_seq, stream_seq, "duplicate batch dropped");
-                }
-                BatchStatus::Gap { expected, got } => {
-                    tracing::warn!(%worker, epoch, expected, got, stream_seq, "gap in the worker's batches");
-                    self.request_resync(&worker, now);
-                }
-                BatchStatus::AwaitingResync => {
-                    tracing::debug!(%worker, epoch, seq, stream_seq, "batch dropped: awaiting the worker's resync");
-                    self.request_resync(&worker, now);
-                }
-                BatchStatus::StaleEpoch { current } => {
-                    self.frozen.stale(&worker, epoch, *current);
-                    tracing::warn!(%worker, epoch, seq, current, stream_seq, "batch of a stale epoch dropped");
-                }
-            }
-            if matches!(
-                outcome.status,
-                BatchStatus::Applied | BatchStatus::NewEpoch { .. } | BatchStatus::Gap { .. }
-            ) {
-                self.frozen.thawed(&worker);
-            }
-            self.push(outcome.delta, Some((acker, AckKind::Ack)))
-                .await?;
+            let delta = self.apply(batch, via, now);
+            self.push(delta, Some((acker, AckKind::Ack))).await?;
         }
         self.update_gauges();
         self.maybe_snapshot(now);
         Ok(())
+    }
+
+    /// A KV batch announced on core NATS: applied ahead of the stream when
+    /// it is next in its worker's order (its stream copy is then a
+    /// duplicate), else left to the stream, which has every batch in
+    /// order. Nothing to ack.
+    async fn on_live_kv(&mut self, message: async_nats::Message) -> Result<(), ServiceError> {
+        let Some(batch) = self.decoded(&message, Via::Live) else {
+            return Ok(());
+        };
+        if !self.indexer.is_next(&batch) {
+            self.metrics.live_left_to_stream.increment(1);
+            return Ok(());
+        }
+        self.metrics.live_applied.increment(1);
+        let now = Instant::now();
+        let delta = self.apply(batch, Via::Live, now);
+        self.push(delta, None).await?;
+        self.update_gauges();
+        self.maybe_snapshot(now);
+        Ok(())
+    }
+
+    /// The batch in `message`, or `None` (counted, logged) when it is
+    /// malformed or came on another worker's subject.
+    fn decoded(&self, message: &async_nats::Message, via: Via) -> Option<KvEventBatch> {
+        let decoded = match via {
+            Via::Stream(_) => consumer::decode(message),
+            Via::Live => consumer::decode_live(message),
+        };
+        match decoded {
+            Ok(batch) => Some(batch),
+            Err(consumer::Malformed::WrongSubject { worker, .. }) => {
+                // Counted as malformed too (it is not a batch of the
+                // worker whose subject it came on).
+                self.metrics.malformed_messages.increment(1);
+                self.metrics.rejected_wrong_subject.increment(1);
+                tracing::warn!(
+                    %worker,
+                    %via,
+                    subject = %message.subject,
+                    "batch rejected: its worker is not its subject's"
+                );
+                None
+            }
+            Err(e) => {
+                self.metrics.malformed_messages.increment(1);
+                tracing::warn!(
+                    %via,
+                    subject = %message.subject,
+                    bytes = message.payload.len(),
+                    error = %e,
+                    "malformed KV message; skipped"
+                );
+                None
+            }
+        }
+    }
+
+    /// Applies a checked batch to the index: counted, logged, a resync
+    /// asked for after a gap. Returns its delta.
+    fn apply(&mut self, batch: KvEventBatch, via: Via, now: Instant) -> Option<IndexDelta> {
+        let (worker, epoch, seq) = (batch.worker.clone(), batch.epoch, batch.seq);
+        let block_events = batch.block_events() as u64;
+        let outcome = self.indexer.apply(batch);
+        self.metrics.batches(&outcome.status).increment(1);
+        match &outcome.status {
+            BatchStatus::Applied => self.metrics.block_events.increment(block_events),
+            BatchStatus::NewEpoch { previous } => {
+                self.metrics.block_events.increment(block_events);
+                tracing::info!(%worker, epoch, ?previous, %via, delta_seq = ?outcome.delta.as_ref().map(|d| d.seq), "worker started a new epoch");
+            }
+            BatchStatus::Duplicate { last_seq } => {
+                tracing::debug!(%worker, epoch, seq, last_seq, %via, "duplicate batch dropped");
+            }
+            BatchStatus::Gap { expected, got } => {
+                tracing::warn!(%worker, epoch, expected, got, %via, "gap in the worker's batches");
+                self.request_resync(&worker, now);
+            }
+            BatchStatus::AwaitingResync => {
+                tracing::debug!(%worker, epoch, seq, %via, "batch dropped: awaiting the worker's resync");
+                self.request_resync(&worker, now);
+            }
+            BatchStatus::StaleEpoch { current } => {
+                self.frozen.stale(&worker, epoch, *current);
+                tracing::warn!(%worker, epoch, seq, current, %via, "batch of a stale epoch dropped");
+            }
+        }
+        if matches!(
+            outcome.status,
+            BatchStatus::Applied | BatchStatus::NewEpoch { .. } | BatchStatus::Gap { .. }
+        ) {
+            self.frozen.thawed(&worker);
+        }
+        outcome.delta
     }
 
     /// Sends the delta (if any) and queues the ack of its KV message (if
@@ -1276,10 +1364,30 @@ impl Loop {
             "workers": workers.len(),
             "worker_blocks": workers,
             "cursors": self.indexer.cursors().count(),
+            "worker_cursors": worker_cursors(&self.indexer),
             "frozen_workers": self.frozen.to_json(),
             "digest": format!("{:016x}", index.digest()),
         })
     }
+}
+
+/// Every worker's position in its batches: `{"worker": {"epoch", "last_seq",
+/// "resync_pending"}}` (compare with its agent's `worker_agent_kv_epoch`
+/// and `worker_agent_kv_batch_seq`).
+fn worker_cursors(indexer: &KvIndexer) -> serde_json::Map<String, serde_json::Value> {
+    indexer
+        .cursors()
+        .map(|c| {
+            (
+                c.worker.to_string(),
+                serde_json::json!({
+                    "epoch": c.epoch,
+                    "last_seq": c.last_seq,
+                    "resync_pending": c.resync_pending,
+                }),
+            )
+        })
+        .collect()
 }
 
 /// Resolves when the leadership is presumed lost (never without one).

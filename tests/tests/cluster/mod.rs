@@ -809,6 +809,72 @@ impl Cluster {
         .await
     }
 
+    /// Waits until the index has every agent's KV batches (the leading
+    /// indexer's cursor of each worker at or past the last batch its agent
+    /// formed, read first, from its `/metrics`) and the routers have
+    /// reached the indexer's delta and digest ([`Self::converged_digest`]'s
+    /// check): the index follows the engines again, not only the indexer.
+    pub async fn converged_with_agents(&self) -> Result<String> {
+        self.eventually_some(
+            "the indexer to hold every agent's last KV batch and the routers to reach it",
+            || async {
+                let formed = self.agents_last_batch().await?;
+                let status = self.indexer_status().await?;
+                for (worker, epoch, seq) in &formed {
+                    let cursor = &status["worker_cursors"][worker.as_str()];
+                    if cursor["epoch"].as_u64() != Some(*epoch)
+                        || cursor["last_seq"].as_u64() < Some(*seq)
+                    {
+                        return Ok(None);
+                    }
+                }
+                let seq = status["delta_seq"].as_u64().unwrap_or(0);
+                let expected = status["digest"].as_str().unwrap_or_default().to_owned();
+                for i in 0..self.routers.len() {
+                    let state = self.router_state(i).await?;
+                    if state["applied_delta"].as_u64() != Some(seq)
+                        || state["index_digest"].as_str() != Some(&expected)
+                    {
+                        return Ok(None);
+                    }
+                }
+                Ok(Some(expected))
+            },
+        )
+        .await
+    }
+
+    /// Every agent's last KV batch formed: (worker, epoch, seq), from its
+    /// `worker_agent_kv_epoch` and `worker_agent_kv_batch_seq`.
+    async fn agents_last_batch(&self) -> Result<Vec<(String, u64, u64)>> {
+        let mut formed = Vec::new();
+        for worker in &self.workers {
+            let url = format!("{}/metrics", worker.agent.url());
+            let text = self
+                .http
+                .get(&url)
+                .send()
+                .await
+                .with_context(|| format!("GET {url}"))?
+                .text()
+                .await?;
+            let gauge = |name: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .map(|v| v as u64)
+            };
+            let epoch = gauge("worker_agent_kv_epoch")
+                .with_context(|| format!("{}: no worker_agent_kv_epoch", worker.name))?;
+            formed.push((
+                worker.name.clone(),
+                epoch,
+                gauge("worker_agent_kv_batch_seq").unwrap_or(0),
+            ));
+        }
+        Ok(formed)
+    }
+
     /// Whether the routers' converged index comes to equal one built from
     /// the KV-event log, within 15 s: agents may still be publishing (an
     /// eviction, a late batch) when a fault's load ends, and the indexer

@@ -6,9 +6,19 @@
 //! - Batches are formed and numbered by the [`KvOutbox`]: `seq` gap-free
 //!   from 0 within an epoch, every epoch's first batch starting with
 //!   `Cleared`, a resync's first batch holding the whole block set.
+//! - Every batch is announced on core NATS as it is formed
+//!   ([`Effect::Announce`]): the indexer may apply it before JetStream
+//!   stores it, so a stream without a leader (an election, a full store)
+//!   does not leave the index behind the engine. The stream stays the
+//!   record.
 //! - One publish is in flight at a time. An unacknowledged batch is
 //!   published again unchanged (the same message id) after a backoff
 //!   ([`Backoff`]), until acknowledged or superseded by a new epoch.
+//! - Batches are formed when there is none to publish (events that come
+//!   while one is in flight join the next batch), or at every step while
+//!   the stream does not take them (a publish failed, or has been in flight
+//!   for [`STALLED_AFTER`]): then they are announced at once and queue
+//!   behind, in order.
 //! - A resync (asked for on the resync subject, or forced by a queue
 //!   overflow) asks the engine for its block set once, however many ask
 //!   meanwhile; the block set starts a new epoch, and whoever asked gets a
@@ -28,6 +38,11 @@ use protocol::{subjects, KvEvent, KvEventBatch, ResyncReply, WorkerId};
 
 use super::backoff::Backoff;
 use super::outbox::{KvOutbox, OutboxLimits, Pushed};
+
+/// A publish in flight this long means the stream is not taking batches
+/// for now: new events are formed into batches and announced at once
+/// instead of waiting for its acknowledgement.
+pub const STALLED_AFTER: Duration = Duration::from_millis(100);
 
 /// What happens to the KV pipeline. `R` names where a resync reply goes
 /// (the shell's reply subject).
@@ -80,6 +95,9 @@ pub enum Effect<R> {
         /// Its JetStream message id ([`subjects::kv_batch_msg_id`]).
         message_id: String,
     },
+    /// Announce `batch` on core NATS, fire and forget (before its
+    /// [`Effect::Publish`]): the indexer may apply it ahead of the stream.
+    Announce(KvEventBatch),
     /// Drop the publish in flight: a new epoch or an overflow superseded
     /// its batch, and its outcome no longer matters.
     CancelPublish,
@@ -188,8 +206,12 @@ impl ResyncReason {
 enum Sending {
     /// Nothing in flight: the next batch goes at once.
     Idle,
-    /// Batch `(epoch, seq)` is being published.
-    InFlight { epoch: u64, seq: u64 },
+    /// Batch `(epoch, seq)` is being published, since `since`.
+    InFlight {
+        epoch: u64,
+        seq: u64,
+        since: Duration,
+    },
     /// The last publish failed: the batch goes again at this time.
     RetryAt(Duration),
 }
@@ -345,6 +367,9 @@ impl<R> KvCore<R> {
             blocks,
             reason,
         });
+        if let Some(first) = self.outbox.front() {
+            self.effects.push(Effect::Announce(first.clone()));
+        }
         // Replies owed for an older epoch are answered by this one.
         let mut to = mem::take(&mut self.waiting);
         if let Some(older) = self.owed.take() {
@@ -353,8 +378,13 @@ impl<R> KvCore<R> {
         self.owed = Some(Owed { epoch, blocks, to });
     }
 
+    /// Whether batch `(epoch, seq)` is the one in flight.
+    fn in_flight(&self, epoch: u64, seq: u64) -> bool {
+        matches!(self.sending, Sending::InFlight { epoch: e, seq: s, .. } if (e, s) == (epoch, seq))
+    }
+
     fn on_acked(&mut self, epoch: u64, seq: u64, duplicate: bool) {
-        if self.sending != (Sending::InFlight { epoch, seq }) {
+        if !self.in_flight(epoch, seq) {
             // A superseded publish: its batch is gone.
             return;
         }
@@ -382,7 +412,7 @@ impl<R> KvCore<R> {
     }
 
     fn on_failed(&mut self, epoch: u64, seq: u64, error: String, now: Duration) {
-        if self.sending != (Sending::InFlight { epoch, seq }) {
+        if !self.in_flight(epoch, seq) {
             return;
         }
         self.failures += 1;
@@ -413,15 +443,22 @@ impl<R> KvCore<R> {
         }
     }
 
-    /// Publishes the next batch if nothing is in flight and no retry is
-    /// still waiting.
+    /// Forms (and announces) batches when due, then publishes the front
+    /// one if nothing is in flight and no retry is still waiting.
     fn pump(&mut self, now: Duration) {
+        let stalled = self.failures > 0
+            || matches!(self.sending, Sending::InFlight { since, .. } if now.saturating_sub(since) >= STALLED_AFTER);
+        if stalled || self.outbox.front().is_none() {
+            while let Some(batch) = self.outbox.form() {
+                self.effects.push(Effect::Announce(batch.clone()));
+            }
+        }
         match self.sending {
             Sending::InFlight { .. } => return,
             Sending::RetryAt(at) if now < at => return,
             Sending::RetryAt(_) | Sending::Idle => {}
         }
-        let Some(batch) = self.outbox.next_batch() else {
+        let Some(batch) = self.outbox.front() else {
             self.sending = Sending::Idle;
             return;
         };
@@ -429,6 +466,7 @@ impl<R> KvCore<R> {
         self.sending = Sending::InFlight {
             epoch: batch.epoch,
             seq: batch.seq,
+            since: now,
         };
         let message_id = subjects::kv_batch_msg_id(&batch.worker, batch.epoch, batch.seq);
         self.effects.push(Effect::Publish { batch, message_id });
@@ -488,6 +526,27 @@ mod tests {
         }
     }
 
+    /// A batch formed now: announced, then published.
+    fn sent(epoch: u64, seq: u64, events: Vec<KvEvent>) -> Vec<Effect<&'static str>> {
+        let Effect::Publish { batch, .. } = publish(epoch, seq, events) else {
+            unreachable!()
+        };
+        vec![
+            Effect::Announce(batch.clone()),
+            publish(epoch, seq, batch.events),
+        ]
+    }
+
+    fn announced(effects: &[Effect<&'static str>]) -> Vec<(u64, u64)> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Announce(batch) => Some((batch.epoch, batch.seq)),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn acked(epoch: u64, seq: u64) -> Input<&'static str> {
         Input::Acked {
             epoch,
@@ -511,29 +570,25 @@ mod tests {
         let mut c = core(7, LIMITS);
         assert_eq!(
             c.step(Input::Tick, ms(0)),
-            vec![publish(7, 0, vec![KvEvent::Cleared])]
+            sent(7, 0, vec![KvEvent::Cleared])
         );
-        // In flight: the events wait.
+        // In flight: the events wait (to join one batch).
         assert_eq!(
             c.step(Input::EngineEvents(vec![stored(1), stored(2)]), ms(1)),
             vec![]
         );
         assert_eq!(c.held_events(), 3);
         let effects = c.step(acked(7, 0), ms(2));
-        assert_eq!(
-            effects,
-            vec![
-                Effect::Note(Note::Published {
-                    epoch: 7,
-                    seq: 0,
-                    events: 1,
-                    blocks: 0,
-                    duplicate: false,
-                    after_failures: 0,
-                }),
-                publish(7, 1, vec![stored(1), stored(2)]),
-            ]
-        );
+        let mut expected = vec![Effect::Note(Note::Published {
+            epoch: 7,
+            seq: 0,
+            events: 1,
+            blocks: 0,
+            duplicate: false,
+            after_failures: 0,
+        })];
+        expected.extend(sent(7, 1, vec![stored(1), stored(2)]));
+        assert_eq!(effects, expected);
         assert_eq!(published(&c.step(acked(7, 1), ms(3))), vec![]);
         assert_eq!(c.held_events(), 0);
     }
@@ -542,10 +597,7 @@ mod tests {
     fn a_failed_batch_goes_again_unchanged_after_its_backoff() {
         let mut c = core(7, LIMITS);
         let first = c.step(Input::EngineEvents(vec![stored(1)]), ms(0));
-        assert_eq!(
-            first,
-            vec![publish(7, 0, vec![KvEvent::Cleared, stored(1)])]
-        );
+        assert_eq!(first, sent(7, 0, vec![KvEvent::Cleared, stored(1)]));
         let failed = c.step(
             Input::PublishFailed {
                 epoch: 7,
@@ -567,12 +619,17 @@ mod tests {
                 Effect::RetryAt(ms(60)),
             ]
         );
-        // Not before its time, whatever else happens.
-        assert_eq!(c.step(Input::EngineEvents(vec![stored(2)]), ms(59)), vec![]);
+        // Not before its time, whatever else happens; meanwhile new
+        // events are formed and announced at once (the stream does not
+        // take them).
+        assert_eq!(
+            c.step(Input::EngineEvents(vec![stored(2)]), ms(59)),
+            sent(7, 1, vec![stored(2)])[..1]
+        );
         assert_eq!(
             c.step(Input::Tick, ms(60)),
-            first,
-            "the same batch, the same id"
+            first[1..],
+            "the same batch, the same id, not announced again"
         );
         let again = c.step(
             Input::PublishFailed {
@@ -612,18 +669,16 @@ mod tests {
         c.step(Input::ResyncRequested { reply: None }, ms(3));
         let set = vec![stored(1), stored(2)];
         let effects = c.step(Input::BlockSet(set.clone()), ms(5));
-        assert_eq!(
-            effects,
-            vec![
-                Effect::CancelPublish,
-                Effect::Note(Note::NewEpoch {
-                    epoch: 1_005,
-                    blocks: 2,
-                    reason: ResyncReason::Request,
-                }),
-                publish(1_005, 0, vec![KvEvent::Cleared, stored(1), stored(2)]),
-            ]
-        );
+        let mut expected = vec![
+            Effect::CancelPublish,
+            Effect::Note(Note::NewEpoch {
+                epoch: 1_005,
+                blocks: 2,
+                reason: ResyncReason::Request,
+            }),
+        ];
+        expected.extend(sent(1_005, 0, vec![KvEvent::Cleared, stored(1), stored(2)]));
+        assert_eq!(effects, expected);
         // The old epoch's acknowledgement comes late: ignored.
         assert_eq!(c.step(acked(1_000, 0), ms(6)), vec![]);
         c.step(Input::EngineEvents(vec![stored(3)]), ms(7));
@@ -710,5 +765,42 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_publish_in_flight_too_long_lets_new_batches_be_announced_in_order() {
+        let mut c = core(7, LIMITS);
+        c.step(Input::Tick, ms(0));
+        // In flight for less than STALLED_AFTER: the events wait.
+        assert_eq!(c.step(Input::EngineEvents(vec![stored(1)]), ms(50)), vec![]);
+        let at = ms(0) + STALLED_AFTER;
+        assert_eq!(
+            c.step(Input::EngineEvents(vec![stored(2)]), at),
+            sent(7, 1, vec![stored(1), stored(2)])[..1],
+            "formed and announced, not published: one publish in flight"
+        );
+        let third = c.step(Input::EngineEvents(vec![stored(3)]), at + ms(1));
+        assert_eq!(announced(&third), vec![(7, 2)]);
+        assert_eq!(c.held_events(), 4);
+        // The stream takes them again: published in order, not announced
+        // again.
+        let effects = c.step(acked(7, 0), at + ms(2));
+        assert_eq!(
+            (published(&effects), announced(&effects)),
+            (vec![(7, 1)], vec![])
+        );
+        let effects = c.step(acked(7, 1), at + ms(3));
+        assert_eq!(published(&effects), vec![(7, 2)]);
+        c.step(acked(7, 2), at + ms(4));
+        assert_eq!(c.held_events(), 0);
+        // Quick again: events wait for the publish in flight.
+        assert_eq!(
+            announced(&c.step(Input::EngineEvents(vec![stored(4)]), at + ms(5))),
+            vec![(7, 3)]
+        );
+        assert_eq!(
+            c.step(Input::EngineEvents(vec![stored(5)]), at + ms(6)),
+            vec![]
+        );
     }
 }

@@ -1,11 +1,14 @@
 //! The KV outbox: numbers the engine's events into [`KvEventBatch`]es and
 //! holds them until JetStream acknowledges them. Pure: no IO, no clock
-//! ([`super::KvCore`] drives it: publishing, retries, resyncs).
+//! ([`super::KvCore`] drives it: when to form batches, publishing,
+//! retries, resyncs).
 //!
 //! - Within an epoch, `seq` counts from 0 without gaps. A batch, once
-//!   formed, is published again unchanged until acknowledged (the same
-//!   message id, so that a batch that did land is dropped as a duplicate),
-//!   and the next one is formed only after: never skipped, never reordered.
+//!   formed, never changes: it is announced as it is, and published again
+//!   unchanged until acknowledged (the same message id, so that a batch
+//!   that did land is dropped as a duplicate). Formed batches are
+//!   published in order, the front one first: never skipped, never
+//!   reordered.
 //! - Every epoch's first batch starts with [`KvEvent::Cleared`]; a resync's
 //!   first batch also holds the whole block set.
 //! - Events wait in a bounded queue while NATS does not acknowledge. When
@@ -20,10 +23,11 @@ use protocol::{KvEvent, KvEventBatch, WorkerId};
 /// Bounds of the outbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutboxLimits {
-    /// Events queued behind the batch being published before the outbox
-    /// overflows. (The batch being published is bounded on its own: by
-    /// `max_batch_events`, or by the block set for a resync's first batch;
-    /// counting it here would make a large block set overflow at once.)
+    /// Events queued behind the batch being published (unformed, or in
+    /// batches formed behind it) before the outbox overflows. (The batch
+    /// being published is bounded on its own: by `max_batch_events`, or by
+    /// the block set for a resync's first batch; counting it here would
+    /// make a large block set overflow at once.)
     pub max_queued_events: usize,
     /// Most events in one batch (a resync's first batch excepted).
     pub max_batch_events: usize,
@@ -71,8 +75,11 @@ pub struct KvOutbox {
     next_seq: u64,
     /// Events not yet in a batch.
     pending: VecDeque<KvEvent>,
-    /// The batch being published (formed, not acknowledged).
-    unacked: Option<KvEventBatch>,
+    /// Batches formed, not acknowledged, in order: the front one is being
+    /// published.
+    formed: VecDeque<KvEventBatch>,
+    /// Events in the formed batches behind the front one.
+    formed_behind: usize,
     overflowed: bool,
 }
 
@@ -85,7 +92,8 @@ impl KvOutbox {
             epoch,
             next_seq: 0,
             pending: VecDeque::from([KvEvent::Cleared]),
-            unacked: None,
+            formed: VecDeque::new(),
+            formed_behind: 0,
             overflowed: false,
         }
     }
@@ -100,9 +108,14 @@ impl KvOutbox {
         self.epoch
     }
 
-    /// Events held: queued and in the unacknowledged batch.
+    /// Events held: queued and in the unacknowledged batches.
     pub fn held_events(&self) -> usize {
-        self.pending.len() + self.unacked.as_ref().map_or(0, |b| b.events.len())
+        self.pending.len() + self.formed_behind + self.formed.front().map_or(0, |b| b.events.len())
+    }
+
+    /// Batches formed and not acknowledged.
+    pub fn formed(&self) -> usize {
+        self.formed.len()
     }
 
     /// Whether the outbox overflowed and waits for a new epoch.
@@ -115,10 +128,11 @@ impl KvOutbox {
         if self.overflowed {
             return Pushed::AwaitingResync;
         }
-        if self.pending.len() + events.len() > self.limits.max_queued_events {
+        if self.pending.len() + self.formed_behind + events.len() > self.limits.max_queued_events {
             self.overflowed = true;
             self.pending.clear();
-            self.unacked = None;
+            self.formed.clear();
+            self.formed_behind = 0;
             return Pushed::Overflowed;
         }
         self.pending.extend(events);
@@ -155,40 +169,52 @@ impl KvOutbox {
         self.epoch = epoch;
         self.pending.clear();
         self.overflowed = false;
-        self.unacked = Some(KvEventBatch {
+        self.formed = VecDeque::from([KvEventBatch {
             worker: self.worker.clone(),
             epoch,
             seq: 0,
             events,
-        });
+        }]);
+        self.formed_behind = 0;
         self.next_seq = 1;
     }
 
-    /// The batch to publish now: the unacknowledged one, else a new one
-    /// from the queue. `None` when there is nothing to publish (or the
-    /// outbox waits for a new epoch).
-    pub fn next_batch(&mut self) -> Option<&KvEventBatch> {
-        if self.overflowed {
+    /// Forms the next batch from the queue (at most `max_batch_events`)
+    /// behind those formed already, and returns it. `None` when nothing
+    /// is queued (or the outbox waits for a new epoch).
+    pub fn form(&mut self) -> Option<&KvEventBatch> {
+        if self.overflowed || self.pending.is_empty() {
             return None;
         }
-        if self.unacked.is_none() && !self.pending.is_empty() {
-            let n = self.pending.len().min(self.limits.max_batch_events);
-            self.unacked = Some(KvEventBatch {
-                worker: self.worker.clone(),
-                epoch: self.epoch,
-                seq: self.next_seq,
-                events: self.pending.drain(..n).collect(),
-            });
-            self.next_seq += 1;
+        let n = self.pending.len().min(self.limits.max_batch_events);
+        if !self.formed.is_empty() {
+            self.formed_behind += n;
         }
-        self.unacked.as_ref()
+        self.formed.push_back(KvEventBatch {
+            worker: self.worker.clone(),
+            epoch: self.epoch,
+            seq: self.next_seq,
+            events: self.pending.drain(..n).collect(),
+        });
+        self.next_seq += 1;
+        self.formed.back()
+    }
+
+    /// The batch to publish now: the oldest one formed and not
+    /// acknowledged.
+    pub fn front(&self) -> Option<&KvEventBatch> {
+        self.formed.front()
     }
 
     /// JetStream acknowledged batch `(epoch, seq)`: returns it, or `None`
     /// when it is not the batch being published (a superseded epoch).
     pub fn acked(&mut self, epoch: u64, seq: u64) -> Option<KvEventBatch> {
-        match &self.unacked {
-            Some(b) if b.epoch == epoch && b.seq == seq => self.unacked.take(),
+        match self.formed.front() {
+            Some(b) if b.epoch == epoch && b.seq == seq => {
+                let batch = self.formed.pop_front();
+                self.formed_behind -= self.formed.front().map_or(0, |b| b.events.len());
+                batch
+            }
             _ => None,
         }
     }
@@ -219,8 +245,16 @@ mod tests {
         }
     }
 
+    /// The batch to publish: the front one, else one formed now.
+    fn next(o: &mut KvOutbox) -> Option<KvEventBatch> {
+        if o.front().is_none() {
+            o.form();
+        }
+        o.front().cloned()
+    }
+
     fn publish(o: &mut KvOutbox) -> KvEventBatch {
-        let b = o.next_batch().expect("a batch").clone();
+        let b = next(o).expect("a batch");
         assert_eq!(o.acked(b.epoch, b.seq).as_ref(), Some(&b));
         b
     }
@@ -237,7 +271,7 @@ mod tests {
         assert_eq!(a.events, vec![KvEvent::Cleared, stored(1)]);
         let b = publish(&mut o);
         assert_eq!((b.seq, b.events.clone()), (1, vec![stored(2), stored(3)]));
-        assert!(o.next_batch().is_none());
+        assert!(next(&mut o).is_none());
         o.push(vec![stored(4)]);
         assert_eq!(publish(&mut o).seq, 2);
     }
@@ -246,10 +280,10 @@ mod tests {
     fn an_unacknowledged_batch_is_repeated_unchanged() {
         let mut o = outbox(100, 8);
         o.push(vec![stored(1)]);
-        let first = o.next_batch().unwrap().clone();
+        let first = next(&mut o).unwrap();
         // The publish failed; more events come meanwhile.
         o.push(vec![stored(2)]);
-        assert_eq!(o.next_batch(), Some(&first));
+        assert_eq!(next(&mut o).as_ref(), Some(&first));
         assert_eq!(o.acked(first.epoch, first.seq + 1), None, "not this one");
         assert!(o.acked(first.epoch, first.seq).is_some());
         let second = publish(&mut o);
@@ -260,14 +294,14 @@ mod tests {
     fn overflow_waits_for_a_new_epoch_with_the_block_set() {
         let mut o = outbox(3, 8);
         assert_eq!(o.push(vec![stored(1)]), Pushed::Queued);
-        let _in_flight = o.next_batch().unwrap().clone();
+        let _in_flight = next(&mut o).unwrap();
         assert_eq!(o.held_events(), 2);
         assert_eq!(o.push(vec![stored(2), stored(3)]), Pushed::Queued);
         assert_eq!(o.held_events(), 4, "the batch in flight is not counted");
         assert_eq!(o.push(vec![stored(4), stored(5)]), Pushed::Overflowed);
         assert!(o.is_overflowed());
         assert_eq!(o.held_events(), 0);
-        assert_eq!(o.next_batch(), None);
+        assert_eq!(next(&mut o), None);
         assert_eq!(o.push(vec![stored(6)]), Pushed::AwaitingResync);
         assert_eq!(o.acked(100, 0), None, "the old batch was dropped");
 
@@ -298,12 +332,40 @@ mod tests {
     fn a_resync_supersedes_what_was_held() {
         let mut o = outbox(100, 8);
         o.push(vec![stored(1)]);
-        let old = o.next_batch().unwrap().clone();
+        let old = next(&mut o).unwrap();
         o.push(vec![stored(2)]);
         o.start_epoch(200, vec![stored(1), stored(2)]).unwrap();
         assert_eq!(o.acked(old.epoch, old.seq), None);
         let first = publish(&mut o);
         assert_eq!(first.events, vec![KvEvent::Cleared, stored(1), stored(2)]);
-        assert!(o.next_batch().is_none());
+        assert!(next(&mut o).is_none());
+    }
+
+    #[test]
+    fn batches_formed_behind_the_front_keep_their_order_and_count_to_the_bound() {
+        let mut o = outbox(4, 2);
+        let first = next(&mut o).unwrap();
+        assert_eq!(first.events, vec![KvEvent::Cleared]);
+        o.push(vec![stored(1), stored(2), stored(3)]);
+        let second = o.form().unwrap().clone();
+        let third = o.form().unwrap().clone();
+        assert!(o.form().is_none(), "nothing left to form");
+        assert_eq!((second.seq, third.seq), (1, 2));
+        assert_eq!(third.events, vec![stored(3)]);
+        assert_eq!(o.held_events(), 4);
+        assert_eq!(o.front(), Some(&first), "the oldest goes first");
+        assert_eq!(o.acked(second.epoch, second.seq), None, "not in flight");
+        // Three events wait behind the front: one more fits, two do not.
+        assert_eq!(o.push(vec![stored(4)]), Pushed::Queued);
+        assert!(o.acked(first.epoch, first.seq).is_some());
+        assert_eq!(o.front(), Some(&second));
+        assert_eq!(o.held_events(), 4);
+        assert_eq!(
+            o.push(vec![stored(5)]),
+            Pushed::Queued,
+            "2 queued, 1 behind"
+        );
+        assert_eq!(o.push(vec![stored(6), stored(7)]), Pushed::Overflowed);
+        assert_eq!((o.formed(), o.held_events()), (0, 0));
     }
 }

@@ -17,7 +17,8 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use metrics::{counter, gauge};
-use protocol::{subjects, DecisionId, LoadReport, Message, Role, WorkerId};
+use protocol::{subjects, DecisionId, KvEventBatch, LoadReport, Message, Role, WorkerId};
+use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinError, JoinSet};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::{debug, error, info, warn};
@@ -104,6 +105,9 @@ pub(super) struct Agent {
     pub(super) origin: Instant,
     /// The KV batch publish in flight.
     pub(super) publishing: Option<BoxFuture<'static, PublishDone>>,
+    /// KV batches to announce on core NATS, in order (a task of their own
+    /// sends them).
+    pub(super) announcer: mpsc::Sender<KvEventBatch>,
     /// When the KV core wants to be stepped again (a retry).
     pub(super) retry_at: Option<Instant>,
     load_tick: Interval,
@@ -158,6 +162,8 @@ impl Agent {
             Backoff::AGENT,
         );
         gauge!(m::KV_EPOCH).set(kv.epoch() as f64);
+        let (announcer, announcements) = mpsc::channel(super::kv::ANNOUNCE_QUEUE);
+        tokio::spawn(super::kv::announce(bus.clone(), announcements));
         Self {
             worker: settings.worker.clone(),
             role: settings.role,
@@ -174,6 +180,7 @@ impl Agent {
             kv,
             origin: Instant::now(),
             publishing: None,
+            announcer,
             retry_at: None,
             load_tick,
             load_interval: settings.load_interval,

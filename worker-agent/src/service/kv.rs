@@ -14,6 +14,27 @@ use super::event_loop::Agent;
 use crate::core::{Effect, Input, Note};
 use crate::metrics as m;
 
+/// Batches waiting to be announced: past it, an announcement is dropped
+/// (and counted): the stream still gets the batch.
+pub(super) const ANNOUNCE_QUEUE: usize = 1024;
+
+/// Announces the batches in order as they come, until the agent drops its
+/// end of the channel. Best effort: the stream is the record.
+pub(super) async fn announce(
+    bus: bus::Bus,
+    mut batches: tokio::sync::mpsc::Receiver<KvEventBatch>,
+) {
+    while let Some(batch) = batches.recv().await {
+        match bus.announce_kv_batch(&batch).await {
+            Ok(()) => counter!(m::KV_BATCHES_ANNOUNCED).increment(1),
+            Err(e) => {
+                counter!(m::PUBLISH_ERRORS, "kind" => "kv_announce").increment(1);
+                debug!(epoch = batch.epoch, seq = batch.seq, error = %e, "announcing a KV batch failed (the stream still gets it)");
+            }
+        }
+    }
+}
+
 /// The outcome of one KV batch publish.
 #[derive(Debug)]
 pub(super) struct PublishDone {
@@ -28,6 +49,12 @@ impl Agent {
         let now = self.origin.elapsed();
         for effect in self.kv.step(input, now) {
             match effect {
+                Effect::Announce(batch) => {
+                    gauge!(m::KV_BATCH_SEQ).set(batch.seq as f64);
+                    if self.announcer.try_send(batch).is_err() {
+                        counter!(m::PUBLISH_ERRORS, "kind" => "kv_announce").increment(1);
+                    }
+                }
                 Effect::Publish { batch, message_id } => self.publish(batch, &message_id),
                 Effect::CancelPublish => self.publishing = None,
                 Effect::RetryAt(at) => self.retry_at = Some(self.origin + at),
