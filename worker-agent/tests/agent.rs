@@ -14,8 +14,8 @@ use engine_sim::Preset;
 use futures::StreamExt;
 use protocol::{
     subjects, BlockHash, BlockHasher, CancelRequest, DecisionId, FinishReason, GenerateChunk,
-    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvTransferParams, LegProbe,
-    LegProbeReply, LoadReport, Message, ResyncReply, Role, Stage, WorkerId, WorkerRecord,
+    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvEventBatch, KvTransferParams,
+    LegProbe, LegProbeReply, LoadReport, Message, ResyncReply, Role, Stage, WorkerId, WorkerRecord,
     WorkerSubjects,
 };
 use tests::fixtures::{generate_request as request, output_tokens, worker};
@@ -821,4 +821,102 @@ async fn until_running(reports: &mut Subscriber, running: bool) -> Result<LoadRe
         anyhow::bail!("reports ended")
     })
     .await?
+}
+
+// --- KV announcements -------------------------------------------------------
+
+/// The worker's batches as announced on its live subject, checked and
+/// mirrored like the stream's (a fresh follower's state).
+struct Announced {
+    subscriber: Subscriber,
+    follower: KvFollower,
+    batches: Vec<KvEventBatch>,
+}
+
+impl Announced {
+    /// Reads announcements until every block of `want` is held.
+    async fn until_holding(&mut self, want: &[BlockHash]) -> Result<()> {
+        while !want.iter().all(|h| self.follower.mirror.contains(*h)) {
+            let message = timeout(WAIT, self.subscriber.next())
+                .await
+                .context("waiting for an announced batch")?
+                .context("the live subscription ended")?;
+            let batch = KvEventBatch::decode(&message.payload)?;
+            self.follower.check(&batch)?;
+            self.batches.push(batch);
+        }
+        Ok(())
+    }
+}
+
+/// While JetStream refuses the KV batches (the stream takes one message),
+/// the agent announces each batch on its live subject as it forms it, so
+/// the indexer can follow the engine; once the stream takes them again it
+/// gets the very same batches, in the same order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_are_announced_while_the_stream_refuses_them() -> Result<()> {
+    let servers = Servers::start()?;
+    let client = servers.client().await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let mut config = async_nats::jetstream::stream::Config {
+        name: subjects::KV_EVENTS_STREAM.into(),
+        subjects: vec![subjects::KV_EVENTS_ALL.into()],
+        max_messages: 1,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        ..Default::default()
+    };
+    js.create_stream(config.clone()).await?;
+    let id = worker("announcer");
+    let mut announced = Announced {
+        subscriber: client.subscribe(subjects::kv_events_live(&id)).await?,
+        follower: KvFollower::detached(WAIT),
+        batches: Vec::new(),
+    };
+    client.flush().await?;
+    let agent = Agent::start(servers.config("announcer", Role::Both));
+    wait_registered(&servers.registry().await?, &id).await?;
+
+    let p = prompt(50, 96);
+    generate(
+        &client,
+        &id,
+        &request("announced", Stage::Local, p.clone(), 40),
+    )
+    .await?;
+    let mut chain = p.clone();
+    chain.extend(
+        worker_agent::sim_engine::output_tokens("announced", 40)
+            .iter()
+            .take(39),
+    );
+    let want = hasher().hash_prompt(&chain);
+    announced.until_holding(&want).await?;
+    let stored = js
+        .get_stream(subjects::KV_EVENTS_STREAM)
+        .await?
+        .info()
+        .await?
+        .state
+        .messages;
+    ensure!(
+        stored == 1,
+        "the stream took {stored} messages while refusing"
+    );
+    ensure!(announced.batches.len() > 1, "{:?}", announced.batches);
+
+    // Room again: the stream gets what was announced, as it was.
+    config.max_messages = -1;
+    js.update_stream(&config).await?;
+    let bus = Bus::from_client(client.clone());
+    let mut kv = KvFollower::new(&bus, &id, WAIT).await?;
+    let mut from_stream = Vec::new();
+    while from_stream.len() < announced.batches.len() {
+        from_stream.push(kv.next().await?);
+    }
+    ensure!(
+        from_stream == announced.batches,
+        "the stream differs from the announcements"
+    );
+    agent.shutdown(WAIT).await?;
+    Ok(())
 }

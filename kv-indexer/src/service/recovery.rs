@@ -10,8 +10,13 @@ use crate::index::{OwnershipIndex, RestoreError};
 use crate::indexer::KvIndexer;
 use crate::replica::DeltaError;
 
-/// How long to wait for the next delta of the log before giving up.
-const DELTA_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A delta feed that gives nothing for this long while the log holds more
+/// is given up, and the recovery tried again ([`RecoveryError::LogTimeout`]
+/// is retryable). Seen in the chaos suite: a standby elected after the
+/// full-store fault, whose delta feed (its stream's leader just elected)
+/// gave nothing for 30 s, the old bound. A live feed gives the next delta
+/// in milliseconds.
+const DELTA_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why the state could not be recovered.
 #[derive(Debug, thiserror::Error)]

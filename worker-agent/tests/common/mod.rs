@@ -85,6 +85,18 @@ impl KvFollower {
         })
     }
 
+    /// A follower fed by hand ([`KvFollower::check`]): it reads no stream.
+    pub fn detached(wait: Duration) -> Self {
+        Self {
+            batches: futures::stream::empty().boxed(),
+            wait,
+            epoch: None,
+            next_seq: 0,
+            mirror: BlockMirror::new(),
+            epochs: Vec::new(),
+        }
+    }
+
     /// The next batch, checked and mirrored.
     pub async fn next(&mut self) -> Result<KvEventBatch> {
         self.next_within(self.wait)
@@ -102,7 +114,9 @@ impl KvFollower {
         Ok(Some(batch))
     }
 
-    fn check(&mut self, batch: &KvEventBatch) -> Result<()> {
+    /// Checks `batch` follows the ones before (epochs rising, each from
+    /// seq 0 with `Cleared`, seqs gap-free, parents known) and mirrors it.
+    pub fn check(&mut self, batch: &KvEventBatch) -> Result<()> {
         if Some(batch.epoch) != self.epoch {
             if let Some(old) = self.epoch {
                 ensure!(batch.epoch > old, "epoch {} after {old}", batch.epoch);
