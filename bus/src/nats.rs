@@ -281,7 +281,12 @@ async fn within<T>(
 /// JetStream gave no answer: a timeout, or no responders.
 fn unanswered(message: &str) -> bool {
     let m = message.to_ascii_lowercase();
-    m.contains("timed out") || m.contains("no responders")
+    m.contains("timed out")
+        || m.contains("no responders")
+        // 10008: the server's JetStream is between leaders (its meta
+        // leader stepped down, as a full store makes it do).
+        || m.contains("temporarily unavailable")
+        || m.contains("error code 10008")
 }
 
 /// JetStream's answers for a store without room: insufficient resources
@@ -1233,6 +1238,11 @@ mod tests {
         };
         assert!(stream("request error: timed out: request timed out").is_unanswered());
         assert!(stream("jetstream error: no responders").is_unanswered());
+        assert!(stream(
+            "reading delta 6032: JetStream error: JetStream system temporarily unavailable \
+             (code 503, error code 10008)"
+        )
+        .is_unanswered());
         assert!(!stream("stream not found (code 404, error code 10059)").is_unanswered());
         // The snapshot store's own bounded waits say so too.
         assert!(snapshot_error(format!(

@@ -140,6 +140,7 @@ fn agent(worker: &WorkerId) -> Permissions {
             subjects::cancel(worker),
             subjects::resync(worker),
             subjects::ping(worker),
+            subjects::KV_REANNOUNCE.to_owned(),
             format!("{}.>", inbox_prefix(&agent_user(worker))),
         ],
         responds: true,
@@ -154,6 +155,8 @@ fn indexer() -> Permissions {
             subjects::INDEX_DELTAS_LIVE.to_owned(),
             // A standby's probe of the leader.
             subjects::INDEX_LEADER.to_owned(),
+            // Requests to announce their recent KV batches again.
+            subjects::KV_REANNOUNCE.to_owned(),
             // Resync requests to any agent.
             subjects::RESYNC_ALL.to_owned(),
             // The streams' administrator: limits, consumers, trimming, the
@@ -297,10 +300,9 @@ mod tests {
             && !s.contains('*')
             && !s.starts_with("sy.index")
             && !s.starts_with("sy.worker")));
-        assert!(d0
-            .subscribe
-            .iter()
-            .all(|s| s.contains("d0.0") || s.starts_with("_INBOX.agent-d0-0.")));
+        assert!(d0.subscribe.iter().all(|s| s.contains("d0.0")
+            || s.starts_with("_INBOX.agent-d0-0.")
+            || s == subjects::KV_REANNOUNCE));
     }
 
     #[test]

@@ -134,6 +134,15 @@ impl KvIndexer {
         })
     }
 
+    /// Whether `batch` comes after a gap in its worker's current epoch:
+    /// batches before it were not applied yet (an announcement missed;
+    /// the stream has them in order).
+    pub fn is_ahead(&self, batch: &KvEventBatch) -> bool {
+        self.cursors.get(&batch.worker).is_some_and(|c| {
+            c.epoch == batch.epoch && !c.resync_pending && batch.seq > c.last_seq + 1
+        })
+    }
+
     /// Workers whose streams are known, with their positions.
     pub fn cursors(&self) -> impl Iterator<Item = WorkerCursor> + '_ {
         self.cursors.iter().map(|(worker, c)| c.to_wire(worker))

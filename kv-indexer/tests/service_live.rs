@@ -2,15 +2,17 @@
 //! batch of a worker's epoch is applied ahead of the KV-event stream, and
 //! its stream copy is then a duplicate; a batch that is not next (a gap, a
 //! new epoch) is left to the stream, which applies it in order, with no
-//! resync asked; a batch announced on another worker's subject is
+//! resync asked (after a gap the agents are asked to announce their recent
+//! batches again); a batch announced on another worker's subject is
 //! rejected.
 
 mod common;
 
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use common::{digest_hex, local_indexer, wait_for, wait_for_delta, worker, Running, Servers};
+use futures::StreamExt;
 use protocol::{subjects, KvEventBatch, Message};
 
 async fn announce(servers: &Servers, subject: String, batch: &KvEventBatch) -> Result<()> {
@@ -120,7 +122,17 @@ async fn announced_batches_are_applied_ahead_of_the_stream_when_next() -> Result
     let (ten, eleven) = (workload.batch_of(0), workload.batch_of(0));
     batches.extend([ten.clone(), eleven.clone()]);
     let d0 = subjects::kv_events_live(&ten.worker);
+    let mut asked = servers
+        .bus
+        .client()
+        .subscribe(subjects::KV_REANNOUNCE)
+        .await?;
+    servers.bus.client().flush().await?;
     announce(&servers, d0.clone(), &eleven).await?;
+    // The gap makes the indexer ask the agents to announce again.
+    tokio::time::timeout(Duration::from_secs(5), asked.next())
+        .await
+        .context("no request to announce again after a gap")?;
     // d0's batch on d1's subject: rejected.
     announce(&servers, subjects::kv_events_live(&worker("d1")), &ten).await?;
     announce(&servers, d0, &ten).await?;

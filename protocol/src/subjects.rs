@@ -30,6 +30,11 @@ pub fn kv_events_live(worker: &WorkerId) -> String {
     format!("sy.kv.live.{}", worker.subject_tokens())
 }
 
+/// Core NATS, no body: the indexer saw a gap in a worker's announced
+/// batches (its connection moved to another NATS node, and announcements
+/// were lost meanwhile): every agent announces its recent batches again.
+pub const KV_REANNOUNCE: &str = "sy.kv.reannounce";
+
 /// Message id of a KV batch: JetStream drops a republished batch within
 /// the stream's duplicate window.
 pub fn kv_batch_msg_id(worker: &WorkerId, epoch: u64, seq: u64) -> String {

@@ -903,6 +903,20 @@ async fn batches_are_announced_while_the_stream_refuses_them() -> Result<()> {
         "the stream took {stored} messages while refusing"
     );
     ensure!(announced.batches.len() > 1, "{:?}", announced.batches);
+    // Asked (an indexer that missed some), the agent announces its recent
+    // batches again, unchanged, from its epoch's second.
+    client
+        .publish(subjects::KV_REANNOUNCE, bytes::Bytes::new())
+        .await?;
+    let again = timeout(WAIT, announced.subscriber.next())
+        .await
+        .context("nothing announced again")?
+        .context("the live subscription ended")?;
+    let again = KvEventBatch::decode(&again.payload)?;
+    ensure!(
+        again.seq == 1 && announced.batches.get(1) == Some(&again),
+        "{again:?}"
+    );
 
     // Room again: the stream gets what was announced, as it was.
     config.max_messages = -1;

@@ -41,6 +41,8 @@ enum Op {
     UnaskedBlockSet,
     /// An acknowledgement of a batch not in flight (a superseded one).
     StaleAck { back: u8 },
+    /// The indexer asks for the recent batches again.
+    Reannounce,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -54,6 +56,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::DeliverBlockSet),
         1 => Just(Op::UnaskedBlockSet),
         1 => (0u8..4).prop_map(|back| Op::StaleAck { back }),
+        1 => Just(Op::Reannounce),
     ]
 }
 
@@ -82,6 +85,8 @@ struct Shell {
     announced: HashMap<String, KvEventBatch>,
     /// The last batch announced: (epoch, seq).
     last_announced: Option<(u64, u64)>,
+    /// A reannounce request is being stepped: announcements repeat.
+    reannouncing: bool,
     /// The batch whose publish failed last, until the next publish.
     failed: Option<KvEventBatch>,
     /// The shell's retry timer.
@@ -122,6 +127,7 @@ impl Shell {
             published: HashMap::new(),
             announced: HashMap::new(),
             last_announced: None,
+            reannouncing: false,
             failed: None,
             retry_at: None,
             retry_due: None,
@@ -148,6 +154,28 @@ impl Shell {
 
     fn check(&mut self, effect: Effect<u32>) {
         match effect {
+            Effect::Announce(batch)
+                if self.reannouncing
+                    && self.announced.contains_key(&subjects::kv_batch_msg_id(
+                        &self.worker,
+                        batch.epoch,
+                        batch.seq,
+                    )) =>
+            {
+                // Batches of the epoch announced before, unchanged (the
+                // step may also form and announce new ones).
+                assert_eq!(batch.epoch, self.epoch);
+                assert!(
+                    batch.seq > 0,
+                    "an epoch's first batch is not announced again"
+                );
+                let id = subjects::kv_batch_msg_id(&self.worker, batch.epoch, batch.seq);
+                assert_eq!(
+                    self.announced.get(&id),
+                    Some(&batch),
+                    "announced again unchanged"
+                );
+            }
             Effect::Announce(batch) => {
                 assert_eq!(batch.worker, self.worker);
                 assert_eq!(batch.epoch, self.epoch, "announced in the current epoch");
@@ -350,6 +378,11 @@ impl Shell {
                 }
             }
             Op::UnaskedBlockSet => self.deliver_block_set(),
+            Op::Reannounce => {
+                self.reannouncing = true;
+                self.step(Input::ReannounceRequested);
+                self.reannouncing = false;
+            }
             Op::StaleAck { back } => {
                 // A batch not in flight: ignored.
                 let (epoch, seq) = match &self.in_flight {

@@ -359,6 +359,13 @@ pub struct Pipeline {
     crash_after_delta: Option<u64>,
     policy: RetryPolicy,
     refused: Option<Refused>,
+    /// The acks of KV messages that made no delta (a duplicate, most often
+    /// the stream's copy of a batch applied from its announcement; a
+    /// malformed message), pushed while deltas were unconfirmed: each waits
+    /// for the last delta made before it (the announced batch's among
+    /// them), in order. (An entry of its own would ack at once: the
+    /// entries are polled together, only yielded in order.)
+    after_deltas: VecDeque<HeldAck>,
 }
 
 /// A KV message's ack (if any) waiting for the delta its message made
@@ -424,6 +431,7 @@ impl Pipeline {
             crash_after_delta,
             policy,
             refused: None,
+            after_deltas: VecDeque::new(),
         }
     }
 
@@ -435,7 +443,7 @@ impl Pipeline {
             .refused
             .as_ref()
             .map_or(0, |r| r.held.len().max(self.unconfirmed.len()));
-        self.entries.len() + refused
+        self.entries.len() + refused + self.after_deltas.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -471,6 +479,15 @@ impl Pipeline {
             }
             refused.held.push_back(HeldAck { delta: seq, ack });
             return Ok(None);
+        }
+        if delta.is_none() {
+            if let Some(last) = self.unconfirmed.back() {
+                self.after_deltas.push_back(HeldAck {
+                    delta: Some(last.seq),
+                    ack,
+                });
+                return Ok(None);
+            }
         }
         let oldest = if self.entries.len() >= self.capacity {
             self.next().await
@@ -597,6 +614,7 @@ impl Pipeline {
             unconfirmed,
             policy,
             refused,
+            after_deltas,
             ..
         } = self;
         let state = refused.as_mut()?;
@@ -618,6 +636,7 @@ impl Pipeline {
         match tried {
             Ok(last) => {
                 forget_through(unconfirmed, last);
+                release_acks(after_deltas, last);
                 // Give-up counts refusals in a row.
                 state.since = Instant::now();
                 state.failing = false;
@@ -658,10 +677,12 @@ impl Pipeline {
         futures::FutureExt::now_or_never(self.next()).flatten()
     }
 
-    /// Forgets the deltas a completed entry confirmed.
+    /// Forgets the deltas a completed entry confirmed, and acks the KV
+    /// messages that waited for them.
     fn confirmed(&mut self, done: &Option<Result<Confirmed, PipelineError>>) {
         if let Some(Ok(Confirmed { seq: Some(seq) })) = done {
             forget_through(&mut self.unconfirmed, *seq);
+            release_acks(&mut self.after_deltas, *seq);
         }
     }
 }

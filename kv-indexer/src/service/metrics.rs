@@ -53,6 +53,7 @@ pub struct Metrics {
     pub reannounced: Counter,
     pub live_applied: Counter,
     pub live_left_to_stream: Counter,
+    pub kv_reannounce_requests: Counter,
     /// Why JetStream refuses the deltas being retried, while it does (the
     /// HTTP `/readyz` reads it).
     pub refused_because: std::sync::Mutex<Option<String>>,
@@ -299,6 +300,11 @@ impl Metrics {
                 "kv_indexer_live_batches_total",
                 &[("outcome", "left_to_stream")],
                 "KV batches announced on core NATS: applied ahead of the stream (next in their worker's order), or left to the stream (not next: a gap, a new epoch, already applied)",
+            ),
+            kv_reannounce_requests: r.counter(
+                "kv_indexer_kv_reannounce_requests_total",
+                &[],
+                "Requests to the agents to announce their recent KV batches again, after a gap in a worker's announced batches (at most every 250 ms)",
             ),
             refused_because: std::sync::Mutex::new(None),
             handle: r.recorder.handle(),

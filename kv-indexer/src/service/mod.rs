@@ -79,6 +79,10 @@ const DELTA_RETRY: consumer::RetryPolicy = consumer::RetryPolicy {
 /// this often.
 const REANNOUNCE_EVERY: Duration = Duration::from_millis(100);
 
+/// The agents are asked to announce their recent KV batches again at most
+/// this often (every worker whose announcements show a gap asks).
+const KV_REANNOUNCE_EVERY: Duration = Duration::from_millis(250);
+
 /// On shutdown, how long in-flight delta publishes may take to complete.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -527,6 +531,7 @@ impl Service {
             role: Role::Leader,
             refused: None,
             reannounced: None,
+            kv_reannounce_asked: None,
         };
         state.update_gauges();
         state.metrics.leader.set(1.0);
@@ -694,6 +699,8 @@ struct Loop {
     refused: Option<(Instant, u32)>,
     /// When the unconfirmed deltas were last announced again on request.
     reannounced: Option<Instant>,
+    /// When the agents were last asked to announce their batches again.
+    kv_reannounce_asked: Option<Instant>,
 }
 
 impl Loop {
@@ -884,6 +891,9 @@ impl Loop {
         };
         if !self.indexer.is_next(&batch) {
             self.metrics.live_left_to_stream.increment(1);
+            if self.indexer.is_ahead(&batch) {
+                self.ask_kv_reannounce(&batch).await;
+            }
             return Ok(());
         }
         self.metrics.live_applied.increment(1);
@@ -893,6 +903,30 @@ impl Loop {
         self.update_gauges();
         self.maybe_snapshot(now);
         Ok(())
+    }
+
+    /// Announcements of `batch`'s worker were missed (this indexer's
+    /// connection moved, most often): every agent is asked to announce its
+    /// recent batches again (at most every [`KV_REANNOUNCE_EVERY`]), rather
+    /// than the index waiting for a stream that may be electing its leader.
+    async fn ask_kv_reannounce(&mut self, batch: &KvEventBatch) {
+        let now = Instant::now();
+        if self
+            .kv_reannounce_asked
+            .is_some_and(|at| now - at < KV_REANNOUNCE_EVERY)
+        {
+            return;
+        }
+        self.kv_reannounce_asked = Some(now);
+        self.metrics.kv_reannounce_requests.increment(1);
+        tracing::info!(worker = %batch.worker, epoch = batch.epoch, seq = batch.seq, "announced KV batches were missed; asking the agents to announce their recent ones again");
+        if let Err(e) = self
+            .client
+            .publish(subjects::KV_REANNOUNCE, bytes::Bytes::new())
+            .await
+        {
+            tracing::warn!(error = %e, "asking the agents to announce again failed");
+        }
     }
 
     /// The batch in `message`, or `None` (counted, logged) when it is

@@ -16,9 +16,14 @@
 //!   ([`Backoff`]), until acknowledged or superseded by a new epoch.
 //! - Batches are formed when there is none to publish (events that come
 //!   while one is in flight join the next batch), or at every step while
-//!   the stream does not take them (a publish failed, or has been in flight
-//!   for [`STALLED_AFTER`]): then they are announced at once and queue
-//!   behind, in order.
+//!   the stream does not take them (a publish failed, or has been in
+//!   flight for [`stall_after`]: four times the usual acknowledgement,
+//!   within [`MIN_STALL`]..[`MAX_STALL`]) or while a backlog of formed
+//!   batches drains: then they are announced as they are formed and queue
+//!   behind, in order, one batch per [`linger`] at most (the usual
+//!   acknowledgement, within [`MIN_LINGER`]..[`MAX_LINGER`]): a stream that
+//!   is only slow gets batches as large as before, one per round trip, not
+//!   one per engine message, which one publish at a time would not drain.
 //! - A resync (asked for on the resync subject, or forced by a queue
 //!   overflow) asks the engine for its block set once, however many ask
 //!   meanwhile; the block set starts a new epoch, and whoever asked gets a
@@ -39,10 +44,41 @@ use protocol::{subjects, KvEvent, KvEventBatch, ResyncReply, WorkerId};
 use super::backoff::Backoff;
 use super::outbox::{KvOutbox, OutboxLimits, Pushed};
 
-/// A publish in flight this long means the stream is not taking batches
-/// for now: new events are formed into batches and announced at once
-/// instead of waiting for its acknowledgement.
-pub const STALLED_AFTER: Duration = Duration::from_millis(100);
+/// A publish in flight for [`stall_after`] means the stream is not taking
+/// batches for now: new events are formed into batches and announced at
+/// once instead of waiting for its acknowledgement. At least this long...
+pub const MIN_STALL: Duration = Duration::from_millis(100);
+/// ...and at most this long.
+pub const MAX_STALL: Duration = Duration::from_secs(1);
+
+/// While batches are formed ahead of the publish in flight, at least this
+/// long between two...
+pub const MIN_LINGER: Duration = Duration::from_millis(20);
+/// ...and at most this long.
+pub const MAX_LINGER: Duration = Duration::from_millis(250);
+
+/// How long events wait to join a batch formed ahead of the publish in
+/// flight: the usual acknowledgement (`ack_ms`), within
+/// [`MIN_LINGER`]..[`MAX_LINGER`].
+pub fn linger(ack_ms: Option<f64>) -> Duration {
+    Duration::from_secs_f64(ack_ms.unwrap_or(0.0).max(0.0) / 1000.0).clamp(MIN_LINGER, MAX_LINGER)
+}
+
+/// Acknowledged batches of the current epoch kept to be announced again
+/// ([`Input::ReannounceRequested`]): an indexer that missed announcements
+/// while its connection moved (a second or two) gets them from the agents
+/// rather than waiting for a stream that may be electing its leader.
+/// (Epochs' first batches are not kept: an announced new epoch is left to
+/// the stream anyway.)
+pub const RECENT_BATCHES: usize = 256;
+
+/// How long a publish may be in flight before the stream counts as
+/// stalled: four times the usual acknowledgement (`ack_ms`, a moving
+/// average; none yet: [`MIN_STALL`]), within [`MIN_STALL`]..[`MAX_STALL`].
+pub fn stall_after(ack_ms: Option<f64>) -> Duration {
+    let usual = Duration::from_secs_f64(ack_ms.unwrap_or(0.0).max(0.0) * 4.0 / 1000.0);
+    usual.clamp(MIN_STALL, MAX_STALL)
+}
 
 /// What happens to the KV pipeline. `R` names where a resync reply goes
 /// (the shell's reply subject).
@@ -78,6 +114,10 @@ pub enum Input<R> {
         /// Where the [`ResyncReply`] goes, if anywhere.
         reply: Option<R>,
     },
+    /// The indexer missed announcements (it saw a gap): announce the
+    /// recent batches again, acknowledged or not ([`RECENT_BATCHES`]), in
+    /// order.
+    ReannounceRequested,
     /// Time passed: a retry asked for with [`Effect::RetryAt`] may be due.
     Tick,
 }
@@ -242,6 +282,12 @@ pub struct KvCore<R> {
     owed: Option<Owed<R>>,
     /// The queue passed half of its bound (noted once).
     queue_filling: bool,
+    /// Moving average of the time to an acknowledgement (ms).
+    ack_ms: Option<f64>,
+    /// When the last batch was formed.
+    last_formed: Duration,
+    /// The last acknowledged batches of the epoch ([`RECENT_BATCHES`]).
+    recent: std::collections::VecDeque<KvEventBatch>,
     effects: Vec<Effect<R>>,
 }
 
@@ -261,6 +307,9 @@ impl<R> KvCore<R> {
             waiting: Vec::new(),
             owed: None,
             queue_filling: false,
+            ack_ms: None,
+            last_formed: Duration::ZERO,
+            recent: std::collections::VecDeque::new(),
             effects: Vec::new(),
         }
     }
@@ -290,8 +339,9 @@ impl<R> KvCore<R> {
                 epoch,
                 seq,
                 duplicate,
-            } => self.on_acked(epoch, seq, duplicate),
+            } => self.on_acked(epoch, seq, duplicate, now),
             Input::PublishFailed { epoch, seq, error } => self.on_failed(epoch, seq, error, now),
+            Input::ReannounceRequested => self.reannounce(),
             Input::ResyncRequested { reply } => {
                 self.waiting.extend(reply);
                 self.request_resync(ResyncReason::Request);
@@ -383,21 +433,27 @@ impl<R> KvCore<R> {
         matches!(self.sending, Sending::InFlight { epoch: e, seq: s, .. } if (e, s) == (epoch, seq))
     }
 
-    fn on_acked(&mut self, epoch: u64, seq: u64, duplicate: bool) {
+    fn on_acked(&mut self, epoch: u64, seq: u64, duplicate: bool, now: Duration) {
         if !self.in_flight(epoch, seq) {
             // A superseded publish: its batch is gone.
             return;
+        }
+        if let Sending::InFlight { since, .. } = self.sending {
+            let took = now.saturating_sub(since).as_secs_f64() * 1000.0;
+            self.ack_ms = Some(self.ack_ms.map_or(took, |avg| 0.8 * avg + 0.2 * took));
         }
         self.sending = Sending::Idle;
         let Some(batch) = self.outbox.acked(epoch, seq) else {
             return;
         };
+        let (events, blocks) = (batch.events.len(), batch.block_events() as u64);
+        self.keep_recent(batch);
         let after_failures = mem::take(&mut self.failures);
         self.note(Note::Published {
             epoch,
             seq,
-            events: batch.events.len(),
-            blocks: batch.block_events() as u64,
+            events,
+            blocks,
             duplicate,
             after_failures,
         });
@@ -428,6 +484,36 @@ impl<R> KvCore<R> {
         self.effects.push(Effect::RetryAt(at));
     }
 
+    /// Keeps an acknowledged batch to announce again on request (not an
+    /// epoch's first: see [`RECENT_BATCHES`]).
+    fn keep_recent(&mut self, batch: KvEventBatch) {
+        if self.recent.back().is_some_and(|b| b.epoch != batch.epoch) {
+            self.recent.clear();
+        }
+        if batch.seq == 0 {
+            return;
+        }
+        if self.recent.len() == RECENT_BATCHES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(batch);
+    }
+
+    /// Announces again the recent batches of the epoch, acknowledged and
+    /// formed ones, in order (not the epoch's first).
+    fn reannounce(&mut self) {
+        let epoch = self.outbox.epoch();
+        let batches = self
+            .recent
+            .iter()
+            .chain(self.outbox.formed_batches())
+            .filter(|b| b.epoch == epoch && b.seq > 0)
+            .cloned()
+            .collect::<Vec<_>>();
+        self.effects
+            .extend(batches.into_iter().map(Effect::Announce));
+    }
+
     /// The first batch of `epoch` is in the stream: answer who asked.
     fn send_owed_replies(&mut self, epoch: u64) {
         let Some(owed) = self.owed.take_if(|o| o.epoch == epoch) else {
@@ -446,11 +532,15 @@ impl<R> KvCore<R> {
     /// Forms (and announces) batches when due, then publishes the front
     /// one if nothing is in flight and no retry is still waiting.
     fn pump(&mut self, now: Duration) {
-        let stalled = self.failures > 0
-            || matches!(self.sending, Sending::InFlight { since, .. } if now.saturating_sub(since) >= STALLED_AFTER);
-        if stalled || self.outbox.front().is_none() {
+        let stall = stall_after(self.ack_ms);
+        let ahead = self.failures > 0
+            || self.outbox.formed() > 1
+            || matches!(self.sending, Sending::InFlight { since, .. } if now.saturating_sub(since) >= stall);
+        let due = now.saturating_sub(self.last_formed) >= linger(self.ack_ms);
+        if self.outbox.front().is_none() || (ahead && due) {
             while let Some(batch) = self.outbox.form() {
                 self.effects.push(Effect::Announce(batch.clone()));
+                self.last_formed = now;
             }
         }
         match self.sending {
@@ -771,35 +861,103 @@ mod tests {
     fn a_publish_in_flight_too_long_lets_new_batches_be_announced_in_order() {
         let mut c = core(7, LIMITS);
         c.step(Input::Tick, ms(0));
-        // In flight for less than STALLED_AFTER: the events wait.
+        // In flight for less than MIN_STALL (no acknowledgement yet to
+        // learn from): the events wait.
         assert_eq!(c.step(Input::EngineEvents(vec![stored(1)]), ms(50)), vec![]);
-        let at = ms(0) + STALLED_AFTER;
+        let at = ms(0) + MIN_STALL;
         assert_eq!(
             c.step(Input::EngineEvents(vec![stored(2)]), at),
             sent(7, 1, vec![stored(1), stored(2)])[..1],
             "formed and announced, not published: one publish in flight"
         );
-        let third = c.step(Input::EngineEvents(vec![stored(3)]), at + ms(1));
+        // Within MIN_LINGER of that batch, events wait to join the next.
+        assert_eq!(
+            c.step(Input::EngineEvents(vec![stored(3)]), at + ms(1)),
+            vec![]
+        );
+        let third = c.step(Input::EngineEvents(vec![stored(4)]), at + MIN_LINGER);
         assert_eq!(announced(&third), vec![(7, 2)]);
-        assert_eq!(c.held_events(), 4);
+        assert_eq!(c.held_events(), 5);
         // The stream takes them again: published in order, not announced
         // again.
-        let effects = c.step(acked(7, 0), at + ms(2));
+        let at = at + MIN_LINGER;
+        let effects = c.step(acked(7, 0), at + ms(1));
         assert_eq!(
             (published(&effects), announced(&effects)),
             (vec![(7, 1)], vec![])
         );
-        let effects = c.step(acked(7, 1), at + ms(3));
+        let effects = c.step(acked(7, 1), at + ms(2));
         assert_eq!(published(&effects), vec![(7, 2)]);
-        c.step(acked(7, 2), at + ms(4));
+        c.step(acked(7, 2), at + ms(3));
         assert_eq!(c.held_events(), 0);
         // Quick again: events wait for the publish in flight.
         assert_eq!(
-            announced(&c.step(Input::EngineEvents(vec![stored(4)]), at + ms(5))),
+            announced(&c.step(Input::EngineEvents(vec![stored(5)]), at + ms(4))),
             vec![(7, 3)]
         );
         assert_eq!(
-            c.step(Input::EngineEvents(vec![stored(5)]), at + ms(6)),
+            c.step(Input::EngineEvents(vec![stored(6)]), at + ms(5)),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn a_slow_stream_keeps_its_batches_large() {
+        let mut c = core(7, LIMITS);
+        let mut now = ms(0);
+        c.step(Input::Tick, now);
+        // Every acknowledgement takes 150 ms, an engine message comes
+        // every 30 ms: the agent learns the round trip, and forms about
+        // one batch per round trip, which one publish at a time drains.
+        let mut next = (7, 0);
+        let mut sizes = Vec::new();
+        for round in 0..40u64 {
+            for k in 0..5 {
+                now += ms(30);
+                let effects = c.step(Input::EngineEvents(vec![stored(round * 5 + k)]), now);
+                for effect in effects {
+                    if let Effect::Announce(batch) = effect {
+                        sizes.push(batch.events.len());
+                    }
+                }
+            }
+            let effects = c.step(acked(next.0, next.1), now);
+            let sent = published(&effects);
+            assert_eq!(sent.len(), 1, "round {round}");
+            next = sent[0];
+        }
+        assert!(stall_after(c.ack_ms) >= ms(600), "{:?}", c.ack_ms);
+        assert!(
+            sizes[4..].iter().all(|n| *n >= 4),
+            "batches of a round trip's events: {sizes:?}"
+        );
+        assert!(
+            c.held_events() <= 15,
+            "the backlog stays bounded: {}",
+            c.held_events()
+        );
+    }
+
+    #[test]
+    fn a_reannounce_request_announces_the_recent_batches_again_in_order() {
+        let mut c = core(7, LIMITS);
+        c.step(Input::Tick, ms(0));
+        c.step(Input::EngineEvents(vec![stored(1)]), ms(1));
+        c.step(acked(7, 0), ms(2));
+        c.step(acked(7, 1), ms(3));
+        c.step(Input::EngineEvents(vec![stored(2)]), ms(4));
+        // (7, 2) in flight; more waits.
+        c.step(Input::EngineEvents(vec![stored(3)]), ms(5));
+        let effects = c.step(Input::ReannounceRequested, ms(6));
+        assert_eq!(
+            announced(&effects),
+            vec![(7, 1), (7, 2)],
+            "the acknowledged and the formed, not the epoch's first nor the unformed"
+        );
+        // A new epoch forgets the old one's.
+        c.step(Input::BlockSet(vec![stored(1)]), ms(7));
+        assert_eq!(
+            announced(&c.step(Input::ReannounceRequested, ms(8))),
             vec![]
         );
     }

@@ -17,5 +17,8 @@ mod kv;
 mod outbox;
 
 pub use backoff::Backoff;
-pub use kv::{Effect, Input, KvCore, Note, ResyncReason};
+pub use kv::{
+    linger, stall_after, Effect, Input, KvCore, Note, ResyncReason, MAX_LINGER, MAX_STALL,
+    MIN_LINGER, MIN_STALL,
+};
 pub use outbox::{KvOutbox, OutboxLimits, Pushed, StaleEpoch};

@@ -200,6 +200,11 @@ impl KvOutbox {
         self.formed.back()
     }
 
+    /// The batches formed and not acknowledged, oldest first.
+    pub fn formed_batches(&self) -> impl Iterator<Item = &KvEventBatch> {
+        self.formed.iter()
+    }
+
     /// The batch to publish now: the oldest one formed and not
     /// acknowledged.
     pub fn front(&self) -> Option<&KvEventBatch> {

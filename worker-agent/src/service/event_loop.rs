@@ -59,6 +59,9 @@ enum Event {
     Resync(Option<NatsMessage>),
     /// A message on the cancel subject; `None` when the subscription ended.
     Cancel(Option<NatsMessage>),
+    /// The indexer asks for the recent KV batches again; `None` when the
+    /// subscription ended.
+    Reannounce(Option<NatsMessage>),
     /// Time to check the load.
     LoadTick,
     /// A stream forwarder or a reply task ended.
@@ -70,6 +73,7 @@ pub(super) struct Subscriptions {
     pub(super) generate: Subscriber,
     pub(super) resync: Subscriber,
     pub(super) cancel: Subscriber,
+    pub(super) reannounce: Subscriber,
 }
 
 /// The agent's KV epochs in etcd: the first one was taken from there
@@ -93,6 +97,7 @@ pub(super) struct Agent {
     accepting: bool,
     resync: Subscriber,
     cancel: Subscriber,
+    reannounce: Subscriber,
     /// The generation streams being forwarded, by decision: a cancel
     /// aborts the forwarder, which drops the engine's stream.
     pub(super) streams: HashMap<DecisionId, AbortHandle>,
@@ -150,6 +155,7 @@ impl Agent {
             generate,
             resync,
             cancel,
+            reannounce,
         } = subscriptions;
         let mut load_tick = tokio::time::interval(settings.load_poll);
         load_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -175,6 +181,7 @@ impl Agent {
             accepting: true,
             resync,
             cancel,
+            reannounce,
             streams: HashMap::new(),
             in_flight,
             kv,
@@ -291,13 +298,26 @@ impl Agent {
                         subject: subjects::resync(&self.worker),
                     })
                 }
+                Event::Reannounce(Some(_)) => self.kv_step(Input::ReannounceRequested),
+                Event::Reannounce(None) => {
+                    return Err(AgentError::SubscriptionClosed {
+                        subject: subjects::KV_REANNOUNCE.into(),
+                    })
+                }
                 Event::Cancel(Some(message)) => self.on_cancel(&message),
                 Event::Cancel(None) => {
                     return Err(AgentError::SubscriptionClosed {
                         subject: subjects::cancel(&self.worker),
                     })
                 }
-                Event::LoadTick => self.on_load_tick().await,
+                Event::LoadTick => {
+                    // A publish in flight may have stalled since the last
+                    // step: events waiting for it are announced then.
+                    if self.publishing.is_some() {
+                        self.kv_step(Input::Tick);
+                    }
+                    self.on_load_tick().await
+                }
                 Event::TaskEnded(ended) => {
                     if let Err(e) = ended {
                         if !e.is_cancelled() {
@@ -322,6 +342,7 @@ impl Agent {
             generate,
             resync,
             cancel,
+            reannounce,
             load_tick,
             tasks: task_set,
             ..
@@ -338,6 +359,7 @@ impl Agent {
             message = generate.next(), if accepting => Event::Generate(message),
             message = resync.next() => Event::Resync(message),
             message = cancel.next() => Event::Cancel(message),
+            message = reannounce.next() => Event::Reannounce(message),
             _ = load_tick.tick() => Event::LoadTick,
             Some(ended) = task_set.join_next(), if tasks => Event::TaskEnded(ended),
         }

@@ -125,6 +125,7 @@ async fn serve_worker(
         generate: subscribe(&client, subjects::generate(&worker)).await?,
         resync: subscribe(&client, subjects::resync(&worker)).await?,
         cancel: subscribe(&client, subjects::cancel(&worker)).await?,
+        reannounce: subscribe(&client, subjects::KV_REANNOUNCE.to_owned()).await?,
     };
     let in_flight = super::ping::InFlight::default();
     let pings = super::ping::answer(
