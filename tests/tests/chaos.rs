@@ -4,9 +4,10 @@
 //! then, one window each, kill -9 and restart of every component in turn,
 //! and forged messages from clients that may not send them. Each window
 //! reports the requests sent / ok / failed / hung, the seconds until the
-//! component is ready again and until the routers' index digests agree
-//! with the indexer's, and whether that digest equals a rebuild of the raw
-//! KV log and `replay verify` reproduces the decision log.
+//! component is ready again and until the index has converged (the indexer
+//! holds every agent's last KV batch, and every router the indexer's
+//! index), and whether that digest equals a rebuild of the raw KV log and
+//! `replay verify` reproduces the decision log.
 //!
 //! `scripts/chaos` runs it in full (`SWITCHYARD_CHAOS=full`: longer load
 //! windows); `scripts/test` runs it shortened, without the full store. The table and the closing
@@ -14,7 +15,8 @@
 //! that file. The test fails on what this deployment guarantees: a digest
 //! mismatch, a replay that does not reproduce, an accepted forgery, a lost
 //! request when etcd or an indexer dies, a failover over 30 s (a liveness
-//! bound; the 2 s target is judged on `max_converge_s`). Losses a
+//! bound; the 2 s target is judged on `max_converge_s`), an index that did
+//! not follow the engines while the store was full. Losses a
 //! fault causes elsewhere (a router's or an agent's in-flight requests)
 //! are measured and reported, not hidden; so are services that stop by
 //! themselves during a window (restarted, as a supervisor would, and named
@@ -150,13 +152,18 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
         let (mut ready_s, since, note) = inject(cluster, fault).await?;
         let mut notes: Vec<String> = note.into_iter().collect();
         let mut crashed = cluster.heal().await?;
-        let converge_s = converge(cluster, since).await?;
-        if let Fault::FullStore = fault {
-            ready_s = took_writes_again(cluster, since).await?;
+        let converge_s = if let Fault::FullStore = fault {
+            // Timed apart, from the same instant.
+            let (converge_s, writes_s) =
+                tokio::join!(converge(cluster, since), took_writes_again(cluster, since));
+            ready_s = writes_s?;
             notes.push(format!(
                 "every service took JetStream writes again {ready_s:.2} s after the room returned (the streams' leader elections); the index followed the agents' announced batches meanwhile"
             ));
-        }
+            converge_s?
+        } else {
+            converge(cluster, since).await?
+        };
         if let Fault::NatsNode = fault {
             notes.push(nats_node_healthy(cluster, since).await?);
             streams_led(cluster).await?;
@@ -229,6 +236,12 @@ async fn run(cluster: &mut Cluster, full: bool) -> Result<()> {
             row.fault,
             row.load
         );
+        ensure!(
+            !row.notes.iter().any(|n| n.contains(NOT_FOLLOWED)),
+            "{}: {:?}",
+            row.fault,
+            row.notes
+        );
     }
     if let Some(failover) = rows.iter().find(|r| r.fault == "indexer with standby") {
         ensure!(
@@ -271,8 +284,8 @@ async fn inject(cluster: &mut Cluster, fault: Fault) -> Result<(f64, Instant, Op
                     "the index held every agent's last batch and the routers the index {:.2} s after the store filled",
                     full_at.elapsed().as_secs_f64()
                 ),
-                Ok(Err(e)) => format!("the index did NOT follow the engines while the store was full: {e}"),
-                Err(_) => "the index did NOT follow the engines while the store was full (10 s)".into(),
+                Ok(Err(e)) => format!("{NOT_FOLLOWED}: {e}"),
+                Err(_) => format!("{NOT_FOLLOWED} (10 s)"),
             };
             // Room again (from when the filler is gone: its deletion can
             // take seconds on a full cluster); nothing is restarted, the
@@ -376,6 +389,10 @@ async fn took_writes_again(cluster: &Cluster, since: Instant) -> Result<f64> {
     }
     Ok(since.elapsed().as_secs_f64())
 }
+
+/// What the full-store row says when the index did not follow the engines
+/// while JetStream stored nothing (a failure).
+const NOT_FOLLOWED: &str = "the index did NOT follow the engines while the store was full";
 
 /// The stream that fills the store (another tenant's, R3).
 const FILLER: &str = "CHAOS_FILLER";

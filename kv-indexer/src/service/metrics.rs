@@ -130,7 +130,7 @@ impl Metrics {
             r.counter(
                 "kv_indexer_batches_total",
                 &[("status", status)],
-                "KV event batches by admission status",
+                "KV event batches by admission status (the stream's copy of a batch applied from its announcement counts as a duplicate)",
             )
         });
         let resync = |result| {

@@ -11,12 +11,15 @@ use crate::indexer::KvIndexer;
 use crate::replica::DeltaError;
 
 /// A delta feed that gives nothing for this long while the log holds more
-/// is given up, and the recovery tried again ([`RecoveryError::LogTimeout`]
-/// is retryable). Seen in the chaos suite: a standby elected after the
+/// is opened again from where the replay is ([`FEED_REOPENS`] times, then
+/// [`RecoveryError::LogTimeout`], retryable: the recovery is tried again). Seen in the chaos suite: a standby elected after the
 /// full-store fault, whose delta feed (its stream's leader just elected)
 /// gave nothing for 30 s, the old bound. A live feed gives the next delta
 /// in milliseconds.
 const DELTA_READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// How many times a standing feed is opened again from where the replay
+/// is before the recovery gives up (and is tried again from the start).
+const FEED_REOPENS: u32 = 5;
 
 /// Why the state could not be recovered.
 #[derive(Debug, thiserror::Error)]
@@ -81,11 +84,20 @@ pub async fn recover(bus: &Bus, index: OwnershipIndex) -> Result<Recovered, Reco
     if snapshot_seq < last {
         // The consumer follows the stream forever: stop at `last`.
         let mut deltas = bus.deltas_from(snapshot_seq + 1).await?;
+        let mut reopened = 0;
         while indexer.delta_seq() < last {
             let at = indexer.delta_seq();
             let delta = match tokio::time::timeout(DELTA_READ_TIMEOUT, deltas.next()).await {
                 Ok(Some(delta)) => delta?,
                 Ok(None) => return Err(RecoveryError::LogEnded { at, last }),
+                // A feed standing still: a new one from here, keeping what
+                // was replayed.
+                Err(_) if reopened < FEED_REOPENS => {
+                    reopened += 1;
+                    tracing::warn!(at, last, reopened, "the delta log's feed gave nothing for {DELTA_READ_TIMEOUT:?}; opening it again from here");
+                    deltas = bus.deltas_from(at + 1).await?;
+                    continue;
+                }
                 Err(_) => return Err(RecoveryError::LogTimeout { at, last }),
             };
             indexer.replay(&delta)?;
