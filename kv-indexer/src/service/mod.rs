@@ -910,14 +910,9 @@ impl Loop {
     /// recent batches again (at most every [`KV_REANNOUNCE_EVERY`]), rather
     /// than the index waiting for a stream that may be electing its leader.
     async fn ask_kv_reannounce(&mut self, batch: &KvEventBatch) {
-        let now = Instant::now();
-        if self
-            .kv_reannounce_asked
-            .is_some_and(|at| now - at < KV_REANNOUNCE_EVERY)
-        {
+        if !at_most_every(&mut self.kv_reannounce_asked, KV_REANNOUNCE_EVERY) {
             return;
         }
-        self.kv_reannounce_asked = Some(now);
         self.metrics.kv_reannounce_requests.increment(1);
         tracing::info!(worker = %batch.worker, epoch = batch.epoch, seq = batch.seq, "announced KV batches were missed; asking the agents to announce their recent ones again");
         if let Err(e) = self
@@ -1094,14 +1089,9 @@ impl Loop {
     /// confirmed are announced again (at most every [`REANNOUNCE_EVERY`]:
     /// every router that missed them asks).
     async fn reannounce(&mut self) {
-        let now = Instant::now();
-        if self
-            .reannounced
-            .is_some_and(|at| now - at < REANNOUNCE_EVERY)
-        {
+        if !at_most_every(&mut self.reannounced, REANNOUNCE_EVERY) {
             return;
         }
-        self.reannounced = Some(now);
         let announced = self.pipeline.announce_unconfirmed().await;
         self.metrics.reannounced.increment(announced as u64);
     }
@@ -1403,6 +1393,17 @@ impl Loop {
             "digest": format!("{:016x}", index.digest()),
         })
     }
+}
+
+/// Whether something done at most every `period` may be done now (then
+/// `last` becomes now).
+fn at_most_every(last: &mut Option<Instant>, period: Duration) -> bool {
+    let now = Instant::now();
+    if last.is_some_and(|at| now - at < period) {
+        return false;
+    }
+    *last = Some(now);
+    true
 }
 
 /// Every worker's position in its batches: `{"worker": {"epoch", "last_seq",

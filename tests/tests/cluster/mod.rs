@@ -793,17 +793,7 @@ impl Cluster {
             "routers to reach the indexer's delta and digest",
             || async {
                 let status = self.indexer_status().await?;
-                let seq = status["delta_seq"].as_u64().unwrap_or(0);
-                let expected = status["digest"].as_str().unwrap_or_default().to_owned();
-                for i in 0..self.routers.len() {
-                    let state = self.router_state(i).await?;
-                    if state["applied_delta"].as_u64() != Some(seq)
-                        || state["index_digest"].as_str() != Some(&expected)
-                    {
-                        return Ok(None);
-                    }
-                }
-                Ok(Some(expected))
+                self.routers_at(&status).await
             },
         )
         .await
@@ -828,20 +818,26 @@ impl Cluster {
                         return Ok(None);
                     }
                 }
-                let seq = status["delta_seq"].as_u64().unwrap_or(0);
-                let expected = status["digest"].as_str().unwrap_or_default().to_owned();
-                for i in 0..self.routers.len() {
-                    let state = self.router_state(i).await?;
-                    if state["applied_delta"].as_u64() != Some(seq)
-                        || state["index_digest"].as_str() != Some(&expected)
-                    {
-                        return Ok(None);
-                    }
-                }
-                Ok(Some(expected))
+                self.routers_at(&status).await
             },
         )
         .await
+    }
+
+    /// The indexer's digest when every router holds the index at the
+    /// indexer's delta (`status`, its `/status`).
+    async fn routers_at(&self, status: &Value) -> Result<Option<String>> {
+        let seq = status["delta_seq"].as_u64().unwrap_or(0);
+        let expected = status["digest"].as_str().unwrap_or_default().to_owned();
+        for i in 0..self.routers.len() {
+            let state = self.router_state(i).await?;
+            if state["applied_delta"].as_u64() != Some(seq)
+                || state["index_digest"].as_str() != Some(&expected)
+            {
+                return Ok(None);
+            }
+        }
+        Ok(Some(expected))
     }
 
     /// Every agent's last KV batch formed: (worker, epoch, seq), from its
