@@ -461,3 +461,101 @@ async fn a_standby_takes_over_from_a_dead_leader_before_its_lease_runs_out() -> 
     drop(elected);
     Ok(())
 }
+
+/// A KV message that made no delta (most often the stream's copy of a
+/// batch already applied from its announcement) is acked only once the
+/// last delta made before it is in the stream: not while JetStream refuses
+/// that delta, which would let a failover lose the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_without_a_delta_waits_for_the_delta_made_before_it() -> Result<()> {
+    use async_nats::jetstream::{consumer, message::AckKind, stream};
+    use kv_indexer::service::consumer::{Confirmed, Pipeline, RetryPolicy};
+
+    init_tracing();
+    let dir = tempfile::tempdir()?;
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(&conf, "jetstream {\n  max_file_store: 48MB\n}\n")?;
+    let nats = tests::NatsServer::start_with_config(&conf)?;
+    let bus = bus::Bus::connect(&nats.url(), "kv-indexer-test").await?;
+    bus.ensure_streams(&bus::StreamLimits::default()).await?;
+    let js = bus.jetstream();
+    // A stand-in for the KV stream: one message to ack.
+    let acks = js
+        .create_stream(stream::Config {
+            name: "ACKS".into(),
+            subjects: vec!["acks".into()],
+            ..Default::default()
+        })
+        .await?;
+    js.publish("acks", "copy".into()).await?.await?;
+    let pull = acks
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("acks".into()),
+            ..Default::default()
+        })
+        .await?;
+    let message = pull
+        .fetch()
+        .max_messages(1)
+        .messages()
+        .await?
+        .next()
+        .await
+        .context("the message to ack")?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (_, acker) = message.split();
+    let pending = |pull: consumer::PullConsumer| async move {
+        let mut pull = pull;
+        anyhow::Ok(pull.info().await?.num_ack_pending)
+    };
+
+    let delta = tests::fixtures::one_block_delta;
+    let policy = RetryPolicy {
+        backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(400),
+        give_up: WAIT,
+    };
+    let mut pipeline = Pipeline::new(&bus, 16, None, policy);
+    pipeline.push(Some(delta(1)), None).await?;
+    while let Some(done) = pipeline.next().await {
+        done?;
+    }
+    tests::fixtures::fill_store(js).await?;
+    // Delta 2 is sent (the store refuses it), then the message without a
+    // delta is pushed behind it.
+    ensure!(pipeline.push(Some(delta(2)), None).await?.is_none());
+    ensure!(pipeline
+        .push(None, Some((acker, AckKind::Ack)))
+        .await?
+        .is_none());
+    match tokio::time::timeout(WAIT, pipeline.next()).await? {
+        Some(Err(e)) => {
+            ensure!(e.retryable(), "{e}");
+            pipeline.refuse();
+        }
+        other => bail!("the full store took delta 2: {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ensure!(
+        pending(pull.clone()).await? == 1,
+        "acked while its delta was refused"
+    );
+
+    js.delete_stream("FILLER").await?;
+    loop {
+        match tokio::time::timeout(WAIT, pipeline.next()).await? {
+            Some(Ok(Confirmed { seq: Some(2) })) => break,
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                ensure!(e.retryable(), "{e}");
+                pipeline.refuse();
+            }
+            None => bail!("the pipeline stopped before delta 2"),
+        }
+    }
+    wait_for("the ack once delta 2 is stored", WAIT, || {
+        let pull = pull.clone();
+        async move { Ok((pending(pull).await? == 0).then_some(())) }
+    })
+    .await
+}
