@@ -140,7 +140,7 @@ fn agent(worker: &WorkerId) -> Permissions {
             subjects::cancel(worker),
             subjects::resync(worker),
             subjects::ping(worker),
-            subjects::KV_REANNOUNCE.to_owned(),
+            subjects::kv_reannounce(worker),
             format!("{}.>", inbox_prefix(&agent_user(worker))),
         ],
         responds: true,
@@ -156,7 +156,7 @@ fn indexer() -> Permissions {
             // A standby's probe of the leader.
             subjects::INDEX_LEADER.to_owned(),
             // Requests to announce their recent KV batches again.
-            subjects::KV_REANNOUNCE.to_owned(),
+            subjects::KV_REANNOUNCE_ALL.to_owned(),
             // Resync requests to any agent.
             subjects::RESYNC_ALL.to_owned(),
             // The streams' administrator: limits, consumers, trimming, the
@@ -300,9 +300,10 @@ mod tests {
             && !s.contains('*')
             && !s.starts_with("sy.index")
             && !s.starts_with("sy.worker")));
-        assert!(d0.subscribe.iter().all(|s| s.contains("d0.0")
-            || s.starts_with("_INBOX.agent-d0-0.")
-            || s == subjects::KV_REANNOUNCE));
+        assert!(d0
+            .subscribe
+            .iter()
+            .all(|s| s.contains("d0.0") || s.starts_with("_INBOX.agent-d0-0.")));
     }
 
     #[test]

@@ -124,6 +124,12 @@ impl KvIndexer {
         self.cursors.get(worker).map(|c| c.epoch)
     }
 
+    /// Where the index is in `worker`'s batches: its epoch and the last seq
+    /// applied, if it knows its stream.
+    pub fn position(&self, worker: &WorkerId) -> Option<(u64, u64)> {
+        self.cursors.get(worker).map(|c| (c.epoch, c.last_seq))
+    }
+
     /// Whether `batch` is the next one of its worker's current epoch:
     /// [`KvIndexer::apply`] would apply it in order. (An announced batch is
     /// applied ahead of the stream only then; anything else, a new epoch

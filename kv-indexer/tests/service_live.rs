@@ -125,14 +125,21 @@ async fn announced_batches_are_applied_ahead_of_the_stream_when_next() -> Result
     let mut asked = servers
         .bus
         .client()
-        .subscribe(subjects::KV_REANNOUNCE)
+        .subscribe(subjects::kv_reannounce(&ten.worker))
         .await?;
     servers.bus.client().flush().await?;
     announce(&servers, d0.clone(), &eleven).await?;
-    // The gap makes the indexer ask the agents to announce again.
-    tokio::time::timeout(Duration::from_secs(5), asked.next())
+    // The gap makes the indexer ask d0's agent to announce again what
+    // follows its position (d0's fifth batch, seq 4).
+    let request = tokio::time::timeout(Duration::from_secs(5), asked.next())
         .await
-        .context("no request to announce again after a gap")?;
+        .context("no request to announce again after a gap")?
+        .context("the subscription ended")?;
+    ensure!(
+        subjects::parse_kv_reannounce_body(&request.payload) == Some((ten.epoch, 4)),
+        "{:?}",
+        request.payload
+    );
     // d0's batch on d1's subject: rejected.
     announce(&servers, subjects::kv_events_live(&worker("d1")), &ten).await?;
     announce(&servers, d0, &ten).await?;

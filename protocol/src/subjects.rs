@@ -30,10 +30,32 @@ pub fn kv_events_live(worker: &WorkerId) -> String {
     format!("sy.kv.live.{}", worker.subject_tokens())
 }
 
-/// Core NATS, no body: the indexer saw a gap in a worker's announced
-/// batches (its connection moved to another NATS node, and announcements
-/// were lost meanwhile): every agent announces its recent batches again.
-pub const KV_REANNOUNCE: &str = "sy.kv.reannounce";
+/// Core NATS: the indexer saw a gap in a worker's announced batches (its
+/// connection moved to another NATS node, and announcements were lost
+/// meanwhile): that worker's agent announces its batches after the
+/// indexer's position again. The body is the position, as text
+/// ([`kv_reannounce_body`]).
+pub fn kv_reannounce(worker: &WorkerId) -> String {
+    format!("sy.kv.reannounce.{}", worker.subject_tokens())
+}
+
+/// Every worker's [`kv_reannounce`] subject (the indexer's publish
+/// permission).
+pub const KV_REANNOUNCE_ALL: &str = "sy.kv.reannounce.*.*";
+
+/// The body of a [`kv_reannounce`] request: the epoch and the last seq of
+/// it the indexer holds, `"EPOCH SEQ"`.
+pub fn kv_reannounce_body(epoch: u64, last_seq: u64) -> String {
+    format!("{epoch} {last_seq}")
+}
+
+/// The position a [`kv_reannounce`] request names, or `None` when its body
+/// is not `"EPOCH SEQ"`.
+pub fn parse_kv_reannounce_body(body: &[u8]) -> Option<(u64, u64)> {
+    let text = std::str::from_utf8(body).ok()?;
+    let (epoch, seq) = text.trim().split_once(' ')?;
+    Some((epoch.parse().ok()?, seq.parse().ok()?))
+}
 
 /// Message id of a KV batch: JetStream drops a republished batch within
 /// the stream's duplicate window.
@@ -174,6 +196,18 @@ pub const ETCD_INDEXER_ELECTION: &str = "/switchyard/election/kv-indexer";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reannounce_body_reads_back_and_garbage_does_not() {
+        let body = kv_reannounce_body(1_796_532_255_513, 42);
+        assert_eq!(
+            parse_kv_reannounce_body(body.as_bytes()),
+            Some((1_796_532_255_513, 42))
+        );
+        for bad in [&b""[..], b"1", b"1 x", b"x 1", b"1 2 3", b"\xff 1", b"-1 2"] {
+            assert_eq!(parse_kv_reannounce_body(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn worker_subjects_always_carry_the_rank() {

@@ -903,10 +903,14 @@ async fn batches_are_announced_while_the_stream_refuses_them() -> Result<()> {
         "the stream took {stored} messages while refusing"
     );
     ensure!(announced.batches.len() > 1, "{:?}", announced.batches);
-    // Asked (an indexer that missed some), the agent announces its recent
-    // batches again, unchanged, from its epoch's second.
+    // Asked (an indexer that missed those after its position), the agent
+    // announces them again, unchanged.
+    let epoch = announced.batches[0].epoch;
     client
-        .publish(subjects::KV_REANNOUNCE, bytes::Bytes::new())
+        .publish(
+            subjects::kv_reannounce(&id),
+            subjects::kv_reannounce_body(epoch, 0).into(),
+        )
         .await?;
     let again = timeout(WAIT, announced.subscriber.next())
         .await

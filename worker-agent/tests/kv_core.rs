@@ -41,8 +41,8 @@ enum Op {
     UnaskedBlockSet,
     /// An acknowledgement of a batch not in flight (a superseded one).
     StaleAck { back: u8 },
-    /// The indexer asks for the recent batches again.
-    Reannounce,
+    /// The indexer asks for the batches after `after` again.
+    Reannounce { after: u8 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -56,7 +56,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::DeliverBlockSet),
         1 => Just(Op::UnaskedBlockSet),
         1 => (0u8..4).prop_map(|back| Op::StaleAck { back }),
-        1 => Just(Op::Reannounce),
+        1 => (0u8..6).prop_map(|after| Op::Reannounce { after }),
     ]
 }
 
@@ -378,9 +378,12 @@ impl Shell {
                 }
             }
             Op::UnaskedBlockSet => self.deliver_block_set(),
-            Op::Reannounce => {
+            Op::Reannounce { after } => {
                 self.reannouncing = true;
-                self.step(Input::ReannounceRequested);
+                self.step(Input::ReannounceRequested {
+                    epoch: self.epoch,
+                    after_seq: u64::from(after),
+                });
                 self.reannouncing = false;
             }
             Op::StaleAck { back } => {

@@ -468,9 +468,13 @@ impl Pipeline {
         delta: Option<IndexDelta>,
         ack: Option<(Acker, AckKind)>,
     ) -> Result<Option<Result<Confirmed, PipelineError>>, PipelineError> {
-        if self.refused.as_ref().is_some_and(Refused::resumable) {
-            self.resume().await?;
-        }
+        let resumed = if self.refused.as_ref().is_some_and(Refused::resumable) {
+            self.resume().await
+        } else {
+            Ok(())
+        };
+        // Refused (again, maybe by the resume just tried): this delta and
+        // its ack join the next try all the same.
         if let Some(refused) = &mut self.refused {
             let seq = delta.as_ref().map(|d| d.seq);
             if let Some(delta) = delta {
@@ -478,8 +482,9 @@ impl Pipeline {
                 self.unconfirmed.push_back(delta);
             }
             refused.held.push_back(HeldAck { delta: seq, ack });
-            return Ok(None);
+            return resumed.map(|()| None);
         }
+        resumed?;
         if delta.is_none() {
             if let Some(last) = self.unconfirmed.back() {
                 self.after_deltas.push_back(HeldAck {
@@ -560,7 +565,15 @@ impl Pipeline {
                 None => None,
             };
             let next = held.pop_front().expect("looked at");
-            self.push_entry(sent, next.ack);
+            match (sent, self.unconfirmed.back()) {
+                // An ack without a delta waits for the deltas before it
+                // (an entry of its own would ack at once).
+                (None, Some(last)) => self.after_deltas.push_back(HeldAck {
+                    delta: Some(last.seq),
+                    ack: next.ack,
+                }),
+                (sent, _) => self.push_entry(sent, next.ack),
+            }
         }
         Ok(())
     }

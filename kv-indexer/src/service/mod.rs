@@ -79,8 +79,8 @@ const DELTA_RETRY: consumer::RetryPolicy = consumer::RetryPolicy {
 /// this often.
 const REANNOUNCE_EVERY: Duration = Duration::from_millis(100);
 
-/// The agents are asked to announce their recent KV batches again at most
-/// this often (every worker whose announcements show a gap asks).
+/// A worker's agent is asked to announce its KV batches again at most this
+/// often.
 const KV_REANNOUNCE_EVERY: Duration = Duration::from_millis(250);
 
 /// On shutdown, how long in-flight delta publishes may take to complete.
@@ -531,7 +531,7 @@ impl Service {
             role: Role::Leader,
             refused: None,
             reannounced: None,
-            kv_reannounce_asked: None,
+            kv_reannounce_asked: std::collections::HashMap::new(),
         };
         state.update_gauges();
         state.metrics.leader.set(1.0);
@@ -699,8 +699,9 @@ struct Loop {
     refused: Option<(Instant, u32)>,
     /// When the unconfirmed deltas were last announced again on request.
     reannounced: Option<Instant>,
-    /// When the agents were last asked to announce their batches again.
-    kv_reannounce_asked: Option<Instant>,
+    /// When each worker's agent was last asked to announce its batches
+    /// again.
+    kv_reannounce_asked: std::collections::HashMap<WorkerId, Option<Instant>>,
 }
 
 impl Loop {
@@ -906,21 +907,30 @@ impl Loop {
     }
 
     /// Announcements of `batch`'s worker were missed (this indexer's
-    /// connection moved, most often): every agent is asked to announce its
-    /// recent batches again (at most every [`KV_REANNOUNCE_EVERY`]), rather
-    /// than the index waiting for a stream that may be electing its leader.
+    /// connection moved, most often): its agent is asked to announce its
+    /// batches after the index's position again (at most every
+    /// [`KV_REANNOUNCE_EVERY`] per worker), rather than the index waiting
+    /// for a stream that may be electing its leader.
     async fn ask_kv_reannounce(&mut self, batch: &KvEventBatch) {
-        if !at_most_every(&mut self.kv_reannounce_asked, KV_REANNOUNCE_EVERY) {
+        let Some((epoch, last_seq)) = self.indexer.position(&batch.worker) else {
+            return;
+        };
+        let asked = self
+            .kv_reannounce_asked
+            .entry(batch.worker.clone())
+            .or_default();
+        if !at_most_every(asked, KV_REANNOUNCE_EVERY) {
             return;
         }
         self.metrics.kv_reannounce_requests.increment(1);
-        tracing::info!(worker = %batch.worker, epoch = batch.epoch, seq = batch.seq, "announced KV batches were missed; asking the agents to announce their recent ones again");
+        tracing::info!(worker = %batch.worker, epoch, last_seq, got = batch.seq, "announced KV batches were missed; asking the agent to announce those after the index's position again");
+        let body = subjects::kv_reannounce_body(epoch, last_seq);
         if let Err(e) = self
             .client
-            .publish(subjects::KV_REANNOUNCE, bytes::Bytes::new())
+            .publish(subjects::kv_reannounce(&batch.worker), body.into())
             .await
         {
-            tracing::warn!(error = %e, "asking the agents to announce again failed");
+            tracing::warn!(error = %e, "asking the agent to announce again failed");
         }
     }
 
@@ -1225,6 +1235,7 @@ impl Loop {
         reason: &str,
     ) -> Result<bool, ServiceError> {
         self.resync.forget(worker);
+        self.kv_reannounce_asked.remove(worker);
         self.frozen.thawed(worker);
         let Some(delta) = self.indexer.remove_worker(worker) else {
             tracing::debug!(%worker, reason, "worker left; the index did not hold it");

@@ -17,8 +17,9 @@ use crate::replica::DeltaError;
 /// gave nothing for 30 s, the old bound. A live feed gives the next delta
 /// in milliseconds.
 const DELTA_READ_TIMEOUT: Duration = Duration::from_secs(2);
-/// How many times a standing feed is opened again from where the replay
-/// is before the recovery gives up (and is tried again from the start).
+/// How many times in a row a standing feed is opened again from where the
+/// replay is before the recovery gives up (and is tried again from the
+/// start).
 const FEED_REOPENS: u32 = 5;
 
 /// Why the state could not be recovered.
@@ -101,6 +102,7 @@ pub async fn recover(bus: &Bus, index: OwnershipIndex) -> Result<Recovered, Reco
                 Err(_) => return Err(RecoveryError::LogTimeout { at, last }),
             };
             indexer.replay(&delta)?;
+            reopened = 0;
         }
     }
     Ok(Recovered {

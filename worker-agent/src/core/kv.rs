@@ -72,6 +72,11 @@ pub fn linger(ack_ms: Option<f64>) -> Duration {
 /// the stream anyway.)
 pub const RECENT_BATCHES: usize = 256;
 
+/// Batches announced again for one request at most (the oldest the indexer
+/// lacks first): the shell's announce queue takes 1024, and the indexer
+/// asks again for what follows.
+pub const REANNOUNCE_MAX: usize = 512;
+
 /// How long a publish may be in flight before the stream counts as
 /// stalled: four times the usual acknowledgement (`ack_ms`, a moving
 /// average; none yet: [`MIN_STALL`]), within [`MIN_STALL`]..[`MAX_STALL`].
@@ -114,10 +119,16 @@ pub enum Input<R> {
         /// Where the [`ResyncReply`] goes, if anywhere.
         reply: Option<R>,
     },
-    /// The indexer missed announcements (it saw a gap): announce the
-    /// recent batches again, acknowledged or not ([`RECENT_BATCHES`]), in
-    /// order.
-    ReannounceRequested,
+    /// The indexer missed announcements (it saw a gap after `after_seq` of
+    /// `epoch`): announce the batches of that epoch after it again,
+    /// acknowledged ([`RECENT_BATCHES`] kept) or not, in order, at most
+    /// [`REANNOUNCE_MAX`].
+    ReannounceRequested {
+        /// The epoch the indexer holds.
+        epoch: u64,
+        /// Its last seq of that epoch.
+        after_seq: u64,
+    },
     /// Time passed: a retry asked for with [`Effect::RetryAt`] may be due.
     Tick,
 }
@@ -341,7 +352,7 @@ impl<R> KvCore<R> {
                 duplicate,
             } => self.on_acked(epoch, seq, duplicate, now),
             Input::PublishFailed { epoch, seq, error } => self.on_failed(epoch, seq, error, now),
-            Input::ReannounceRequested => self.reannounce(),
+            Input::ReannounceRequested { epoch, after_seq } => self.reannounce(epoch, after_seq),
             Input::ResyncRequested { reply } => {
                 self.waiting.extend(reply);
                 self.request_resync(ResyncReason::Request);
@@ -499,15 +510,19 @@ impl<R> KvCore<R> {
         self.recent.push_back(batch);
     }
 
-    /// Announces again the recent batches of the epoch, acknowledged and
-    /// formed ones, in order (not the epoch's first).
-    fn reannounce(&mut self) {
-        let epoch = self.outbox.epoch();
+    /// Announces again the batches of `epoch` after `after_seq`,
+    /// acknowledged (the recent ones) and formed, in order, at most
+    /// [`REANNOUNCE_MAX`] (none when `epoch` is not the current one).
+    fn reannounce(&mut self, epoch: u64, after_seq: u64) {
+        if epoch != self.outbox.epoch() {
+            return;
+        }
         let batches = self
             .recent
             .iter()
             .chain(self.outbox.formed_batches())
-            .filter(|b| b.epoch == epoch && b.seq > 0)
+            .filter(|b| b.epoch == epoch && b.seq > after_seq)
+            .take(REANNOUNCE_MAX)
             .cloned()
             .collect::<Vec<_>>();
         self.effects
@@ -948,17 +963,26 @@ mod tests {
         c.step(Input::EngineEvents(vec![stored(2)]), ms(4));
         // (7, 2) in flight; more waits.
         c.step(Input::EngineEvents(vec![stored(3)]), ms(5));
-        let effects = c.step(Input::ReannounceRequested, ms(6));
+        let again = |epoch, after_seq| Input::ReannounceRequested { epoch, after_seq };
         assert_eq!(
-            announced(&effects),
+            announced(&c.step(again(7, 0), ms(6))),
             vec![(7, 1), (7, 2)],
-            "the acknowledged and the formed, not the epoch's first nor the unformed"
+            "the acknowledged and the formed, not the unformed"
+        );
+        assert_eq!(
+            announced(&c.step(again(7, 1), ms(6))),
+            vec![(7, 2)],
+            "after 1"
+        );
+        assert_eq!(
+            announced(&c.step(again(6, 0), ms(6))),
+            vec![],
+            "another epoch"
         );
         // A new epoch forgets the old one's.
         c.step(Input::BlockSet(vec![stored(1)]), ms(7));
-        assert_eq!(
-            announced(&c.step(Input::ReannounceRequested, ms(8))),
-            vec![]
-        );
+        let epoch = c.epoch();
+        assert_eq!(announced(&c.step(again(7, 0), ms(8))), vec![]);
+        assert_eq!(announced(&c.step(again(epoch, 0), ms(8))), vec![]);
     }
 }

@@ -113,6 +113,8 @@ pub(super) struct Agent {
     /// KV batches to announce on core NATS, in order (a task of their own
     /// sends them).
     pub(super) announcer: mpsc::Sender<KvEventBatch>,
+    /// The newest batch formed: (epoch, seq) (`worker_agent_kv_batch_seq`).
+    pub(super) newest_formed: Option<(u64, u64)>,
     /// When the KV core wants to be stepped again (a retry).
     pub(super) retry_at: Option<Instant>,
     load_tick: Interval,
@@ -188,6 +190,7 @@ impl Agent {
             origin: Instant::now(),
             publishing: None,
             announcer,
+            newest_formed: None,
             retry_at: None,
             load_tick,
             load_interval: settings.load_interval,
@@ -298,10 +301,20 @@ impl Agent {
                         subject: subjects::resync(&self.worker),
                     })
                 }
-                Event::Reannounce(Some(_)) => self.kv_step(Input::ReannounceRequested),
+                Event::Reannounce(Some(message)) => {
+                    match subjects::parse_kv_reannounce_body(&message.payload) {
+                        Some((epoch, after_seq)) => {
+                            self.kv_step(Input::ReannounceRequested { epoch, after_seq })
+                        }
+                        None => {
+                            counter!(m::MALFORMED_REQUESTS, "reason" => "reannounce").increment(1);
+                            warn!(bytes = message.payload.len(), "a request to announce KV batches again without \"EPOCH SEQ\"; ignored");
+                        }
+                    }
+                }
                 Event::Reannounce(None) => {
                     return Err(AgentError::SubscriptionClosed {
-                        subject: subjects::KV_REANNOUNCE.into(),
+                        subject: subjects::kv_reannounce(&self.worker),
                     })
                 }
                 Event::Cancel(Some(message)) => self.on_cancel(&message),
@@ -313,7 +326,7 @@ impl Agent {
                 Event::LoadTick => {
                     // A publish in flight may have stalled since the last
                     // step: events waiting for it are announced then.
-                    if self.publishing.is_some() {
+                    if self.publishing.is_some() || self.kv.held_events() > 0 {
                         self.kv_step(Input::Tick);
                     }
                     self.on_load_tick().await

@@ -50,7 +50,11 @@ impl Agent {
         for effect in self.kv.step(input, now) {
             match effect {
                 Effect::Announce(batch) => {
-                    gauge!(m::KV_BATCH_SEQ).set(batch.seq as f64);
+                    // The newest batch formed (not one announced again).
+                    if self.newest_formed < Some((batch.epoch, batch.seq)) {
+                        self.newest_formed = Some((batch.epoch, batch.seq));
+                        gauge!(m::KV_BATCH_SEQ).set(batch.seq as f64);
+                    }
                     if self.announcer.try_send(batch).is_err() {
                         counter!(m::PUBLISH_ERRORS, "kind" => "kv_announce").increment(1);
                     }

@@ -125,7 +125,7 @@ async fn serve_worker(
         generate: subscribe(&client, subjects::generate(&worker)).await?,
         resync: subscribe(&client, subjects::resync(&worker)).await?,
         cancel: subscribe(&client, subjects::cancel(&worker)).await?,
-        reannounce: subscribe(&client, subjects::KV_REANNOUNCE.to_owned()).await?,
+        reannounce: subscribe(&client, subjects::kv_reannounce(&worker)).await?,
     };
     let in_flight = super::ping::InFlight::default();
     let pings = super::ping::answer(
