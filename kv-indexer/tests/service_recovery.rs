@@ -220,13 +220,9 @@ async fn a_second_writer_fences_the_indexer_off() -> Result<()> {
     }
 }
 
-/// A full JetStream store refuses deltas: the pipeline sends the ones the
-/// stream does not hold again, in place and in order, once room returns
-/// (no gap, none twice), and counts each refusal.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Result<()> {
-    use kv_indexer::service::consumer::{Confirmed, Pipeline, RetryPolicy};
-
+/// A nats-server whose JetStream store holds 48 MB (a filler fills it), and
+/// a bus on it with the streams made.
+async fn small_store() -> Result<(tempfile::TempDir, tests::NatsServer, bus::Bus)> {
     init_tracing();
     let dir = tempfile::tempdir()?;
     let conf = dir.path().join("nats.conf");
@@ -234,13 +230,29 @@ async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Res
     let nats = tests::NatsServer::start_with_config(&conf)?;
     let bus = bus::Bus::connect(&nats.url(), "kv-indexer-test").await?;
     bus.ensure_streams(&bus::StreamLimits::default()).await?;
-    let delta = tests::fixtures::one_block_delta;
-    let mut announced = bus.live_deltas().await?;
-    let policy = RetryPolicy {
+    Ok((dir, nats, bus))
+}
+
+/// Refused deltas retried quickly, for up to [`WAIT`].
+fn quick_retries() -> kv_indexer::service::consumer::RetryPolicy {
+    kv_indexer::service::consumer::RetryPolicy {
         backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(400),
         give_up: WAIT,
-    };
+    }
+}
+
+/// A full JetStream store refuses deltas: the pipeline sends the ones the
+/// stream does not hold again, in place and in order, once room returns
+/// (no gap, none twice), and counts each refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_deltas_are_sent_again_in_place_once_the_store_has_room() -> Result<()> {
+    use kv_indexer::service::consumer::{Confirmed, Pipeline};
+
+    let (_dir, _nats, bus) = small_store().await?;
+    let delta = tests::fixtures::one_block_delta;
+    let mut announced = bus.live_deltas().await?;
+    let policy = quick_retries();
     let mut pipeline = Pipeline::new(&bus, 16, None, policy);
     for seq in 1..=3 {
         pipeline.push(Some(delta(seq)), None).await?;
@@ -469,15 +481,9 @@ async fn a_standby_takes_over_from_a_dead_leader_before_its_lease_runs_out() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ack_without_a_delta_waits_for_the_delta_made_before_it() -> Result<()> {
     use async_nats::jetstream::{consumer, message::AckKind, stream};
-    use kv_indexer::service::consumer::{Confirmed, Pipeline, RetryPolicy};
+    use kv_indexer::service::consumer::{Confirmed, Pipeline};
 
-    init_tracing();
-    let dir = tempfile::tempdir()?;
-    let conf = dir.path().join("nats.conf");
-    std::fs::write(&conf, "jetstream {\n  max_file_store: 48MB\n}\n")?;
-    let nats = tests::NatsServer::start_with_config(&conf)?;
-    let bus = bus::Bus::connect(&nats.url(), "kv-indexer-test").await?;
-    bus.ensure_streams(&bus::StreamLimits::default()).await?;
+    let (_dir, _nats, bus) = small_store().await?;
     let js = bus.jetstream();
     // A stand-in for the KV stream: one message to ack.
     let acks = js
@@ -510,11 +516,7 @@ async fn an_ack_without_a_delta_waits_for_the_delta_made_before_it() -> Result<(
     };
 
     let delta = tests::fixtures::one_block_delta;
-    let policy = RetryPolicy {
-        backoff: Duration::from_millis(50),
-        max_backoff: Duration::from_millis(400),
-        give_up: WAIT,
-    };
+    let policy = quick_retries();
     let mut pipeline = Pipeline::new(&bus, 16, None, policy);
     pipeline.push(Some(delta(1)), None).await?;
     while let Some(done) = pipeline.next().await {
