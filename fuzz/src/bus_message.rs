@@ -1,7 +1,8 @@
 //! Every message a service reads off the bus or the registry: the first
 //! byte picks the type, the rest is the message. Garbage must give a
 //! `DecodeError`; what decodes must survive re-encoding (decode ∘ encode is
-//! the identity on what a decoder accepted).
+//! the identity on what a decoder accepted). The one text body, a request
+//! to announce KV batches again (`"EPOCH SEQ"`), likewise.
 
 use protocol::decision_log::LogEntry;
 use protocol::generate::{
@@ -30,6 +31,23 @@ fn check<M: Message>(bytes: &[u8]) {
     );
 }
 
+/// A request to announce KV batches again: what parses re-encodes to a
+/// body that parses to the same position.
+fn check_reannounce_body(bytes: &[u8]) {
+    let Some((epoch, seq)) = protocol::subjects::parse_kv_reannounce_body(bytes) else {
+        return;
+    };
+    let again = protocol::subjects::kv_reannounce_body(epoch, seq);
+    assert_eq!(
+        protocol::subjects::parse_kv_reannounce_body(again.as_bytes()),
+        Some((epoch, seq)),
+        "kv_reannounce_body: its own encoding does not parse back"
+    );
+}
+
+/// The selector of the reannounce body (after the messages).
+const REANNOUNCE_BODY: &str = "kv_reannounce_body";
+
 /// A message type's name and its check.
 type Check = (&'static str, fn(&[u8]));
 
@@ -53,6 +71,7 @@ const CHECKS: &[Check] = &[
     (RequestFragment::NAME, check::<RequestFragment>),
     (LegProbe::NAME, check::<LegProbe>),
     (LegProbeReply::NAME, check::<LegProbeReply>),
+    (REANNOUNCE_BODY, check_reannounce_body),
 ];
 
 pub fn run(data: &[u8]) {
@@ -143,5 +162,16 @@ pub fn seeds() -> Vec<Vec<u8>> {
             decision: DecisionId(42),
             in_flight: true,
         }),
+        reannounce_seed(),
     ]
+}
+
+fn reannounce_seed() -> Vec<u8> {
+    let kind = CHECKS
+        .iter()
+        .position(|(name, _)| *name == REANNOUNCE_BODY)
+        .expect("the reannounce body is checked");
+    let mut out = vec![kind as u8];
+    out.extend(protocol::subjects::kv_reannounce_body(1_796_532_255_513, 42).into_bytes());
+    out
 }
