@@ -124,29 +124,17 @@ impl KvIndexer {
         self.cursors.get(worker).map(|c| c.epoch)
     }
 
-    /// Where the index is in `worker`'s batches: its epoch and the last seq
-    /// applied, if it knows its stream.
-    pub fn position(&self, worker: &WorkerId) -> Option<(u64, u64)> {
-        self.cursors.get(worker).map(|c| (c.epoch, c.last_seq))
-    }
-
-    /// Whether `batch` is the next one of its worker's current epoch:
-    /// [`KvIndexer::apply`] would apply it in order. (An announced batch is
-    /// applied ahead of the stream only then; anything else, a new epoch
+    /// The seq [`KvIndexer::apply`] would apply next in `worker`'s current
+    /// epoch `epoch`: `None` when the index does not know the worker, holds
+    /// another epoch of it, or waits for its resync. (An announced batch is
+    /// applied ahead of the stream only when it is this one; a later one
+    /// shows announcements were missed; anything else, a new epoch
     /// included, is left to the stream's order.)
-    pub fn is_next(&self, batch: &KvEventBatch) -> bool {
-        self.cursors.get(&batch.worker).is_some_and(|c| {
-            c.epoch == batch.epoch && !c.resync_pending && batch.seq == c.last_seq + 1
-        })
-    }
-
-    /// Whether `batch` comes after a gap in its worker's current epoch:
-    /// batches before it were not applied yet (an announcement missed;
-    /// the stream has them in order).
-    pub fn is_ahead(&self, batch: &KvEventBatch) -> bool {
-        self.cursors.get(&batch.worker).is_some_and(|c| {
-            c.epoch == batch.epoch && !c.resync_pending && batch.seq > c.last_seq + 1
-        })
+    pub fn next_seq(&self, worker: &WorkerId, epoch: u64) -> Option<u64> {
+        self.cursors
+            .get(worker)
+            .filter(|c| c.epoch == epoch && !c.resync_pending)
+            .map(|c| c.last_seq + 1)
     }
 
     /// Workers whose streams are known, with their positions.

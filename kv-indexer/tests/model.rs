@@ -261,10 +261,10 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
     /// An announced batch is applied ahead of the stream exactly when the
-    /// stream's order would apply it (`is_next`), whatever came before:
+    /// stream's order would apply it (`next_seq`), whatever came before:
     /// duplicates, gaps, new and stale epochs.
     #[test]
-    fn is_next_is_exactly_an_in_order_apply(
+    fn next_seq_is_exactly_an_in_order_apply(
         batches in proptest::collection::vec((0..2usize, 1..4u64, 0..5u64), 1..60)
     ) {
         let mut indexer = KvIndexer::new(OwnershipIndex::new());
@@ -275,7 +275,7 @@ proptest! {
                 seq,
                 events: if seq == 0 { vec![KvEvent::Cleared] } else { vec![] },
             };
-            let next = indexer.is_next(&batch);
+            let next = indexer.next_seq(&batch.worker, batch.epoch) == Some(batch.seq);
             let status = indexer.apply(batch).status;
             prop_assert_eq!(next, status == kv_indexer::BatchStatus::Applied, "{:?}", status);
         }

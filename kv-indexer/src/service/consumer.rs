@@ -485,15 +485,6 @@ impl Pipeline {
             return resumed.map(|()| None);
         }
         resumed?;
-        if delta.is_none() {
-            if let Some(last) = self.unconfirmed.back() {
-                self.after_deltas.push_back(HeldAck {
-                    delta: Some(last.seq),
-                    ack,
-                });
-                return Ok(None);
-            }
-        }
         let oldest = if self.entries.len() >= self.capacity {
             self.next().await
         } else {
@@ -516,8 +507,17 @@ impl Pipeline {
     }
 
     /// Queues the wait for a sent delta's confirmation (if any), then the
-    /// ack of its KV message (if any).
+    /// ack of its KV message (if any). An ack without a delta while deltas
+    /// are unconfirmed waits for the last of them ([`Pipeline`]'s
+    /// `after_deltas`): an entry of its own would ack at once.
     fn push_entry(&mut self, sent: Option<DeltaSent>, ack: Option<(Acker, AckKind)>) {
+        if let (None, Some(last)) = (&sent, self.unconfirmed.back()) {
+            self.after_deltas.push_back(HeldAck {
+                delta: Some(last.seq),
+                ack,
+            });
+            return;
+        }
         let crash_after = self.crash_after_delta;
         self.entries.push_back(Box::pin(async move {
             let seq = sent.as_ref().map(DeltaSent::seq);
@@ -565,15 +565,7 @@ impl Pipeline {
                 None => None,
             };
             let next = held.pop_front().expect("looked at");
-            match (sent, self.unconfirmed.back()) {
-                // An ack without a delta waits for the deltas before it
-                // (an entry of its own would ack at once).
-                (None, Some(last)) => self.after_deltas.push_back(HeldAck {
-                    delta: Some(last.seq),
-                    ack: next.ack,
-                }),
-                (sent, _) => self.push_entry(sent, next.ack),
-            }
+            self.push_entry(sent, next.ack);
         }
         Ok(())
     }

@@ -890,10 +890,11 @@ impl Loop {
         let Some(batch) = self.decoded(&message, Via::Live) else {
             return Ok(());
         };
-        if !self.indexer.is_next(&batch) {
+        let next = self.indexer.next_seq(&batch.worker, batch.epoch);
+        if next != Some(batch.seq) {
             self.metrics.live_left_to_stream.increment(1);
-            if self.indexer.is_ahead(&batch) {
-                self.ask_kv_reannounce(&batch).await;
+            if let Some(next) = next.filter(|n| batch.seq > *n) {
+                self.ask_kv_reannounce(&batch, next - 1).await;
             }
             return Ok(());
         }
@@ -908,13 +909,11 @@ impl Loop {
 
     /// Announcements of `batch`'s worker were missed (this indexer's
     /// connection moved, most often): its agent is asked to announce its
-    /// batches after the index's position again (at most every
-    /// [`KV_REANNOUNCE_EVERY`] per worker), rather than the index waiting
-    /// for a stream that may be electing its leader.
-    async fn ask_kv_reannounce(&mut self, batch: &KvEventBatch) {
-        let Some((epoch, last_seq)) = self.indexer.position(&batch.worker) else {
-            return;
-        };
+    /// batches after `last_seq`, the index's position in the batch's epoch,
+    /// again (at most every [`KV_REANNOUNCE_EVERY`] per worker), rather
+    /// than the index waiting for a stream that may be electing its leader.
+    async fn ask_kv_reannounce(&mut self, batch: &KvEventBatch, last_seq: u64) {
+        let epoch = batch.epoch;
         let asked = self
             .kv_reannounce_asked
             .entry(batch.worker.clone())

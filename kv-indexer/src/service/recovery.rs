@@ -12,10 +12,10 @@ use crate::replica::DeltaError;
 
 /// A delta feed that gives nothing for this long while the log holds more
 /// is opened again from where the replay is ([`FEED_REOPENS`] times, then
-/// [`RecoveryError::LogTimeout`], retryable: the recovery is tried again). Seen in the chaos suite: a standby elected after the
-/// full-store fault, whose delta feed (its stream's leader just elected)
-/// gave nothing for 30 s, the old bound. A live feed gives the next delta
-/// in milliseconds.
+/// [`RecoveryError::LogTimeout`], retryable: the recovery is tried again).
+/// Seen in the chaos suite: a standby elected after the full-store fault,
+/// whose delta feed (its stream's leader just elected) gave nothing for
+/// 30 s, the old bound. A live feed gives the next delta in milliseconds.
 const DELTA_READ_TIMEOUT: Duration = Duration::from_secs(2);
 /// How many times in a row a standing feed is opened again from where the
 /// replay is before the recovery gives up (and is tried again from the

@@ -61,7 +61,12 @@ pub const MAX_LINGER: Duration = Duration::from_millis(250);
 /// flight: the usual acknowledgement (`ack_ms`), within
 /// [`MIN_LINGER`]..[`MAX_LINGER`].
 pub fn linger(ack_ms: Option<f64>) -> Duration {
-    Duration::from_secs_f64(ack_ms.unwrap_or(0.0).max(0.0) / 1000.0).clamp(MIN_LINGER, MAX_LINGER)
+    usual_ack(ack_ms).clamp(MIN_LINGER, MAX_LINGER)
+}
+
+/// The usual acknowledgement (`ack_ms`; none yet: zero).
+fn usual_ack(ack_ms: Option<f64>) -> Duration {
+    Duration::from_secs_f64(ack_ms.unwrap_or(0.0).max(0.0) / 1000.0)
 }
 
 /// Acknowledged batches of the current epoch kept to be announced again
@@ -81,8 +86,7 @@ pub const REANNOUNCE_MAX: usize = 512;
 /// stalled: four times the usual acknowledgement (`ack_ms`, a moving
 /// average; none yet: [`MIN_STALL`]), within [`MIN_STALL`]..[`MAX_STALL`].
 pub fn stall_after(ack_ms: Option<f64>) -> Duration {
-    let usual = Duration::from_secs_f64(ack_ms.unwrap_or(0.0).max(0.0) * 4.0 / 1000.0);
-    usual.clamp(MIN_STALL, MAX_STALL)
+    (usual_ack(ack_ms) * 4).clamp(MIN_STALL, MAX_STALL)
 }
 
 /// What happens to the KV pipeline. `R` names where a resync reply goes
