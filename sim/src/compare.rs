@@ -121,6 +121,30 @@ pub fn parallel_map<T: Sync, R: Send>(
         .collect()
 }
 
+/// One seed's simulator configuration and workload: `--seeds N` runs N of
+/// them (the seed of both advanced by one each).
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub config: SimConfig,
+    pub workload: WorkloadSpec,
+}
+
+/// The mean SLO attainment of `deployment` at `load` over `scenarios`, run
+/// one after another (in order: the same scenarios give the same mean).
+pub fn mean_attainment(
+    scenarios: &[Scenario],
+    deployment: &Deployment,
+    load: f64,
+) -> Result<f64, SimError> {
+    let mut sum = 0.0;
+    for s in scenarios {
+        sum += run_point(&s.config, deployment, &s.workload, load)?
+            .summary
+            .slo_attainment;
+    }
+    Ok(sum / scenarios.len().max(1) as f64)
+}
+
 /// One deployment at one load.
 pub fn run_point(
     base: &SimConfig,

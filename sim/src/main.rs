@@ -9,7 +9,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use engine_sim::{KvTransfer, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
 use sim::compare::{
-    capacities, parallel_map, run_point, sweep, table, write_capacities, write_report, WorkloadSpec,
+    capacities, parallel_map, run_point, sweep, table, write_capacities, write_report, Scenario,
+    WorkloadSpec,
 };
 use sim::tune::{tuned_params, Best, Progress, Tune};
 use sim::workload::{AgenticConfig, Arrivals, MooncakeConfig, SyntheticConfig};
@@ -66,6 +67,12 @@ enum Command {
         /// Runs in parallel (default: the machine's cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// Judge each load by the mean SLO attainment over this many seeds
+        /// (--seed, --seed + 1, ...; N times the runs): near capacity one
+        /// seed's attainment can differ from the next by more than the
+        /// families differ.
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
     },
     /// Run one deployment at one load and print its figures.
     Run {
@@ -81,6 +88,15 @@ enum Command {
         params: Vec<(String, f64)>,
         #[arg(long)]
         load: f64,
+        /// Run this many seeds (--seed, --seed + 1, ...) and print each
+        /// one's row and the spread of SLO attainment over them: on a
+        /// closed-loop workload near capacity one seed's attainment can
+        /// differ from the next by more than two policies differ.
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
+        /// Runs in parallel with --seeds (default: the machine's cores).
+        #[arg(long)]
+        threads: Option<usize>,
     },
 }
 
@@ -97,7 +113,7 @@ enum WorkloadArg {
     Synthetic,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 struct Common {
     #[arg(long, value_enum, default_value_t = WorkloadArg::Agentic)]
     workload: WorkloadArg,
@@ -206,6 +222,26 @@ impl Common {
                 }
             }
         })
+    }
+
+    /// `seeds` scenarios from `--seed` on: the workload's and the router's
+    /// seed advanced by one each.
+    fn scenarios(&self, seeds: u64) -> anyhow::Result<Vec<Scenario>> {
+        if seeds == 0 {
+            bail!("--seeds must be at least 1");
+        }
+        (self.seed..self.seed.saturating_add(seeds))
+            .map(|seed| {
+                let c = Common {
+                    seed,
+                    ..self.clone()
+                };
+                Ok(Scenario {
+                    config: c.sim_config()?,
+                    workload: c.workload()?,
+                })
+            })
+            .collect()
     }
 
     fn sim_config(&self) -> anyhow::Result<SimConfig> {
@@ -387,12 +423,22 @@ fn main() -> anyhow::Result<()> {
             common,
             capacity_tolerance,
             threads,
-        } => tune(&common, capacity_tolerance, threads)?,
+            seeds,
+        } => tune(&common, capacity_tolerance, threads, seeds)?,
         Command::Run {
             common,
             deployment,
             params,
             load,
+            seeds,
+            threads,
+        } if seeds > 1 => run_seeds(&common, &deployment, &params, load, seeds, threads)?,
+        Command::Run {
+            common,
+            deployment,
+            params,
+            load,
+            ..
         } => {
             let workload = common.workload()?;
             let mut config = common.sim_config()?;
@@ -435,18 +481,67 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `sim run --seeds N`: the same deployment and load under `N` seeds (the
+/// workload's and the router's), a row each in seed order, then the spread
+/// of SLO attainment.
+fn run_seeds(
+    common: &Common,
+    deployment: &str,
+    params: &[(String, f64)],
+    load: f64,
+    seeds: u64,
+    threads: Option<usize>,
+) -> anyhow::Result<()> {
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let first = common.seed;
+    let scenarios = common.scenarios(seeds)?;
+    let deployment = deployment_named(deployment, params, common)?;
+    let bar = ProgressBar::new(scenarios.len() as u64).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} seeds {elapsed}")
+            .expect("a valid template"),
+    );
+    let points = parallel_map(
+        &scenarios,
+        threads,
+        &|done, _| bar.set_position(done as u64),
+        |s| run_point(&s.config, &deployment, &s.workload, load),
+    )
+    .into_iter()
+    .collect::<Result<Vec<_>, _>>()?;
+    bar.finish_and_clear();
+    let unit = common.workload()?.load_unit();
+    print!("{}", table(&points, unit));
+    let attainment: Vec<f64> = points
+        .iter()
+        .map(|p| 100.0 * p.summary.slo_attainment)
+        .collect();
+    let mean = attainment.iter().sum::<f64>() / attainment.len() as f64;
+    let (min, max) = attainment
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &a| {
+            (lo.min(a), hi.max(a))
+        });
+    let each: Vec<String> = attainment.iter().map(|a| format!("{a:.1}")).collect();
+    println!(
+        "rows in seed order {first}..={}; SLO attainment: mean {mean:.2}% (min {min:.1}%, max {max:.1}%); each: {}",
+        first + seeds - 1,
+        each.join(" ")
+    );
+    Ok(())
+}
+
 /// `sim tune`: every family's best, the table, the comparisons the issue
 /// asks for, one JSON line.
-fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Result<()> {
-    let workload = common.workload()?;
-    let base = common.sim_config()?;
+fn tune(common: &Common, tolerance: f64, threads: Option<usize>, seeds: u64) -> anyhow::Result<()> {
+    let scenarios = common.scenarios(seeds)?;
+    let (base, workload) = (&scenarios[0].config, &scenarios[0].workload);
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let policies = conditional_policies(common.slo());
     let (lo, hi) = common.default_loads();
     let tune = Tune {
-        base: &base,
-        workload: &workload,
+        scenarios: &scenarios,
         workers: common.workers,
         policies: &policies,
         search: Search {
@@ -479,17 +574,22 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
     bar.finish_and_clear();
     let unit = workload.load_unit();
     let gpus = common.workers * base.preset.gpus;
+    let seeds_named = if seeds == 1 {
+        format!("seed {}", common.seed)
+    } else {
+        format!("seeds {}..={}", common.seed, common.seed + seeds - 1)
+    };
     println!(
-        "{} workload, {} workers of {} ({gpus} GPUs), seed {}; SLO: TTFT <= {} ms and ITL <= {} ms",
+        "{} workload, {} workers of {} ({gpus} GPUs), {seeds_named}; SLO: TTFT <= {} ms and ITL <= {} ms",
         workload.name(),
         common.workers,
         base.preset.name,
-        common.seed,
         common.ttft_slo_ms,
         common.itl_slo_ms
     );
     println!(
-        "capacity: the highest load with >= 90% of requests within the SLO (bisected to {:.0}%)\n",
+        "capacity: the highest load with >= 90% of requests within the SLO{} (bisected to {:.0}%)\n",
+        if seeds == 1 { "" } else { " on average over the seeds" },
         100.0 * tolerance
     );
     println!(
@@ -546,20 +646,35 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
     let load = best_cd.capacity.load().min(disagg.capacity.load());
     let mut later = None;
     if load > 0.0 {
-        let pair = [best_cd.deployment.clone(), disagg.deployment.clone()];
-        let points = parallel_map(&pair, threads, &|_, _| {}, |d| {
-            run_point(&base, d, &workload, load)
-        });
-        let (cd_p, dis_p) = match <[_; 2]>::try_from(points) {
-            Ok([a, b]) => (a?, b?),
-            Err(_) => unreachable!("two deployments, two points"),
+        // Each seed's run of both deployments; the p90s averaged over seeds.
+        let jobs: Vec<(&Deployment, &Scenario)> = scenarios
+            .iter()
+            .flat_map(|s| [(&best_cd.deployment, s), (&disagg.deployment, s)])
+            .collect();
+        let points = parallel_map(&jobs, threads, &|_, _| {}, |(d, s)| {
+            run_point(&s.config, d, &s.workload, load)
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+        let (cd_points, dis_points): (Vec<_>, Vec<_>) =
+            points.chunks(2).map(|pair| (&pair[0], &pair[1])).unzip();
+        let mean = |points: &[&sim::compare::Point], f: &dyn Fn(&sim::RunSummary) -> f64| {
+            points.iter().map(|p| f(&p.summary)).sum::<f64>() / points.len() as f64
         };
-        let (a, b) = (
-            cd_p.summary.later_turn_ttft_ms.p90,
-            dis_p.summary.later_turn_ttft_ms.p90,
-        );
+        let p90 = |s: &sim::RunSummary| s.later_turn_ttft_ms.p90;
+        let (a, b) = (mean(&cd_points, &p90), mean(&dis_points, &p90));
+        let each = if seeds == 1 {
+            String::new()
+        } else {
+            let per_seed: Vec<String> = cd_points
+                .iter()
+                .zip(&dis_points)
+                .map(|(c, d)| format!("{:.0}/{:.0}", p90(&c.summary), p90(&d.summary)))
+                .collect();
+            format!(" (mean over seeds; each: {})", per_seed.join(" "))
+        };
         println!(
-            "turn-2+ TTFT p90 at {load:.3} {unit}: {} {a:.0} ms, {} {b:.0} ms: {:.2}x (target <= 0.4x)",
+            "turn-2+ TTFT p90 at {load:.3} {unit}: {} {a:.0} ms, {} {b:.0} ms: {:.2}x (target <= 0.4x){each}",
             best_cd.deployment.name(),
             disagg.deployment.name(),
             a / b.max(1e-9)
@@ -567,13 +682,13 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
         println!(
             "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%, prefix fetched {:.1}%, {:.1} GB pulled); {} P {:.1}%",
             best_cd.deployment.name(),
-            100.0 * cd_p.summary.prefill_hit_rate_p,
-            100.0 * cd_p.summary.prefill_hit_rate_d,
-            100.0 * cd_p.summary.bypass_share,
-            100.0 * cd_p.summary.fetch_share,
-            cd_p.summary.kv_gb_pulled,
+            100.0 * mean(&cd_points, &|s| s.prefill_hit_rate_p),
+            100.0 * mean(&cd_points, &|s| s.prefill_hit_rate_d),
+            100.0 * mean(&cd_points, &|s| s.bypass_share),
+            100.0 * mean(&cd_points, &|s| s.fetch_share),
+            mean(&cd_points, &|s| s.kv_gb_pulled),
             disagg.deployment.name(),
-            100.0 * dis_p.summary.prefill_hit_rate_p
+            100.0 * mean(&dis_points, &|s| s.prefill_hit_rate_p)
         );
         later = Some((load, a, b));
     }
@@ -606,6 +721,7 @@ fn tune(common: &Common, tolerance: f64, threads: Option<usize>) -> anyhow::Resu
         "workers": common.workers,
         "gpus": gpus,
         "seed": common.seed,
+        "seeds": seeds,
         "slo": {"ttft_ms": common.ttft_slo_ms, "itl_ms": common.itl_slo_ms},
         "families": families,
         "best_cd": best_cd.family,

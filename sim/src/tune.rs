@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use router::Policy;
 
 use crate::capacity::{self, Capacity, Search};
-use crate::cluster::{SimConfig, SimError};
-use crate::compare::{parallel_map, run_point, WorkloadSpec};
+use crate::cluster::SimError;
+use crate::compare::{mean_attainment, parallel_map, Scenario};
 use crate::deployment::Deployment;
 
 /// One family's best configuration.
@@ -37,8 +37,9 @@ pub struct Best {
 /// What to tune.
 #[derive(Debug, Clone)]
 pub struct Tune<'a> {
-    pub base: &'a SimConfig,
-    pub workload: &'a WorkloadSpec,
+    /// A capacity search judges each load by the mean attainment over
+    /// these (one per seed; at least one).
+    pub scenarios: &'a [Scenario],
     pub workers: u32,
     /// The C/D policies with the parameters they start from (defaults).
     pub policies: &'a [Policy],
@@ -121,8 +122,10 @@ impl Tune<'_> {
             ..self.search
         };
         let (c, _) = capacity::search(&s, &[], |load| {
-            progress.runs.fetch_add(1, Ordering::Relaxed);
-            run_point(self.base, deployment, self.workload, load).map(|p| p.summary.slo_attainment)
+            progress
+                .runs
+                .fetch_add(self.scenarios.len(), Ordering::Relaxed);
+            mean_attainment(self.scenarios, deployment, load)
         })?;
         progress.searches.fetch_add(1, Ordering::Relaxed);
         Ok(c)

@@ -3,7 +3,7 @@
 
 use engine_sim::{KvTransfer, Preset};
 use router::{IslBased, Policy};
-use sim::compare::WorkloadSpec;
+use sim::compare::{mean_attainment, run_point, Scenario, WorkloadSpec};
 use sim::tune::{Progress, Tune};
 use sim::workload::SyntheticConfig;
 use sim::{Deployment, OutboxLimits, Search, SimConfig, Slo};
@@ -39,9 +39,12 @@ fn one_best_per_family_among_what_it_searched() {
         ..SyntheticConfig::default()
     });
     let policies: Vec<Policy> = vec![IslBased::default().into()];
+    let scenarios = [Scenario {
+        config: base,
+        workload,
+    }];
     let tune = Tune {
-        base: &base,
-        workload: &workload,
+        scenarios: &scenarios,
         workers: 3,
         policies: &policies,
         search: Search {
@@ -95,4 +98,35 @@ fn one_best_per_family_among_what_it_searched() {
     for (a, b) in best.iter().zip(&again) {
         assert_eq!((&a.deployment, a.capacity), (&b.deployment, b.capacity));
     }
+}
+
+/// With several seeds' scenarios a load is judged by their mean
+/// attainment, and a tune's runs count every seed's.
+#[test]
+fn scenarios_are_judged_by_their_mean_attainment() {
+    let scenario = |seed| Scenario {
+        config: SimConfig { seed, ..base() },
+        workload: WorkloadSpec::Synthetic(SyntheticConfig {
+            duration_s: 8.0,
+            prompt_tokens: (500, 3_000),
+            output_tokens: (16, 64),
+            seed,
+            ..SyntheticConfig::default()
+        }),
+    };
+    let scenarios = [scenario(1), scenario(2)];
+    let agg = Deployment::Aggregated { workers: 3 };
+    let load = 150.0;
+    let each: Vec<f64> = scenarios
+        .iter()
+        .map(|s| {
+            run_point(&s.config, &agg, &s.workload, load)
+                .unwrap()
+                .summary
+                .slo_attainment
+        })
+        .collect();
+    assert_ne!(each[0], each[1], "the seeds differ at this load");
+    let mean = mean_attainment(&scenarios, &agg, load).unwrap();
+    assert_eq!(mean, (each[0] + each[1]) / 2.0);
 }

@@ -1,0 +1,63 @@
+//! The `sim` binary's command line, run as a user runs it.
+
+use std::process::Command;
+
+fn sim(args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new(env!("CARGO_BIN_EXE_sim"))
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "sim {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+/// The table's data rows (after its two header lines).
+fn rows(table: &str) -> Vec<&str> {
+    table
+        .lines()
+        .skip(2)
+        .filter(|l| l.starts_with("c/d") || l.starts_with("agg") || l.starts_with("disagg"))
+        .collect()
+}
+
+/// `--seeds N` prints a row per seed in seed order, each the row `--seed S`
+/// prints alone, and the spread of attainment over them.
+#[test]
+fn run_with_seeds_prints_each_seed_and_the_spread() -> anyhow::Result<()> {
+    let common = [
+        "run",
+        "--deployment",
+        "isl",
+        "--load",
+        "1.0",
+        "--duration-s",
+        "20",
+    ];
+    let both = sim(&[
+        &common[..],
+        &["--seeds", "2", "--seed", "3", "--threads", "2"],
+    ]
+    .concat())?;
+    let seeded = rows(&both);
+    assert_eq!(seeded.len(), 2, "{both}");
+    for (i, seed) in ["3", "4"].into_iter().enumerate() {
+        let alone = sim(&[&common[..], &["--seed", seed]].concat())?;
+        assert_eq!(rows(&alone), [seeded[i]], "seed {seed}:\n{alone}\n{both}");
+    }
+    let spread = both
+        .lines()
+        .find(|l| l.starts_with("rows in seed order 3..=4; SLO attainment: mean "))
+        .unwrap_or_else(|| panic!("no spread line:\n{both}"));
+    let each: Vec<f64> = spread
+        .rsplit("each: ")
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    assert_eq!(each.len(), 2, "{spread}");
+    Ok(())
+}
