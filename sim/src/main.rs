@@ -73,6 +73,11 @@ enum Command {
         /// families differ.
         #[arg(long, default_value_t = 1)]
         seeds: u64,
+        /// Tune only these C/D policies (comma-separated router names, e.g.
+        /// `isl,sla_dynamic`; default: all). Aggregated and disaggregated,
+        /// the baselines, are always tuned.
+        #[arg(long, value_delimiter = ',')]
+        policies: Vec<String>,
     },
     /// Run one deployment at one load and print its figures.
     Run {
@@ -424,7 +429,8 @@ fn main() -> anyhow::Result<()> {
             capacity_tolerance,
             threads,
             seeds,
-        } => tune(&common, capacity_tolerance, threads, seeds)?,
+            policies,
+        } => tune(&common, capacity_tolerance, threads, seeds, &policies)?,
         Command::Run {
             common,
             deployment,
@@ -533,12 +539,28 @@ fn run_seeds(
 
 /// `sim tune`: every family's best, the table, the comparisons the issue
 /// asks for, one JSON line.
-fn tune(common: &Common, tolerance: f64, threads: Option<usize>, seeds: u64) -> anyhow::Result<()> {
+fn tune(
+    common: &Common,
+    tolerance: f64,
+    threads: Option<usize>,
+    seeds: u64,
+    only: &[String],
+) -> anyhow::Result<()> {
     let scenarios = common.scenarios(seeds)?;
     let (base, workload) = (&scenarios[0].config, &scenarios[0].workload);
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let policies = conditional_policies(common.slo());
+    let mut policies = conditional_policies(common.slo());
+    if !only.is_empty() {
+        let known: Vec<&str> = policies.iter().map(|p| p.name()).collect();
+        if let Some(unknown) = only.iter().find(|n| !known.contains(&n.as_str())) {
+            bail!(
+                "--policies: no C/D policy named {unknown:?}; known: {}",
+                known.join(", ")
+            );
+        }
+        policies.retain(|p| only.iter().any(|n| n == p.name()));
+    }
     let (lo, hi) = common.default_loads();
     let tune = Tune {
         scenarios: &scenarios,

@@ -61,3 +61,19 @@ fn run_with_seeds_prints_each_seed_and_the_spread() -> anyhow::Result<()> {
     assert_eq!(each.len(), 2, "{spread}");
     Ok(())
 }
+
+/// `tune --policies` names what it does not know, and the known ones.
+#[test]
+fn tune_refuses_an_unknown_policy_by_name() -> anyhow::Result<()> {
+    let output = Command::new(env!("CARGO_BIN_EXE_sim"))
+        .args(["tune", "--policies", "isl,nope"])
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr)?;
+    assert!(
+        stderr.contains("no C/D policy named \"nope\"; known: isl, load, isl_or_load, sla_dynamic"),
+        "{stderr}"
+    );
+    Ok(())
+}
