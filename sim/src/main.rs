@@ -438,7 +438,7 @@ fn main() -> anyhow::Result<()> {
             load,
             seeds,
             threads,
-        } if seeds > 1 => run_seeds(&common, &deployment, &params, load, seeds, threads)?,
+        } if seeds != 1 => run_seeds(&common, &deployment, &params, load, seeds, threads)?,
         Command::Run {
             common,
             deployment,
