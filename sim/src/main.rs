@@ -235,7 +235,13 @@ impl Common {
         if seeds == 0 {
             bail!("--seeds must be at least 1");
         }
-        (self.seed..self.seed.saturating_add(seeds))
+        let Some(last) = self.seed.checked_add(seeds - 1) else {
+            bail!(
+                "--seed {} with --seeds {seeds} runs past the largest seed",
+                self.seed
+            );
+        };
+        (self.seed..=last)
             .map(|seed| {
                 let c = Common {
                     seed,
@@ -516,7 +522,7 @@ fn run_seeds(
     .into_iter()
     .collect::<Result<Vec<_>, _>>()?;
     bar.finish_and_clear();
-    let unit = common.workload()?.load_unit();
+    let unit = scenarios[0].workload.load_unit();
     print!("{}", table(&points, unit));
     let attainment: Vec<f64> = points
         .iter()

@@ -100,8 +100,8 @@ fn one_best_per_family_among_what_it_searched() {
     }
 }
 
-/// With several seeds' scenarios a load is judged by their mean
-/// attainment, and a tune's runs count every seed's.
+/// With several seeds' scenarios a load is judged by the mean of their
+/// attainments.
 #[test]
 fn scenarios_are_judged_by_their_mean_attainment() {
     let scenario = |seed| Scenario {
