@@ -54,6 +54,18 @@ impl WorkloadSpec {
         }
     }
 
+    /// The same workload under another seed (a trace's records shared,
+    /// not read again).
+    pub fn with_seed(&self, seed: u64) -> Self {
+        let mut spec = self.clone();
+        match &mut spec {
+            WorkloadSpec::Agentic(c) | WorkloadSpec::LongContext(c) => c.seed = seed,
+            WorkloadSpec::Mooncake { config, .. } => config.seed = seed,
+            WorkloadSpec::Synthetic(c) => c.seed = seed,
+        }
+        spec
+    }
+
     /// The workload at one load.
     pub fn at(&self, load: f64) -> Box<dyn Workload> {
         match self {

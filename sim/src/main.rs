@@ -118,7 +118,7 @@ enum WorkloadArg {
     Synthetic,
 }
 
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Args)]
 struct Common {
     #[arg(long, value_enum, default_value_t = WorkloadArg::Agentic)]
     workload: WorkloadArg,
@@ -230,7 +230,8 @@ impl Common {
     }
 
     /// `seeds` scenarios from `--seed` on: the workload's and the router's
-    /// seed advanced by one each.
+    /// seed advanced by one each (the configuration built and a trace read
+    /// once).
     fn scenarios(&self, seeds: u64) -> anyhow::Result<Vec<Scenario>> {
         if seeds == 0 {
             bail!("--seeds must be at least 1");
@@ -241,18 +242,16 @@ impl Common {
                 self.seed
             );
         };
-        (self.seed..=last)
-            .map(|seed| {
-                let c = Common {
+        let (config, workload) = (self.sim_config()?, self.workload()?);
+        Ok((self.seed..=last)
+            .map(|seed| Scenario {
+                config: SimConfig {
                     seed,
-                    ..self.clone()
-                };
-                Ok(Scenario {
-                    config: c.sim_config()?,
-                    workload: c.workload()?,
-                })
+                    ..config.clone()
+                },
+                workload: workload.with_seed(seed),
             })
-            .collect()
+            .collect())
     }
 
     fn sim_config(&self) -> anyhow::Result<SimConfig> {
@@ -356,8 +355,7 @@ fn main() -> anyhow::Result<()> {
                 })
                 .collect();
             let deployments = common.deployments();
-            let threads = threads
-                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let threads = threads_or_cores(threads);
             let bar = ProgressBar::new((deployments.len() * points.len()) as u64).with_style(
                 ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} runs, {elapsed}")
                     .expect("valid template"),
@@ -493,6 +491,11 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--threads`, or the machine's cores.
+fn threads_or_cores(threads: Option<usize>) -> usize {
+    threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// `sim run --seeds N`: the same deployment and load under `N` seeds (the
 /// workload's and the router's), a row each in seed order, then the spread
 /// of SLO attainment.
@@ -504,8 +507,7 @@ fn run_seeds(
     seeds: u64,
     threads: Option<usize>,
 ) -> anyhow::Result<()> {
-    let threads =
-        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = threads_or_cores(threads);
     let first = common.seed;
     let scenarios = common.scenarios(seeds)?;
     let deployment = deployment_named(deployment, params, common)?;
@@ -554,8 +556,7 @@ fn tune(
 ) -> anyhow::Result<()> {
     let scenarios = common.scenarios(seeds)?;
     let (base, workload) = (&scenarios[0].config, &scenarios[0].workload);
-    let threads =
-        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = threads_or_cores(threads);
     let mut policies = conditional_policies(common.slo());
     if !only.is_empty() {
         let known: Vec<&str> = policies.iter().map(|p| p.name()).collect();
