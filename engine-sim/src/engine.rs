@@ -339,7 +339,9 @@ impl Engine {
     /// Plans and runs the next step if there is work. The step starts at
     /// `now_us`, or when the previous step ends if that is later; the
     /// caller applies its outputs at [`Step::end_us`] and calls `step`
-    /// again no earlier. `None` when idle.
+    /// again no earlier. `None` when idle, or when no waiting request fits
+    /// beside the prefixes pinned for other workers' reads: call `step`
+    /// again after [`Engine::unpin`].
     pub fn step(&mut self, now_us: u64) -> Option<Step> {
         if self.sched.is_idle() {
             return None;
@@ -362,7 +364,8 @@ impl Engine {
         debug_assert!(
             !planned.work.is_empty()
                 || self.sched.is_idle()
-                || self.sched.next_ready_us().is_some(),
+                || self.sched.next_ready_us().is_some()
+                || !self.pinned.is_empty(),
             "work pending but nothing scheduled"
         );
         self.sync_stats();

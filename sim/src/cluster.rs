@@ -364,7 +364,14 @@ impl<'w> Cluster<'w> {
             match event {
                 Event::LoadTick => {
                     self.report_loads();
-                    if self.pending > 0 || !self.in_flight.is_empty() {
+                    assert!(
+                        self.pending > 0 || self.in_flight.is_empty(),
+                        "simulation stalled at {:.1} s: {} requests in flight and no event \
+                         pending (a worker waits for room nothing will free)",
+                        at_us as f64 / 1e6,
+                        self.in_flight.len()
+                    );
+                    if self.pending > 0 {
                         self.schedule(at_us + self.config.load_interval_us, Event::LoadTick);
                     }
                     continue;
@@ -487,7 +494,7 @@ impl<'w> Cluster<'w> {
                 self.counters.kv_bytes_pulled += bytes;
                 pull = Some((source, pin, bytes));
             } else {
-                self.engines[source].unpin(pin);
+                self.unpin(source, pin);
             }
         }
         let request = EngineRequest {
@@ -576,7 +583,23 @@ impl<'w> Cluster<'w> {
     /// prefill is done, or it was refused).
     fn release_source(&mut self, id: u64) {
         if let Some((source, pin)) = self.in_flight.get_mut(&id).and_then(|r| r.source.take()) {
-            self.engines[source].unpin(pin);
+            self.unpin(source, pin);
+        }
+    }
+
+    /// Lets a pinned prefix go on `worker`. Its blocks become evictable, so
+    /// a request that waited for room there may now be admitted: an idle
+    /// worker is woken (nothing else would: its next step comes only with
+    /// its next submission).
+    fn unpin(&mut self, worker: usize, pin: PinnedPrefix) {
+        self.engines[worker].unpin(pin);
+        self.wake(worker);
+    }
+
+    /// Starts `worker`'s next step unless one is running.
+    fn wake(&mut self, worker: usize) {
+        if !self.busy[worker] {
+            self.start_step(worker);
         }
     }
 
@@ -605,9 +628,7 @@ impl<'w> Cluster<'w> {
             }
             return;
         }
-        if !self.busy[worker] {
-            self.start_step(worker);
-        }
+        self.wake(worker);
     }
 
     fn start_step(&mut self, worker: usize) {
@@ -801,6 +822,54 @@ mod tests {
             fetch: router::FetchConfig::default(),
             host_offload_gib: 0.0,
         }
+    }
+
+    /// A decode worker whose waiting request needs the room a pinned
+    /// prefix holds goes idle (it cannot admit); the prefix's release must
+    /// start its next step, or nothing would until its next submission (at
+    /// the end of an overloaded run: never, and the run spun on its load
+    /// ticks forever).
+    #[test]
+    fn releasing_a_pinned_prefix_wakes_the_worker_that_waited_for_room() {
+        let mut workload = Agentic::new(AgenticConfig {
+            duration_s: 1.0,
+            ..AgenticConfig::default()
+        });
+        let mut cluster = Cluster::new(config(OutboxLimits::default()), &mut workload).unwrap();
+        let d = (0..cluster.engines.len())
+            .find(|&i| cluster.engines[i].role() == protocol::Role::Decode)
+            .unwrap();
+        let small = engine_sim::EngineConfig {
+            kv_capacity_blocks: 8,
+            ..*cluster.engines[d].config()
+        };
+        let engine = &mut cluster.engines[d];
+        *engine = Engine::new(engine.worker().clone(), engine.role(), small).unwrap();
+        let bs = engine.config().block_size;
+        let held: Vec<u32> = (0..6 * bs).collect();
+        assert_eq!(engine.receive_prefix(&held, 6 * bs), 6 * bs);
+        let pin = engine.pin_prefix(&held, 6 * bs);
+        assert_eq!(pin.tokens(), 6 * bs);
+
+        // Five blocks' prompt: two are free while the prefix is pinned.
+        cluster.submit(
+            d,
+            EngineRequest {
+                id: 1,
+                prompt: (10_000..10_000 + 5 * bs).collect(),
+                output_tokens: vec![1; 4].into(),
+                mode: Mode::LocalPrefill,
+            },
+        );
+        assert!(
+            !cluster.busy[d],
+            "it cannot admit while the prefix is pinned"
+        );
+        assert_eq!(cluster.engines[d].waiting(), 1);
+
+        cluster.unpin(d, pin);
+        assert!(cluster.busy[d], "the release woke it");
+        assert_eq!(cluster.engines[d].running(), 1);
     }
 
     /// The index the engines' own block sets make.
