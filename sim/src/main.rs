@@ -73,9 +73,10 @@ enum Command {
         /// families differ.
         #[arg(long, default_value_t = 1)]
         seeds: u64,
-        /// Tune only these C/D policies (comma-separated router names, e.g.
-        /// `isl,sla_dynamic`; default: all). Aggregated and disaggregated,
-        /// the baselines, are always tuned.
+        /// Tune only these C/D policies (comma-separated names as the router
+        /// takes them, e.g. `isl,sla_dynamic` or Dynamo's `isl_bounding`;
+        /// default: all). Aggregated and disaggregated, the baselines, are
+        /// always tuned.
         #[arg(long, value_delimiter = ',')]
         policies: Vec<String>,
     },
@@ -560,13 +561,18 @@ fn tune(
     let mut policies = conditional_policies(common.slo());
     if !only.is_empty() {
         let known: Vec<&str> = policies.iter().map(|p| p.name()).collect();
-        if let Some(unknown) = only.iter().find(|n| !known.contains(&n.as_str())) {
-            bail!(
-                "--policies: no C/D policy named {unknown:?}; known: {}",
-                known.join(", ")
-            );
+        // Dynamo's names and the aliases the router accepts name them too.
+        let mut wanted = Vec::new();
+        for name in only {
+            match router::PolicySpec::find(name) {
+                Ok(found) if known.contains(&found.spec.name) => wanted.push(found.spec.name),
+                _ => bail!(
+                    "--policies: no C/D policy named {name:?}; known: {}",
+                    known.join(", ")
+                ),
+            }
         }
-        policies.retain(|p| only.iter().any(|n| n == p.name()));
+        policies.retain(|p| wanted.contains(&p.name()));
     }
     let (lo, hi) = common.default_loads();
     let tune = Tune {

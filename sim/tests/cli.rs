@@ -75,5 +75,16 @@ fn tune_refuses_an_unknown_policy_by_name() -> anyhow::Result<()> {
         stderr.contains("no C/D policy named \"nope\"; known: isl, load, isl_or_load, sla_dynamic"),
         "{stderr}"
     );
+    // A fixed deployment's policy is no C/D policy either.
+    let output = Command::new(env!("CARGO_BIN_EXE_sim"))
+        .args(["tune", "--policies", "disagg"])
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr)?;
+    assert!(
+        stderr.contains("no C/D policy named \"disagg\""),
+        "{stderr}"
+    );
     Ok(())
 }
