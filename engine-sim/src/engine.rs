@@ -142,8 +142,12 @@ pub struct Engine {
     /// ([`Engine::pin_prefix`], [`Engine::end_read`]): steps are longer
     /// while any is.
     reads: u32,
-    /// Their blocks (one entry per hold).
-    pinned: Vec<BlockId>,
+    /// Pins held on each block (indexed by [`BlockId`]).
+    pins: Vec<u32>,
+    /// Pins held on all blocks.
+    pinned_blocks: u64,
+    /// Restarts so far: a pin from before the last one holds nothing.
+    generation: u64,
 }
 
 /// Blocks of a prefix held for another worker's read
@@ -156,6 +160,7 @@ pub struct PinnedPrefix {
     blocks: Vec<BlockId>,
     tokens: u32,
     reading: bool,
+    generation: u64,
 }
 
 impl PinnedPrefix {
@@ -184,7 +189,9 @@ impl Engine {
             scratch: Vec::new(),
             outputs: Vec::new(),
             reads: 0,
-            pinned: Vec::new(),
+            pins: vec![0; config.kv_capacity_blocks as usize],
+            pinned_blocks: 0,
+            generation: 0,
         })
     }
 
@@ -215,15 +222,17 @@ impl Engine {
                 break;
             };
             self.cache.acquire(b);
+            self.pins[b as usize] += 1;
             blocks.push(b);
         }
         self.reads += 1;
-        self.pinned.extend_from_slice(&blocks);
+        self.pinned_blocks += blocks.len() as u64;
         let tokens = blocks.len() as u32 * self.hasher.block_size();
         PinnedPrefix {
             blocks,
             tokens,
             reading: true,
+            generation: self.generation,
         }
     }
 
@@ -232,22 +241,24 @@ impl Engine {
     /// worker keeps them for the reader until its prefill is done, as the
     /// router's ledger counts them).
     pub fn end_read(&mut self, pin: &mut PinnedPrefix) {
-        if std::mem::take(&mut pin.reading) {
-            self.reads = self.reads.saturating_sub(1);
+        if std::mem::take(&mut pin.reading) && pin.generation == self.generation {
+            self.reads -= 1;
         }
     }
 
     /// Releases a pin (ending its read if still running); the blocks stay
     /// cached.
     pub fn unpin(&mut self, mut pin: PinnedPrefix) {
-        self.end_read(&mut pin);
         // A pin from before a restart holds nothing any more.
-        for &b in pin.blocks.iter().rev() {
-            if let Some(i) = self.pinned.iter().rposition(|&p| p == b) {
-                self.pinned.swap_remove(i);
-                self.cache.release(b);
-            }
+        if pin.generation != self.generation {
+            return;
         }
+        self.end_read(&mut pin);
+        for &b in pin.blocks.iter().rev() {
+            self.pins[b as usize] -= 1;
+            self.cache.release(b);
+        }
+        self.pinned_blocks -= pin.blocks.len() as u64;
     }
 
     /// Stores the KV of `prompt`'s first `tokens` tokens (whole blocks),
@@ -365,7 +376,7 @@ impl Engine {
             !planned.work.is_empty()
                 || self.sched.is_idle()
                 || self.sched.next_ready_us().is_some()
-                || !self.pinned.is_empty(),
+                || self.pinned_blocks > 0,
             "work pending but nothing scheduled"
         );
         self.sync_stats();
@@ -463,7 +474,9 @@ impl Engine {
         self.in_flight.clear();
         self.cache.clear();
         self.outputs.clear();
-        self.pinned.clear();
+        self.pins.fill(0);
+        self.pinned_blocks = 0;
+        self.generation += 1;
         self.reads = 0;
         dropped
     }
@@ -571,8 +584,8 @@ impl Engine {
     pub fn check_invariants(&self) -> Result<(), String> {
         let bs = self.config.block_size;
         let mut holders = vec![0u32; self.config.kv_capacity_blocks as usize];
-        for &b in &self.pinned {
-            holders[b as usize] += 1;
+        for (holders, &pins) in holders.iter_mut().zip(&self.pins) {
+            *holders += pins;
         }
         for seq in &self.sched.running {
             let want = seq.computed.div_ceil(bs) as usize;

@@ -546,6 +546,29 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
     held.submit(req(2, &other, 1, Mode::LocalPrefill)).unwrap();
     assert_eq!(held.step(now).unwrap().duration_us, plain_step);
     held.unpin(pin);
+
+    // A pin from before a restart holds nothing: releasing it leaves the
+    // blocks of a pin taken since (the same block ids, reused) held, and
+    // the read that one runs.
+    let mut old_pin = held.pin_prefix(&prompt, 400);
+    held.end_read(&mut old_pin);
+    let old_pin_2 = held.pin_prefix(&prompt, 400);
+    assert_eq!(held.restart().len(), 1, "request 2 dropped");
+    held.submit(req(3, &prompt, 2, Mode::LocalPrefill)).unwrap();
+    let (_, now) = run_to_idle(&mut held, now, 20);
+    let new_pin = held.pin_prefix(&prompt, 400);
+    assert_eq!(held.block_counts().in_use, 25);
+    held.unpin(old_pin);
+    held.unpin(old_pin_2);
+    assert_eq!(held.block_counts().in_use, 25, "the new pin still holds");
+    held.check_invariants().unwrap();
+    held.submit(req(4, &other, 1, Mode::LocalPrefill)).unwrap();
+    let read_step = held.step(now).unwrap().duration_us;
+    assert!(read_step > plain_step, "the new pin's read still runs");
+    held.unpin(new_pin);
+    run_to_idle(&mut held, now, 50);
+    assert_eq!(held.block_counts().in_use, 0);
+    held.check_invariants().unwrap();
 }
 
 /// The host tier (G2): an evicted prefix is written to host (Removed from
