@@ -62,26 +62,26 @@ fn run_with_seeds_prints_each_seed_and_the_spread() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `sim tune --policies <policies>`'s error: it must fail.
+fn tune_error(policies: &str) -> anyhow::Result<String> {
+    let output = Command::new(env!("CARGO_BIN_EXE_sim"))
+        .args(["tune", "--policies", policies])
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    anyhow::ensure!(!output.status.success(), "--policies {policies} was taken");
+    Ok(String::from_utf8(output.stderr)?)
+}
+
 /// `tune --policies` names what it does not know, and the known ones.
 #[test]
 fn tune_refuses_an_unknown_policy_by_name() -> anyhow::Result<()> {
-    let output = Command::new(env!("CARGO_BIN_EXE_sim"))
-        .args(["tune", "--policies", "isl,nope"])
-        .env("RUST_BACKTRACE", "0")
-        .output()?;
-    assert!(!output.status.success());
-    let stderr = String::from_utf8(output.stderr)?;
+    let stderr = tune_error("isl,nope")?;
     assert!(
         stderr.contains("no C/D policy named \"nope\"; known: isl, load, isl_or_load, sla_dynamic"),
         "{stderr}"
     );
     // A fixed deployment's policy is no C/D policy either.
-    let output = Command::new(env!("CARGO_BIN_EXE_sim"))
-        .args(["tune", "--policies", "disagg"])
-        .env("RUST_BACKTRACE", "0")
-        .output()?;
-    assert!(!output.status.success());
-    let stderr = String::from_utf8(output.stderr)?;
+    let stderr = tune_error("disagg")?;
     assert!(
         stderr.contains("no C/D policy named \"disagg\""),
         "{stderr}"
