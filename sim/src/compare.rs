@@ -96,6 +96,9 @@ pub struct Point {
     pub deployment: String,
     pub load: f64,
     pub summary: RunSummary,
+    /// The router core's calibration at the end of the run (what the SLA
+    /// policy learnt).
+    pub calibration: router::Factors,
     /// Wall-clock seconds the run took (not part of the comparison).
     pub wall_s: f64,
 }
@@ -174,6 +177,7 @@ pub fn run_point(
         deployment: deployment.name(),
         load,
         summary: result.summary,
+        calibration: result.calibration,
         wall_s: started.elapsed().as_secs_f64(),
     })
 }

@@ -487,6 +487,13 @@ fn main() -> anyhow::Result<()> {
                 s.e2e_ms.p50,
                 started.elapsed().as_secs_f64()
             );
+            if matches!(config.deployment.policy(), router::Policy::SlaDynamic(_)) {
+                let k = results[0].calibration;
+                println!(
+                    "sla_dynamic calibration at the end (observed / predicted): TTFT x{:.2} local, x{:.2} remote; ITL x{:.2}",
+                    k.local_ttft, k.remote_ttft, k.itl
+                );
+            }
         }
     }
     Ok(())

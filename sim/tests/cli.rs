@@ -62,6 +62,39 @@ fn run_with_seeds_prints_each_seed_and_the_spread() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `sim run` of the SLA policy says what its calibration learnt: factors
+/// off 1 once the run fed it observations; other policies learn nothing.
+#[test]
+fn run_of_the_sla_policy_prints_what_it_learnt() -> anyhow::Result<()> {
+    let run = |policy| {
+        sim(&[
+            "run",
+            "--deployment",
+            policy,
+            "--load",
+            "1.0",
+            "--duration-s",
+            "20",
+        ])
+    };
+    let out = run("sla_dynamic")?;
+    let line = out
+        .lines()
+        .find(|l| {
+            l.starts_with("sla_dynamic calibration at the end (observed / predicted): TTFT x")
+        })
+        .unwrap_or_else(|| panic!("no calibration line:\n{out}"));
+    let factors: Vec<f64> = line
+        .split(" x")
+        .skip(1)
+        .map(|f| f.split([',', ';', ' ']).next().unwrap_or_default().parse())
+        .collect::<Result<_, _>>()?;
+    assert_eq!(factors.len(), 3, "{line}");
+    assert!(factors.iter().any(|&f| f != 1.0), "nothing learnt: {line}");
+    assert!(!run("isl")?.contains("calibration"));
+    Ok(())
+}
+
 /// `sim tune --policies <policies>`'s error: it must fail.
 fn tune_error(policies: &str) -> anyhow::Result<String> {
     let output = Command::new(env!("CARGO_BIN_EXE_sim"))
