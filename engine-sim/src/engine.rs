@@ -144,8 +144,6 @@ pub struct Engine {
     reads: u32,
     /// Pins held on each block (indexed by [`BlockId`]).
     pins: Vec<u32>,
-    /// Pins held on all blocks.
-    pinned_blocks: u64,
     /// Restarts so far: a pin from before the last one holds nothing.
     generation: u64,
 }
@@ -190,7 +188,6 @@ impl Engine {
             outputs: Vec::new(),
             reads: 0,
             pins: vec![0; config.kv_capacity_blocks as usize],
-            pinned_blocks: 0,
             generation: 0,
         })
     }
@@ -226,7 +223,6 @@ impl Engine {
             blocks.push(b);
         }
         self.reads += 1;
-        self.pinned_blocks += blocks.len() as u64;
         let tokens = blocks.len() as u32 * self.hasher.block_size();
         PinnedPrefix {
             blocks,
@@ -258,7 +254,6 @@ impl Engine {
             self.pins[b as usize] -= 1;
             self.cache.release(b);
         }
-        self.pinned_blocks -= pin.blocks.len() as u64;
     }
 
     /// Stores the KV of `prompt`'s first `tokens` tokens (whole blocks),
@@ -376,7 +371,7 @@ impl Engine {
             !planned.work.is_empty()
                 || self.sched.is_idle()
                 || self.sched.next_ready_us().is_some()
-                || self.pinned_blocks > 0,
+                || self.pins.iter().any(|&p| p > 0),
             "work pending but nothing scheduled"
         );
         self.sync_stats();
@@ -475,7 +470,6 @@ impl Engine {
         self.cache.clear();
         self.outputs.clear();
         self.pins.fill(0);
-        self.pinned_blocks = 0;
         self.generation += 1;
         self.reads = 0;
         dropped
