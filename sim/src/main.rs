@@ -499,6 +499,13 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `first..=last` of the scenarios' seeds (as [`Common::scenarios`] made
+/// them, in order).
+fn seed_range(scenarios: &[Scenario]) -> String {
+    let seed = |s: Option<&Scenario>| s.map_or(0, |s| s.config.seed);
+    format!("{}..={}", seed(scenarios.first()), seed(scenarios.last()))
+}
+
 /// `--threads`, or the machine's cores.
 fn threads_or_cores(threads: Option<usize>) -> usize {
     threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -516,7 +523,6 @@ fn run_seeds(
     threads: Option<usize>,
 ) -> anyhow::Result<()> {
     let threads = threads_or_cores(threads);
-    let first = common.seed;
     let scenarios = common.scenarios(seeds)?;
     let deployment = deployment_named(deployment, params, common)?;
     let bar = ProgressBar::new(scenarios.len() as u64).with_style(
@@ -546,8 +552,8 @@ fn run_seeds(
         });
     let each: Vec<String> = attainment.iter().map(|a| format!("{a:.1}")).collect();
     println!(
-        "rows in seed order {first}..={}; SLO attainment: mean {mean:.2}% (min {min:.1}%, max {max:.1}%); each: {}",
-        first + seeds - 1,
+        "rows in seed order {}; SLO attainment: mean {mean:.2}% (min {min:.1}%, max {max:.1}%); each: {}",
+        seed_range(&scenarios),
         each.join(" ")
     );
     Ok(())
@@ -619,7 +625,7 @@ fn tune(
     let seeds_named = if seeds == 1 {
         format!("seed {}", common.seed)
     } else {
-        format!("seeds {}..={}", common.seed, common.seed + seeds - 1)
+        format!("seeds {}", seed_range(&scenarios))
     };
     println!(
         "{} workload, {} workers of {} ({gpus} GPUs), {seeds_named}; SLO: TTFT <= {} ms and ITL <= {} ms",
