@@ -63,7 +63,9 @@ fn same_seed_same_run() {
 
 /// The cluster feeds the router core the observations a service does (a
 /// prefill's end, a decode's time and tokens): the SLA policy's
-/// calibration learns from them, the same for the same seed.
+/// calibration learns from them, the same for the same seed. (Busy enough
+/// that the policy takes both paths: on idle workers a bypass's first
+/// token is the sooner, and nothing would go remote.)
 #[test]
 fn the_sla_policy_calibrates_on_what_the_cluster_observes() {
     let sla = || Deployment::Conditional {
@@ -71,8 +73,19 @@ fn the_sla_policy_calibrates_on_what_the_cluster_observes() {
         decode: 6,
         policy: router::SlaDynamic::with_slo(2_000.0, 60.0).into(),
     };
-    let a = run(sla(), 7);
-    let b = run(sla(), 7);
+    let busy = |seed| {
+        let mut workload = Agentic::new(AgenticConfig {
+            sessions_per_s: 3.0,
+            duration_s: 30.0,
+            seed,
+            ..AgenticConfig::default()
+        });
+        let result = simulate(&config(sla(), seed), &mut workload).unwrap();
+        assert!(result.summary.bypass_share < 1.0, "{:?}", result.summary);
+        result
+    };
+    let a = busy(7);
+    let b = busy(7);
     assert_eq!(a.records, b.records);
     let f = a.calibration;
     assert_eq!(f, b.calibration);

@@ -57,9 +57,10 @@ pub mod rules {
     /// Load rule: both sides busy: remote (spare the decodes).
     pub const LOAD_DECODE_BUSY: &str = "load.decode_busy";
     /// SLA rule: both paths meet the targets, the local prefill spends less
-    /// compute: bypass.
+    /// compute (or as much, and its first token is no later): bypass.
     pub const SLA_LOCAL_SAVES_WORK: &str = "sla.local_saves_work";
-    /// SLA rule: both paths meet the targets, remote spends no more: remote.
+    /// SLA rule: both paths meet the targets, remote spends less compute
+    /// (or as much, and its first token is sooner): remote.
     pub const SLA_REMOTE_NO_MORE_WORK: &str = "sla.remote_no_more_work";
     /// SLA rule: only the local prefill meets the TTFT and ITL targets: bypass.
     pub const SLA_LOCAL_MEETS_TARGETS: &str = "sla.local_meets_targets";
@@ -74,7 +75,8 @@ pub mod rules {
     pub const SLA_REMOTE_SOONER: &str = "sla.remote_sooner";
     /// SLA rule: both the local prefill and a remote one with the prefix
     /// fetched from the decode worker meet the targets, the fetch computes
-    /// less: remote with the prefix fetched.
+    /// less (or as much, and its first token is sooner): remote with the
+    /// prefix fetched.
     pub const SLA_FETCH_LESS_WORK: &str = "sla.fetch_less_work";
     /// SLA rule: only the fetching remote prefill meets the targets.
     pub const SLA_FETCH_MEETS_TARGETS: &str = "sla.fetch_meets_targets";
