@@ -30,9 +30,14 @@ fn config(deployment: Deployment, seed: u64) -> SimConfig {
 }
 
 fn agentic(seed: u64) -> Agentic {
+    agentic_at(0.5, 30.0, seed)
+}
+
+/// The agentic workload at `sessions_per_s` for `duration_s`.
+fn agentic_at(sessions_per_s: f64, duration_s: f64, seed: u64) -> Agentic {
     Agentic::new(AgenticConfig {
-        sessions_per_s: 0.5,
-        duration_s: 30.0,
+        sessions_per_s,
+        duration_s,
         seed,
         ..AgenticConfig::default()
     })
@@ -74,13 +79,7 @@ fn the_sla_policy_calibrates_on_what_the_cluster_observes() {
         policy: router::SlaDynamic::with_slo(2_000.0, 60.0).into(),
     };
     let busy = |seed| {
-        let mut workload = Agentic::new(AgenticConfig {
-            sessions_per_s: 3.0,
-            duration_s: 30.0,
-            seed,
-            ..AgenticConfig::default()
-        });
-        let result = simulate(&config(sla(), seed), &mut workload).unwrap();
+        let result = simulate(&config(sla(), seed), &mut agentic_at(3.0, 30.0, seed)).unwrap();
         assert!(result.summary.bypass_share < 1.0, "{:?}", result.summary);
         result
     };
@@ -283,14 +282,7 @@ fn a_host_tier_serves_evicted_prefixes_back() {
         c.host_offload_gib = gib;
         c
     };
-    let busy = || {
-        Agentic::new(AgenticConfig {
-            sessions_per_s: 1.0,
-            duration_s: 15.0,
-            seed: 4,
-            ..AgenticConfig::default()
-        })
-    };
+    let busy = || agentic_at(1.0, 15.0, 4);
     let off = simulate(&small(0.0), &mut busy()).unwrap();
     let on = simulate(&small(64.0), &mut busy()).unwrap();
     let again = simulate(&small(64.0), &mut busy()).unwrap();
