@@ -99,6 +99,7 @@ pub fn run(
         warmup_fraction: 0.0,
         fetch: router::FetchConfig::default(),
         host_offload_gib: 0.0,
+        reuse_ceiling: false,
     };
     Ok(simulate(&config, &mut workload(decisions))?.summary)
 }

@@ -41,7 +41,9 @@ use worker_agent::core::{Backoff, Effect, Input, KvCore, OutboxLimits};
 use worker_agent::BlockMirror;
 
 use crate::deployment::Deployment;
+use crate::floor::{Floor, TtftFloor};
 use crate::metrics::{Counters, RequestRecord, RunSummary, Slo};
+use crate::reuse::{ReuseCeiling, ReuseLog};
 use crate::workload::{Arrival, RequestSpec, Workload};
 
 /// Everything one run needs besides its workload.
@@ -73,6 +75,9 @@ pub struct SimConfig {
     pub fetch: router::FetchConfig,
     /// Each worker's host-memory tier (G2) in GiB; 0: none.
     pub host_offload_gib: f64,
+    /// Also find the run's reuse ceiling ([`crate::reuse`]): it keeps every
+    /// block access of the run, so only where asked for.
+    pub reuse_ceiling: bool,
 }
 
 /// Why a run could not start.
@@ -99,6 +104,9 @@ pub struct RunResult {
     /// The router core's calibration factors at the end (what the SLA
     /// policy learnt from the observations the cluster fed it).
     pub calibration: router::Factors,
+    /// With [`SimConfig::reuse_ceiling`]: the most prompt blocks the
+    /// cluster's KV memory (every tier) could have served.
+    pub reuse_ceiling: Option<ReuseCeiling>,
 }
 
 #[derive(Debug)]
@@ -164,6 +172,7 @@ struct InFlight {
     /// pulled prefix arrived.
     awaiting_pull: Option<EngineRequest>,
     first_token_us: Option<u64>,
+    floor: Floor,
 }
 
 /// What a transfer on the links carries (its id: the request's id times
@@ -202,6 +211,13 @@ struct Cluster<'w> {
     rng: ChaCha8Rng,
     /// The prompt's block hashes, reused from request to request.
     hashes: Vec<BlockHash>,
+    /// The chain continued over the answer, and the tokens it covers.
+    answer_hashes: Vec<BlockHash>,
+    answer_tokens: Vec<u32>,
+    /// What no router could improve on: each request's TTFT floor.
+    floor: TtftFloor,
+    /// With [`SimConfig::reuse_ceiling`]: every block access, in order.
+    reuse: Option<ReuseLog>,
     in_flight: HashMap<u64, InFlight>,
     records: Vec<RequestRecord>,
     counters: Counters,
@@ -239,6 +255,17 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
         cluster.counters.host_bytes_read += cfg.kv_bytes(st.host_read_tokens);
         cluster.counters.host_bytes_written += st.host_blocks_written * cfg.block_bytes();
     }
+    let reuse_ceiling = cluster.reuse.as_ref().map(|log| {
+        let pool_blocks = cluster
+            .engines
+            .iter()
+            .map(|e| {
+                let c = e.config();
+                u64::from(c.kv_capacity_blocks) + u64::from(c.host.capacity_blocks)
+            })
+            .sum();
+        log.ceiling(pool_blocks)
+    });
     let summary = RunSummary::new(
         &cluster.records,
         &cluster.counters,
@@ -252,6 +279,7 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
         end_us: cluster.now_us,
         gpus,
         calibration: cluster.router.calibration().factors(),
+        reuse_ceiling,
     })
 }
 
@@ -316,6 +344,8 @@ impl<'w> Cluster<'w> {
         let busy = vec![false; engines.len()];
         let links = SharedLinks::new(config.link, engines.len());
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
+        let floor = TtftFloor::new(engine_config.cost, engine_config.block_size);
+        let reuse = config.reuse_ceiling.then(ReuseLog::default);
         Ok(Self {
             config,
             workload,
@@ -333,6 +363,10 @@ impl<'w> Cluster<'w> {
             indexer: KvIndexer::new(OwnershipIndex::new()),
             rng,
             hashes: Vec::new(),
+            answer_hashes: Vec::new(),
+            answer_tokens: Vec::new(),
+            floor,
+            reuse,
             in_flight: HashMap::new(),
             records: Vec::new(),
             counters: Counters::default(),
@@ -450,6 +484,7 @@ impl<'w> Cluster<'w> {
         self.router
             .hasher()
             .extend(None, &spec.prompt, &mut self.hashes);
+        let floor = self.admit_to_floor(&spec);
         let request_id = spec.id.to_string();
         let request = RouteRequest {
             request_id: &request_id,
@@ -515,6 +550,7 @@ impl<'w> Cluster<'w> {
                 source: None,
                 awaiting_pull: None,
                 first_token_us: None,
+                floor,
             },
         );
         match (pull, prefill) {
@@ -528,6 +564,27 @@ impl<'w> Cluster<'w> {
             }
             _ => self.submit(target, request),
         }
+    }
+
+    /// The request's TTFT floor ([`TtftFloor`]); `self.hashes` holds its
+    /// prompt's block hashes.
+    fn admit_to_floor(&mut self, spec: &RequestSpec) -> Floor {
+        let full = self.hashes.len() * self.config.block_size as usize;
+        self.answer_tokens.clear();
+        self.answer_tokens
+            .extend_from_slice(&spec.prompt[full.min(spec.prompt.len())..]);
+        self.answer_tokens.extend_from_slice(&spec.output);
+        self.answer_hashes.clear();
+        self.router.hasher().extend(
+            self.hashes.last().copied(),
+            &self.answer_tokens,
+            &mut self.answer_hashes,
+        );
+        if let Some(log) = &mut self.reuse {
+            log.record(&self.hashes, &self.answer_hashes);
+        }
+        self.floor
+            .admit(spec.prompt.len() as u32, &self.hashes, &self.answer_hashes)
     }
 
     /// Starts a transfer on the shared links.
@@ -774,6 +831,8 @@ impl<'w> Cluster<'w> {
             prompt_tokens: r.spec.prompt.len() as u32,
             output_tokens: r.spec.output.len() as u32,
             path: r.path,
+            reusable_tokens: r.floor.reusable_tokens,
+            ttft_floor_ms: r.floor.ttft_ms,
         });
         self.finish_session_turn(&r.spec);
     }
@@ -821,6 +880,7 @@ mod tests {
             warmup_fraction: 0.0,
             fetch: router::FetchConfig::default(),
             host_offload_gib: 0.0,
+            reuse_ceiling: false,
         }
     }
 

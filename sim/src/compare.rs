@@ -99,6 +99,8 @@ pub struct Point {
     /// The router core's calibration at the end of the run (what the SLA
     /// policy learnt).
     pub calibration: router::Factors,
+    /// With [`SimConfig::reuse_ceiling`]: the run's reuse ceiling.
+    pub reuse_ceiling: Option<crate::reuse::ReuseCeiling>,
     /// Wall-clock seconds the run took (not part of the comparison).
     pub wall_s: f64,
 }
@@ -178,6 +180,7 @@ pub fn run_point(
         load,
         summary: result.summary,
         calibration: result.calibration,
+        reuse_ceiling: result.reuse_ceiling,
         wall_s: started.elapsed().as_secs_f64(),
     })
 }
@@ -368,14 +371,15 @@ pub fn write_report(
         "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,later_turn_ttft_p90_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\
          e2e_p50_ms,throughput_per_gpu,interactivity_p50,interactivity_p90,slo_attainment,bypass_share,\
          prefill_hit_rate_p,prefill_hit_rate_d,kv_gb_moved,preemptions,gate_vetoes,refused,\
-         decode_kv_usage,decode_kv_full_share,decode_waiting,host_gb_read,host_gb_written\n",
+         decode_kv_usage,decode_kv_full_share,decode_waiting,host_gb_read,host_gb_written,\
+         later_turn_ttft_floor_p90_ms,reusable_share\n",
     );
     let mut json = Vec::new();
     for p in points {
         let s = &p.summary;
         let _ = writeln!(
             csv,
-            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{},{:.4},{:.4},{:.3},{:.3},{:.3}",
+            "{workload},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{},{:.4},{:.4},{:.3},{:.3},{:.3},{:.3},{:.4}",
             p.deployment,
             p.load,
             s.measured,
@@ -402,7 +406,9 @@ pub fn write_report(
             s.decode_kv_full_share,
             s.decode_waiting,
             s.host_gb_read,
-            s.host_gb_written
+            s.host_gb_written,
+            s.later_turn_ttft_floor_ms.p90,
+            s.reusable_share
         );
         json.push(serde_json::json!({
             "workload": workload,
@@ -411,6 +417,8 @@ pub fn write_report(
             "measured": s.measured,
             "ttft_ms": {"p50": s.ttft_ms.p50, "p90": s.ttft_ms.p90, "p99": s.ttft_ms.p99},
             "later_turn_ttft_ms": {"p50": s.later_turn_ttft_ms.p50, "p90": s.later_turn_ttft_ms.p90, "p99": s.later_turn_ttft_ms.p99},
+            "later_turn_ttft_floor_ms": {"p50": s.later_turn_ttft_floor_ms.p50, "p90": s.later_turn_ttft_floor_ms.p90, "p99": s.later_turn_ttft_floor_ms.p99},
+            "reusable_share": s.reusable_share,
             "itl_ms": {"p50": s.itl_ms.p50, "p90": s.itl_ms.p90, "p99": s.itl_ms.p99},
             "e2e_ms": {"p50": s.e2e_ms.p50, "p90": s.e2e_ms.p90, "p99": s.e2e_ms.p99},
             "throughput_per_gpu": s.throughput_per_gpu,

@@ -7,8 +7,10 @@ pub mod capacity;
 pub mod cluster;
 pub mod compare;
 pub mod deployment;
+pub mod floor;
 pub mod metrics;
 pub mod plot;
+pub mod reuse;
 pub mod tune;
 pub mod workload;
 

@@ -306,6 +306,7 @@ impl Common {
                 min_tokens: self.prefix_fetch_min_tokens,
             },
             host_offload_gib: self.host_offload_gib,
+            reuse_ceiling: false,
         })
     }
 
@@ -454,6 +455,7 @@ fn main() -> anyhow::Result<()> {
             let workload = common.workload()?;
             let mut config = common.sim_config()?;
             config.deployment = deployment_named(&deployment, &params, &common)?;
+            config.reuse_ceiling = true;
             let started = Instant::now();
             let results = sweep(
                 &config,
@@ -487,6 +489,16 @@ fn main() -> anyhow::Result<()> {
                 s.e2e_ms.p50,
                 started.elapsed().as_secs_f64()
             );
+            println!("{}", floor_line(s));
+            if let Some(c) = results[0].reuse_ceiling {
+                let block_bytes = config.preset.engine_config(config.block_size).block_bytes();
+                println!(
+                    "prompt blocks any cache could serve (all requests): {:.1}% with unbounded memory, at most {:.1}% with the cluster's {:.0} GB of KV memory (every worker and tier as one pool, optimal eviction)",
+                    100.0 * c.unbounded_share(),
+                    100.0 * c.pooled_share(),
+                    (c.pool_blocks * block_bytes) as f64 / 1e9
+                );
+            }
             if matches!(config.deployment.policy(), router::Policy::SlaDynamic(_)) {
                 let k = results[0].calibration;
                 println!(
@@ -497,6 +509,18 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// What any router could do at best on this workload: the turn-2+ TTFT
+/// p90 against its floor ([`sim::floor`]), and the share of prompt tokens
+/// an earlier request held.
+fn floor_line(s: &sim::RunSummary) -> String {
+    format!(
+        "turn-2+ TTFT p90 {:.0} ms; its floor {:.0} ms (each later turn alone on an idle worker holding every block an earlier request had: no router gives less); prompt tokens an earlier request held: {:.1}%",
+        s.later_turn_ttft_ms.p90,
+        s.later_turn_ttft_floor_ms.p90,
+        100.0 * s.reusable_share
+    )
 }
 
 /// `first..=last` of the scenarios' seeds (as [`Common::scenarios`] made
@@ -555,6 +579,14 @@ fn run_seeds(
         "rows in seed order {}; SLO attainment: mean {mean:.2}% (min {min:.1}%, max {max:.1}%); each: {}",
         seed_range(&scenarios),
         each.join(" ")
+    );
+    let floors: Vec<String> = points
+        .iter()
+        .map(|p| format!("{:.0}", p.summary.later_turn_ttft_floor_ms.p90))
+        .collect();
+    println!(
+        "turn-2+ TTFT p90 floor (each later turn alone on an idle worker holding every block an earlier request had: no router gives less), each: {} ms",
+        floors.join(" ")
     );
     Ok(())
 }
@@ -711,6 +743,9 @@ fn tune(
         };
         let p90 = |s: &sim::RunSummary| s.later_turn_ttft_ms.p90;
         let (a, b) = (mean(&cd_points, &p90), mean(&dis_points, &p90));
+        // The floors are the workload's, whichever deployment serves it
+        // (up to which requests the window measured).
+        let floor = mean(&cd_points, &|s| s.later_turn_ttft_floor_ms.p90);
         let each = if seeds == 1 {
             String::new()
         } else {
@@ -738,7 +773,13 @@ fn tune(
             disagg.deployment.name(),
             100.0 * mean(&dis_points, &|s| s.prefill_hit_rate_p)
         );
-        later = Some((load, a, b));
+        println!(
+            "  its floor (each later turn alone on an idle worker holding every block an earlier request had): {floor:.0} ms, {:.2}x {}: no router goes below; prompt tokens an earlier request held: {:.1}%",
+            floor / b.max(1e-9),
+            disagg.deployment.name(),
+            100.0 * mean(&cd_points, &|s| s.reusable_share)
+        );
+        later = Some((load, a, b, floor));
     }
     let (searches, runs) = counts(&progress);
     let families: Vec<_> = best
@@ -774,7 +815,7 @@ fn tune(
         "families": families,
         "best_cd": best_cd.family,
         "cd_over_baseline": ratio,
-        "later_turn_ttft_p90": later.map(|(load, cd, dis)| serde_json::json!({"load": load, "best_cd_ms": cd, "disaggregated_ms": dis})),
+        "later_turn_ttft_p90": later.map(|(load, cd, dis, floor)| serde_json::json!({"load": load, "best_cd_ms": cd, "disaggregated_ms": dis, "floor_ms": floor})),
         "searches": searches,
         "runs": runs,
         "wall_s": started.elapsed().as_secs_f64(),

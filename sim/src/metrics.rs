@@ -22,6 +22,10 @@ pub struct RequestRecord {
     pub prompt_tokens: u32,
     pub output_tokens: u32,
     pub path: Path,
+    /// Prompt tokens some earlier request held, and the least TTFT any
+    /// router could have given it ([`crate::floor`]).
+    pub reusable_tokens: u32,
+    pub ttft_floor_ms: f64,
 }
 
 impl RequestRecord {
@@ -121,6 +125,12 @@ pub struct RunSummary {
     /// TTFT of the measured requests that are a conversation's turn 2 or
     /// later (turn index >= 1): the turns whose history is cached somewhere.
     pub later_turn_ttft_ms: Percentiles,
+    /// The same requests' TTFT floors ([`crate::floor`]): no router's
+    /// `later_turn_ttft_ms` can be below them.
+    pub later_turn_ttft_floor_ms: Percentiles,
+    /// Share of the measured prompt tokens some earlier request held: the
+    /// most any prefix cache, anywhere, could have saved.
+    pub reusable_share: f64,
     pub itl_ms: Percentiles,
     pub e2e_ms: Percentiles,
     /// Output tokens per second per GPU over the measurement window.
@@ -175,13 +185,12 @@ impl RunSummary {
             .filter(|r| (window.0..window.1).contains(&r.arrival_us))
             .collect();
         let ttft = Percentiles::of(measured.iter().map(|r| r.ttft_ms()).collect());
-        let later_turn_ttft = Percentiles::of(
-            measured
-                .iter()
-                .filter(|r| r.turn > 0)
-                .map(|r| r.ttft_ms())
-                .collect(),
-        );
+        let later_turns = || measured.iter().filter(|r| r.turn > 0);
+        let later_turn_ttft = Percentiles::of(later_turns().map(|r| r.ttft_ms()).collect());
+        let later_turn_floor = Percentiles::of(later_turns().map(|r| r.ttft_floor_ms).collect());
+        let tokens = |f: fn(&RequestRecord) -> u32| -> u64 {
+            measured.iter().map(|r| u64::from(f(r))).sum()
+        };
         let itl = Percentiles::of(
             measured
                 .iter()
@@ -196,6 +205,8 @@ impl RunSummary {
             measured: measured.len(),
             ttft_ms: ttft,
             later_turn_ttft_ms: later_turn_ttft,
+            later_turn_ttft_floor_ms: later_turn_floor,
+            reusable_share: ratio(tokens(|r| r.reusable_tokens), tokens(|r| r.prompt_tokens)),
             itl_ms: itl,
             e2e_ms: e2e,
             throughput_per_gpu: counters.window_tokens as f64
@@ -249,6 +260,8 @@ mod tests {
             prompt_tokens: 10,
             output_tokens: 11,
             path: Path::Bypass,
+            reusable_tokens: 0,
+            ttft_floor_ms: 50.0,
         };
         assert_eq!(r.ttft_ms(), 100.0);
         assert_eq!(r.itl_ms(), 20.0);

@@ -33,6 +33,7 @@ fn config(ttft_ms: f64) -> SimConfig {
         warmup_fraction: 0.0,
         fetch: router::FetchConfig::default(),
         host_offload_gib: 0.0,
+        reuse_ceiling: false,
     }
 }
 

@@ -95,6 +95,49 @@ fn run_of_the_sla_policy_prints_what_it_learnt() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The numbers after `label` in `line`, in order (`%` and `ms` dropped).
+fn numbers_after(line: &str, label: &str) -> Vec<f64> {
+    line.split(label)
+        .skip(1)
+        .filter_map(|rest| {
+            let word = rest.split_whitespace().next()?;
+            word.trim_end_matches([',', ';', '%']).parse().ok()
+        })
+        .collect()
+}
+
+/// `sim run` says what no router could beat: the turn-2+ TTFT floor below
+/// the run's p90, and the reuse ceiling with the cluster's memory at most
+/// the one with unbounded memory.
+#[test]
+fn run_prints_the_floor_and_the_reuse_ceiling() -> anyhow::Result<()> {
+    let out = sim(&[
+        "run",
+        "--deployment",
+        "isl",
+        "--load",
+        "1.0",
+        "--duration-s",
+        "20",
+    ])?;
+    let line = |start: &str| {
+        out.lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no line starting {start:?}:\n{out}"))
+    };
+    let floor = line("turn-2+ TTFT p90 ");
+    let (p90, floor_p90) = (numbers_after(floor, "p90 "), numbers_after(floor, "floor "));
+    let (p90, floor_p90) = (p90[0], floor_p90[0]);
+    let held = numbers_after(floor, "held: ");
+    assert!(0.0 < floor_p90 && floor_p90 <= p90, "{floor}");
+    assert!(held[0] > 50.0 && held[0] < 100.0, "{floor}");
+    let ceiling = line("prompt blocks any cache could serve");
+    let unbounded = numbers_after(ceiling, "requests): ");
+    let pooled = numbers_after(ceiling, "at most ");
+    assert!(0.0 < pooled[0] && pooled[0] <= unbounded[0], "{ceiling}");
+    Ok(())
+}
+
 /// `sim tune --policies <policies>`'s error: it must fail.
 fn tune_error(policies: &str) -> anyhow::Result<String> {
     let output = Command::new(env!("CARGO_BIN_EXE_sim"))

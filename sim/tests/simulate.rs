@@ -26,6 +26,7 @@ fn config(deployment: Deployment, seed: u64) -> SimConfig {
         warmup_fraction: 0.0,
         fetch: router::FetchConfig::default(),
         host_offload_gib: 0.0,
+        reuse_ceiling: false,
     }
 }
 
@@ -120,6 +121,66 @@ fn every_turn_of_every_session_is_served() {
             assert!(rec.arrival_us <= rec.first_token_us && rec.first_token_us <= rec.finish_us);
         }
     }
+}
+
+/// The floor is what no router can beat: every request's TTFT is at least
+/// one prefill-only step of what no earlier request held, whatever the
+/// deployment, the path (a fetched prefix too) or the load.
+#[test]
+fn no_request_beats_its_ttft_floor() {
+    let sla = router::SlaDynamic::with_slo(2_000.0, 60.0);
+    for deployment in [
+        cd_isl(),
+        Deployment::Conditional {
+            prefill: 2,
+            decode: 6,
+            policy: sla.into(),
+        },
+        Deployment::Aggregated { workers: 8 },
+        Deployment::Disaggregated {
+            prefill: 2,
+            decode: 6,
+        },
+    ] {
+        let mut config = config(deployment.clone(), 4);
+        config.fetch = router::FetchConfig {
+            enabled: true,
+            ..router::FetchConfig::default()
+        };
+        let r = simulate(&config, &mut agentic_at(2.5, 30.0, 4)).unwrap();
+        let name = deployment.name();
+        for rec in &r.records {
+            assert!(rec.ttft_floor_ms > 0.0, "{name}: {rec:?}");
+            assert!(rec.ttft_ms() >= rec.ttft_floor_ms - 1e-3, "{name}: {rec:?}");
+        }
+        let s = &r.summary;
+        assert!(
+            s.later_turn_ttft_floor_ms.p90 <= s.later_turn_ttft_ms.p90,
+            "{name}: {s:?}"
+        );
+        // Each turn re-sends the conversation: most of a prompt was held.
+        assert!((0.8..1.0).contains(&s.reusable_share), "{name}: {s:?}");
+    }
+}
+
+/// No cache serves more than the reuse ceiling: what one pool of the
+/// cluster's whole memory, evicting optimally, could have hit.
+#[test]
+fn no_cache_serves_more_than_the_reuse_ceiling() {
+    let mut config = config(Deployment::Aggregated { workers: 8 }, 6);
+    config.reuse_ceiling = true;
+    let r = simulate(&config, &mut agentic(6)).unwrap();
+    let c = r.reuse_ceiling.expect("asked for");
+    let s = &r.summary;
+    // Every prefill counted once (a preempted one would count twice).
+    assert_eq!(s.preemptions, 0);
+    assert!(s.prefill_hit_rate_d > 0.5, "{s:?}");
+    assert!(s.prefill_hit_rate_d <= c.pooled_share(), "{s:?} {c:?}");
+    assert!(c.pooled_hits <= c.unbounded_hits && c.unbounded_hits < c.prompt_blocks);
+    assert!(
+        run(cd_isl(), 6).reuse_ceiling.is_none(),
+        "only where asked for"
+    );
 }
 
 #[test]

@@ -26,6 +26,7 @@ fn base() -> SimConfig {
         warmup_fraction: 0.2,
         fetch: router::FetchConfig::default(),
         host_offload_gib: 0.0,
+        reuse_ceiling: false,
     }
 }
 
