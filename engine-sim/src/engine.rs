@@ -325,7 +325,9 @@ impl Engine {
             });
         }
         self.in_flight.insert(id);
-        self.sched.enqueue(Seq::new(req, prompt_len, output_len));
+        let mut seq = Seq::new(req, prompt_len, output_len);
+        seq.expected_hit_tokens = self.expected_hit_tokens(&mut seq);
+        self.sched.enqueue(seq);
         Ok(())
     }
 
@@ -425,9 +427,26 @@ impl Engine {
         self.cache.take_events()
     }
 
+    /// The prefix of a new request's prefill target cached now, in whole
+    /// blocks short of the target (an engine computes at least one token).
+    /// Hashes the blocks admission would hash anyway.
+    fn expected_hit_tokens(&mut self, seq: &mut Seq) -> u32 {
+        let bs = self.config.block_size;
+        if seq.prefill_end == 0 || bs == 0 {
+            return 0;
+        }
+        let cacheable = ((seq.prefill_end - 1) / bs) as usize;
+        seq.ensure_hashes(cacheable, &self.hasher, &mut self.scratch);
+        let hashes = &seq.hashes[..cacheable.min(seq.hashes.len())];
+        crate::scheduler::cached_prefix_blocks(&self.cache, hashes) as u32 * bs
+    }
+
     /// The worker's load now. `queued_prefill_tokens` counts the prompt
-    /// tokens still to prefill (a waiting request's whole prefill target:
-    /// its cache hits are only known at admission); `active_decode_blocks`
+    /// tokens still to compute: a running request's rest, and a waiting
+    /// one's prefill target less the prefix cached when it came (its hits
+    /// are only settled at admission; counting its whole prompt made a
+    /// worker holding many prefixes look busier than it is, and the
+    /// router's ledger already counts only what is not cached); `active_decode_blocks`
     /// sums the blocks of each decoding request (a prefix shared by several
     /// counts once per request, as each one's attention reads it);
     /// `kv_blocks_used` counts distinct blocks held by requests.
@@ -630,7 +649,7 @@ impl Engine {
             if !seq.blocks.is_empty() {
                 return Err(format!("waiting request {} holds blocks", seq.id));
             }
-            waiting_prefill += u64::from(seq.remaining_prefill());
+            waiting_prefill += u64::from(seq.queued_prefill());
         }
         if waiting_prefill != self.sched.waiting_prefill_tokens {
             return Err("waiting prefill counter drifted".into());

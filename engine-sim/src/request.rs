@@ -106,6 +106,11 @@ pub(crate) struct Seq {
     pub(crate) cached_tokens: Option<u32>,
     /// Set when the request left the running batch during a step.
     pub(crate) done: bool,
+    /// Prompt tokens cached when the request was submitted, or, once
+    /// preempted, the blocks it had committed (they stay cached); whole
+    /// blocks short of its prefill target: the hits it expects at
+    /// admission, where they are settled.
+    pub(crate) expected_hit_tokens: u32,
 }
 
 impl Seq {
@@ -130,6 +135,7 @@ impl Seq {
             prefill_end,
             cached_tokens: None,
             done: false,
+            expected_hit_tokens: 0,
         }
     }
 
@@ -151,6 +157,13 @@ impl Seq {
     /// Prompt tokens still to prefill.
     pub(crate) fn remaining_prefill(&self) -> u32 {
         self.prefill_end.saturating_sub(self.computed)
+    }
+
+    /// What the request adds to the load report's queued prefill while it
+    /// waits: its remaining prefill less the hits it expects.
+    pub(crate) fn queued_prefill(&self) -> u32 {
+        self.remaining_prefill()
+            .saturating_sub(self.expected_hit_tokens)
     }
 
     pub(crate) fn is_prefilling(&self) -> bool {

@@ -84,7 +84,9 @@ pub(crate) struct Scheduler {
     pub(crate) running: Vec<Seq>,
     /// First come, first served; preempted requests go to the front.
     pub(crate) waiting: VecDeque<Seq>,
-    /// Σ remaining prefill tokens of the waiting requests.
+    /// Σ queued prefill tokens of the waiting requests
+    /// ([`Seq::queued_prefill`]: their remaining prefill less the hits they
+    /// expect).
     pub(crate) waiting_prefill_tokens: u64,
     /// Requests whose prefix is being read back from host, in the order
     /// their reads end: each holds the device blocks of its prefix.
@@ -123,7 +125,7 @@ fn leading_blocks(hashes: &[BlockHash], pred: impl Fn(BlockHash) -> bool) -> usi
 
 /// Number of leading `hashes` cached. The cache is prefix-closed (a cached
 /// block's parent is cached), so a binary search suffices.
-fn cached_prefix_blocks(cache: &KvCache, hashes: &[BlockHash]) -> usize {
+pub(crate) fn cached_prefix_blocks(cache: &KvCache, hashes: &[BlockHash]) -> usize {
     leading_blocks(hashes, |h| cache.contains(h))
 }
 
@@ -184,7 +186,7 @@ impl Scheduler {
                 break;
             };
             release_blocks(&mut l.seq, env.cache);
-            self.waiting_prefill_tokens += u64::from(l.seq.remaining_prefill());
+            self.waiting_prefill_tokens += u64::from(l.seq.queued_prefill());
             self.waiting.push_front(l.seq);
         }
     }
@@ -214,7 +216,7 @@ impl Scheduler {
         let Some(mut seq) = self.waiting.pop_front() else {
             return false;
         };
-        self.waiting_prefill_tokens -= u64::from(seq.remaining_prefill());
+        self.waiting_prefill_tokens -= u64::from(seq.queued_prefill());
         for &h in &seq.hashes[..hits] {
             if let Some(b) = env.cache.lookup(h) {
                 env.cache.acquire(b);
@@ -247,7 +249,7 @@ impl Scheduler {
 
     /// Queues a new request.
     pub(crate) fn enqueue(&mut self, seq: Seq) {
-        self.waiting_prefill_tokens += u64::from(seq.remaining_prefill());
+        self.waiting_prefill_tokens += u64::from(seq.queued_prefill());
         self.waiting.push_back(seq);
     }
 
@@ -367,12 +369,15 @@ impl Scheduler {
         if let Some(pos) = self.plan.iter().rposition(|p| p.slot == slot) {
             *budget += self.plan.remove(pos).budget;
         }
+        let bs = env.block_size();
+        let kept_tokens = seq.committed * bs;
         release_blocks(&mut seq, env.cache);
         seq.computed = 0;
         seq.prefill_end = seq.known();
+        seq.expected_hit_tokens = kept_tokens.min(seq.prefill_end.saturating_sub(1) / bs * bs);
         env.outputs.push(StepOutput::Preempted { id: seq.id });
         env.stats.preemptions += 1;
-        self.waiting_prefill_tokens += u64::from(seq.remaining_prefill());
+        self.waiting_prefill_tokens += u64::from(seq.queued_prefill());
         self.waiting.push_front(seq);
     }
 
@@ -423,7 +428,7 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            self.waiting_prefill_tokens -= u64::from(seq.remaining_prefill());
+            self.waiting_prefill_tokens -= u64::from(seq.queued_prefill());
             debug_assert!(seq.blocks.is_empty());
             seq.blocks.reserve(blocks_for(held_tokens, bs));
             for &h in &seq.hashes[..hits] {
@@ -542,7 +547,7 @@ impl Scheduler {
             let seq = self.waiting.remove(k).expect("position is in range");
             self.waiting_prefill_tokens = self
                 .waiting_prefill_tokens
-                .saturating_sub(u64::from(seq.remaining_prefill()));
+                .saturating_sub(u64::from(seq.queued_prefill()));
             seq
         } else if let Some(k) = self.loading.iter().position(|l| l.seq.id == id) {
             self.loading.remove(k).expect("position is in range").seq

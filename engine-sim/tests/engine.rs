@@ -318,6 +318,37 @@ fn load_report_counts_blocks_and_prefill_work() {
     assert_eq!(r.at_ms, s.end_us() / 1000);
 }
 
+/// A waiting request's queued prefill is what it will compute: its prompt
+/// less the prefix cached when it came (the router's ledger counts the
+/// same), not its whole prompt.
+#[test]
+fn a_waiting_requests_cached_prefix_is_not_queued_work() {
+    let cfg = small_config(16, 100, 64, 1);
+    let mut e = engine(Role::Both, cfg);
+    e.submit(req(1, &tokens(0, 48), 2, Mode::LocalPrefill))
+        .unwrap();
+    let (_, now) = run_to_idle(&mut e, 0, 100);
+    // Request 2 extends request 1's prompt (3 blocks cached) by 20 tokens;
+    // request 3 shares nothing. One running slot: both wait behind 4.
+    e.submit(req(4, &tokens(900, 8), 50, Mode::LocalPrefill))
+        .unwrap();
+    let s = e.step(now).unwrap();
+    let mut extended = tokens(0, 48);
+    extended.extend(tokens(300, 20));
+    e.submit(req(2, &extended, 2, Mode::LocalPrefill)).unwrap();
+    e.submit(req(3, &tokens(600, 68), 2, Mode::LocalPrefill))
+        .unwrap();
+    assert_eq!(e.waiting(), 2);
+    let report = e.load_report(s.end_us());
+    assert_eq!(report.queued_prefill_tokens, 20 + 68);
+    e.check_invariants().unwrap();
+    let (outs, _) = run_to_idle(&mut e, s.end_us(), 1_000);
+    // The expected hits were the hits.
+    assert_eq!(first_token_at(&outs, 2).map(|(_, c)| c), Some(48));
+    assert_eq!(first_token_at(&outs, 3).map(|(_, c)| c), Some(0));
+    assert_eq!(e.load_report(0).queued_prefill_tokens, 0);
+}
+
 #[test]
 fn a_restart_empties_the_cache_and_its_events_start_cleared() {
     let cfg = small_config(4, 32, 64, 8);

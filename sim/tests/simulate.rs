@@ -80,7 +80,7 @@ fn the_sla_policy_calibrates_on_what_the_cluster_observes() {
         policy: router::SlaDynamic::with_slo(2_000.0, 60.0).into(),
     };
     let busy = |seed| {
-        let result = simulate(&config(sla(), seed), &mut agentic_at(3.0, 30.0, seed)).unwrap();
+        let result = simulate(&config(sla(), seed), &mut agentic_at(5.0, 30.0, seed)).unwrap();
         assert!(result.summary.bypass_share < 1.0, "{:?}", result.summary);
         result
     };

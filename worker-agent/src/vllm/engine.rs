@@ -203,7 +203,7 @@ impl Engine for VllmEngine {
     fn generate(&self, request: GenerateRequest) -> BoxStream<'static, GenerateEvent> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let ctx = self.ctx.clone();
-        let guard = InflightGuard::new(&self.shared, request.prompt.len());
+        let guard = InflightGuard::new(&self.shared, &request);
         tokio::spawn(
             async move {
                 // A dropped stream (the router cancelled the request) drops

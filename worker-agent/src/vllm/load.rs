@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::counter;
+use protocol::{GenerateRequest, Stage};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -27,8 +28,29 @@ pub(super) struct Inflight {
 #[derive(Debug, Clone, Copy)]
 struct InflightRequest {
     prompt_tokens: u64,
+    /// What it leaves the engine to compute ([`expected_prefill_tokens`]).
+    prefill_tokens: u64,
     produced: u64,
     decoding: bool,
+}
+
+/// Prompt tokens a routed request leaves this engine to compute: its prompt
+/// less the prefix the router expected here (the decode worker's on a
+/// local leg; on a prefill leg the prefill worker's, or the prefix it
+/// fetches), and none on a decode leg, whose KV arrives. What the load
+/// report queues while the request waits: the router's ledger counts the
+/// same, and a whole prompt made a worker holding many prefixes look busier
+/// than it is.
+pub(super) fn expected_prefill_tokens(request: &GenerateRequest) -> u64 {
+    let a = &request.annotation;
+    let held = match &request.stage {
+        Stage::Local => a.decode_overlap_tokens,
+        Stage::Prefill => a.fetch.as_ref().map_or(a.prefill_overlap_tokens, |f| {
+            f.prefix_tokens.max(a.prefill_overlap_tokens)
+        }),
+        Stage::Decode { .. } => return 0,
+    };
+    (request.prompt.len() as u64).saturating_sub(u64::from(held))
 }
 
 /// Removes its request from the in-flight set when dropped.
@@ -38,15 +60,16 @@ pub(super) struct InflightGuard {
 }
 
 impl InflightGuard {
-    /// Adds a request of `prompt_tokens` to the in-flight set.
-    pub(super) fn new(shared: &Arc<Shared>, prompt_tokens: usize) -> Self {
+    /// Adds a routed request to the in-flight set.
+    pub(super) fn new(shared: &Arc<Shared>, request: &GenerateRequest) -> Self {
         let mut inflight = lock(&shared.inflight);
         let id = inflight.next;
         inflight.next += 1;
         inflight.requests.insert(
             id,
             InflightRequest {
-                prompt_tokens: prompt_tokens as u64,
+                prompt_tokens: request.prompt.len() as u64,
+                prefill_tokens: expected_prefill_tokens(request),
                 produced: 0,
                 decoding: false,
             },
@@ -84,7 +107,7 @@ pub(super) fn engine_load(shared: &Shared, block_size: u32, total: u64) -> Engin
             decode_blocks += (r.prompt_tokens + r.produced).div_ceil(bs);
         } else {
             waiting += 1;
-            queued += r.prompt_tokens;
+            queued += r.prefill_tokens;
         }
     }
     let as_u32 = |v: f64| {
@@ -170,5 +193,41 @@ pub(super) async fn scrape_loop(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ::tests::fixtures::generate_request;
+    use protocol::{KvTransferParams, PrefixFetch, WorkerId};
+
+    use super::*;
+
+    #[test]
+    fn a_leg_queues_what_the_router_expected_it_to_compute() {
+        let mut r = generate_request("r", Stage::Local, vec![7; 1000], 8);
+        r.annotation.decode_overlap_tokens = 640;
+        r.annotation.prefill_overlap_tokens = 128;
+        assert_eq!(expected_prefill_tokens(&r), 360);
+        r.stage = Stage::Prefill;
+        assert_eq!(expected_prefill_tokens(&r), 872);
+        r.annotation.fetch = Some(PrefixFetch {
+            source: WorkerId::new("d1", 0).unwrap(),
+            prefix_tokens: 896,
+            pulled_tokens: 768,
+        });
+        assert_eq!(expected_prefill_tokens(&r), 104);
+        r.stage = Stage::Decode {
+            transfer: KvTransferParams {
+                source: WorkerId::new("p0", 0).unwrap(),
+                prompt_tokens: 1000,
+                engine: None,
+            },
+        };
+        assert_eq!(expected_prefill_tokens(&r), 0);
+        // An overlap the router overestimated leaves nothing, not less.
+        r.stage = Stage::Local;
+        r.annotation.decode_overlap_tokens = 5000;
+        assert_eq!(expected_prefill_tokens(&r), 0);
     }
 }
