@@ -82,14 +82,7 @@ mod tests {
     use super::*;
 
     fn cost() -> CostModel {
-        CostModel {
-            prefill_fixed_ms: 10.0,
-            prefill_token_ms: 0.1,
-            prefill_attention_ms: 1e-6,
-            decode_fixed_ms: 20.0,
-            decode_context_token_ms: 1e-4,
-            hidden_prefill_tokens: 50,
-        }
+        engine_sim::Preset::llama8b_h100().cost_model()
     }
 
     fn hashes(ids: &[u64]) -> Vec<BlockHash> {

@@ -23,19 +23,22 @@ fn rows(table: &str) -> Vec<&str> {
         .collect()
 }
 
+/// A short `sim run` of the ISL policy.
+const SHORT_ISL_RUN: [&str; 7] = [
+    "run",
+    "--deployment",
+    "isl",
+    "--load",
+    "1.0",
+    "--duration-s",
+    "20",
+];
+
 /// `--seeds N` prints a row per seed in seed order, each the row `--seed S`
 /// prints alone, and the spread of attainment over them.
 #[test]
 fn run_with_seeds_prints_each_seed_and_the_spread() -> anyhow::Result<()> {
-    let common = [
-        "run",
-        "--deployment",
-        "isl",
-        "--load",
-        "1.0",
-        "--duration-s",
-        "20",
-    ];
+    let common = SHORT_ISL_RUN;
     let both = sim(&[
         &common[..],
         &["--seeds", "2", "--seed", "3", "--threads", "2"],
@@ -111,15 +114,7 @@ fn numbers_after(line: &str, label: &str) -> Vec<f64> {
 /// the one with unbounded memory.
 #[test]
 fn run_prints_the_floor_and_the_reuse_ceiling() -> anyhow::Result<()> {
-    let out = sim(&[
-        "run",
-        "--deployment",
-        "isl",
-        "--load",
-        "1.0",
-        "--duration-s",
-        "20",
-    ])?;
+    let out = sim(&SHORT_ISL_RUN)?;
     let line = |start: &str| {
         out.lines()
             .find(|l| l.starts_with(start))
