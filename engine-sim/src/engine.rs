@@ -446,10 +446,11 @@ impl Engine {
     /// one's prefill target less the prefix cached when it came (its hits
     /// are only settled at admission; counting its whole prompt made a
     /// worker holding many prefixes look busier than it is, and the
-    /// router's ledger already counts only what is not cached); `active_decode_blocks`
-    /// sums the blocks of each decoding request (a prefix shared by several
-    /// counts once per request, as each one's attention reads it);
-    /// `kv_blocks_used` counts distinct blocks held by requests.
+    /// router's ledger counts only what is not cached);
+    /// `active_decode_blocks` sums the blocks of each decoding request (a
+    /// prefix shared by several counts once per request, as each one's
+    /// attention reads it); `kv_blocks_used` counts distinct blocks held by
+    /// requests.
     pub fn load_report(&self, now_us: u64) -> LoadReport {
         let mut running_prefill = 0u64;
         let mut decode_blocks = 0u64;
