@@ -435,7 +435,7 @@ impl Engine {
         if seq.prefill_end == 0 || bs == 0 {
             return 0;
         }
-        let cacheable = ((seq.prefill_end - 1) / bs) as usize;
+        let cacheable = seq.hittable_prefill_blocks(bs) as usize;
         seq.ensure_hashes(cacheable, &self.hasher, &mut self.scratch);
         let hashes = &seq.hashes[..cacheable.min(seq.hashes.len())];
         crate::scheduler::cached_prefix_blocks(&self.cache, hashes) as u32 * bs

@@ -159,6 +159,13 @@ impl Seq {
         self.prefill_end.saturating_sub(self.computed)
     }
 
+    /// Leading whole blocks of the prefill target a cache hit may cover:
+    /// all but the one holding its last token, which an engine always
+    /// computes.
+    pub(crate) fn hittable_prefill_blocks(&self, block_size: u32) -> u32 {
+        self.prefill_end.saturating_sub(1) / block_size
+    }
+
     /// What the request adds to the load report's queued prefill while it
     /// waits: its remaining prefill less the hits it expects.
     pub(crate) fn queued_prefill(&self) -> u32 {

@@ -374,7 +374,7 @@ impl Scheduler {
         release_blocks(&mut seq, env.cache);
         seq.computed = 0;
         seq.prefill_end = seq.known();
-        seq.expected_hit_tokens = kept_tokens.min(seq.prefill_end.saturating_sub(1) / bs * bs);
+        seq.expected_hit_tokens = kept_tokens.min(seq.hittable_prefill_blocks(bs) * bs);
         env.outputs.push(StepOutput::Preempted { id: seq.id });
         env.stats.preemptions += 1;
         self.waiting_prefill_tokens += u64::from(seq.queued_prefill());
@@ -393,7 +393,7 @@ impl Scheduler {
             let cacheable = if transfer {
                 seq.prompt_len / bs
             } else {
-                (seq.prefill_end - 1) / bs
+                seq.hittable_prefill_blocks(bs)
             } as usize;
             seq.ensure_hashes(cacheable, env.hasher, env.scratch);
             let hashes_len = cacheable.min(seq.hashes.len());

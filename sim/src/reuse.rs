@@ -13,7 +13,7 @@
 //! more: its memory is split among workers (which may hold copies), running
 //! requests take room, and its eviction is online.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use protocol::BlockHash;
 
@@ -68,7 +68,7 @@ impl ReuseLog {
         let next = self.next_uses();
         ReuseCeiling {
             prompt_blocks: self.accesses.iter().filter(|a| a.prompt).count() as u64,
-            unbounded_hits: self.hits(&next, u64::MAX),
+            unbounded_hits: self.repeats(),
             pooled_hits: self.hits(&next, pool_blocks),
             pool_blocks,
         }
@@ -85,6 +85,16 @@ impl ReuseLog {
             }
         }
         next
+    }
+
+    /// Prompt accesses to a block accessed before: the hits of a pool that
+    /// never evicts.
+    fn repeats(&self) -> u64 {
+        let mut seen = HashSet::new();
+        self.accesses
+            .iter()
+            .filter(|a| !seen.insert(a.block) && a.prompt)
+            .count() as u64
     }
 
     /// Prompt hits under Belady's rule with room for `pool_blocks`.
