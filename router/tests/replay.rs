@@ -363,3 +363,99 @@ fn a_veto_without_the_gates_signal_replays() {
     let replayed = replay_all(std::slice::from_ref(&record), &[], &Overrides::default());
     assert_eq!(difference(&record.decision, &replayed[0].decision), None);
 }
+
+/// A record made before a setting existed does not name it, and replays
+/// with the value that decided as the router did then: prefill selection
+/// greedy on the request's own start (`prefill.miss_weight` 0), not today's
+/// default, which here picks the other prefill worker.
+#[test]
+fn a_record_older_than_a_setting_replays_as_it_was_decided() {
+    let config = RouterConfig {
+        prefill: router::PrefillSelection {
+            miss_weight: 0.0,
+            ..router::PrefillSelection::default()
+        },
+        ..RouterConfig::new(contract())
+    };
+    let mut core = core_with(config, router::AlwaysDisagg);
+    for (name, role) in [
+        ("p0", Role::Prefill),
+        ("p1", Role::Prefill),
+        ("d0", Role::Decode),
+    ] {
+        core.register(record(name, role, 20_000)).unwrap();
+    }
+    let history = tokens(9, 3_200);
+    let mut prompt = history.clone();
+    prompt.extend(tokens(10, 800));
+    let hashes = core.hasher().hash_prompt(&prompt);
+    let held = core.hasher().hash_prompt(&history);
+    let delta = IndexDelta {
+        seq: 1,
+        changes: vec![protocol::IndexChange::Stored {
+            worker: id("p0"),
+            parent: None,
+            blocks: held,
+            tier: Tier::Device,
+        }],
+        source: None,
+    };
+    core.apply_delta(&delta).unwrap();
+    // p0 holds the history behind a queue; p1 is idle and holds nothing.
+    for (name, queued) in [("p0", 4_000), ("p1", 0), ("d0", 0)] {
+        let load = protocol::LoadReport {
+            queued_prefill_tokens: queued,
+            ..report(name, 0, 0, 20_000, 10)
+        };
+        core.on_load(load, 10);
+    }
+    let request = RouteRequest {
+        request_id: "r",
+        isl_tokens: prompt.len() as u32,
+        block_hashes: &hashes,
+        expected_output_tokens: 50,
+        session: None,
+    };
+    let seed = decision_seed(7, &request);
+    let options = RouteOptions {
+        avoid: &[],
+        explain: true,
+    };
+    let routed = core
+        .route(
+            &request,
+            options,
+            DecisionId(1),
+            20,
+            &mut ChaCha8Rng::seed_from_u64(seed),
+        )
+        .unwrap();
+    assert_eq!(routed.decision.prefill, Some(id("p1")));
+    let mut old = core.record(
+        &routed.decision,
+        &routed.explanation.unwrap(),
+        &request,
+        seed,
+        &[],
+    );
+    old.inputs
+        .router_params
+        .retain(|(name, _)| name != "prefill.miss_weight");
+
+    let replayed = replay_all(
+        std::slice::from_ref(&old),
+        std::slice::from_ref(&delta),
+        &Overrides::default(),
+    );
+    assert_eq!(difference(&old.decision, &replayed[0].decision), None);
+    let today = Overrides {
+        router_params: vec![("prefill.miss_weight".into(), 1.0)],
+        ..Overrides::default()
+    };
+    let what_if = replay_all(
+        std::slice::from_ref(&old),
+        std::slice::from_ref(&delta),
+        &today,
+    );
+    assert_eq!(what_if[0].decision.prefill, Some(id("p0")));
+}

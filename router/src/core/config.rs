@@ -12,6 +12,11 @@ use super::select::{DecodeSelection, PrefillSelection};
 use super::session::SessionConfig;
 use super::workers::LedgerConfig;
 
+/// Settings added after the decision log began, each with the value that
+/// decides as the router did before it existed: a record that does not
+/// name one was made without it, and replay gives it this value.
+pub const UNRECORDED_PARAMS: &[(&str, f64)] = &[("prefill.miss_weight", 0.0)];
+
 /// Everything the router core is configured with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouterConfig {
@@ -84,6 +89,7 @@ impl RouterConfig {
             ("decode.temperature", self.decode.temperature),
             ("prefill.host_weight", self.prefill.tier_weights.host),
             ("prefill.disk_weight", self.prefill.tier_weights.disk),
+            ("prefill.miss_weight", self.prefill.miss_weight),
             ("prefill.temperature", self.prefill.temperature),
             ("gate.enabled", bool_f(self.gate.enabled)),
             ("gate.budget_fraction", self.gate.budget_fraction),
@@ -109,6 +115,7 @@ impl RouterConfig {
             "decode.temperature" => self.decode.temperature = value,
             "prefill.host_weight" => self.prefill.tier_weights.host = value,
             "prefill.disk_weight" => self.prefill.tier_weights.disk = value,
+            "prefill.miss_weight" => self.prefill.miss_weight = value,
             "prefill.temperature" => self.prefill.temperature = value,
             "gate.enabled" => self.gate.enabled = value != 0.0,
             "gate.budget_fraction" => self.gate.budget_fraction = value,

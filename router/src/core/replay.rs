@@ -16,7 +16,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::calibrate::Factors;
-use super::config::{ConfigError, RouterConfig};
+use super::config::{ConfigError, RouterConfig, UNRECORDED_PARAMS};
 use super::decide::{Explanation, RouteError, RouteOptions, RouteRequest, RouterCore};
 use super::policy::{ParamError, Policy};
 
@@ -121,6 +121,9 @@ impl Replayer {
         // under the same one.
         let contract = HashingContract::for_model("replay", inputs.block_size);
         let mut config = RouterConfig::new(contract.clone());
+        for (name, value) in UNRECORDED_PARAMS {
+            config.set_param(name, *value)?;
+        }
         for (name, value) in inputs.router_params.iter().chain(&overrides.router_params) {
             config.set_param(name, *value)?;
         }
