@@ -100,6 +100,7 @@ pub fn run(
         fetch: router::FetchConfig::default(),
         host_offload_gib: 0.0,
         reuse_ceiling: false,
+        router_params: Vec::new(),
     };
     Ok(simulate(&config, &mut workload(decisions))?.summary)
 }

@@ -75,6 +75,11 @@ pub struct SimConfig {
     pub fetch: router::FetchConfig,
     /// Each worker's host-memory tier (G2) in GiB; 0: none.
     pub host_offload_gib: f64,
+    /// Router settings over the core's defaults, by
+    /// [`router::RouterConfig::params`] name (e.g. `prefill.miss_weight`),
+    /// for every deployment; the third path's come from
+    /// [`SimConfig::fetch`].
+    pub router_params: Vec<(String, f64)>,
     /// Also find the run's reuse ceiling ([`crate::reuse`]): it keeps every
     /// block access of the run, so only where asked for.
     pub reuse_ceiling: bool,
@@ -287,12 +292,15 @@ impl<'w> Cluster<'w> {
     fn new(config: SimConfig, workload: &'w mut dyn Workload) -> Result<Self, SimError> {
         let contract = HashingContract::for_model(config.preset.model, config.block_size);
         let policy = config.deployment.policy();
-        let router_config = RouterConfig {
-            fetch: match config.deployment {
-                Deployment::Conditional { .. } => config.fetch,
-                _ => router::FetchConfig::default(),
-            },
-            ..RouterConfig::new(contract.clone())
+        let mut router_config = RouterConfig::new(contract.clone());
+        for (name, value) in &config.router_params {
+            router_config
+                .set_param(name, *value)
+                .map_err(router::ConfigError::from)?;
+        }
+        router_config.fetch = match config.deployment {
+            Deployment::Conditional { .. } => config.fetch,
+            _ => router::FetchConfig::default(),
         };
         let mut router = RouterCore::new(router_config, policy)?;
         let mut engine_config = config.preset.engine_config(config.block_size);
@@ -881,6 +889,7 @@ mod tests {
             fetch: router::FetchConfig::default(),
             host_offload_gib: 0.0,
             reuse_ceiling: false,
+            router_params: Vec::new(),
         }
     }
 

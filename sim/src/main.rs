@@ -182,6 +182,12 @@ struct Common {
     itl_slo_ms: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// A router setting over its default, for every deployment, e.g.
+    /// `--router-param prefill.miss_weight=0` (repeatable; the router's
+    /// names, as its decision records list them; the third path's are
+    /// --prefix-fetch and --prefix-fetch-min-tokens).
+    #[arg(long = "router-param", value_parser = router::parse_param)]
+    router_params: Vec<(String, f64)>,
 }
 
 impl Common {
@@ -277,6 +283,7 @@ impl Common {
                 self.workers
             );
         }
+        self.check_router_params()?;
         let default_block = match self.workload {
             WorkloadArg::Mooncake | WorkloadArg::LongContext => 512,
             WorkloadArg::Agentic | WorkloadArg::Synthetic => 16,
@@ -307,7 +314,24 @@ impl Common {
             },
             host_offload_gib: self.host_offload_gib,
             reuse_ceiling: false,
+            router_params: self.router_params.clone(),
         })
+    }
+
+    /// `--router-param`: known names, values in range, none of the third
+    /// path's (their flags set them).
+    fn check_router_params(&self) -> anyhow::Result<()> {
+        let mut check = router::RouterConfig::new(protocol::HashingContract::for_model("sim", 16));
+        for (name, value) in &self.router_params {
+            if name.starts_with("fetch.") {
+                bail!("--router-param {name}: the third path's settings are --prefix-fetch and --prefix-fetch-min-tokens");
+            }
+            check
+                .set_param(name, *value)
+                .with_context(|| format!("--router-param {name}={value}"))?;
+        }
+        check.validate().context("--router-param")?;
+        Ok(())
     }
 
     fn deployments(&self) -> Vec<Deployment> {

@@ -34,6 +34,7 @@ fn config(ttft_ms: f64) -> SimConfig {
         fetch: router::FetchConfig::default(),
         host_offload_gib: 0.0,
         reuse_ceiling: false,
+        router_params: Vec::new(),
     }
 }
 

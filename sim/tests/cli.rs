@@ -133,14 +133,43 @@ fn run_prints_the_floor_and_the_reuse_ceiling() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `sim tune --policies <policies>`'s error: it must fail.
-fn tune_error(policies: &str) -> anyhow::Result<String> {
+/// `sim <args>`'s error: it must fail.
+fn sim_error(args: &[&str]) -> anyhow::Result<String> {
     let output = Command::new(env!("CARGO_BIN_EXE_sim"))
-        .args(["tune", "--policies", policies])
+        .args(args)
         .env("RUST_BACKTRACE", "0")
         .output()?;
-    anyhow::ensure!(!output.status.success(), "--policies {policies} was taken");
+    anyhow::ensure!(!output.status.success(), "sim {args:?} succeeded");
     Ok(String::from_utf8(output.stderr)?)
+}
+
+/// `sim tune --policies <policies>`'s error.
+fn tune_error(policies: &str) -> anyhow::Result<String> {
+    sim_error(&["tune", "--policies", policies])
+}
+
+/// `--router-param` takes the router's settings by the names its decision
+/// records list, and names what is wrong before anything runs.
+#[test]
+fn run_takes_router_settings_by_their_names() -> anyhow::Result<()> {
+    fn with(param: &str) -> Vec<&str> {
+        [&SHORT_ISL_RUN[..], &["--router-param", param]].concat()
+    }
+    let out = sim(&with("prefill.miss_weight=0"))?;
+    assert_eq!(rows(&out).len(), 1, "{out}");
+    let stderr = sim_error(&with("prefill.miss_weigth=0"))?;
+    assert!(
+        stderr.contains("the router has no setting \"prefill.miss_weigth\""),
+        "{stderr}"
+    );
+    let stderr = sim_error(&with("prefill.miss_weight=-1"))?;
+    assert!(
+        stderr.contains("prefill.miss_weight = -1 is out of range"),
+        "{stderr}"
+    );
+    let stderr = sim_error(&with("fetch.enabled=0"))?;
+    assert!(stderr.contains("--prefix-fetch"), "{stderr}");
+    Ok(())
 }
 
 /// `tune --policies` names what it does not know, and the known ones.

@@ -27,6 +27,7 @@ fn base() -> SimConfig {
         fetch: router::FetchConfig::default(),
         host_offload_gib: 0.0,
         reuse_ceiling: false,
+        router_params: Vec::new(),
     }
 }
 
