@@ -211,6 +211,47 @@ fn effective_load_is_the_max_of_report_plus_unreported_and_ledger() {
     assert!(!core.on_load(report("d0", 5_000, 5_000, 10_000, 150), 300));
 }
 
+/// A fetch pins its prefix on the source (a decode worker) from the
+/// decision on; the source's reports count the pinned blocks once they are
+/// taken, so the pin is unreported until a report covers it, as every other
+/// charge, and never counted twice.
+#[test]
+fn a_pinned_prefix_counts_once_on_its_source() {
+    let mut core = disagg(LedgerConfig::default());
+    core.register(record("d1", Role::Decode, 10_000)).unwrap();
+    let used = |core: &RouterCore| {
+        core.workers()
+            .effective_load(&id("d1"))
+            .unwrap()
+            .kv_blocks_used
+    };
+    let fetch = |n: u64, at_ms: u64| RouteDecision {
+        path: Path::RemoteFetch,
+        fetch: Some(protocol::PrefixFetch {
+            source: id("d1"),
+            prefix_tokens: 3_200,
+            pulled_tokens: 3_200,
+        }),
+        ..peer_decision(n, at_ms)
+    };
+    core.on_load(report("d1", 500, 500, 10_000, 0), 0);
+    assert!(core.on_decision(&fetch(1, 10)));
+    assert_eq!(used(&core), 500 + 200, "unreported: on top of the report");
+    core.on_load(report("d1", 700, 700, 10_000, 100), 100);
+    assert_eq!(used(&core), 700, "reported: not counted twice");
+    core.on_load(report("d1", 0, 0, 10_000, 200), 200);
+    assert_eq!(used(&core), 200, "a report showing less does not hide it");
+    assert!(core.on_prefill_done(DecisionId(1)));
+    assert_eq!(used(&core), 0);
+    // Released before any report saw it: nothing is left over.
+    assert!(core.on_decision(&fetch(2, 300)));
+    assert_eq!(used(&core), 200);
+    assert!(core.on_prefill_done(DecisionId(2)));
+    assert_eq!(used(&core), 0);
+    core.on_load(report("d1", 50, 50, 10_000, 400), 400);
+    assert_eq!(used(&core), 50);
+}
+
 fn cluster(seed_workers: usize) -> RouterCore {
     let mut core = core_with(RouterConfig::new(contract()), IslBased::default());
     core.register(record("p0", Role::Prefill, 10_000)).unwrap();

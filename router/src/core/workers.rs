@@ -114,6 +114,13 @@ impl Charges {
         self.cache_blocks = self.cache_blocks.saturating_sub(live.cache_blocks);
         self.requests = self.requests.saturating_sub(1);
     }
+
+    /// The request's pin (if it still holds one) released here.
+    fn sub_pin(&mut self, live: &Live) {
+        if let Some((_, blocks)) = live.pin {
+            self.pinned_blocks = self.pinned_blocks.saturating_sub(blocks);
+        }
+    }
 }
 
 /// A worker's load as the router should assume it now.
@@ -250,8 +257,8 @@ impl Slot {
             active_decode_blocks: active.saturating_add(u.decode_blocks).max(l.decode_blocks),
             kv_blocks_used: used
                 .saturating_add(u.cache_blocks)
-                .max(l.cache_blocks)
-                .saturating_add(l.pinned_blocks),
+                .saturating_add(u.pinned_blocks)
+                .max(l.cache_blocks.saturating_add(l.pinned_blocks)),
             reported_kv_blocks_used: used,
             kv_capacity_blocks: capacity,
             running: running.saturating_add(u.requests).max(l.requests),
@@ -277,6 +284,8 @@ struct Live {
     at_ms: u64,
     unreported_prefill: bool,
     unreported_decode: bool,
+    /// The pin is not in its source's last report yet.
+    unreported_pin: bool,
     /// See [`Charges::cache_blocks`].
     cache_blocks: u64,
 }
@@ -427,7 +436,9 @@ impl Workers {
             let s = &mut self.slots[slot as usize];
             let mine_prefill = live.unreported_prefill && live.prefiller == slot;
             let mine_decode = live.unreported_decode && live.decode == slot;
-            if !mine_prefill && !mine_decode {
+            let mine_pin =
+                live.unreported_pin && live.pin.is_some_and(|(source, _)| source == slot);
+            if !mine_prefill && !mine_decode && !mine_pin {
                 return false;
             }
             if live.at_ms.saturating_add(grace) > now_ms {
@@ -440,6 +451,10 @@ impl Workers {
             if mine_decode {
                 live.unreported_decode = false;
                 s.unreported.sub_decode(live);
+            }
+            if mine_pin {
+                live.unreported_pin = false;
+                s.unreported.sub_pin(live);
             }
             false
         });
@@ -481,14 +496,15 @@ impl Workers {
         let Some(live) = self.entries.get_mut(&id).and_then(|e| e.live.as_mut()) else {
             return false;
         };
-        let unpinned = match live.pin.take() {
-            Some((source, blocks)) => {
-                let s = &mut self.slots[source as usize];
-                s.ledger.pinned_blocks = s.ledger.pinned_blocks.saturating_sub(blocks);
-                true
+        let unpinned = live.pin.is_some();
+        if let Some((source, _)) = live.pin {
+            let s = &mut self.slots[source as usize];
+            s.ledger.sub_pin(live);
+            if std::mem::take(&mut live.unreported_pin) {
+                s.unreported.sub_pin(live);
             }
-            None => false,
-        };
+            live.pin = None;
+        }
         if live.prefill_tokens == 0 {
             return unpinned;
         }
@@ -679,13 +695,9 @@ impl Workers {
             at_ms: c.at_ms,
             unreported_prefill: false,
             unreported_decode: false,
+            unreported_pin: false,
             cache_blocks: c.cache_blocks.min(c.decode_blocks),
         };
-        if let Some((source, blocks)) = c.pin {
-            let s = &mut self.slots[source as usize];
-            s.refs += 1;
-            s.ledger.pinned_blocks = s.ledger.pinned_blocks.saturating_add(blocks);
-        }
         let grace = self.config.report_grace_ms;
         // Unseen by the side's last report (if any) when decided after it.
         let unseen =
@@ -709,6 +721,24 @@ impl Workers {
                 d.unreported.add_decode(&live);
                 if c.decode != c.prefiller || !live.unreported_prefill {
                     d.unreported_ids.push(id);
+                }
+            }
+        }
+        if let Some((source, blocks)) = c.pin {
+            let listed = (source == c.decode && live.unreported_decode)
+                || (source == c.prefiller && live.unreported_prefill);
+            let s = &mut self.slots[source as usize];
+            s.refs += 1;
+            s.ledger.pinned_blocks = s.ledger.pinned_blocks.saturating_add(blocks);
+            // The source holds the pinned blocks from the decision on, so
+            // its next report counts them: unreported until then, like the
+            // other charges (adding the ledger's pins to every report
+            // counted them twice for as long as the prefill waited).
+            if blocks > 0 && unseen(s) {
+                live.unreported_pin = true;
+                s.unreported.pinned_blocks = s.unreported.pinned_blocks.saturating_add(blocks);
+                if !listed {
+                    s.unreported_ids.push(id);
                 }
             }
         }
@@ -742,9 +772,12 @@ impl Workers {
             }
             d.refs = d.refs.saturating_sub(1);
         }
-        if let Some((source, blocks)) = live.pin {
+        if let Some((source, _)) = live.pin {
             let s = &mut self.slots[source as usize];
-            s.ledger.pinned_blocks = s.ledger.pinned_blocks.saturating_sub(blocks);
+            s.ledger.sub_pin(live);
+            if live.unreported_pin {
+                s.unreported.sub_pin(live);
+            }
         }
         if let Some(source) = live.pin_ref {
             let s = &mut self.slots[source as usize];
