@@ -1119,15 +1119,26 @@ impl Bus {
                         info.config.num_replicas
                     }
                 };
-                self.js
+                let created = self
+                    .js
                     .create_object_store(object_store::Config {
                         bucket: subjects::SNAPSHOT_BUCKET.into(),
                         storage: stream::StorageType::File,
                         num_replicas: replicas.max(1),
                         ..Default::default()
                     })
-                    .await
-                    .map_err(snapshot_error)
+                    .await;
+                match created {
+                    Ok(store) => Ok(store),
+                    // Another service created it between the look and the
+                    // create (JetStream: "stream name already in use with a
+                    // different configuration"): it exists now.
+                    Err(e) => self
+                        .js
+                        .get_object_store(subjects::SNAPSHOT_BUCKET)
+                        .await
+                        .map_err(|_| snapshot_error(e)),
+                }
             }
         }
     }

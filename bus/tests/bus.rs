@@ -153,6 +153,9 @@ async fn stream_retention_is_set_by_the_indexer() -> Result<()> {
 /// while the indexer creates it with other caps must not fail (JetStream
 /// answers the later create "stream name already in use with a different
 /// configuration"; seen as an agent's exit at start in the test suite).
+/// The same holds for the snapshot store, which two indexers applying
+/// their limits may create at once (seen as this test's failure on a busy
+/// machine).
 #[tokio::test(flavor = "multi_thread")]
 async fn streams_created_at_once_by_services_with_other_caps_both_start() -> Result<()> {
     let server = NatsServer::start()?;
