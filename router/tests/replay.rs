@@ -327,38 +327,10 @@ fn a_veto_without_the_gates_signal_replays() {
     core.on_load(report("p0", 0, 0, 20_000, 10), 10);
     core.on_load(report("d0", 0, 0, 0, 10), 10);
     let prompt = tokens(5, 400);
-    let hashes = core.hasher().hash_prompt(&prompt);
-    let request = RouteRequest {
-        request_id: "r",
-        isl_tokens: prompt.len() as u32,
-        block_hashes: &hashes,
-        expected_output_tokens: 50,
-        session: None,
-    };
-    let seed = decision_seed(7, &request);
-    let options = RouteOptions {
-        avoid: &[],
-        explain: true,
-    };
-    let routed = core
-        .route(
-            &request,
-            options,
-            DecisionId(1),
-            20,
-            &mut ChaCha8Rng::seed_from_u64(seed),
-        )
-        .unwrap();
+    let record = decide_one(&mut core, &prompt);
     assert_eq!(
-        (routed.decision.path, routed.decision.rule.as_str()),
+        (record.decision.path, record.decision.rule.as_str()),
         (Path::Remote, router::rules::GATE_NO_SIGNAL)
-    );
-    let record = core.record(
-        &routed.decision,
-        &routed.explanation.unwrap(),
-        &request,
-        seed,
-        &[],
     );
     let replayed = replay_all(std::slice::from_ref(&record), &[], &Overrides::default());
     assert_eq!(difference(&record.decision, &replayed[0].decision), None);
@@ -388,7 +360,6 @@ fn a_record_older_than_a_setting_replays_as_it_was_decided() {
     let history = tokens(9, 3_200);
     let mut prompt = history.clone();
     prompt.extend(tokens(10, 800));
-    let hashes = core.hasher().hash_prompt(&prompt);
     let held = core.hasher().hash_prompt(&history);
     let delta = IndexDelta {
         seq: 1,
@@ -409,35 +380,8 @@ fn a_record_older_than_a_setting_replays_as_it_was_decided() {
         };
         core.on_load(load, 10);
     }
-    let request = RouteRequest {
-        request_id: "r",
-        isl_tokens: prompt.len() as u32,
-        block_hashes: &hashes,
-        expected_output_tokens: 50,
-        session: None,
-    };
-    let seed = decision_seed(7, &request);
-    let options = RouteOptions {
-        avoid: &[],
-        explain: true,
-    };
-    let routed = core
-        .route(
-            &request,
-            options,
-            DecisionId(1),
-            20,
-            &mut ChaCha8Rng::seed_from_u64(seed),
-        )
-        .unwrap();
-    assert_eq!(routed.decision.prefill, Some(id("p1")));
-    let mut old = core.record(
-        &routed.decision,
-        &routed.explanation.unwrap(),
-        &request,
-        seed,
-        &[],
-    );
+    let mut old = decide_one(&mut core, &prompt);
+    assert_eq!(old.decision.prefill, Some(id("p1")));
     old.inputs
         .router_params
         .retain(|(name, _)| name != "prefill.miss_weight");
@@ -458,4 +402,33 @@ fn a_record_older_than_a_setting_replays_as_it_was_decided() {
         &today,
     );
     assert_eq!(what_if[0].decision.prefill, Some(id("p0")));
+}
+
+/// Routes one request (`r`, decision 1, at 20 ms) with its explanation and
+/// returns its record.
+fn decide_one(core: &mut RouterCore, prompt: &[u32]) -> DecisionRecord {
+    let hashes = core.hasher().hash_prompt(prompt);
+    let request = RouteRequest {
+        request_id: "r",
+        isl_tokens: prompt.len() as u32,
+        block_hashes: &hashes,
+        expected_output_tokens: 50,
+        session: None,
+    };
+    let seed = decision_seed(7, &request);
+    let options = RouteOptions {
+        avoid: &[],
+        explain: true,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let routed = core
+        .route(&request, options, DecisionId(1), 20, &mut rng)
+        .unwrap();
+    core.record(
+        &routed.decision,
+        &routed.explanation.unwrap(),
+        &request,
+        seed,
+        &[],
+    )
 }
