@@ -436,9 +436,14 @@ impl Engine {
             return 0;
         }
         let cacheable = seq.hittable_prefill_blocks(bs) as usize;
-        seq.ensure_hashes(cacheable, &self.hasher, &mut self.scratch);
-        let hashes = &seq.hashes[..cacheable.min(seq.hashes.len())];
-        crate::scheduler::cached_prefix_blocks(&self.cache, hashes) as u32 * bs
+        let (_, hits) = crate::scheduler::cached_prefix(
+            &self.cache,
+            &self.hasher,
+            &mut self.scratch,
+            seq,
+            cacheable,
+        );
+        hits as u32 * bs
     }
 
     /// The worker's load now. `queued_prefill_tokens` counts the prompt

@@ -125,8 +125,23 @@ fn leading_blocks(hashes: &[BlockHash], pred: impl Fn(BlockHash) -> bool) -> usi
 
 /// Number of leading `hashes` cached. The cache is prefix-closed (a cached
 /// block's parent is cached), so a binary search suffices.
-pub(crate) fn cached_prefix_blocks(cache: &KvCache, hashes: &[BlockHash]) -> usize {
+fn cached_prefix_blocks(cache: &KvCache, hashes: &[BlockHash]) -> usize {
     leading_blocks(hashes, |h| cache.contains(h))
+}
+
+/// Hashes `seq`'s first `blocks` blocks (as far as its known tokens go)
+/// and counts the leading ones `cache` holds: (blocks hashed, blocks
+/// cached).
+pub(crate) fn cached_prefix(
+    cache: &KvCache,
+    hasher: &BlockHasher,
+    scratch: &mut Vec<u32>,
+    seq: &mut Seq,
+    blocks: usize,
+) -> (usize, usize) {
+    seq.ensure_hashes(blocks, hasher, scratch);
+    let hashed = blocks.min(seq.hashes.len());
+    (hashed, cached_prefix_blocks(cache, &seq.hashes[..hashed]))
 }
 
 /// Number of leading `hashes` (all cached) held by running requests. A
@@ -395,9 +410,8 @@ impl Scheduler {
             } else {
                 seq.hittable_prefill_blocks(bs)
             } as usize;
-            seq.ensure_hashes(cacheable, env.hasher, env.scratch);
-            let hashes_len = cacheable.min(seq.hashes.len());
-            let hits = cached_prefix_blocks(env.cache, &seq.hashes[..hashes_len]);
+            let (hashes_len, hits) =
+                cached_prefix(env.cache, env.hasher, env.scratch, seq, cacheable);
             if !transfer && env.cache.host.enabled() && self.start_load(env, hashes_len, hits) {
                 continue;
             }
