@@ -322,6 +322,18 @@ pub(crate) fn cache_blocks(decision: &RouteDecision, block_size: u32) -> u64 {
     decision.reserved_decode_blocks.saturating_sub(held)
 }
 
+/// Takes a request's pin (if it still holds one) off its source's ledger,
+/// and off its unreported charges while no report has covered it.
+fn release_pin(slots: &mut [Slot], live: &Live) {
+    if let Some((source, _)) = live.pin {
+        let s = &mut slots[source as usize];
+        s.ledger.sub_pin(live);
+        if live.unreported_pin {
+            s.unreported.sub_pin(live);
+        }
+    }
+}
+
 /// Registered workers, their latest load reports and the in-flight ledger.
 #[derive(Debug)]
 pub struct Workers {
@@ -497,14 +509,9 @@ impl Workers {
             return false;
         };
         let unpinned = live.pin.is_some();
-        if let Some((source, _)) = live.pin {
-            let s = &mut self.slots[source as usize];
-            s.ledger.sub_pin(live);
-            if std::mem::take(&mut live.unreported_pin) {
-                s.unreported.sub_pin(live);
-            }
-            live.pin = None;
-        }
+        release_pin(&mut self.slots, live);
+        live.pin = None;
+        live.unreported_pin = false;
         if live.prefill_tokens == 0 {
             return unpinned;
         }
@@ -772,13 +779,7 @@ impl Workers {
             }
             d.refs = d.refs.saturating_sub(1);
         }
-        if let Some((source, _)) = live.pin {
-            let s = &mut self.slots[source as usize];
-            s.ledger.sub_pin(live);
-            if live.unreported_pin {
-                s.unreported.sub_pin(live);
-            }
-        }
+        release_pin(&mut self.slots, live);
         if let Some(source) = live.pin_ref {
             let s = &mut self.slots[source as usize];
             s.refs = s.refs.saturating_sub(1);
