@@ -96,6 +96,32 @@ pub enum SimError {
     Registration(#[from] protocol::ContractMismatch),
     #[error("a deployment needs at least one decode-capable worker")]
     NoDecodeWorker,
+    #[error("router setting {0}: the third path's settings are SimConfig::fetch (sim: --prefix-fetch, --prefix-fetch-min-tokens)")]
+    FetchParam(String),
+}
+
+impl SimConfig {
+    /// The router core's configuration: the defaults with
+    /// [`SimConfig::router_params`] over them, and the third path
+    /// ([`SimConfig::fetch`]) for the C/D deployments only; checked.
+    pub fn router_config(&self) -> Result<RouterConfig, SimError> {
+        let contract = HashingContract::for_model(self.preset.model, self.block_size);
+        let mut config = RouterConfig::new(contract);
+        for (name, value) in &self.router_params {
+            if name.starts_with("fetch.") {
+                return Err(SimError::FetchParam(name.clone()));
+            }
+            config
+                .set_param(name, *value)
+                .map_err(router::ConfigError::from)?;
+        }
+        config.fetch = match self.deployment {
+            Deployment::Conditional { .. } => self.fetch,
+            _ => router::FetchConfig::default(),
+        };
+        config.validate()?;
+        Ok(config)
+    }
 }
 
 /// The outcome of a run.
@@ -290,18 +316,9 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
 
 impl<'w> Cluster<'w> {
     fn new(config: SimConfig, workload: &'w mut dyn Workload) -> Result<Self, SimError> {
-        let contract = HashingContract::for_model(config.preset.model, config.block_size);
+        let router_config = config.router_config()?;
+        let contract = router_config.contract.clone();
         let policy = config.deployment.policy();
-        let mut router_config = RouterConfig::new(contract.clone());
-        for (name, value) in &config.router_params {
-            router_config
-                .set_param(name, *value)
-                .map_err(router::ConfigError::from)?;
-        }
-        router_config.fetch = match config.deployment {
-            Deployment::Conditional { .. } => config.fetch,
-            _ => router::FetchConfig::default(),
-        };
         let mut router = RouterCore::new(router_config, policy)?;
         let mut engine_config = config.preset.engine_config(config.block_size);
         engine_config.host.capacity_blocks = engine_sim::HostOffload::blocks_in_gib(

@@ -283,12 +283,11 @@ impl Common {
                 self.workers
             );
         }
-        self.check_router_params()?;
         let default_block = match self.workload {
             WorkloadArg::Mooncake | WorkloadArg::LongContext => 512,
             WorkloadArg::Agentic | WorkloadArg::Synthetic => 16,
         };
-        Ok(SimConfig {
+        let config = SimConfig {
             preset,
             block_size: self.block_size.unwrap_or(default_block),
             deployment: Deployment::Aggregated {
@@ -315,23 +314,11 @@ impl Common {
             host_offload_gib: self.host_offload_gib,
             reuse_ceiling: false,
             router_params: self.router_params.clone(),
-        })
-    }
-
-    /// `--router-param`: known names, values in range, none of the third
-    /// path's (their flags set them).
-    fn check_router_params(&self) -> anyhow::Result<()> {
-        let mut check = router::RouterConfig::new(protocol::HashingContract::for_model("sim", 16));
-        for (name, value) in &self.router_params {
-            if name.starts_with("fetch.") {
-                bail!("--router-param {name}: the third path's settings are --prefix-fetch and --prefix-fetch-min-tokens");
-            }
-            check
-                .set_param(name, *value)
-                .with_context(|| format!("--router-param {name}={value}"))?;
-        }
-        check.validate().context("--router-param")?;
-        Ok(())
+        };
+        // `--router-param`: known names, values in range, none of the third
+        // path's, named before anything runs.
+        config.router_config().context("--router-param")?;
+        Ok(config)
     }
 
     fn deployments(&self) -> Vec<Deployment> {
