@@ -67,6 +67,9 @@ pub enum Heard {
     Alive,
     /// It left: release these.
     Left(PeerGone),
+    /// A beat the replica sent no later than its leaving notice (by its
+    /// own clock), which overtook it on the way: it is gone, not back.
+    Stale,
 }
 
 /// The peers and their held decisions.
@@ -75,6 +78,9 @@ pub struct Peers {
     config: PeerConfig,
     peers: HashMap<Arc<str>, Peer>,
     owner: HashMap<DecisionId, Arc<str>>,
+    /// Replicas that said they leave: their notice's time on their clock
+    /// and its receipt on ours, kept for one timeout.
+    left: HashMap<Arc<str>, (u64, u64)>,
 }
 
 impl Peers {
@@ -93,16 +99,25 @@ impl Peers {
     pub fn on_heartbeat(&mut self, heartbeat: &RouterHeartbeat, now_ms: u64) -> Heard {
         let replica = heartbeat.replica.as_str();
         match heartbeat.state {
-            Presence::Leaving => match self.remove(replica, true, 0) {
-                Some(gone) => Heard::Left(gone),
-                None => Heard::Left(PeerGone {
-                    replica: replica.into(),
-                    left: true,
-                    silent_ms: 0,
-                    decisions: Vec::new(),
-                }),
-            },
+            Presence::Leaving => {
+                self.left.insert(replica.into(), (heartbeat.at_ms, now_ms));
+                match self.remove(replica, true, 0) {
+                    Some(gone) => Heard::Left(gone),
+                    None => Heard::Left(PeerGone {
+                        replica: replica.into(),
+                        left: true,
+                        silent_ms: 0,
+                        decisions: Vec::new(),
+                    }),
+                }
+            }
             Presence::Alive => {
+                if let Some(&(left_at, _)) = self.left.get(replica) {
+                    if heartbeat.at_ms <= left_at {
+                        return Heard::Stale;
+                    }
+                    self.left.remove(replica);
+                }
                 let (peer, joined) = self.peer(replica, now_ms);
                 peer.heard_ms = peer.heard_ms.max(now_ms);
                 peer.every_ms = heartbeat.every_ms;
@@ -141,6 +156,9 @@ impl Peers {
     /// The peers not heard of within their timeout by `now_ms`, removed
     /// with their held decisions (in replica order).
     pub fn expire(&mut self, now_ms: u64) -> Vec<PeerGone> {
+        let timeout = self.config.timeout_ms;
+        self.left
+            .retain(|_, &mut (_, heard_ms)| now_ms.saturating_sub(heard_ms) <= timeout);
         let mut silent: Vec<(Arc<str>, u64)> = self
             .peers
             .iter()
@@ -279,6 +297,39 @@ mod tests {
             Heard::Left(gone) => assert!(gone.decisions.is_empty()),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A beat sent before the leaving notice but received after it (the
+    /// sender publishes beats from a task the notice can overtake) does not
+    /// bring the replica back; a later one, from its restart, does.
+    #[test]
+    fn a_beat_older_than_the_leaving_notice_is_stale() {
+        let mut p = peers();
+        let at = |state, at_ms| RouterHeartbeat {
+            at_ms,
+            ..beat("a", state)
+        };
+        p.on_heartbeat(&at(Presence::Alive, 1_000), 0);
+        assert!(matches!(
+            p.on_heartbeat(&at(Presence::Leaving, 2_000), 10),
+            Heard::Left(_)
+        ));
+        assert_eq!(
+            p.on_heartbeat(&at(Presence::Alive, 2_000), 20),
+            Heard::Stale
+        );
+        assert!(p.list().is_empty());
+        assert!(p.expire(10_000).is_empty(), "nothing to time out");
+        assert_eq!(
+            p.on_heartbeat(&at(Presence::Alive, 9_000), 30),
+            Heard::Joined
+        );
+        // The notice is forgotten once it has been kept for a timeout.
+        p.on_heartbeat(&at(Presence::Leaving, 10_000), 100);
+        p.expire(5_100);
+        assert_eq!(p.left.len(), 1);
+        p.expire(5_101);
+        assert!(p.left.is_empty());
     }
 
     #[test]

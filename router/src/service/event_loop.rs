@@ -1414,12 +1414,21 @@ impl RouterLoop {
             self.metrics.peer_message("heartbeat", "ignored");
             return;
         }
-        self.metrics.peer_message("heartbeat", "applied");
-        match self.peers.on_heartbeat(&heartbeat, now_ms()) {
+        let heard = self.peers.on_heartbeat(&heartbeat, now_ms());
+        let outcome = if heard == Heard::Stale {
+            "ignored"
+        } else {
+            "applied"
+        };
+        self.metrics.peer_message("heartbeat", outcome);
+        match heard {
             Heard::Joined => {
                 tracing::info!(peer = %heartbeat.replica, every_ms = heartbeat.every_ms, "peer replica heard")
             }
             Heard::Alive => {}
+            Heard::Stale => {
+                tracing::debug!(peer = %heartbeat.replica, at_ms = heartbeat.at_ms, "a heartbeat the peer sent before its leaving notice; ignored")
+            }
             Heard::Left(gone) => self.release_peer(gone),
         }
         self.metrics.peers(self.peers.list().len());
