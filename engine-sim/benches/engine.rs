@@ -73,6 +73,7 @@ impl ClosedLoop {
                 prompt,
                 output_tokens: Arc::from(&self.outputs[..out]),
                 mode: Mode::LocalPrefill,
+                pull_tokens: 0,
             })
             .expect("request fits");
     }

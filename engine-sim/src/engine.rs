@@ -8,6 +8,7 @@ use crate::config::EngineConfig;
 use crate::error::{ConfigError, SubmitError};
 use crate::kv_cache::{BlockCounts, BlockId, KvCache, Mix};
 use crate::request::{EngineRequest, Seq};
+pub use crate::scheduler::Pull;
 use crate::scheduler::{Env, Scheduler};
 
 /// Something a step did to one request. Outputs of a step take effect at
@@ -71,6 +72,10 @@ pub struct Step {
     pub prefill_tokens: u32,
     /// Requests that sampled a decode token.
     pub decode_seqs: u32,
+    /// Prefixes to move here from the workers that supply them, starting
+    /// now ([`crate::EngineRequest::pull_tokens`]); report each one done
+    /// with [`Engine::pull_done`].
+    pub pulls: Vec<Pull>,
 }
 
 impl Step {
@@ -95,6 +100,9 @@ pub struct EngineStats {
     pub cached_prompt_tokens: u64,
     /// Prompt tokens whose KV arrived by transfer ([`crate::Mode::KvReceived`]).
     pub kv_received_tokens: u64,
+    /// Prompt tokens whose KV the caller was asked to pull from another
+    /// worker ([`Step::pulls`]).
+    pub pulled_prefix_tokens: u64,
     /// Output tokens produced.
     pub output_tokens: u64,
     /// Preemptions.
@@ -209,9 +217,9 @@ impl Engine {
 
     /// Holds the cached blocks of `prompt`'s first `tokens` tokens (as many
     /// leading whole blocks as are cached) for another worker's read: they
-    /// stay in use, so cannot be evicted, until [`Engine::unpin`], and the
+    /// stay in use, so cannot be evicted, until [`Engine::unpin`]. The
     /// engine's steps are longer by [`EngineConfig::read_step_overhead`]
-    /// while any read runs (from the pin to [`Engine::end_read`]).
+    /// while any read runs ([`Engine::start_read`] to [`Engine::end_read`]).
     pub fn pin_prefix(&mut self, prompt: &[u32], tokens: u32) -> PinnedPrefix {
         let mut blocks = Vec::new();
         for hash in self.prefix_hashes(prompt, tokens) {
@@ -222,13 +230,21 @@ impl Engine {
             self.pins[b as usize] += 1;
             blocks.push(b);
         }
-        self.reads += 1;
         let tokens = blocks.len() as u32 * self.hasher.block_size();
         PinnedPrefix {
             blocks,
             tokens,
-            reading: true,
+            reading: false,
             generation: self.generation,
+        }
+    }
+
+    /// Another worker starts reading a pinned prefix: the steps are longer
+    /// until [`Engine::end_read`] (or the unpin).
+    pub fn start_read(&mut self, pin: &mut PinnedPrefix) {
+        if !pin.reading && pin.generation == self.generation {
+            pin.reading = true;
+            self.reads += 1;
         }
     }
 
@@ -254,36 +270,6 @@ impl Engine {
             self.pins[b as usize] -= 1;
             self.cache.release(b);
         }
-    }
-
-    /// Stores the KV of `prompt`'s first `tokens` tokens (whole blocks),
-    /// received from another worker, in the prefix cache without computing
-    /// it (a prefix pulled D -> P): the blocks not cached yet are allocated
-    /// (evicting the least recently used) and registered, which emits their
-    /// `Stored` events; they are then free but cached, so the request that
-    /// pulled them hits them when admitted. Stops early when every block is
-    /// in use. Returns the leading tokens now cached.
-    pub fn receive_prefix(&mut self, prompt: &[u32], tokens: u32) -> u32 {
-        let mut held = Vec::new();
-        let mut parent = None;
-        for hash in self.prefix_hashes(prompt, tokens) {
-            let block = match self.cache.lookup(hash) {
-                Some(b) => {
-                    self.cache.acquire(b);
-                    b
-                }
-                None => match self.cache.allocate() {
-                    Some(b) => self.cache.register(b, hash, parent),
-                    None => break,
-                },
-            };
-            held.push(block);
-            parent = Some(hash);
-        }
-        for &b in held.iter().rev() {
-            self.cache.release(b);
-        }
-        held.len() as u32 * self.hasher.block_size()
     }
 
     /// Queues a request (it is admitted by a later [`Engine::step`]).
@@ -331,6 +317,15 @@ impl Engine {
         Ok(())
     }
 
+    /// The pull of request `id`'s supplied prefix ([`Step::pulls`]) is
+    /// done: it goes back to the front of the queue, where admission finds
+    /// the pulled blocks cached. Returns whether it was waiting for one
+    /// (not, once aborted or after a restart). Call between steps, then
+    /// [`Engine::step`].
+    pub fn pull_done(&mut self, id: u64) -> bool {
+        self.sched.pull_done(id, &mut self.cache)
+    }
+
     /// Drops request `id` (its client went away): it leaves the queue or
     /// the batch at once, and its blocks are released; the full ones stay
     /// in the prefix cache. Call between steps (after the outputs of the
@@ -373,11 +368,25 @@ impl Engine {
             !planned.work.is_empty()
                 || self.sched.is_idle()
                 || self.sched.next_ready_us().is_some()
-                || self.pins.iter().any(|&p| p > 0),
+                || self.pins.iter().any(|&p| p > 0)
+                || !self.sched.pulling.is_empty(),
             "work pending but nothing scheduled"
         );
         self.sync_stats();
+        let pulls = std::mem::take(&mut self.sched.pulls);
         if planned.work.is_empty() && self.outputs.is_empty() {
+            if !pulls.is_empty() {
+                // Only pulls started: the caller moves them, then steps again.
+                self.busy_until_us = start_us.saturating_add(1);
+                return Some(Step {
+                    start_us,
+                    duration_us: 1,
+                    outputs: Vec::new(),
+                    prefill_tokens: 0,
+                    decode_seqs: 0,
+                    pulls,
+                });
+            }
             // Only read-backs from host in progress: wait for the first.
             let ready = self.sched.next_ready_us()?;
             let duration_us = ready.saturating_sub(start_us).max(1);
@@ -388,6 +397,7 @@ impl Engine {
                 outputs: Vec::new(),
                 prefill_tokens: 0,
                 decode_seqs: 0,
+                pulls,
             });
         }
         let mut duration_us = self.config.cost.step_us(&planned.work);
@@ -407,6 +417,7 @@ impl Engine {
             outputs,
             prefill_tokens: planned.prefill_tokens,
             decode_seqs: planned.decode_seqs,
+            pulls,
         })
     }
 
@@ -443,12 +454,15 @@ impl Engine {
             seq,
             cacheable,
         );
-        hits as u32 * bs
+        // A supplied prefix is no work here either.
+        let supplied = seq.pull_tokens.min(cacheable as u32 * bs) / bs;
+        (hits as u32).max(supplied) * bs
     }
 
     /// The worker's load now. `queued_prefill_tokens` counts the prompt
     /// tokens still to compute: a running request's rest, and a waiting
-    /// one's prefill target less the prefix cached when it came (its hits
+    /// one's prefill target less the prefix cached (or supplied by another
+    /// worker: [`EngineRequest::pull_tokens`]) when it came (its hits
     /// are only settled at admission; counting its whole prompt made a
     /// worker holding many prefixes look busier than it is, and the
     /// router's ledger counts only what is not cached);
@@ -472,11 +486,19 @@ impl Engine {
             .loading
             .iter()
             .map(|l| u64::from(l.seq.remaining_prefill()))
+            .chain(
+                self.sched
+                    .pulling
+                    .iter()
+                    .map(|s| u64::from(s.queued_prefill())),
+            )
             .sum();
         LoadReport {
             worker: self.worker.clone(),
             running: self.sched.running.len() as u32,
-            waiting: (self.sched.waiting.len() + self.sched.loading.len()) as u32,
+            waiting: (self.sched.waiting.len()
+                + self.sched.loading.len()
+                + self.sched.pulling.len()) as u32,
             queued_prefill_tokens: self.sched.waiting_prefill_tokens + running_prefill + loading,
             active_decode_blocks: decode_blocks,
             kv_blocks_used: u64::from(counts.in_use),
@@ -552,9 +574,9 @@ impl Engine {
     }
 
     /// Requests waiting for admission (reading their prefix back from
-    /// host included).
+    /// host, or waiting for a pulled one, included).
     pub fn waiting(&self) -> usize {
-        self.sched.waiting.len() + self.sched.loading.len()
+        self.sched.waiting.len() + self.sched.loading.len() + self.sched.pulling.len()
     }
 
     /// Every block hash in the host tier with its parent's, in no
@@ -641,6 +663,17 @@ impl Engine {
                 }
             }
         }
+        for seq in &self.sched.pulling {
+            for (j, &b) in seq.blocks.iter().enumerate() {
+                holders[b as usize] += 1;
+                if self.cache.lookup(seq.hashes[j]) != Some(b) {
+                    return Err(format!(
+                        "pulling request {} block {j} is not its cached block",
+                        seq.id
+                    ));
+                }
+            }
+        }
         if !self
             .sched
             .loading
@@ -661,7 +694,10 @@ impl Engine {
             return Err("waiting prefill counter drifted".into());
         }
         if self.in_flight.len()
-            != self.sched.running.len() + self.sched.waiting.len() + self.sched.loading.len()
+            != self.sched.running.len()
+                + self.sched.waiting.len()
+                + self.sched.loading.len()
+                + self.sched.pulling.len()
         {
             return Err("in-flight set does not match the queues".into());
         }

@@ -43,6 +43,7 @@
 //!         prompt: (0..100).collect::<Vec<u32>>().into(),
 //!         output_tokens: Arc::from(vec![1, 2, 3]),
 //!         mode: Mode::LocalPrefill,
+//!         pull_tokens: 0,
 //!     })
 //!     .unwrap();
 //! let mut now = 0;
@@ -113,7 +114,7 @@ pub mod transfer;
 
 pub use config::{EngineConfig, HostOffload};
 pub use cost::{CostModel, StepWork};
-pub use engine::{Engine, EngineStats, PinnedPrefix, Step, StepOutput};
+pub use engine::{Engine, EngineStats, PinnedPrefix, Pull, Step, StepOutput};
 pub use error::{ConfigError, SubmitError};
 pub use kv_cache::BlockCounts;
 pub use preset::{Preset, DEFAULT_BLOCK_SIZE};

@@ -439,6 +439,7 @@ mod tests {
                     prompt,
                     output_tokens: output,
                     mode: Mode::LocalPrefill,
+                    pull_tokens: 0,
                 })
                 .unwrap();
             sent.insert(id, now);

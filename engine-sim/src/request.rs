@@ -71,6 +71,13 @@ pub struct EngineRequest {
     pub output_tokens: Arc<[u32]>,
     /// How this worker serves it.
     pub mode: Mode,
+    /// Leading prompt tokens whose KV another worker supplies (the third
+    /// path: a prefix pulled D -> P; 0 for none). At admission the request
+    /// takes blocks for the part of them this worker lacks and waits, set
+    /// aside, until the caller moved them ([`crate::Step::pulls`],
+    /// [`crate::Engine::pull_done`]), as vLLM holds a request waiting for
+    /// remote KV: the pulled blocks cannot be evicted before they are used.
+    pub pull_tokens: u32,
 }
 
 /// A request inside the engine.
@@ -111,6 +118,9 @@ pub(crate) struct Seq {
     /// blocks short of its prefill target: the hits it expects at
     /// admission, where they are settled.
     pub(crate) expected_hit_tokens: u32,
+    /// Leading prompt tokens to pull from another worker at admission;
+    /// 0 once the pull was started (what it did not cover is computed).
+    pub(crate) pull_tokens: u32,
 }
 
 impl Seq {
@@ -136,6 +146,7 @@ impl Seq {
             cached_tokens: None,
             done: false,
             expected_hit_tokens: 0,
+            pull_tokens: req.pull_tokens,
         }
     }
 
@@ -146,6 +157,7 @@ impl Seq {
             prompt: self.prompt.clone(),
             output_tokens: self.output.clone(),
             mode: self.mode,
+            pull_tokens: self.pull_tokens,
         }
     }
 
@@ -243,6 +255,7 @@ mod tests {
             prompt: (0..6).collect::<Vec<u32>>().into(),
             output_tokens: (6..12).collect::<Vec<u32>>().into(),
             mode: Mode::LocalPrefill,
+            pull_tokens: 0,
         };
         let mut seq = Seq::new(req, 6, 6);
         let mut scratch = Vec::new();

@@ -24,6 +24,16 @@
 //! vLLM does with requests waiting for remote KV). When the read ends it
 //! releases them (they stay cached) and goes back to the front of the
 //! queue, where admission finds them on the device.
+//!
+//! A request whose prompt starts with a prefix another worker supplies
+//! ([`crate::EngineRequest::pull_tokens`], the third path) is set aside the
+//! same way when it reaches the queue's head (`pulling`): it takes device
+//! blocks for the part of that prefix not cached here and asks its caller to
+//! move them ([`Pull`]); when the caller reports them moved it goes back to
+//! the queue's front. Pulling at admission, not at submission, keeps a
+//! prefix that waits behind a long queue from being evicted before it is
+//! used (vLLM allocates the blocks of a request's remote KV when it
+//! schedules it, then waits for them).
 
 use std::collections::{HashSet, VecDeque};
 
@@ -91,7 +101,23 @@ pub(crate) struct Scheduler {
     /// Requests whose prefix is being read back from host, in the order
     /// their reads end: each holds the device blocks of its prefix.
     pub(crate) loading: VecDeque<Loading>,
+    /// Requests waiting for the blocks of a prefix another worker supplies,
+    /// in the order their pulls started: each holds those blocks.
+    pub(crate) pulling: Vec<Seq>,
+    /// Pulls started by the step being planned, for its caller.
+    pub(crate) pulls: Vec<Pull>,
     plan: Vec<Planned>,
+}
+
+/// A prefix the caller is to move to this worker from the one that supplies
+/// it ([`crate::Step::pulls`]); report it done with
+/// [`crate::Engine::pull_done`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pull {
+    /// The request.
+    pub id: u64,
+    /// Tokens whose KV to move (whole blocks after the prefix cached here).
+    pub tokens: u32,
 }
 
 /// A request waiting for its prefix's read-back from host.
@@ -178,7 +204,10 @@ fn release_blocks(seq: &mut Seq, cache: &mut KvCache) {
 impl Scheduler {
     /// Whether no request is running or waiting.
     pub(crate) fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty() && self.loading.is_empty()
+        self.running.is_empty()
+            && self.waiting.is_empty()
+            && self.loading.is_empty()
+            && self.pulling.is_empty()
     }
 
     /// When the first read-back in progress ends.
@@ -259,6 +288,67 @@ impl Scheduler {
         env.stats.host_read_tokens += u64::from(got as u32 * env.block_size());
         let at = self.loading.partition_point(|l| l.ready_us <= ready_us);
         self.loading.insert(at, Loading { seq, ready_us });
+        true
+    }
+
+    /// Sets the queue's head aside to pull the blocks of its supplied prefix
+    /// ([`Seq::pull_tokens`]) that continue its device hit (`hits` blocks of
+    /// its first `hashes_len`). Returns `None` when there is nothing to pull
+    /// (admit it as usual), `Some(false)` when the device has no block for
+    /// the pull yet (the head waits), `Some(true)` when the pull started.
+    fn start_pull(&mut self, env: &mut Env<'_>, hashes_len: usize, hits: usize) -> Option<bool> {
+        let seq = self.waiting.front_mut()?;
+        let bs = env.block_size();
+        let supplied = (seq.pull_tokens / bs) as usize;
+        let lacking = supplied.min(hashes_len).saturating_sub(hits);
+        if lacking == 0 {
+            seq.pull_tokens = 0;
+            return None;
+        }
+        // Pulled blocks are new device blocks; the device hit must stay.
+        let evictable = hits - held_prefix_blocks(env.cache, &seq.hashes[..hits]);
+        let room = (env.cache.available() as usize).saturating_sub(evictable);
+        let n = lacking.min(room);
+        if n == 0 {
+            return Some(false);
+        }
+        let mut seq = self.waiting.pop_front()?;
+        self.waiting_prefill_tokens -= u64::from(seq.queued_prefill());
+        seq.pull_tokens = 0;
+        for &h in &seq.hashes[..hits] {
+            if let Some(b) = env.cache.lookup(h) {
+                env.cache.acquire(b);
+                seq.blocks.push(b);
+            }
+        }
+        let mut got = 0;
+        for j in hits..hits + n {
+            let Some(b) = env.cache.allocate() else {
+                break;
+            };
+            let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
+            seq.blocks
+                .push(env.cache.register(b, seq.hashes[j], parent));
+            got += 1;
+        }
+        let tokens = got * bs;
+        env.stats.pulled_prefix_tokens += u64::from(tokens);
+        self.pulls.push(Pull { id: seq.id, tokens });
+        self.pulling.push(seq);
+        Some(true)
+    }
+
+    /// The pull of request `id` is done: it releases its blocks (cached, so
+    /// admission hits them) and goes back to the queue's front. Returns
+    /// whether it was pulling.
+    pub(crate) fn pull_done(&mut self, id: u64, cache: &mut KvCache) -> bool {
+        let Some(k) = self.pulling.iter().position(|s| s.id == id) else {
+            return false;
+        };
+        let mut seq = self.pulling.remove(k);
+        release_blocks(&mut seq, cache);
+        self.waiting_prefill_tokens += u64::from(seq.queued_prefill());
+        self.waiting.push_front(seq);
         true
     }
 
@@ -412,6 +502,13 @@ impl Scheduler {
             } as usize;
             let (hashes_len, hits) =
                 cached_prefix(env.cache, env.hasher, env.scratch, seq, cacheable);
+            if !transfer && seq.pull_tokens > 0 {
+                match self.start_pull(env, hashes_len, hits) {
+                    Some(true) => continue,
+                    Some(false) => break,
+                    None => {}
+                }
+            }
             if !transfer && env.cache.host.enabled() && self.start_load(env, hashes_len, hits) {
                 continue;
             }
@@ -565,6 +662,8 @@ impl Scheduler {
             seq
         } else if let Some(k) = self.loading.iter().position(|l| l.seq.id == id) {
             self.loading.remove(k).expect("position is in range").seq
+        } else if let Some(k) = self.pulling.iter().position(|s| s.id == id) {
+            self.pulling.remove(k)
         } else {
             return false;
         };
@@ -576,11 +675,13 @@ impl Scheduler {
     pub(crate) fn drain(&mut self) -> impl Iterator<Item = Seq> + '_ {
         self.plan.clear();
         self.waiting_prefill_tokens = 0;
+        self.pulls.clear();
         let loading: Vec<Seq> = self.loading.drain(..).map(|l| l.seq).collect();
         self.running
             .drain(..)
             .chain(self.waiting.drain(..))
             .chain(loading)
+            .chain(self.pulling.drain(..))
     }
 }
 

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use engine_sim::{ConfigError, Engine, EngineRequest, Mode, Preset, StepOutput, SubmitError};
+use engine_sim::{ConfigError, Engine, EngineRequest, Mode, Preset, Pull, StepOutput, SubmitError};
 use protocol::{KvEvent, Role, Tier};
 
 #[test]
@@ -515,22 +515,54 @@ fn an_aborted_request_leaves_at_once_and_its_full_blocks_stay_cached() {
     assert_eq!(tokens_of(&outs, 1), 5);
 }
 
-/// The third path's two ends: a prefill worker receives a prefix into its
-/// cache (its events show the blocks) and computes only the rest; the
-/// worker serving the read pins the blocks (not evicted meanwhile, counted
-/// in use) and its steps are longer while the pin is held.
+/// The third path's prefill worker pulls a supplied prefix when the request
+/// reaches the head of its queue, not before: it takes blocks for what it
+/// lacks of it (held, so not evicted while the pull runs), asks its caller
+/// to move them, lets other requests be admitted meanwhile, and computes only
+/// the rest once they arrived. A waiting request's supplied prefix is no
+/// queued work.
 #[test]
-fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
+fn a_supplied_prefix_is_pulled_at_admission_and_held_until_used() {
     let cfg = small_config(16, 64, 256, 8);
     let mut p = engine(Role::Prefill, cfg);
     let prompt = tokens(0, 500);
-    assert_eq!(p.receive_prefix(&prompt, 400), 400);
-    let mut replay = Replay::default();
-    replay.sync(&mut p);
-    assert_eq!(replay.blocks.len(), 25, "the received blocks are stored");
-    assert_eq!(p.block_counts().in_use, 0, "cached, not held");
-    p.submit(req(1, &prompt, 0, Mode::PrefillOnly)).unwrap();
-    let (outs, _) = run_to_idle(&mut p, 0, 10);
+    // Holds 10 of the 25 supplied blocks already.
+    p.submit(req(9, &prompt[..160], 0, Mode::PrefillOnly))
+        .unwrap();
+    let (_, now) = run_to_idle(&mut p, 0, 10);
+    let computed = p.stats().prefill_tokens;
+    let mut pulling = req(1, &prompt, 0, Mode::PrefillOnly);
+    pulling.pull_tokens = 400;
+    p.submit(pulling).unwrap();
+    assert_eq!(p.load_report(now).queued_prefill_tokens, 100);
+    let other = tokens(10_000, 300);
+    p.submit(req(2, &other, 0, Mode::PrefillOnly)).unwrap();
+    let step = p.step(now).unwrap();
+    assert_eq!(
+        step.pulls,
+        vec![Pull { id: 1, tokens: 240 }],
+        "what it lacks"
+    );
+    assert_eq!(p.stats().pulled_prefix_tokens, 240);
+    assert_eq!(p.load_report(now).waiting, 1);
+    p.check_invariants().unwrap();
+    // The next request is admitted meanwhile; the pulled blocks are held
+    // while a third prompt fills the cache.
+    let (outs, now) = run_to_idle(&mut p, step.end_us(), 20);
+    assert!(outs
+        .iter()
+        .any(|(_, o)| matches!(o, StepOutput::PrefillDone { id: 2, .. })));
+    assert!(!p.is_idle(), "request 1 waits for its pull");
+    p.submit(req(3, &tokens(20_000, 600), 0, Mode::PrefillOnly))
+        .unwrap();
+    let (_, now) = run_to_idle(&mut p, now, 20);
+    assert!(p.cached_prefix_tokens(&prompt) >= 400, "not evicted");
+    assert_eq!(p.load_report(now).queued_prefill_tokens, 100);
+    p.check_invariants().unwrap();
+    assert!(p.pull_done(1));
+    assert!(!p.pull_done(1), "once");
+    let before = p.stats().prefill_tokens;
+    let (outs, _) = run_to_idle(&mut p, now, 10);
     assert!(outs.iter().any(|(_, o)| matches!(
         o,
         StepOutput::PrefillDone {
@@ -539,14 +571,44 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
             ..
         }
     )));
-    assert_eq!(p.stats().prefill_tokens, 100, "only the rest computed");
+    assert_eq!(
+        p.stats().prefill_tokens - before,
+        100,
+        "only the rest computed"
+    );
+    assert!(computed > 0);
+    p.check_invariants().unwrap();
 
+    // Nothing lacking: no pull, admitted at once. Aborted while pulling:
+    // its blocks go.
+    let mut held = req(4, &prompt, 0, Mode::PrefillOnly);
+    held.pull_tokens = 400;
+    p.submit(held).unwrap();
+    assert!(p.step(now).unwrap().pulls.is_empty());
+    let (_, now) = run_to_idle(&mut p, now, 10);
+    let mut fresh = req(5, &tokens(30_000, 500), 0, Mode::PrefillOnly);
+    fresh.pull_tokens = 400;
+    p.submit(fresh).unwrap();
+    assert_eq!(p.step(now).unwrap().pulls.len(), 1);
+    assert!(p.abort(5));
+    assert_eq!(p.block_counts().in_use, 0);
+    assert!(p.is_idle());
+    p.check_invariants().unwrap();
+}
+
+/// The third path's source: it pins the blocks of a prefix (not evicted
+/// meanwhile, counted in use), and its steps are longer while the read runs.
+#[test]
+fn a_pinned_prefix_is_held_and_its_read_slows_the_steps() {
+    let cfg = small_config(16, 64, 256, 8);
+    let prompt = tokens(0, 500);
     // The source: its blocks are pinned while read.
     let mut d = engine(Role::Both, cfg);
     d.submit(req(1, &prompt, 2, Mode::LocalPrefill)).unwrap();
     let (_, now) = run_to_idle(&mut d, 0, 20);
-    let pin = d.pin_prefix(&prompt, 400);
+    let mut pin = d.pin_prefix(&prompt, 400);
     assert_eq!(pin.tokens(), 400);
+    d.start_read(&mut pin);
     assert_eq!(d.block_counts().in_use, 25);
     d.check_invariants().unwrap();
     // Filling the cache with other prompts evicts everything but the pin.
@@ -556,7 +618,6 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
     let (_, now) = run_to_idle(&mut d, now, 50);
     assert!(d.cached_prefix_tokens(&prompt) >= 400);
     // The read done, the blocks stay held for the reader until the unpin.
-    let mut pin = pin;
     d.end_read(&mut pin);
     assert_eq!(d.block_counts().in_use, 25);
     d.unpin(pin);
@@ -568,7 +629,7 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
     let plain_step = fresh.step(now).unwrap().duration_us;
     let want = (plain_step as f64 * (1.0 + cfg.read_step_overhead)).ceil() as u64;
     assert_eq!(pinned_step, want, "{plain_step} -> {pinned_step}");
-    // A pin whose read is done slows no step.
+    // A pin whose read has not started or is done slows no step.
     let mut held = engine(Role::Both, cfg);
     held.submit(req(1, &prompt, 2, Mode::LocalPrefill)).unwrap();
     let (_, now) = run_to_idle(&mut held, 0, 20);
@@ -583,11 +644,13 @@ fn a_received_prefix_is_cached_and_a_pinned_one_is_held() {
     // the read that one runs.
     let mut old_pin = held.pin_prefix(&prompt, 400);
     held.end_read(&mut old_pin);
-    let old_pin_2 = held.pin_prefix(&prompt, 400);
+    let mut old_pin_2 = held.pin_prefix(&prompt, 400);
+    held.start_read(&mut old_pin_2);
     assert_eq!(held.restart().len(), 1, "request 2 dropped");
     held.submit(req(3, &prompt, 2, Mode::LocalPrefill)).unwrap();
     let (_, now) = run_to_idle(&mut held, now, 20);
-    let new_pin = held.pin_prefix(&prompt, 400);
+    let mut new_pin = held.pin_prefix(&prompt, 400);
+    held.start_read(&mut new_pin);
     assert_eq!(held.block_counts().in_use, 25);
     held.unpin(old_pin);
     held.unpin(old_pin_2);

@@ -148,6 +148,7 @@ impl Harness {
             prompt: prompt.into(),
             output_tokens: out.into(),
             mode,
+            pull_tokens: 0,
         };
         let got = self.engine.submit(request.clone());
         let peak = request.prompt.len() as u64

@@ -27,7 +27,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use engine_sim::{
-    Engine, EngineRequest, KvTransfer, Mode, PinnedPrefix, Preset, SharedLinks, StepOutput,
+    Engine, EngineRequest, KvTransfer, Mode, PinnedPrefix, Preset, Pull, SharedLinks, StepOutput,
 };
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
@@ -197,11 +197,9 @@ struct InFlight {
     /// The prefill worker of a remote path.
     prefill: Option<usize>,
     /// The third path: the source worker and its pin, from the decision
-    /// until the prefill is done (read while the prefix is pulled).
+    /// until the prefill is done (read while the prefill worker pulls it,
+    /// which it does when it admits the request).
     source: Option<(usize, PinnedPrefix)>,
-    /// The third path: the request to submit to the prefill worker once the
-    /// pulled prefix arrived.
-    awaiting_pull: Option<EngineRequest>,
     first_token_us: Option<u64>,
     floor: Floor,
 }
@@ -540,21 +538,16 @@ impl<'w> Cluster<'w> {
             Some(p) => (p, Mode::PrefillOnly),
             None => (decode, Mode::LocalPrefill),
         };
-        // The third path: pin the prefix on its source and pull what the
-        // prefill worker lacks of it.
-        let mut pull = None;
-        if let (Some(f), Some(p)) = (&decision.fetch, prefill) {
-            let source = self.worker_index[&f.source];
-            let pin = self.engines[source].pin_prefix(&spec.prompt, f.prefix_tokens);
-            let lacks = pin
-                .tokens()
-                .saturating_sub(self.engines[p].cached_prefix_tokens(&spec.prompt));
-            if lacks > 0 {
-                let bytes = self.engines[source].config().kv_bytes(u64::from(lacks));
-                self.counters.kv_bytes_pulled += bytes;
-                pull = Some((source, pin, bytes));
+        // The third path: pin the prefix on its source; the prefill worker
+        // pulls what it lacks of it when it admits the request.
+        let mut source = None;
+        if let (Some(f), Some(_)) = (&decision.fetch, prefill) {
+            let worker = self.worker_index[&f.source];
+            let pin = self.engines[worker].pin_prefix(&spec.prompt, f.prefix_tokens);
+            if pin.tokens() > 0 {
+                source = Some((worker, pin));
             } else {
-                self.unpin(source, pin);
+                self.unpin(worker, pin);
             }
         }
         let request = EngineRequest {
@@ -562,6 +555,7 @@ impl<'w> Cluster<'w> {
             prompt: spec.prompt.clone(),
             output_tokens: spec.output.clone(),
             mode,
+            pull_tokens: source.as_ref().map_or(0, |(_, pin)| pin.tokens()),
         };
         self.in_flight.insert(
             spec.id,
@@ -572,23 +566,12 @@ impl<'w> Cluster<'w> {
                 path: decision.path,
                 decode,
                 prefill,
-                source: None,
-                awaiting_pull: None,
+                source,
                 first_token_us: None,
                 floor,
             },
         );
-        match (pull, prefill) {
-            (Some((source, pin, bytes)), Some(p)) => {
-                let id = request.id;
-                if let Some(r) = self.in_flight.get_mut(&id) {
-                    r.source = Some((source, pin));
-                    r.awaiting_pull = Some(request);
-                }
-                self.start_transfer(transfer_id(id, Transfer::Pull), source, p, bytes);
-            }
-            _ => self.submit(target, request),
-        }
+        self.submit(target, request);
     }
 
     /// The request's TTFT floor ([`TtftFloor`]); `self.hashes` holds its
@@ -638,27 +621,44 @@ impl<'w> Cluster<'w> {
         }
     }
 
-    /// A prefix pulled from its source arrived on the prefill worker: the
-    /// source's read ends (its pin stays until the prefill is done), the
-    /// prefix is stored in the prefill worker's cache, and the request is
-    /// submitted there.
+    /// A prefill worker admitted a request whose prefix it pulls: the read
+    /// of its source's pin starts, and the blocks it lacks go over the
+    /// links.
+    fn start_pull(&mut self, worker: usize, pull: Pull) {
+        let Some((source, pin)) = self
+            .in_flight
+            .get_mut(&pull.id)
+            .and_then(|r| r.source.as_mut())
+        else {
+            // The pin is gone (its source restarted): nothing to read.
+            self.engines[worker].pull_done(pull.id);
+            return;
+        };
+        let source = *source;
+        self.engines[source].start_read(pin);
+        let bytes = self.engines[source]
+            .config()
+            .kv_bytes(u64::from(pull.tokens));
+        self.counters.kv_bytes_pulled += bytes;
+        self.start_transfer(transfer_id(pull.id, Transfer::Pull), source, worker, bytes);
+    }
+
+    /// A pulled prefix arrived on the prefill worker: the source's read ends
+    /// (its pin stays until the prefill is done) and the request goes back
+    /// to the prefill worker's queue, whose head it takes.
     fn pull_done(&mut self, id: u64) {
         let Some(r) = self.in_flight.get_mut(&id) else {
             return;
         };
-        let (Some(request), Some((source, pin)), Some(p)) =
-            (r.awaiting_pull.take(), r.source.as_mut(), r.prefill)
-        else {
+        let Some(p) = r.prefill else {
             return;
         };
-        let tokens = pin.tokens();
-        self.engines[*source].end_read(pin);
-        self.engines[p].receive_prefix(&request.prompt, tokens);
-        let events = self.engines[p].take_kv_events();
-        if !events.is_empty() {
-            self.kv_step(p, Input::EngineEvents(events));
+        if let Some((source, pin)) = r.source.as_mut() {
+            self.engines[*source].end_read(pin);
         }
-        self.submit(p, request);
+        if self.engines[p].pull_done(id) {
+            self.wake(p);
+        }
     }
 
     /// The third path's source lets its pinned prefix go (the request's
@@ -715,8 +715,11 @@ impl<'w> Cluster<'w> {
 
     fn start_step(&mut self, worker: usize) {
         match self.engines[worker].step(self.now_us) {
-            Some(step) => {
+            Some(mut step) => {
                 self.busy[worker] = true;
+                for pull in std::mem::take(&mut step.pulls) {
+                    self.start_pull(worker, pull);
+                }
                 self.schedule(
                     step.end_us(),
                     Event::StepEnd {
@@ -831,6 +834,7 @@ impl<'w> Cluster<'w> {
             prompt: r.spec.prompt.clone(),
             output_tokens: r.spec.output.clone(),
             mode: Mode::KvReceived,
+            pull_tokens: 0,
         };
         let decode = r.decode;
         self.submit(decode, request);
@@ -933,7 +937,18 @@ mod tests {
         *engine = Engine::new(engine.worker().clone(), engine.role(), small).unwrap();
         let bs = engine.config().block_size;
         let held: Vec<u32> = (0..6 * bs).collect();
-        assert_eq!(engine.receive_prefix(&held, 6 * bs), 6 * bs);
+        let served = EngineRequest {
+            id: 2,
+            prompt: held.clone().into(),
+            output_tokens: vec![1].into(),
+            mode: Mode::LocalPrefill,
+            pull_tokens: 0,
+        };
+        engine.submit(served).unwrap();
+        let mut now = 0;
+        while let Some(step) = engine.step(now) {
+            now = step.end_us();
+        }
         let pin = engine.pin_prefix(&held, 6 * bs);
         assert_eq!(pin.tokens(), 6 * bs);
 
@@ -945,6 +960,7 @@ mod tests {
                 prompt: (10_000..10_000 + 5 * bs).collect(),
                 output_tokens: vec![1; 4].into(),
                 mode: Mode::LocalPrefill,
+                pull_tokens: 0,
             },
         );
         assert!(

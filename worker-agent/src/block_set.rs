@@ -251,6 +251,7 @@ mod tests {
                     prompt: prompt.into(),
                     output_tokens: Arc::from(vec![7u32; 6]),
                     mode: Mode::LocalPrefill,
+                    pull_tokens: 0,
                 })
                 .unwrap();
             while let Some(step) = engine.step(now) {

@@ -13,7 +13,7 @@
 //! block-set requests.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -107,7 +107,7 @@ impl SimEngine {
             live: HashMap::new(),
             transfers: BinaryHeap::new(),
             awaiting_kv: HashMap::new(),
-            pulls: HashMap::new(),
+            pulls: HashSet::new(),
             step: None,
             mirror: BlockMirror::new(),
             next_id: 0,
@@ -275,9 +275,9 @@ struct Driver {
     /// KV transfers in progress: (virtual end, request).
     transfers: BinaryHeap<Reverse<(u64, u64)>>,
     awaiting_kv: HashMap<u64, EngineRequest>,
-    /// Of those, prefill legs pulling a prefix first (the third path): the
-    /// prefix's tokens, stored in the cache when the pull is done.
-    pulls: HashMap<u64, u32>,
+    /// Prefill legs whose supplied prefix is on the link (the third path:
+    /// the engine asked for it when it admitted them, [`Step::pulls`]).
+    pulls: HashSet<u64>,
     /// The step running; its outputs apply when it ends.
     step: Option<engine_sim::Step>,
     mirror: BlockMirror,
@@ -288,7 +288,7 @@ impl Driver {
     async fn run(mut self) {
         loop {
             if self.step.is_none() {
-                self.step = self.engine.step(self.clock.now_us());
+                self.start_step(self.clock.now_us());
             }
             match self.next_event().await {
                 DriverEvent::Command(Command::Generate { request, events }) => {
@@ -351,9 +351,14 @@ impl Driver {
             (Stage::Prefill, Some(f)) => Some(f.prefix_tokens),
             _ => None,
         };
+        let prompt: Arc<[u32]> = request.prompt.into();
         let engine_request = EngineRequest {
             id,
-            prompt: request.prompt.into(),
+            // The third path: the engine pulls the prefix the source holds
+            // (what it lacks of it) when it admits the request, and computes
+            // only the rest.
+            pull_tokens: pull.map_or(0, |prefix| prefix.min(prompt.len() as u32)),
+            prompt,
             output_tokens: output.clone(),
             mode,
         };
@@ -367,26 +372,7 @@ impl Driver {
                 reason,
             },
         );
-        if let Some(prefix) = pull {
-            // The third path: the prefix the source holds comes over the
-            // link first (what this worker lacks of it), then is stored in
-            // the cache and only the rest is prefilled.
-            let prompt = &engine_request.prompt;
-            let prefix = prefix.min(prompt.len() as u32);
-            let held = self.engine.cached_prefix_tokens(prompt);
-            let bytes = self
-                .engine
-                .config()
-                .kv_bytes(u64::from(prefix.saturating_sub(held)));
-            let end = self
-                .clock
-                .now_us()
-                .saturating_add(self.link.duration_us(bytes));
-            tracing::debug!(worker = %self.worker, prefix, held, bytes, "pulling a prefix");
-            self.transfers.push(Reverse((end, id)));
-            self.pulls.insert(id, prefix);
-            self.awaiting_kv.insert(id, engine_request);
-        } else if mode == Mode::KvReceived {
+        if mode == Mode::KvReceived {
             // The prompt's KV moves here first: what this worker does not
             // hold, over the link.
             let prompt = &engine_request.prompt;
@@ -431,11 +417,9 @@ impl Driver {
             }
             first = false;
             self.transfers.pop();
-            if let Some(request) = self.awaiting_kv.remove(&id) {
-                if let Some(prefix) = self.pulls.remove(&id) {
-                    self.engine.receive_prefix(&request.prompt, prefix);
-                    self.forward_kv_events();
-                }
+            if self.pulls.remove(&id) {
+                self.engine.pull_done(id);
+            } else if let Some(request) = self.awaiting_kv.remove(&id) {
                 self.submit(request);
             }
         }
@@ -500,7 +484,23 @@ impl Driver {
         // A busy engine starts its next step when this one ended, not when
         // the timer woke us (which may be up to a timer tick later): the
         // virtual timeline stays exact and catches up with the wall clock.
-        self.step = self.engine.step(step.start_us + step.duration_us);
+        self.start_step(step.start_us + step.duration_us);
+    }
+
+    /// Starts the engine's next step at virtual time `at_us` (when there is
+    /// work), and the pulls of supplied prefixes it asks for.
+    fn start_step(&mut self, at_us: u64) {
+        self.step = self.engine.step(at_us);
+        let Some(step) = &mut self.step else {
+            return;
+        };
+        for pull in std::mem::take(&mut step.pulls) {
+            let bytes = self.engine.config().kv_bytes(u64::from(pull.tokens));
+            let end = step.start_us.saturating_add(self.link.duration_us(bytes));
+            tracing::debug!(worker = %self.worker, tokens = pull.tokens, bytes, "pulling a prefix");
+            self.transfers.push(Reverse((end, pull.id)));
+            self.pulls.insert(pull.id);
+        }
     }
 
     /// Sends the engine's new KV events on, and mirrors them.

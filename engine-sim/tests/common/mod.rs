@@ -38,6 +38,7 @@ pub fn req(id: u64, prompt: &[u32], outputs: u32, mode: Mode) -> EngineRequest {
             .map(|k| 1_000_000 + id as u32 * 1000 + k)
             .collect(),
         mode,
+        pull_tokens: 0,
     }
 }
 
