@@ -737,30 +737,59 @@ fn tune(
         );
     }
     // Turn-2+ TTFT of the best C/D against the best disaggregated split at
-    // a load both sustain (the lower capacity).
+    // a load both sustain (the lower capacity). Families tied on capacity
+    // are each the best C/D: every one is measured, and the lowest p90
+    // compared.
     let load = best_cd.capacity.load().min(disagg.capacity.load());
+    let tied: Vec<&Best> = cd
+        .iter()
+        .copied()
+        .filter(|b| b.capacity.load() == best_cd.capacity.load())
+        .collect();
     let mut later = None;
     if load > 0.0 {
-        // Each seed's run of both deployments; the p90s averaged over seeds.
+        // Each seed's run of every deployment; the p90s averaged over seeds.
+        let deployments: Vec<&Deployment> = std::iter::once(&disagg.deployment)
+            .chain(tied.iter().map(|b| &b.deployment))
+            .collect();
         let jobs: Vec<(&Deployment, &Scenario)> = scenarios
             .iter()
-            .flat_map(|s| [(&best_cd.deployment, s), (&disagg.deployment, s)])
+            .flat_map(|s| deployments.iter().map(move |&d| (d, s)))
             .collect();
         let points = parallel_map(&jobs, threads, &|_, _| {}, |(d, s)| {
             run_point(&s.config, d, &s.workload, load)
         })
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
-        let (cd_points, dis_points): (Vec<_>, Vec<_>) =
-            points.chunks(2).map(|pair| (&pair[0], &pair[1])).unzip();
+        // The points of deployment k, seed by seed.
+        let of_deployment = |k: usize| -> Vec<&sim::compare::Point> {
+            points
+                .chunks(deployments.len())
+                .map(|row| &row[k])
+                .collect()
+        };
         let mean = |points: &[&sim::compare::Point], f: &dyn Fn(&sim::RunSummary) -> f64| {
             points.iter().map(|p| f(&p.summary)).sum::<f64>() / points.len() as f64
         };
         let p90 = |s: &sim::RunSummary| s.later_turn_ttft_ms.p90;
-        let (a, b) = (mean(&cd_points, &p90), mean(&dis_points, &p90));
+        let dis_points = of_deployment(0);
+        let b = mean(&dis_points, &p90);
+        let candidates: Vec<(&Best, Vec<&sim::compare::Point>, f64)> = tied
+            .iter()
+            .enumerate()
+            .map(|(k, &family)| {
+                let cd_points = of_deployment(k + 1);
+                let a = mean(&cd_points, &p90);
+                (family, cd_points, a)
+            })
+            .collect();
+        let (chosen, cd_points, a) = candidates
+            .iter()
+            .min_by(|x, y| x.2.total_cmp(&y.2))
+            .context("the best C/D is among the tied families")?;
         // The floors are the workload's, whichever deployment serves it
         // (up to which requests the window measured).
-        let floor = mean(&cd_points, &|s| s.later_turn_ttft_floor_ms.p90);
+        let floor = mean(cd_points, &|s| s.later_turn_ttft_floor_ms.p90);
         let each = if seeds == 1 {
             String::new()
         } else {
@@ -773,18 +802,34 @@ fn tune(
         };
         println!(
             "turn-2+ TTFT p90 at {load:.3} {unit}: {} {a:.0} ms, {} {b:.0} ms: {:.2}x (target <= 0.4x){each}",
-            best_cd.deployment.name(),
+            chosen.deployment.name(),
             disagg.deployment.name(),
             a / b.max(1e-9)
         );
+        if candidates.len() > 1 {
+            let all: Vec<String> = candidates
+                .iter()
+                .map(|(family, _, a)| {
+                    format!(
+                        "{} {a:.0} ms ({:.2}x)",
+                        family.deployment.name(),
+                        a / b.max(1e-9)
+                    )
+                })
+                .collect();
+            println!(
+                "  the C/D families tied on capacity, each: {} (the lowest compared)",
+                all.join(", ")
+            );
+        }
         println!(
             "  prefill-side hit rate there: {} P {:.1}% D {:.1}% (bypass {:.1}%, prefix fetched {:.1}%, {:.1} GB pulled); {} P {:.1}%",
-            best_cd.deployment.name(),
-            100.0 * mean(&cd_points, &|s| s.prefill_hit_rate_p),
-            100.0 * mean(&cd_points, &|s| s.prefill_hit_rate_d),
-            100.0 * mean(&cd_points, &|s| s.bypass_share),
-            100.0 * mean(&cd_points, &|s| s.fetch_share),
-            mean(&cd_points, &|s| s.kv_gb_pulled),
+            chosen.deployment.name(),
+            100.0 * mean(cd_points, &|s| s.prefill_hit_rate_p),
+            100.0 * mean(cd_points, &|s| s.prefill_hit_rate_d),
+            100.0 * mean(cd_points, &|s| s.bypass_share),
+            100.0 * mean(cd_points, &|s| s.fetch_share),
+            mean(cd_points, &|s| s.kv_gb_pulled),
             disagg.deployment.name(),
             100.0 * mean(&dis_points, &|s| s.prefill_hit_rate_p)
         );
@@ -792,9 +837,9 @@ fn tune(
             "  its floor ({FLOOR_IS}): {floor:.0} ms, {:.2}x {}: no router goes below; prompt tokens an earlier request held: {:.1}%",
             floor / b.max(1e-9),
             disagg.deployment.name(),
-            100.0 * mean(&cd_points, &|s| s.reusable_share)
+            100.0 * mean(cd_points, &|s| s.reusable_share)
         );
-        later = Some((load, a, b, floor));
+        later = Some((chosen.family.clone(), load, *a, b, floor));
     }
     let (searches, runs) = counts(&progress);
     let families: Vec<_> = best
@@ -830,7 +875,7 @@ fn tune(
         "families": families,
         "best_cd": best_cd.family,
         "cd_over_baseline": ratio,
-        "later_turn_ttft_p90": later.map(|(load, cd, dis, floor)| serde_json::json!({"load": load, "best_cd_ms": cd, "disaggregated_ms": dis, "floor_ms": floor})),
+        "later_turn_ttft_p90": later.map(|(family, load, cd, dis, floor)| serde_json::json!({"load": load, "family": family, "best_cd_ms": cd, "disaggregated_ms": dis, "floor_ms": floor})),
         "searches": searches,
         "runs": runs,
         "wall_s": started.elapsed().as_secs_f64(),

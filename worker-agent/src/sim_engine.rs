@@ -599,9 +599,9 @@ mod tests {
             .expect("the stream ends")
     }
 
-    /// The third path's prefill leg: the prefix named by the annotation's
-    /// fetch arrives over the link into the cache (only the rest is
-    /// computed: the engine reports it cached).
+    /// The third path's prefill leg: the engine pulls the prefix named by
+    /// the annotation's fetch over the link when it admits the leg (only the
+    /// rest is computed: the engine reports it cached).
     #[tokio::test]
     async fn a_fetching_prefill_receives_its_prefix_first() {
         let engine = start(Role::Prefill, 87.0);
