@@ -1,4 +1,5 @@
-//! Property tests: block conservation, event replay, liveness and the cost
+//! Property tests: block conservation, event replay, liveness (prefixes
+//! pulled from another worker included) and the cost
 //! model's monotonicity under random workloads.
 
 mod common;
@@ -21,6 +22,7 @@ enum Op {
         suffix: u32,
         outputs: u32,
         mode: Mode,
+        pull: u32,
     },
     /// The next turn of a finished conversation: its prompt and outputs,
     /// then `suffix` new tokens.
@@ -29,6 +31,12 @@ enum Op {
         suffix: u32,
         outputs: u32,
         mode: Mode,
+        pull: u32,
+    },
+    /// The pull of a prefix another worker supplies is done (the `pick`th
+    /// of those the engine asked for).
+    PullDone {
+        pick: usize,
     },
     Step,
     Restart,
@@ -42,14 +50,20 @@ fn mode() -> impl Strategy<Value = Mode> {
     prop::sample::select(Mode::ALL.to_vec())
 }
 
+/// Leading prompt tokens another worker supplies (mostly none).
+fn pull() -> impl Strategy<Value = u32> {
+    prop_oneof![3 => Just(0u32), 1 => 0u32..64]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u32..3, 0u32..40, 0u32..20, 0u32..25, mode()).prop_map(
-            |(family, prefix, suffix, outputs, mode)| Op::Submit { family, prefix, suffix, outputs, mode }
+        4 => (0u32..3, 0u32..40, 0u32..20, 0u32..25, mode(), pull()).prop_map(
+            |(family, prefix, suffix, outputs, mode, pull)| Op::Submit { family, prefix, suffix, outputs, mode, pull }
         ),
-        2 => (any::<usize>(), 0u32..12, 1u32..10, mode())
-            .prop_map(|(pick, suffix, outputs, mode)| Op::NextTurn { pick, suffix, outputs, mode }),
+        2 => (any::<usize>(), 0u32..12, 1u32..10, mode(), pull())
+            .prop_map(|(pick, suffix, outputs, mode, pull)| Op::NextTurn { pick, suffix, outputs, mode, pull }),
         10 => Just(Op::Step),
+        2 => any::<usize>().prop_map(|pick| Op::PullDone { pick }),
         1 => Just(Op::Restart),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
     ]
@@ -106,6 +120,8 @@ struct Harness {
     expect: HashMap<u64, Expect>,
     /// Finished conversations (prompt + outputs) for next turns.
     history: Vec<Vec<u32>>,
+    /// Requests whose supplied prefix the engine asked to pull, not done.
+    pulling: Vec<u64>,
     next_id: u64,
     next_unique: u32,
     now: u64,
@@ -127,6 +143,7 @@ impl Harness {
             hasher: cfg.hasher().unwrap(),
             expect: HashMap::new(),
             history: Vec::new(),
+            pulling: Vec::new(),
             next_id: 0,
             next_unique: 1_000_000,
             now: 0,
@@ -139,7 +156,7 @@ impl Harness {
         (start..start + n).collect()
     }
 
-    fn submit(&mut self, prompt: Vec<u32>, outputs: u32, mode: Mode) {
+    fn submit(&mut self, prompt: Vec<u32>, outputs: u32, mode: Mode, pull: u32) {
         let id = self.next_id;
         self.next_id += 1;
         let out = self.unique(outputs);
@@ -148,7 +165,7 @@ impl Harness {
             prompt: prompt.into(),
             output_tokens: out.into(),
             mode,
-            pull_tokens: 0,
+            pull_tokens: pull,
         };
         let got = self.engine.submit(request.clone());
         let peak = request.prompt.len() as u64
@@ -194,12 +211,23 @@ impl Harness {
 
     fn step(&mut self) -> bool {
         let Some(step) = self.engine.step(self.now) else {
-            assert!(self.engine.is_idle());
+            assert!(self.engine.is_idle() || !self.pulling.is_empty());
             return false;
         };
         assert!(step.start_us >= self.now);
         assert!(step.duration_us > 0 || step.prefill_tokens + step.decode_seqs == 0);
         self.now = step.end_us();
+        for pull in &step.pulls {
+            let e = &self.expect[&pull.id];
+            let bs = self.setup.block_size;
+            assert!(pull.tokens > 0 && pull.tokens % bs == 0, "{pull:?}");
+            assert!(
+                pull.tokens < e.prompt.len() as u32,
+                "the last token is computed"
+            );
+            assert!(!self.pulling.contains(&pull.id), "pulled twice: {pull:?}");
+            self.pulling.push(pull.id);
+        }
         for out in step.outputs {
             match out {
                 StepOutput::FirstToken { id, .. } => {
@@ -252,12 +280,26 @@ impl Harness {
         let e = &self.expect[&id];
         let done = e.finished + e.prefill_done > 0;
         assert_eq!(self.engine.abort(id), !done, "abort of request {id}");
+        self.pulling.retain(|&p| p != id);
         if !done {
             self.expect.remove(&id);
         }
     }
 
+    /// The engine takes a pulled prefix back once, for a request it asked
+    /// it for.
+    fn pull_done(&mut self, pick: usize) {
+        if self.pulling.is_empty() {
+            assert!(!self.engine.pull_done(u64::MAX));
+            return;
+        }
+        let id = self.pulling.remove(pick % self.pulling.len());
+        assert!(self.engine.pull_done(id), "pull of request {id}");
+        assert!(!self.engine.pull_done(id), "pull of request {id} twice");
+    }
+
     fn restart(&mut self) {
+        self.pulling.clear();
         let dropped = self.engine.restart();
         for r in dropped {
             let e = self
@@ -302,27 +344,30 @@ impl Harness {
                 suffix,
                 outputs,
                 mode,
+                pull,
             } => {
                 let mut prompt: Vec<u32> = (0..*prefix).map(|i| family * 10_000 + i).collect();
                 prompt.extend(self.unique(*suffix));
-                self.submit(prompt, *outputs, *mode);
+                self.submit(prompt, *outputs, *mode, *pull);
             }
             Op::NextTurn {
                 pick,
                 suffix,
                 outputs,
                 mode,
+                pull,
             } => {
                 if self.history.is_empty() {
                     return;
                 }
                 let mut prompt = self.history[pick % self.history.len()].clone();
                 prompt.extend(self.unique(*suffix));
-                self.submit(prompt, *outputs, *mode);
+                self.submit(prompt, *outputs, *mode, *pull);
             }
             Op::Step => {
                 self.step();
             }
+            Op::PullDone { pick } => self.pull_done(*pick),
             Op::Restart => self.restart(),
             Op::Abort { pick } => self.abort(*pick),
         }
@@ -331,7 +376,14 @@ impl Harness {
     /// Steps until idle, then checks every request got exactly its due.
     fn drain_and_verify(&mut self, probe: &[u32]) {
         let mut steps = 0;
-        while self.step() {
+        loop {
+            if !self.step() {
+                // The pulls the engine waits for arrive.
+                if self.pulling.is_empty() {
+                    break;
+                }
+                self.pull_done(0);
+            }
             steps += 1;
             assert!(steps < 100_000, "no progress");
             self.check(probe);
