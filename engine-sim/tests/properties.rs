@@ -1,6 +1,6 @@
 //! Property tests: block conservation, event replay, liveness (prefixes
-//! pulled from another worker included) and the cost
-//! model's monotonicity under random workloads.
+//! pulled from another worker included) and the cost model's monotonicity
+//! under random workloads.
 
 mod common;
 
