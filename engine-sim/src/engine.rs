@@ -617,8 +617,8 @@ impl Engine {
     }
 
     /// Checks the engine's internal consistency: block reference counts
-    /// against the requests holding them (running, and reading back from
-    /// host), the free and LRU lists, the hash map, prefix closure of the
+    /// against the requests holding them (running, reading back from host,
+    /// waiting for a pull), the free and LRU lists, the hash map, prefix closure of the
     /// device's blocks and of the device's and host's together, the host
     /// tier's LRU and capacity, and the per-request state.
     /// O(capacity + requests' blocks); meant for tests and debugging.
@@ -651,24 +651,16 @@ impl Engine {
                 }
             }
         }
-        for l in &self.sched.loading {
-            let seq = &l.seq;
+        // Requests set aside, reading back from host or waiting for a pull,
+        // hold cached blocks only.
+        let set_aside = (self.sched.loading.iter().map(|l| ("loading", &l.seq)))
+            .chain(self.sched.pulling.iter().map(|seq| ("pulling", seq)));
+        for (what, seq) in set_aside {
             for (j, &b) in seq.blocks.iter().enumerate() {
                 holders[b as usize] += 1;
                 if self.cache.lookup(seq.hashes[j]) != Some(b) {
                     return Err(format!(
-                        "loading request {} block {j} is not its cached block",
-                        seq.id
-                    ));
-                }
-            }
-        }
-        for seq in &self.sched.pulling {
-            for (j, &b) in seq.blocks.iter().enumerate() {
-                holders[b as usize] += 1;
-                if self.cache.lookup(seq.hashes[j]) != Some(b) {
-                    return Err(format!(
-                        "pulling request {} block {j} is not its cached block",
+                        "{what} request {} block {j} is not its cached block",
                         seq.id
                     ));
                 }
