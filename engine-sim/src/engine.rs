@@ -318,10 +318,12 @@ impl Engine {
     }
 
     /// The pull of request `id`'s supplied prefix ([`Step::pulls`]) is
-    /// done: it goes back to the front of the queue, where admission finds
-    /// the pulled blocks cached. Returns whether it was waiting for one
-    /// (not, once aborted or after a restart). Call between steps, then
-    /// [`Engine::step`].
+    /// done: its blocks are stored in the prefix cache and it goes back to
+    /// the front of the queue, where its admission hits them. Returns
+    /// whether it was waiting for one (not, once aborted or after a
+    /// restart). Call after the outputs of the last step were applied,
+    /// then [`Engine::step`] (a step running on meanwhile admits it no
+    /// earlier than the next).
     pub fn pull_done(&mut self, id: u64) -> bool {
         self.sched.pull_done(id, &mut self.cache)
     }
@@ -342,9 +344,11 @@ impl Engine {
     /// Plans and runs the next step if there is work. The step starts at
     /// `now_us`, or when the previous step ends if that is later; the
     /// caller applies its outputs at [`Step::end_us`] and calls `step`
-    /// again no earlier. `None` when idle, or when no waiting request fits
-    /// beside the prefixes pinned for other workers' reads: call `step`
-    /// again after [`Engine::unpin`].
+    /// again no earlier, and starts the pulls it asks for
+    /// ([`Step::pulls`]). `None` when idle, when no waiting request fits
+    /// beside the prefixes pinned for other workers' reads (call `step`
+    /// again after [`Engine::unpin`]), or when only pulls are awaited (call
+    /// it again after [`Engine::pull_done`]).
     pub fn step(&mut self, now_us: u64) -> Option<Step> {
         if self.sched.is_idle() {
             return None;
@@ -455,7 +459,11 @@ impl Engine {
             cacheable,
         );
         // A supplied prefix is no work here either.
-        let supplied = seq.pull_tokens.min(cacheable as u32 * bs) / bs;
+        let supplied = if seq.awaits_pull() {
+            seq.pull_tokens.min(cacheable as u32 * bs) / bs
+        } else {
+            0
+        };
         (hits as u32).max(supplied) * bs
     }
 
@@ -651,17 +659,25 @@ impl Engine {
                 }
             }
         }
-        // Requests set aside, reading back from host or waiting for a pull,
-        // hold cached blocks only.
+        // Requests set aside hold cached blocks only (reading back from
+        // host), but for the blocks a pull is filling, stored when it is
+        // done.
         let set_aside = (self.sched.loading.iter().map(|l| ("loading", &l.seq)))
             .chain(self.sched.pulling.iter().map(|seq| ("pulling", seq)));
         for (what, seq) in set_aside {
+            let filling = if what == "pulling" {
+                seq.committed as usize
+            } else {
+                seq.blocks.len()
+            };
             for (j, &b) in seq.blocks.iter().enumerate() {
                 holders[b as usize] += 1;
-                if self.cache.lookup(seq.hashes[j]) != Some(b) {
+                let cached = self.cache.lookup(seq.hashes[j]) == Some(b);
+                if cached != (j < filling) {
                     return Err(format!(
-                        "{what} request {} block {j} is not its cached block",
-                        seq.id
+                        "{what} request {} block {j} is {}its cached block",
+                        seq.id,
+                        if cached { "" } else { "not " }
                     ));
                 }
             }

@@ -20,7 +20,12 @@
 //! - **roles**: prefill-only requests leave after their prefill, requests
 //!   whose KV was transferred are admitted without prefill compute, local
 //!   (bypass) requests prefill only what is not cached ([`Mode`]);
-//! - the time to move KV between workers ([`KvTransfer`]);
+//! - the time to move KV between workers ([`KvTransfer`]), and the third
+//!   path's two ends: a request whose prompt starts with a prefix another
+//!   worker supplies ([`EngineRequest::pull_tokens`]) asks its caller to
+//!   pull it when it reaches the queue's head ([`Step::pulls`],
+//!   [`Engine::pull_done`]), and the worker supplying it pins it
+//!   ([`Engine::pin_prefix`]), its steps slower while the read runs;
 //! - an optional **host-memory tier** (G2, [`HostOffload`]): evicted device
 //!   blocks are written to host (`Stored` with [`protocol::Tier::Host`]),
 //!   host blocks evict least-recently-used (`Removed` on host), and a

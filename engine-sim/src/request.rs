@@ -72,11 +72,14 @@ pub struct EngineRequest {
     /// How this worker serves it.
     pub mode: Mode,
     /// Leading prompt tokens whose KV another worker supplies (the third
-    /// path: a prefix pulled D -> P; 0 for none). At admission the request
-    /// takes blocks for the part of them this worker lacks and waits, set
-    /// aside, until the caller moved them ([`crate::Step::pulls`],
-    /// [`crate::Engine::pull_done`]), as vLLM holds a request waiting for
-    /// remote KV: the pulled blocks cannot be evicted before they are used.
+    /// path: a prefix pulled D -> P; 0 for none; ignored by
+    /// [`Mode::KvReceived`]). When the request reaches the queue's head it
+    /// takes blocks for all of the part this worker lacks (or waits for
+    /// room) and is set aside until the caller moved them
+    /// ([`crate::Step::pulls`], [`crate::Engine::pull_done`]), as vLLM holds
+    /// a request waiting for remote KV: the blocks are stored in the prefix
+    /// cache when the KV arrived, and the request takes the queue's head
+    /// again.
     pub pull_tokens: u32,
 }
 
@@ -118,9 +121,11 @@ pub(crate) struct Seq {
     /// blocks short of its prefill target: the hits it expects at
     /// admission, where they are settled.
     pub(crate) expected_hit_tokens: u32,
-    /// Leading prompt tokens to pull from another worker at admission;
-    /// 0 once the pull was started (what it did not cover is computed).
+    /// Leading prompt tokens another worker supplies, as submitted.
     pub(crate) pull_tokens: u32,
+    /// The pull was started, or found needless, once: whatever of the
+    /// prefix is missing later (a preemption) is computed.
+    pub(crate) pulled: bool,
 }
 
 impl Seq {
@@ -147,6 +152,7 @@ impl Seq {
             done: false,
             expected_hit_tokens: 0,
             pull_tokens: req.pull_tokens,
+            pulled: req.mode == Mode::KvReceived,
         }
     }
 
@@ -183,6 +189,11 @@ impl Seq {
     pub(crate) fn queued_prefill(&self) -> u32 {
         self.remaining_prefill()
             .saturating_sub(self.expected_hit_tokens)
+    }
+
+    /// Whether the request still pulls its supplied prefix at admission.
+    pub(crate) fn awaits_pull(&self) -> bool {
+        self.pull_tokens > 0 && !self.pulled
     }
 
     pub(crate) fn is_prefilling(&self) -> bool {

@@ -28,12 +28,14 @@
 //! A request whose prompt starts with a prefix another worker supplies
 //! ([`crate::EngineRequest::pull_tokens`], the third path) is set aside the
 //! same way when it reaches the queue's head (`pulling`): it takes device
-//! blocks for the part of that prefix not cached here and asks its caller to
-//! move them ([`Pull`]); when the caller reports them moved it goes back to
-//! the queue's front. Pulling at admission, not at submission, keeps a
-//! prefix that waits behind a long queue from being evicted before it is
-//! used (vLLM allocates the blocks of a request's remote KV when it
-//! schedules it, then waits for them).
+//! blocks for all of the part of that prefix not cached here (or waits for
+//! room) and asks its caller to move them ([`Pull`]); when the caller
+//! reports them moved they are stored in the prefix cache and the request
+//! goes back to the queue's front, where admission hits them. Pulling at
+//! admission, not at submission, keeps a prefix that waits behind a long
+//! queue from being evicted before it is used (vLLM allocates the blocks of
+//! a request's remote KV when it schedules it, caches them when they
+//! arrived, then admits it).
 
 use std::collections::{HashSet, VecDeque};
 
@@ -294,58 +296,63 @@ impl Scheduler {
     /// Sets the queue's head aside to pull the blocks of its supplied prefix
     /// ([`Seq::pull_tokens`]) that continue its device hit (`hits` blocks of
     /// its first `hashes_len`). Returns `None` when there is nothing to pull
-    /// (admit it as usual), `Some(false)` when the device has no block for
-    /// the pull yet (the head waits), `Some(true)` when the pull started.
+    /// (admit it as usual), `Some(false)` when the device lacks the blocks
+    /// for the whole pull (the head waits: vLLM allocates them all or none),
+    /// `Some(true)` when the pull started. The pulled blocks are allocated
+    /// now and stored in the prefix cache when the KV arrived
+    /// ([`Scheduler::pull_done`]): until then no other request hits them.
     fn start_pull(&mut self, env: &mut Env<'_>, hashes_len: usize, hits: usize) -> Option<bool> {
         let seq = self.waiting.front_mut()?;
         let bs = env.block_size();
         let supplied = (seq.pull_tokens / bs) as usize;
         let lacking = supplied.min(hashes_len).saturating_sub(hits);
         if lacking == 0 {
-            seq.pull_tokens = 0;
+            seq.pulled = true;
             return None;
         }
         // Pulled blocks are new device blocks; the device hit must stay.
         let evictable = hits - held_prefix_blocks(env.cache, &seq.hashes[..hits]);
         let room = (env.cache.available() as usize).saturating_sub(evictable);
-        let n = lacking.min(room);
-        if n == 0 {
+        if room < lacking {
             return Some(false);
         }
         let mut seq = self.waiting.pop_front()?;
         self.waiting_prefill_tokens -= u64::from(seq.queued_prefill());
-        seq.pull_tokens = 0;
+        seq.pulled = true;
         for &h in &seq.hashes[..hits] {
             if let Some(b) = env.cache.lookup(h) {
                 env.cache.acquire(b);
                 seq.blocks.push(b);
             }
         }
-        let mut got = 0;
-        for j in hits..hits + n {
-            let Some(b) = env.cache.allocate() else {
-                break;
-            };
-            let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
-            seq.blocks
-                .push(env.cache.register(b, seq.hashes[j], parent));
-            got += 1;
+        seq.committed = seq.blocks.len() as u32;
+        for _ in 0..lacking {
+            match env.cache.allocate() {
+                Some(b) => seq.blocks.push(b),
+                None => debug_assert!(false, "available blocks vanished"),
+            }
         }
-        let tokens = got * bs;
+        let tokens = (seq.blocks.len() as u32 - seq.committed) * bs;
         env.stats.pulled_prefix_tokens += u64::from(tokens);
         self.pulls.push(Pull { id: seq.id, tokens });
         self.pulling.push(seq);
         Some(true)
     }
 
-    /// The pull of request `id` is done: it releases its blocks (cached, so
-    /// admission hits them) and goes back to the queue's front. Returns
-    /// whether it was pulling.
+    /// The pull of request `id` is done: its blocks are stored in the prefix
+    /// cache (their `Stored` events now) and released, and it goes back to
+    /// the queue's front, where its admission hits them (holding them on
+    /// would let two pulled requests at the front each wait for the other's
+    /// blocks). Returns whether it was pulling.
     pub(crate) fn pull_done(&mut self, id: u64, cache: &mut KvCache) -> bool {
         let Some(k) = self.pulling.iter().position(|s| s.id == id) else {
             return false;
         };
         let mut seq = self.pulling.remove(k);
+        for j in seq.committed as usize..seq.blocks.len() {
+            let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
+            seq.blocks[j] = cache.register(seq.blocks[j], seq.hashes[j], parent);
+        }
         release_blocks(&mut seq, cache);
         self.waiting_prefill_tokens += u64::from(seq.queued_prefill());
         self.waiting.push_front(seq);
@@ -502,7 +509,7 @@ impl Scheduler {
             } as usize;
             let (hashes_len, hits) =
                 cached_prefix(env.cache, env.hasher, env.scratch, seq, cacheable);
-            if !transfer && seq.pull_tokens > 0 {
+            if !transfer && seq.awaits_pull() {
                 match self.start_pull(env, hashes_len, hits) {
                     Some(true) => continue,
                     Some(false) => break,

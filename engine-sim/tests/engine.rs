@@ -517,10 +517,11 @@ fn an_aborted_request_leaves_at_once_and_its_full_blocks_stay_cached() {
 
 /// The third path's prefill worker pulls a supplied prefix when the request
 /// reaches the head of its queue, not before: it takes blocks for what it
-/// lacks of it (held, so not evicted while the pull runs), asks its caller
-/// to move them, lets other requests be admitted meanwhile, and computes only
-/// the rest once they arrived. A waiting request's supplied prefix is no
-/// queued work.
+/// lacks of it (held, so not evicted while the pull runs, and stored in the
+/// prefix cache only when the KV arrived), asks its caller to move them,
+/// lets other requests be admitted meanwhile, and computes only the rest
+/// once they arrived. A waiting request's supplied prefix is no queued
+/// work.
 #[test]
 fn a_supplied_prefix_is_pulled_at_admission_and_held_until_used() {
     let cfg = small_config(16, 64, 256, 8);
@@ -556,11 +557,17 @@ fn a_supplied_prefix_is_pulled_at_admission_and_held_until_used() {
     p.submit(req(3, &tokens(20_000, 600), 0, Mode::PrefillOnly))
         .unwrap();
     let (_, now) = run_to_idle(&mut p, now, 20);
-    assert!(p.cached_prefix_tokens(&prompt) >= 400, "not evicted");
+    assert_eq!(
+        p.cached_prefix_tokens(&prompt),
+        160,
+        "blocks still filling are not hit by others"
+    );
     assert_eq!(p.load_report(now).queued_prefill_tokens, 100);
     p.check_invariants().unwrap();
     assert!(p.pull_done(1));
     assert!(!p.pull_done(1), "once");
+    assert_eq!(p.cached_prefix_tokens(&prompt), 400, "stored when arrived");
+    p.check_invariants().unwrap();
     let before = p.stats().prefill_tokens;
     let (outs, _) = run_to_idle(&mut p, now, 10);
     assert!(outs.iter().any(|(_, o)| matches!(

@@ -3,7 +3,13 @@
 //!
 //! Events, in time order (ties in the order they were scheduled):
 //! - an arrival is routed by [`RouterCore`] and submitted to its prefill
-//!   worker (remote) or its decode worker (bypass);
+//!   worker (remote) or its decode worker (bypass); on the third path
+//!   ([`Path::RemoteFetch`]) the decode worker supplying the prefix pins it
+//!   until the prefill is done (as the router's ledger counts it), unless
+//!   the prefill worker holds all of it already;
+//! - an engine step starts: the pulls of supplied prefixes its prefill
+//!   worker asks for when it admits their requests ([`engine_sim::Step::pulls`])
+//!   start on the links, and their sources' reads with them;
 //! - an engine step ends: its outputs take effect (first tokens, prefills
 //!   done, finished requests), its KV events go to the worker's agent core
 //!   ([`KvCore`], the one the agent runs) which numbers them into batches,
@@ -13,12 +19,10 @@
 //!   bus never fails), and its delta goes to the router's index replica;
 //! - a KV transfer ends on the workers' shared links ([`SharedLinks`]:
 //!   concurrent transfers share each worker's link): a prefill's handoff
-//!   submits the request to its decode worker; a prefix pulled from a
-//!   decode worker (the third path, [`Path::RemoteFetch`]) ends the read
-//!   there (the source keeps the blocks pinned until the prefill is done,
-//!   as the router's ledger counts them), stores the prefix in the prefill
-//!   worker's cache (its KV events show the blocks) and submits the request
-//!   to the prefill worker, which computes only the rest;
+//!   submits the request to its decode worker; a pulled prefix ends the
+//!   read on its source and goes to the prefill worker
+//!   ([`Engine::pull_done`]: stored in its cache, its KV events show the
+//!   blocks), which computes only the rest;
 //! - every load interval each engine's load report reaches the router.
 
 use std::cmp::Ordering;
@@ -539,12 +543,13 @@ impl<'w> Cluster<'w> {
             None => (decode, Mode::LocalPrefill),
         };
         // The third path: pin the prefix on its source; the prefill worker
-        // pulls what it lacks of it when it admits the request.
+        // pulls what it lacks of it when it admits the request (nothing to
+        // hold when it has all of it now).
         let mut source = None;
-        if let (Some(f), Some(_)) = (&decision.fetch, prefill) {
+        if let (Some(f), Some(p)) = (&decision.fetch, prefill) {
             let worker = self.worker_index[&f.source];
             let pin = self.engines[worker].pin_prefix(&spec.prompt, f.prefix_tokens);
-            if pin.tokens() > 0 {
+            if pin.tokens() > self.engines[p].cached_prefix_tokens(&spec.prompt) {
                 source = Some((worker, pin));
             } else {
                 self.unpin(worker, pin);
@@ -630,7 +635,7 @@ impl<'w> Cluster<'w> {
             .get_mut(&pull.id)
             .and_then(|r| r.source.as_mut())
         else {
-            // The pin is gone (its source restarted): nothing to read.
+            debug_assert!(false, "a pull without its source's pin");
             self.engines[worker].pull_done(pull.id);
             return;
         };
