@@ -379,21 +379,13 @@ impl Engine {
         self.sync_stats();
         let pulls = std::mem::take(&mut self.sched.pulls);
         if planned.work.is_empty() && self.outputs.is_empty() {
-            if !pulls.is_empty() {
-                // Only pulls started: the caller moves them, then steps again.
-                self.busy_until_us = start_us.saturating_add(1);
-                return Some(Step {
-                    start_us,
-                    duration_us: 1,
-                    outputs: Vec::new(),
-                    prefill_tokens: 0,
-                    decode_seqs: 0,
-                    pulls,
-                });
-            }
-            // Only read-backs from host in progress: wait for the first.
-            let ready = self.sched.next_ready_us()?;
-            let duration_us = ready.saturating_sub(start_us).max(1);
+            // Only pulls started (the caller moves them, then steps again),
+            // or read-backs from host in progress (wait for the first).
+            let duration_us = match self.sched.next_ready_us() {
+                _ if !pulls.is_empty() => 1,
+                Some(ready) => ready.saturating_sub(start_us).max(1),
+                None => return None,
+            };
             self.busy_until_us = start_us.saturating_add(duration_us);
             return Some(Step {
                 start_us,
@@ -662,18 +654,14 @@ impl Engine {
         // Requests set aside hold cached blocks only (reading back from
         // host), but for the blocks a pull is filling, stored when it is
         // done.
-        let set_aside = (self.sched.loading.iter().map(|l| ("loading", &l.seq)))
-            .chain(self.sched.pulling.iter().map(|seq| ("pulling", seq)));
-        for (what, seq) in set_aside {
-            let filling = if what == "pulling" {
-                seq.committed as usize
-            } else {
-                seq.blocks.len()
-            };
+        let set_aside = (self.sched.loading.iter())
+            .map(|l| ("loading", &l.seq, l.seq.blocks.len()))
+            .chain((self.sched.pulling.iter()).map(|seq| ("pulling", seq, seq.committed as usize)));
+        for (what, seq, stored) in set_aside {
             for (j, &b) in seq.blocks.iter().enumerate() {
                 holders[b as usize] += 1;
                 let cached = self.cache.lookup(seq.hashes[j]) == Some(b);
-                if cached != (j < filling) {
+                if cached != (j < stored) {
                     return Err(format!(
                         "{what} request {} block {j} is {}its cached block",
                         seq.id,

@@ -187,11 +187,34 @@ fn commit_blocks(seq: &mut Seq, env: &mut Env<'_>) {
         return;
     }
     seq.ensure_hashes(full as usize, env.hasher, env.scratch);
-    for j in seq.committed as usize..full as usize {
+    register_blocks(seq, env.cache, full as usize);
+}
+
+/// Registers the request's blocks from its committed ones up to `upto`
+/// (their hashes known) in the prefix cache.
+fn register_blocks(seq: &mut Seq, cache: &mut KvCache, upto: usize) {
+    for j in seq.committed as usize..upto {
         let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
-        seq.blocks[j] = env.cache.register(seq.blocks[j], seq.hashes[j], parent);
+        seq.blocks[j] = cache.register(seq.blocks[j], seq.hashes[j], parent);
     }
-    seq.committed = full;
+    seq.committed = upto as u32;
+}
+
+/// Holds the request's device hit: its first `hits` blocks, cached.
+fn acquire_hits(seq: &mut Seq, cache: &mut KvCache, hits: usize) {
+    for &h in &seq.hashes[..hits] {
+        if let Some(b) = cache.lookup(h) {
+            cache.acquire(b);
+            seq.blocks.push(b);
+        }
+    }
+}
+
+/// Blocks that can be allocated beside a device hit (the first `hits` of
+/// `hashes`, cached) without evicting it.
+fn room_beside_hit(cache: &KvCache, hashes: &[BlockHash], hits: usize) -> usize {
+    let evictable = hits - held_prefix_blocks(cache, &hashes[..hits]);
+    (cache.available() as usize).saturating_sub(evictable)
 }
 
 /// Releases every block, tail first (so the tail is evicted first).
@@ -253,9 +276,7 @@ impl Scheduler {
             return false;
         }
         // Read blocks are new device blocks; the device hit must stay.
-        let evictable = hits - held_prefix_blocks(env.cache, &seq.hashes[..hits]);
-        let room = (env.cache.available() as usize).saturating_sub(evictable);
-        let n = on_host.min(room);
+        let n = on_host.min(room_beside_hit(env.cache, &seq.hashes, hits));
         if n == 0 {
             return false;
         }
@@ -263,12 +284,7 @@ impl Scheduler {
             return false;
         };
         self.waiting_prefill_tokens -= u64::from(seq.queued_prefill());
-        for &h in &seq.hashes[..hits] {
-            if let Some(b) = env.cache.lookup(h) {
-                env.cache.acquire(b);
-                seq.blocks.push(b);
-            }
-        }
+        acquire_hits(&mut seq, env.cache, hits);
         // Used before the allocations' evictions can push them out.
         let read: Vec<BlockHash> = seq.hashes[hits..hits + n].to_vec();
         for &h in read.iter().rev() {
@@ -311,20 +327,13 @@ impl Scheduler {
             return None;
         }
         // Pulled blocks are new device blocks; the device hit must stay.
-        let evictable = hits - held_prefix_blocks(env.cache, &seq.hashes[..hits]);
-        let room = (env.cache.available() as usize).saturating_sub(evictable);
-        if room < lacking {
+        if room_beside_hit(env.cache, &seq.hashes, hits) < lacking {
             return Some(false);
         }
         let mut seq = self.waiting.pop_front()?;
         self.waiting_prefill_tokens -= u64::from(seq.queued_prefill());
         seq.pulled = true;
-        for &h in &seq.hashes[..hits] {
-            if let Some(b) = env.cache.lookup(h) {
-                env.cache.acquire(b);
-                seq.blocks.push(b);
-            }
-        }
+        acquire_hits(&mut seq, env.cache, hits);
         seq.committed = seq.blocks.len() as u32;
         for _ in 0..lacking {
             match env.cache.allocate() {
@@ -349,10 +358,8 @@ impl Scheduler {
             return false;
         };
         let mut seq = self.pulling.remove(k);
-        for j in seq.committed as usize..seq.blocks.len() {
-            let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
-            seq.blocks[j] = cache.register(seq.blocks[j], seq.hashes[j], parent);
-        }
+        let pulled = seq.blocks.len();
+        register_blocks(&mut seq, cache, pulled);
         release_blocks(&mut seq, cache);
         self.waiting_prefill_tokens += u64::from(seq.queued_prefill());
         self.waiting.push_front(seq);
@@ -549,12 +556,7 @@ impl Scheduler {
             self.waiting_prefill_tokens -= u64::from(seq.queued_prefill());
             debug_assert!(seq.blocks.is_empty());
             seq.blocks.reserve(blocks_for(held_tokens, bs));
-            for &h in &seq.hashes[..hits] {
-                if let Some(b) = env.cache.lookup(h) {
-                    env.cache.acquire(b);
-                    seq.blocks.push(b);
-                }
-            }
+            acquire_hits(&mut seq, env.cache, hits);
             for _ in 0..need {
                 match env.cache.allocate() {
                     Some(b) => seq.blocks.push(b),
