@@ -662,6 +662,9 @@ impl<'w> Cluster<'w> {
             self.engines[*source].end_read(pin);
         }
         if self.engines[p].pull_done(id) {
+            // The pulled blocks are stored now: the router hears of them
+            // now, not at the end of the next step.
+            self.publish_kv_events(p);
             self.wake(p);
         }
     }
@@ -768,11 +771,16 @@ impl<'w> Cluster<'w> {
                 StepOutput::Preempted { .. } => {}
             }
         }
+        self.publish_kv_events(worker);
+        self.start_step(worker);
+    }
+
+    /// Hands `worker`'s new KV events to its agent core.
+    fn publish_kv_events(&mut self, worker: usize) {
         let events = self.engines[worker].take_kv_events();
         if !events.is_empty() {
             self.kv_step(worker, Input::EngineEvents(events));
         }
-        self.start_step(worker);
     }
 
     /// Feeds `worker`'s KV core and carries out its effects at once: a

@@ -418,7 +418,9 @@ impl Driver {
             first = false;
             self.transfers.pop();
             if self.pulls.remove(&id) {
+                // The pulled blocks are stored now: their events go out now.
                 self.engine.pull_done(id);
+                self.forward_kv_events();
             } else if let Some(request) = self.awaiting_kv.remove(&id) {
                 self.submit(request);
             }
