@@ -381,10 +381,11 @@ impl Engine {
         if planned.work.is_empty() && self.outputs.is_empty() {
             // Only pulls started (the caller moves them, then steps again),
             // or read-backs from host in progress (wait for the first).
-            let duration_us = match self.sched.next_ready_us() {
-                _ if !pulls.is_empty() => 1,
-                Some(ready) => ready.saturating_sub(start_us).max(1),
-                None => return None,
+            let duration_us = if pulls.is_empty() {
+                let ready = self.sched.next_ready_us()?;
+                ready.saturating_sub(start_us).max(1)
+            } else {
+                1
             };
             self.busy_until_us = start_us.saturating_add(duration_us);
             return Some(Step {

@@ -210,6 +210,17 @@ fn acquire_hits(seq: &mut Seq, cache: &mut KvCache, hits: usize) {
     }
 }
 
+/// Appends `n` new device blocks to the request's; the caller checked
+/// that `n` are available.
+fn allocate_blocks(seq: &mut Seq, cache: &mut KvCache, n: usize) {
+    for _ in 0..n {
+        match cache.allocate() {
+            Some(b) => seq.blocks.push(b),
+            None => debug_assert!(false, "available blocks vanished"),
+        }
+    }
+}
+
 /// Blocks that can be allocated beside a device hit (the first `hits` of
 /// `hashes`, cached) without evicting it.
 fn room_beside_hit(cache: &KvCache, hashes: &[BlockHash], hits: usize) -> usize {
@@ -335,12 +346,7 @@ impl Scheduler {
         seq.pulled = true;
         acquire_hits(&mut seq, env.cache, hits);
         seq.committed = seq.blocks.len() as u32;
-        for _ in 0..lacking {
-            match env.cache.allocate() {
-                Some(b) => seq.blocks.push(b),
-                None => debug_assert!(false, "available blocks vanished"),
-            }
-        }
+        allocate_blocks(&mut seq, env.cache, lacking);
         let tokens = (seq.blocks.len() as u32 - seq.committed) * bs;
         env.stats.pulled_prefix_tokens += u64::from(tokens);
         self.pulls.push(Pull { id: seq.id, tokens });
@@ -462,12 +468,7 @@ impl Scheduler {
             let need = blocks_for(seq.computed + new_tokens, bs).saturating_sub(seq.blocks.len());
             if need <= env.cache.available() as usize {
                 let seq = &mut self.running[i];
-                for _ in 0..need {
-                    match env.cache.allocate() {
-                        Some(b) => seq.blocks.push(b),
-                        None => debug_assert!(false, "available blocks vanished"),
-                    }
-                }
+                allocate_blocks(seq, env.cache, need);
                 return true;
             }
             let victim = self.running.len() - 1;
@@ -557,12 +558,7 @@ impl Scheduler {
             debug_assert!(seq.blocks.is_empty());
             seq.blocks.reserve(blocks_for(held_tokens, bs));
             acquire_hits(&mut seq, env.cache, hits);
-            for _ in 0..need {
-                match env.cache.allocate() {
-                    Some(b) => seq.blocks.push(b),
-                    None => debug_assert!(false, "available blocks vanished"),
-                }
-            }
+            allocate_blocks(&mut seq, env.cache, need);
             seq.computed = hit_tokens;
             seq.committed = hits as u32;
             seq.cached_tokens.get_or_insert(hit_tokens);
