@@ -12,7 +12,7 @@ use protocol::trace::MooncakeRecord;
 use crate::capacity::{self, Capacity, Probe, Search};
 use crate::cluster::{simulate, SimConfig, SimError};
 use crate::deployment::Deployment;
-use crate::metrics::RunSummary;
+use crate::metrics::{Misses, MissesByPath, RunSummary};
 use crate::plot::{panels_to_svg, Chart, Series};
 use crate::workload::{
     Agentic, AgenticConfig, Mooncake, MooncakeConfig, Synthetic, SyntheticConfig, Workload,
@@ -434,6 +434,7 @@ pub fn write_report(
             "refused": s.refused,
             "decode_saturation": {"kv_usage": s.decode_kv_usage, "kv_full_share": s.decode_kv_full_share, "waiting": s.decode_waiting},
             "host_offload": {"gb_read": s.host_gb_read, "gb_written": s.host_gb_written},
+            "misses_by_path": misses_json(&s.misses),
         }));
     }
     std::fs::write(dir.join("results.csv"), csv)?;
@@ -463,4 +464,11 @@ pub fn write_capacities(
         .collect();
     let json = serde_json::to_string_pretty(&rows).expect("JSON values serialise");
     std::fs::write(dir.join("capacity.json"), json + "\n")
+}
+
+/// [`MissesByPath`] as the report's JSON: per path, its requests and its
+/// misses by target.
+fn misses_json(m: &MissesByPath) -> serde_json::Value {
+    let one = |m: &Misses| serde_json::json!({"requests": m.requests, "ttft_only": m.ttft, "itl_only": m.itl, "both": m.both});
+    serde_json::json!({"bypass": one(&m.bypass), "remote": one(&m.remote), "remote_fetch": one(&m.fetch)})
 }

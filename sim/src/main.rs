@@ -501,6 +501,7 @@ fn main() -> anyhow::Result<()> {
                 started.elapsed().as_secs_f64()
             );
             println!("{}", floor_line(s));
+            println!("{}", misses_line(&s.misses));
             if let Some(c) = results[0].reuse_ceiling {
                 let block_bytes = config.preset.engine_config(config.block_size).block_bytes();
                 println!(
@@ -536,6 +537,27 @@ fn floor_line(s: &sim::RunSummary) -> String {
         s.later_turn_ttft_floor_ms.p90,
         100.0 * s.reusable_share
     )
+}
+
+/// Where the SLO misses are: per path, its requests and those over the
+/// TTFT target only, the ITL target only, and both.
+fn misses_line(m: &sim::MissesByPath) -> String {
+    let paths: Vec<String> = m
+        .named()
+        .iter()
+        .filter(|(_, p)| p.requests > 0)
+        .map(|(name, p)| {
+            format!(
+                "{name} {} of {} ({} TTFT, {} ITL, {} both)",
+                p.ttft + p.itl + p.both,
+                p.requests,
+                p.ttft,
+                p.itl,
+                p.both
+            )
+        })
+        .collect();
+    format!("SLO misses by path: {}", paths.join("; "))
 }
 
 /// `first..=last` of the scenarios' seeds (as [`Common::scenarios`] made
@@ -603,6 +625,11 @@ fn run_seeds(
         "turn-2+ TTFT p90 floor ({FLOOR_IS}: no router gives less), each: {} ms",
         floors.join(" ")
     );
+    let mut misses = sim::MissesByPath::default();
+    for p in &points {
+        misses += &p.summary.misses;
+    }
+    println!("{}, all seeds", misses_line(&misses));
     Ok(())
 }
 

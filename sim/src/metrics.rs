@@ -50,6 +50,81 @@ impl RequestRecord {
     }
 }
 
+/// The measured requests of one path, and how many missed which SLO
+/// target.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Misses {
+    pub requests: u64,
+    /// Over the TTFT target only.
+    pub ttft: u64,
+    /// Over the ITL target only.
+    pub itl: u64,
+    /// Over both.
+    pub both: u64,
+}
+
+impl Misses {
+    fn count(&mut self, r: &RequestRecord, slo: &Slo) {
+        self.requests += 1;
+        match (r.ttft_ms() > slo.ttft_ms, r.itl_ms() > slo.itl_ms) {
+            (true, true) => self.both += 1,
+            (true, false) => self.ttft += 1,
+            (false, true) => self.itl += 1,
+            (false, false) => {}
+        }
+    }
+
+    fn add(&mut self, o: &Misses) {
+        self.requests += o.requests;
+        self.ttft += o.ttft;
+        self.itl += o.itl;
+        self.both += o.both;
+    }
+}
+
+/// SLO misses by the path each request took: where a deployment loses
+/// its requests (a bypass slowing its decode worker shows as ITL misses
+/// there, a queued prefill worker as TTFT misses on the remote paths).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MissesByPath {
+    pub bypass: Misses,
+    /// Remote prefills from the prefill worker's own cache.
+    pub remote: Misses,
+    /// Remote prefills with the prefix fetched from a decode worker.
+    pub fetch: Misses,
+}
+
+impl MissesByPath {
+    pub fn of<'a>(records: impl IntoIterator<Item = &'a RequestRecord>, slo: &Slo) -> Self {
+        let mut m = Self::default();
+        for r in records {
+            match r.path {
+                Path::Bypass => m.bypass.count(r, slo),
+                Path::Remote => m.remote.count(r, slo),
+                Path::RemoteFetch => m.fetch.count(r, slo),
+            }
+        }
+        m
+    }
+
+    /// The paths with their names, in the order they are printed.
+    pub fn named(&self) -> [(&'static str, &Misses); 3] {
+        [
+            ("bypass", &self.bypass),
+            ("remote", &self.remote),
+            ("remote with fetch", &self.fetch),
+        ]
+    }
+}
+
+impl std::ops::AddAssign<&MissesByPath> for MissesByPath {
+    fn add_assign(&mut self, o: &MissesByPath) {
+        self.bypass.add(&o.bypass);
+        self.remote.add(&o.remote);
+        self.fetch.add(&o.fetch);
+    }
+}
+
 /// p50, p90 and p99 of a sample.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Percentiles {
@@ -140,6 +215,8 @@ pub struct RunSummary {
     pub interactivity_p90: f64,
     /// Share of measured requests meeting both SLO targets.
     pub slo_attainment: f64,
+    /// The measured requests' misses by path.
+    pub misses: MissesByPath,
     pub bypass_share: f64,
     /// Share of the requests routed remote with the prefix fetched from a
     /// decode worker (the third path).
@@ -218,6 +295,7 @@ impl RunSummary {
                 measured.iter().filter(|r| r.meets(slo)).count() as u64,
                 measured.len() as u64,
             ),
+            misses: MissesByPath::of(measured.iter().copied(), slo),
             bypass_share: ratio(counters.bypassed, counters.bypassed + counters.remote),
             fetch_share: ratio(counters.fetched, counters.bypassed + counters.remote),
             prefill_hit_rate_p: ratio(counters.p_cached_tokens, counters.p_prompt_tokens),
@@ -246,6 +324,56 @@ mod tests {
         assert_eq!((p.p50, p.p90, p.p99), (50.0, 90.0, 99.0));
         assert_eq!(Percentiles::of(vec![]), Percentiles::default());
         assert_eq!(Percentiles::of(vec![7.0]).p99, 7.0);
+    }
+
+    /// Each measured request counts once, on its path, under the targets
+    /// it missed; sums over runs add up.
+    #[test]
+    fn misses_by_path() {
+        let slo = Slo {
+            ttft_ms: 100.0,
+            itl_ms: 20.0,
+        };
+        // (path, TTFT ms, ITL ms over 11 tokens)
+        let cases = [
+            (Path::Bypass, 100, 20),
+            (Path::Bypass, 101, 20),
+            (Path::Bypass, 50, 21),
+            (Path::Remote, 150, 30),
+            (Path::RemoteFetch, 10, 10),
+            (Path::RemoteFetch, 10, 25),
+        ];
+        let records: Vec<RequestRecord> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, &(path, ttft, itl))| RequestRecord {
+                id: i as u64,
+                session: 0,
+                turn: 0,
+                arrival_us: 0,
+                first_token_us: ttft * 1_000,
+                finish_us: ttft * 1_000 + itl * 10_000,
+                prompt_tokens: 10,
+                output_tokens: 11,
+                path,
+                reusable_tokens: 0,
+                ttft_floor_ms: 0.0,
+            })
+            .collect();
+        let m = MissesByPath::of(&records, &slo);
+        let of = |requests, ttft, itl, both| Misses {
+            requests,
+            ttft,
+            itl,
+            both,
+        };
+        assert_eq!(m.bypass, of(3, 1, 1, 0));
+        assert_eq!(m.remote, of(1, 0, 0, 1));
+        assert_eq!(m.fetch, of(2, 0, 1, 0));
+        let mut sum = m;
+        sum += &m;
+        assert_eq!(sum.bypass, of(6, 2, 2, 0));
+        assert_eq!(sum.fetch, of(4, 0, 2, 0));
     }
 
     #[test]

@@ -188,3 +188,54 @@ fn tune_refuses_an_unknown_policy_by_name() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `sim run` says where the SLO misses are: every measured request on one
+/// path, and the misses there adding up to what the attainment leaves.
+#[test]
+fn run_prints_the_misses_by_path() -> anyhow::Result<()> {
+    // Targets tight enough that some requests miss each.
+    let out = sim(&[
+        &SHORT_ISL_RUN[..],
+        &["--ttft-slo-ms", "250", "--itl-slo-ms", "20"],
+    ]
+    .concat())?;
+    let measured = out
+        .lines()
+        .find_map(|l| l.strip_prefix("measured "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no measured line:\n{out}"))
+        .parse::<u64>()?;
+    let attainment: f64 = rows(&out)[0]
+        .split('|')
+        .nth(4)
+        .and_then(|cell| cell.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no SLO% cell:\n{out}"))
+        .parse()?;
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("SLO misses by path: "))
+        .unwrap_or_else(|| panic!("no misses line:\n{out}"));
+    // "<path> <misses> of <requests> (<ttft> TTFT, <itl> ITL, <both> both)"
+    let (mut requests, mut misses) = (0, 0);
+    for path in line["SLO misses by path: ".len()..].split("; ") {
+        let numbers: Vec<u64> = path
+            .split([' ', '(', ','])
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        let [missed, of, ttft, itl, both] = numbers[..] else {
+            panic!("{path}");
+        };
+        assert_eq!(missed, ttft + itl + both, "{path}");
+        assert!(missed <= of, "{path}");
+        requests += of;
+        misses += missed;
+    }
+    assert_eq!(requests, measured, "{line}");
+    assert!(misses > 0, "the targets were meant to be missed: {line}");
+    let missed_share = 100.0 * misses as f64 / measured as f64;
+    assert!(
+        (missed_share - (100.0 - attainment)).abs() < 0.06,
+        "{missed_share} against {attainment}% within the SLO:\n{out}"
+    );
+    Ok(())
+}
