@@ -548,8 +548,8 @@ fn misses_line(m: &sim::MissesByPath) -> String {
         .filter(|(_, p)| p.requests > 0)
         .map(|(name, p)| {
             format!(
-                "{name} {} of {} ({} TTFT, {} ITL, {} both)",
-                p.ttft + p.itl + p.both,
+                "{name} {} of {} (TTFT only {}, ITL only {}, both {})",
+                p.missed(),
                 p.requests,
                 p.ttft,
                 p.itl,

@@ -64,6 +64,11 @@ pub struct Misses {
 }
 
 impl Misses {
+    /// Requests over either target.
+    pub fn missed(&self) -> u64 {
+        self.ttft + self.itl + self.both
+    }
+
     fn count(&mut self, r: &RequestRecord, slo: &Slo) {
         self.requests += 1;
         match (r.ttft_ms() > slo.ttft_ms, r.itl_ms() > slo.itl_ms) {

@@ -215,11 +215,11 @@ fn run_prints_the_misses_by_path() -> anyhow::Result<()> {
         .lines()
         .find(|l| l.starts_with("SLO misses by path: "))
         .unwrap_or_else(|| panic!("no misses line:\n{out}"));
-    // "<path> <misses> of <requests> (<ttft> TTFT, <itl> ITL, <both> both)"
+    // "<path> <misses> of <requests> (TTFT only <n>, ITL only <n>, both <n>)"
     let (mut requests, mut misses) = (0, 0);
     for path in line["SLO misses by path: ".len()..].split("; ") {
         let numbers: Vec<u64> = path
-            .split([' ', '(', ','])
+            .split([' ', '(', ')', ','])
             .filter_map(|w| w.parse().ok())
             .collect();
         let [missed, of, ttft, itl, both] = numbers[..] else {
