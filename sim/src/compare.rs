@@ -469,6 +469,6 @@ pub fn write_capacities(
 /// [`MissesByPath`] as the report's JSON: per path, its requests and its
 /// misses by target.
 fn misses_json(m: &MissesByPath) -> serde_json::Value {
-    let one = |m: &Misses| serde_json::json!({"requests": m.requests, "ttft_only": m.ttft, "itl_only": m.itl, "both": m.both});
+    let one = |p: &Misses| serde_json::json!({"requests": p.requests, "ttft_only": p.ttft_only, "itl_only": p.itl_only, "both": p.both});
     serde_json::json!({"bypass": one(&m.bypass), "remote": one(&m.remote), "remote_fetch": one(&m.fetch)})
 }

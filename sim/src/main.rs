@@ -501,7 +501,7 @@ fn main() -> anyhow::Result<()> {
                 started.elapsed().as_secs_f64()
             );
             println!("{}", floor_line(s));
-            println!("{}", misses_line(&s.misses));
+            println!("{}", misses_line(&s.misses, ""));
             if let Some(c) = results[0].reuse_ceiling {
                 let block_bytes = config.preset.engine_config(config.block_size).block_bytes();
                 println!(
@@ -540,8 +540,9 @@ fn floor_line(s: &sim::RunSummary) -> String {
 }
 
 /// Where the SLO misses are: per path, its requests and those over the
-/// TTFT target only, the ITL target only, and both.
-fn misses_line(m: &sim::MissesByPath) -> String {
+/// TTFT target only, the ITL target only, and both. `label` follows
+/// "SLO misses by path".
+fn misses_line(m: &sim::MissesByPath, label: &str) -> String {
     let paths: Vec<String> = m
         .named()
         .iter()
@@ -551,13 +552,13 @@ fn misses_line(m: &sim::MissesByPath) -> String {
                 "{name} {} of {} (TTFT only {}, ITL only {}, both {})",
                 p.missed(),
                 p.requests,
-                p.ttft,
-                p.itl,
+                p.ttft_only,
+                p.itl_only,
                 p.both
             )
         })
         .collect();
-    format!("SLO misses by path: {}", paths.join("; "))
+    format!("SLO misses by path{label}: {}", paths.join("; "))
 }
 
 /// `first..=last` of the scenarios' seeds (as [`Common::scenarios`] made
@@ -629,7 +630,7 @@ fn run_seeds(
     for p in &points {
         misses += &p.summary.misses;
     }
-    println!("{}, all seeds", misses_line(&misses));
+    println!("{}", misses_line(&misses, ", all seeds"));
     Ok(())
 }
 

@@ -55,10 +55,10 @@ impl RequestRecord {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Misses {
     pub requests: u64,
-    /// Over the TTFT target only.
-    pub ttft: u64,
-    /// Over the ITL target only.
-    pub itl: u64,
+    /// Over the TTFT target, within the ITL target.
+    pub ttft_only: u64,
+    /// Over the ITL target, within the TTFT target.
+    pub itl_only: u64,
     /// Over both.
     pub both: u64,
 }
@@ -66,32 +66,36 @@ pub struct Misses {
 impl Misses {
     /// Requests over either target.
     pub fn missed(&self) -> u64 {
-        self.ttft + self.itl + self.both
+        self.ttft_only + self.itl_only + self.both
     }
 
     fn count(&mut self, r: &RequestRecord, slo: &Slo) {
         self.requests += 1;
         match (r.ttft_ms() > slo.ttft_ms, r.itl_ms() > slo.itl_ms) {
             (true, true) => self.both += 1,
-            (true, false) => self.ttft += 1,
-            (false, true) => self.itl += 1,
+            (true, false) => self.ttft_only += 1,
+            (false, true) => self.itl_only += 1,
             (false, false) => {}
         }
     }
+}
 
-    fn add(&mut self, o: &Misses) {
+impl std::ops::AddAssign<&Misses> for Misses {
+    fn add_assign(&mut self, o: &Misses) {
         self.requests += o.requests;
-        self.ttft += o.ttft;
-        self.itl += o.itl;
+        self.ttft_only += o.ttft_only;
+        self.itl_only += o.itl_only;
         self.both += o.both;
     }
 }
 
 /// SLO misses by the path each request took: where a deployment loses
-/// its requests (a bypass slowing its decode worker shows as ITL misses
-/// there, a queued prefill worker as TTFT misses on the remote paths).
+/// its requests. Local prefills that slow a decode worker show as ITL
+/// misses on every path that decodes there; a queued prefill worker as
+/// TTFT misses on the remote paths.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MissesByPath {
+    /// Requests prefilled on their decode worker.
     pub bypass: Misses,
     /// Remote prefills from the prefill worker's own cache.
     pub remote: Misses,
@@ -100,6 +104,7 @@ pub struct MissesByPath {
 }
 
 impl MissesByPath {
+    /// Counts each record once, on its path, against `slo`.
     pub fn of<'a>(records: impl IntoIterator<Item = &'a RequestRecord>, slo: &Slo) -> Self {
         let mut m = Self::default();
         for r in records {
@@ -124,9 +129,9 @@ impl MissesByPath {
 
 impl std::ops::AddAssign<&MissesByPath> for MissesByPath {
     fn add_assign(&mut self, o: &MissesByPath) {
-        self.bypass.add(&o.bypass);
-        self.remote.add(&o.remote);
-        self.fetch.add(&o.fetch);
+        self.bypass += &o.bypass;
+        self.remote += &o.remote;
+        self.fetch += &o.fetch;
     }
 }
 
@@ -366,10 +371,10 @@ mod tests {
             })
             .collect();
         let m = MissesByPath::of(&records, &slo);
-        let of = |requests, ttft, itl, both| Misses {
+        let of = |requests, ttft_only, itl_only, both| Misses {
             requests,
-            ttft,
-            itl,
+            ttft_only,
+            itl_only,
             both,
         };
         assert_eq!(m.bypass, of(3, 1, 1, 0));

@@ -189,6 +189,23 @@ fn tune_refuses_an_unknown_policy_by_name() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The per-path figures of a "SLO misses by path" line:
+/// `(misses, requests, TTFT only, ITL only, both)` each.
+fn misses_by_path(line: &str) -> Vec<[u64; 5]> {
+    let (_, paths) = line.split_once(": ").unwrap_or_else(|| panic!("{line}"));
+    // "<path> <misses> of <requests> (TTFT only <n>, ITL only <n>, both <n>)"
+    paths
+        .split("; ")
+        .map(|path| {
+            let numbers: Vec<u64> = path
+                .split([' ', '(', ')', ','])
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            numbers[..].try_into().unwrap_or_else(|_| panic!("{path}"))
+        })
+        .collect()
+}
+
 /// `sim run` says where the SLO misses are: every measured request on one
 /// path, and the misses there adding up to what the attainment leaves.
 #[test]
@@ -215,27 +232,52 @@ fn run_prints_the_misses_by_path() -> anyhow::Result<()> {
         .lines()
         .find(|l| l.starts_with("SLO misses by path: "))
         .unwrap_or_else(|| panic!("no misses line:\n{out}"));
-    // "<path> <misses> of <requests> (TTFT only <n>, ITL only <n>, both <n>)"
-    let (mut requests, mut misses) = (0, 0);
-    for path in line["SLO misses by path: ".len()..].split("; ") {
-        let numbers: Vec<u64> = path
-            .split([' ', '(', ')', ','])
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        let [missed, of, ttft, itl, both] = numbers[..] else {
-            panic!("{path}");
-        };
-        assert_eq!(missed, ttft + itl + both, "{path}");
-        assert!(missed <= of, "{path}");
-        requests += of;
-        misses += missed;
-    }
+    let paths = misses_by_path(line);
+    let sum = |i: usize| paths.iter().map(|p| p[i]).sum::<u64>();
+    let (misses, requests, ttft_only, itl_only, both) = (sum(0), sum(1), sum(2), sum(3), sum(4));
     assert_eq!(requests, measured, "{line}");
-    assert!(misses > 0, "the targets were meant to be missed: {line}");
+    assert_eq!(misses, ttft_only + itl_only + both, "{line}");
+    assert!(
+        ttft_only + both > 0 && itl_only + both > 0,
+        "each target was meant to be missed: {line}"
+    );
     let missed_share = 100.0 * misses as f64 / measured as f64;
     assert!(
         (missed_share - (100.0 - attainment)).abs() < 0.06,
         "{missed_share} against {attainment}% within the SLO:\n{out}"
     );
+    Ok(())
+}
+
+/// `sim run --seeds N` sums the misses by path over the seeds: each path's
+/// figures are the sums of what each seed prints alone.
+#[test]
+fn run_with_seeds_sums_the_misses_by_path() -> anyhow::Result<()> {
+    let tight = ["--ttft-slo-ms", "250", "--itl-slo-ms", "20"];
+    let misses = |out: &str, prefix: &str| {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line {prefix:?}:\n{out}"));
+        misses_by_path(line)
+    };
+    let both = sim(&[&SHORT_ISL_RUN[..], &tight, &["--seeds", "2", "--seed", "3"]].concat())?;
+    let summed = misses(&both, "SLO misses by path, all seeds: ");
+    let mut expected: Vec<[u64; 5]> = Vec::new();
+    for seed in ["3", "4"] {
+        let alone = sim(&[&SHORT_ISL_RUN[..], &tight, &["--seed", seed]].concat())?;
+        let paths = misses(&alone, "SLO misses by path: ");
+        assert_eq!(paths.len(), 3, "every path taken in this run:\n{alone}");
+        if expected.is_empty() {
+            expected = paths;
+        } else {
+            for (e, p) in expected.iter_mut().zip(&paths) {
+                for (a, b) in e.iter_mut().zip(p) {
+                    *a += b;
+                }
+            }
+        }
+    }
+    assert_eq!(summed, expected, "{both}");
     Ok(())
 }
