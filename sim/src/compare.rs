@@ -321,8 +321,9 @@ fn series(
     out
 }
 
-/// Writes `interactivity.svg`, `ttft.svg`, `results.csv` and
-/// `results.json` into `dir`.
+/// Writes `interactivity.svg`, `ttft.svg`, `misses.svg` (the shares of
+/// requests over each target: which side a deployment loses on),
+/// `results.csv` and `results.json` into `dir`.
 pub fn write_report(
     dir: &Path,
     points: &[Point],
@@ -366,6 +367,23 @@ pub fn write_report(
         },
     ]);
     std::fs::write(dir.join("ttft.svg"), ttft)?;
+    let misses = panels_to_svg(&[
+        Chart {
+            title: "Requests over the TTFT target vs load".into(),
+            x_label: format!("load ({load_unit})"),
+            y_label: "share of requests (any path)".into(),
+            series: series(points, |s| s.misses.over_shares().0, |p| p.load),
+            subtitle: Some(note.to_owned()),
+        },
+        Chart {
+            title: "Requests over the ITL target vs load".into(),
+            x_label: format!("load ({load_unit})"),
+            y_label: "share of requests (any path)".into(),
+            series: series(points, |s| s.misses.over_shares().1, |p| p.load),
+            subtitle: Some(note.to_owned()),
+        },
+    ]);
+    std::fs::write(dir.join("misses.svg"), misses)?;
 
     let mut csv = String::from(
         "workload,deployment,load,measured,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,later_turn_ttft_p90_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,\

@@ -436,7 +436,7 @@ fn main() -> anyhow::Result<()> {
             write_report(&out, &results, workload.name(), workload.load_unit(), &note)
                 .with_context(|| format!("writing the report to {}", out.display()))?;
             println!(
-                "\nReport: {}/interactivity.svg, ttft.svg, results.csv, results.json, capacity.json ({:.1} s)",
+                "\nReport: {}/interactivity.svg, ttft.svg, misses.svg, results.csv, results.json, capacity.json ({:.1} s)",
                 out.display(),
                 started.elapsed().as_secs_f64()
             );

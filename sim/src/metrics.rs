@@ -117,6 +117,22 @@ impl MissesByPath {
         m
     }
 
+    /// Every path's figures added up.
+    pub fn total(&self) -> Misses {
+        let mut t = self.bypass;
+        t += &self.remote;
+        t += &self.fetch;
+        t
+    }
+
+    /// Shares of the requests over the TTFT target and over the ITL target
+    /// (a request over both counts in each); zeros without requests.
+    pub fn over_shares(&self) -> (f64, f64) {
+        let t = self.total();
+        let share = |n: u64| ratio(n, t.requests);
+        (share(t.ttft_only + t.both), share(t.itl_only + t.both))
+    }
+
     /// The paths with their names, in the order they are printed.
     pub fn named(&self) -> [(&'static str, &Misses); 3] {
         [
@@ -380,6 +396,8 @@ mod tests {
         assert_eq!(m.bypass, of(3, 1, 1, 0));
         assert_eq!(m.remote, of(1, 0, 0, 1));
         assert_eq!(m.fetch, of(2, 0, 1, 0));
+        assert_eq!(m.total(), of(6, 1, 2, 1));
+        assert_eq!(m.over_shares(), (2.0 / 6.0, 3.0 / 6.0));
         let mut sum = m;
         sum += &m;
         assert_eq!(sum.bypass, of(6, 2, 2, 0));

@@ -356,3 +356,60 @@ fn a_host_tier_serves_evicted_prefixes_back() {
     assert!(b.host_gb_written > 0.0 && b.host_gb_read > 0.0, "{b:?}");
     assert_eq!(b.refused, 0);
 }
+
+/// The report says, per point, where the misses are: `misses.svg` charts
+/// the shares over each target for every deployment, and `results.json`
+/// has each point's misses by path, one count per measured request.
+#[test]
+fn the_report_charts_and_records_the_misses() -> anyhow::Result<()> {
+    let mut cfg = config(cd_isl(), 1);
+    cfg.slo = Slo {
+        ttft_ms: 250.0,
+        itl_ms: 20.0,
+    };
+    let points: Vec<sim::compare::Point> = [0.5, 1.0]
+        .into_iter()
+        .map(|load| {
+            let r = simulate(&cfg, &mut agentic_at(load, 20.0, 1)).unwrap();
+            sim::compare::Point {
+                deployment: "c/d isl 2P+6D".into(),
+                load,
+                summary: r.summary,
+                calibration: r.calibration,
+                reuse_ceiling: None,
+                wall_s: 0.0,
+            }
+        })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("sim-report-{}", std::process::id()));
+    sim::compare::write_report(&dir, &points, "agentic", "sessions/s", "a test")?;
+    let svg = std::fs::read_to_string(dir.join("misses.svg"))?;
+    for title in [
+        "Requests over the TTFT target vs load",
+        "Requests over the ITL target vs load",
+        "c/d isl 2P+6D",
+    ] {
+        assert!(svg.contains(title), "{title} missing from misses.svg");
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json"))?)?;
+    std::fs::remove_dir_all(&dir)?;
+    for (row, point) in json.as_array().unwrap().iter().zip(&points) {
+        let by_path = &row["misses_by_path"];
+        let sum = |key: &str| -> u64 {
+            ["bypass", "remote", "remote_fetch"]
+                .iter()
+                .map(|p| by_path[p][key].as_u64().unwrap())
+                .sum()
+        };
+        assert_eq!(sum("requests"), point.summary.measured as u64, "{row}");
+        let missed = sum("ttft_only") + sum("itl_only") + sum("both");
+        assert!(missed > 0, "the tight targets are missed: {row}");
+        let within = 1.0 - missed as f64 / point.summary.measured as f64;
+        assert!(
+            (within - point.summary.slo_attainment).abs() < 1e-9,
+            "{row}"
+        );
+    }
+    Ok(())
+}
