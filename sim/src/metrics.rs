@@ -45,8 +45,14 @@ impl RequestRecord {
         (self.finish_us - self.arrival_us) as f64 / 1e3
     }
 
+    /// Whether the request is over the TTFT target and over the ITL
+    /// target.
+    pub fn over(&self, slo: &Slo) -> (bool, bool) {
+        (self.ttft_ms() > slo.ttft_ms, self.itl_ms() > slo.itl_ms)
+    }
+
     pub fn meets(&self, slo: &Slo) -> bool {
-        self.ttft_ms() <= slo.ttft_ms && self.itl_ms() <= slo.itl_ms
+        self.over(slo) == (false, false)
     }
 }
 
@@ -71,7 +77,7 @@ impl Misses {
 
     fn count(&mut self, r: &RequestRecord, slo: &Slo) {
         self.requests += 1;
-        match (r.ttft_ms() > slo.ttft_ms, r.itl_ms() > slo.itl_ms) {
+        match r.over(slo) {
             (true, true) => self.both += 1,
             (true, false) => self.ttft_only += 1,
             (false, true) => self.itl_only += 1,
@@ -287,6 +293,8 @@ impl RunSummary {
             .iter()
             .filter(|r| (window.0..window.1).contains(&r.arrival_us))
             .collect();
+        let misses = MissesByPath::of(measured.iter().copied(), slo);
+        let total = misses.total();
         let ttft = Percentiles::of(measured.iter().map(|r| r.ttft_ms()).collect());
         let later_turns = || measured.iter().filter(|r| r.turn > 0);
         let later_turn_ttft = Percentiles::of(later_turns().map(|r| r.ttft_ms()).collect());
@@ -317,11 +325,8 @@ impl RunSummary {
                 / f64::from(gpus.max(1)),
             interactivity_p50: interactivity(itl.p50),
             interactivity_p90: interactivity(itl.p90),
-            slo_attainment: ratio(
-                measured.iter().filter(|r| r.meets(slo)).count() as u64,
-                measured.len() as u64,
-            ),
-            misses: MissesByPath::of(measured.iter().copied(), slo),
+            slo_attainment: ratio(total.requests - total.missed(), total.requests),
+            misses,
             bypass_share: ratio(counters.bypassed, counters.bypassed + counters.remote),
             fetch_share: ratio(counters.fetched, counters.bypassed + counters.remote),
             prefill_hit_rate_p: ratio(counters.p_cached_tokens, counters.p_prompt_tokens),
