@@ -350,38 +350,34 @@ pub fn write_report(
         },
     ]);
     std::fs::write(dir.join("interactivity.svg"), interactivity)?;
+    // A chart of one figure of every point against its load.
+    let vs_load = |title: &str, y_label: &str, y: fn(&RunSummary) -> f64| Chart {
+        title: title.into(),
+        x_label: format!("load ({load_unit})"),
+        y_label: y_label.into(),
+        series: series(points, y, |p| p.load),
+        subtitle: Some(note.to_owned()),
+    };
     let ttft = panels_to_svg(&[
-        Chart {
-            title: "TTFT p90 vs load".into(),
-            x_label: format!("load ({load_unit})"),
-            y_label: "TTFT p90 (ms)".into(),
-            series: series(points, |s| s.ttft_ms.p90, |p| p.load),
-            subtitle: Some(note.to_owned()),
-        },
-        Chart {
-            title: "SLO attainment vs load".into(),
-            x_label: format!("load ({load_unit})"),
-            y_label: "share of requests meeting TTFT and ITL targets".into(),
-            series: series(points, |s| s.slo_attainment, |p| p.load),
-            subtitle: Some(note.to_owned()),
-        },
+        vs_load("TTFT p90 vs load", "TTFT p90 (ms)", |s| s.ttft_ms.p90),
+        vs_load(
+            "SLO attainment vs load",
+            "share of requests meeting TTFT and ITL targets",
+            |s| s.slo_attainment,
+        ),
     ]);
     std::fs::write(dir.join("ttft.svg"), ttft)?;
     let misses = panels_to_svg(&[
-        Chart {
-            title: "Requests over the TTFT target vs load".into(),
-            x_label: format!("load ({load_unit})"),
-            y_label: "share of requests (any path)".into(),
-            series: series(points, |s| s.misses.over_shares().0, |p| p.load),
-            subtitle: Some(note.to_owned()),
-        },
-        Chart {
-            title: "Requests over the ITL target vs load".into(),
-            x_label: format!("load ({load_unit})"),
-            y_label: "share of requests (any path)".into(),
-            series: series(points, |s| s.misses.over_shares().1, |p| p.load),
-            subtitle: Some(note.to_owned()),
-        },
+        vs_load(
+            "Requests over the TTFT target vs load",
+            "share of requests (any path)",
+            |s| s.misses.over_shares().0,
+        ),
+        vs_load(
+            "Requests over the ITL target vs load",
+            "share of requests (any path)",
+            |s| s.misses.over_shares().1,
+        ),
     ]);
     std::fs::write(dir.join("misses.svg"), misses)?;
 
