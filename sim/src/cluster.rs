@@ -197,6 +197,8 @@ struct InFlight {
     arrival_us: u64,
     decision: DecisionId,
     path: Path,
+    /// The rule that chose the path.
+    rule: String,
     decode: usize,
     /// The prefill worker of a remote path.
     prefill: Option<usize>,
@@ -569,6 +571,7 @@ impl<'w> Cluster<'w> {
                 arrival_us: arrival.at_us,
                 decision: id,
                 path: decision.path,
+                rule: decision.rule.clone(),
                 decode,
                 prefill,
                 source,
@@ -873,6 +876,7 @@ impl<'w> Cluster<'w> {
             prompt_tokens: r.spec.prompt.len() as u32,
             output_tokens: r.spec.output.len() as u32,
             path: r.path,
+            rule: r.rule,
             reusable_tokens: r.floor.reusable_tokens,
             ttft_floor_ms: r.floor.ttft_ms,
         });

@@ -12,7 +12,7 @@ use protocol::trace::MooncakeRecord;
 use crate::capacity::{self, Capacity, Probe, Search};
 use crate::cluster::{simulate, SimConfig, SimError};
 use crate::deployment::Deployment;
-use crate::metrics::{Misses, MissesByPath, RunSummary};
+use crate::metrics::{Misses, MissesByPath, MissesByRule, RunSummary};
 use crate::plot::{panels_to_svg, Chart, Series};
 use crate::workload::{
     Agentic, AgenticConfig, Mooncake, MooncakeConfig, Synthetic, SyntheticConfig, Workload,
@@ -449,6 +449,7 @@ pub fn write_report(
             "decode_saturation": {"kv_usage": s.decode_kv_usage, "kv_full_share": s.decode_kv_full_share, "waiting": s.decode_waiting},
             "host_offload": {"gb_read": s.host_gb_read, "gb_written": s.host_gb_written},
             "misses_by_path": misses_json(&s.misses),
+            "misses_by_rule": rule_misses_json(&s.misses_by_rule),
         }));
     }
     std::fs::write(dir.join("results.csv"), csv)?;
@@ -483,6 +484,19 @@ pub fn write_capacities(
 /// [`MissesByPath`] as the report's JSON: per path, its requests and its
 /// misses by target.
 fn misses_json(m: &MissesByPath) -> serde_json::Value {
-    let one = |p: &Misses| serde_json::json!({"requests": p.requests, "ttft_only": p.ttft_only, "itl_only": p.itl_only, "both": p.both});
-    serde_json::json!({"bypass": one(&m.bypass), "remote": one(&m.remote), "remote_fetch": one(&m.fetch)})
+    serde_json::json!({"bypass": one_misses_json(&m.bypass), "remote": one_misses_json(&m.remote), "remote_fetch": one_misses_json(&m.fetch)})
+}
+
+/// [`MissesByRule`] as the report's JSON: per rule, as [`misses_json`]'s
+/// per path.
+fn rule_misses_json(m: &MissesByRule) -> serde_json::Value {
+    m.ranked()
+        .into_iter()
+        .map(|(rule, misses)| (rule.to_owned(), one_misses_json(misses)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+fn one_misses_json(m: &Misses) -> serde_json::Value {
+    serde_json::json!({"requests": m.requests, "ttft_only": m.ttft_only, "itl_only": m.itl_only, "both": m.both})
 }

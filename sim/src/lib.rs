@@ -17,5 +17,7 @@ pub mod workload;
 pub use capacity::{Capacity, Search};
 pub use cluster::{simulate, RunResult, SimConfig, SimError};
 pub use deployment::{conditional_policies, Deployment};
-pub use metrics::{Misses, MissesByPath, Percentiles, RequestRecord, RunSummary, Slo};
+pub use metrics::{
+    Misses, MissesByPath, MissesByRule, Percentiles, RequestRecord, RunSummary, Slo,
+};
 pub use worker_agent::core::OutboxLimits;

@@ -501,7 +501,7 @@ fn main() -> anyhow::Result<()> {
                 started.elapsed().as_secs_f64()
             );
             println!("{}", floor_line(s));
-            println!("{}", misses_line(&s.misses, ""));
+            println!("{}", misses_lines(&s.misses, &s.misses_by_rule, ""));
             if let Some(c) = results[0].reuse_ceiling {
                 let block_bytes = config.preset.engine_config(config.block_size).block_bytes();
                 println!(
@@ -539,26 +539,38 @@ fn floor_line(s: &sim::RunSummary) -> String {
     )
 }
 
-/// Where the SLO misses are: per path, its requests and those over the
-/// TTFT target only, the ITL target only, and both. `label` follows
-/// "SLO misses by path".
-fn misses_line(m: &sim::MissesByPath, label: &str) -> String {
-    let paths: Vec<String> = m
-        .named()
-        .iter()
-        .filter(|(_, p)| p.requests > 0)
-        .map(|(name, p)| {
+/// Where the SLO misses are: per path (or per rule), its requests and
+/// those over the TTFT target only, the ITL target only, and both. `label`
+/// follows "SLO misses by path" (or "by rule").
+fn misses_line<'a>(
+    by: &str,
+    groups: impl IntoIterator<Item = (&'a str, &'a sim::Misses)>,
+    label: &str,
+) -> String {
+    let groups: Vec<String> = groups
+        .into_iter()
+        .filter(|(_, m)| m.requests > 0)
+        .map(|(name, m)| {
             format!(
                 "{name} {} of {} (TTFT only {}, ITL only {}, both {})",
-                p.missed(),
-                p.requests,
-                p.ttft_only,
-                p.itl_only,
-                p.both
+                m.missed(),
+                m.requests,
+                m.ttft_only,
+                m.itl_only,
+                m.both
             )
         })
         .collect();
-    format!("SLO misses by path{label}: {}", paths.join("; "))
+    format!("SLO misses by {by}{label}: {}", groups.join("; "))
+}
+
+/// The misses by path, then by rule, as [`misses_line`]s.
+fn misses_lines(by_path: &sim::MissesByPath, by_rule: &sim::MissesByRule, label: &str) -> String {
+    format!(
+        "{}\n{}",
+        misses_line("path", by_path.named(), label),
+        misses_line("rule", by_rule.ranked(), label)
+    )
 }
 
 /// `first..=last` of the scenarios' seeds (as [`Common::scenarios`] made
@@ -626,11 +638,13 @@ fn run_seeds(
         "turn-2+ TTFT p90 floor ({FLOOR_IS}: no router gives less), each: {} ms",
         floors.join(" ")
     );
-    let mut misses = sim::MissesByPath::default();
+    let mut by_path = sim::MissesByPath::default();
+    let mut by_rule = sim::MissesByRule::default();
     for p in &points {
-        misses += &p.summary.misses;
+        by_path += &p.summary.misses;
+        by_rule += &p.summary.misses_by_rule;
     }
-    println!("{}", misses_line(&misses, ", all seeds"));
+    println!("{}", misses_lines(&by_path, &by_rule, ", all seeds"));
     Ok(())
 }
 

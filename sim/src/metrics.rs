@@ -1,5 +1,7 @@
 //! Per-request records and the figures of one run.
 
+use std::collections::BTreeMap;
+
 use protocol::Path;
 
 /// Latency targets a request must meet to count as served well.
@@ -22,6 +24,9 @@ pub struct RequestRecord {
     pub prompt_tokens: u32,
     pub output_tokens: u32,
     pub path: Path,
+    /// The router's rule that chose the path (`sla.local_saves_work`,
+    /// `gate.kv_budget`, ...: the decision's `rule`).
+    pub rule: String,
     /// Prompt tokens some earlier request held, and the least TTFT any
     /// router could have given it ([`crate::floor`]).
     pub reusable_tokens: u32,
@@ -157,6 +162,46 @@ impl std::ops::AddAssign<&MissesByPath> for MissesByPath {
     }
 }
 
+/// SLO misses by the rule that chose each request's path: which of a
+/// policy's choices lose the requests (a rule that bypasses onto busy
+/// decode workers shows ITL misses, one that queues on the prefill
+/// workers TTFT misses), so that a policy can be judged on a workload
+/// without reading its decisions one by one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MissesByRule(BTreeMap<String, Misses>);
+
+impl MissesByRule {
+    /// Counts each record once, under its rule, against `slo`.
+    pub fn of<'a>(records: impl IntoIterator<Item = &'a RequestRecord>, slo: &Slo) -> Self {
+        let mut m = Self::default();
+        for r in records {
+            m.0.entry(r.rule.clone()).or_default().count(r, slo);
+        }
+        m
+    }
+
+    /// The rules with their figures, the one that missed most first (then
+    /// the one that decided most; then by name).
+    pub fn ranked(&self) -> Vec<(&str, &Misses)> {
+        let mut rules: Vec<(&str, &Misses)> =
+            self.0.iter().map(|(rule, m)| (rule.as_str(), m)).collect();
+        rules.sort_by(|a, b| {
+            (b.1.missed(), b.1.requests)
+                .cmp(&(a.1.missed(), a.1.requests))
+                .then(a.0.cmp(b.0))
+        });
+        rules
+    }
+}
+
+impl std::ops::AddAssign<&MissesByRule> for MissesByRule {
+    fn add_assign(&mut self, o: &MissesByRule) {
+        for (rule, m) in &o.0 {
+            *self.0.entry(rule.clone()).or_default() += m;
+        }
+    }
+}
+
 /// p50, p90 and p99 of a sample.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Percentiles {
@@ -249,6 +294,8 @@ pub struct RunSummary {
     pub slo_attainment: f64,
     /// The measured requests' misses by path.
     pub misses: MissesByPath,
+    /// And by the rule that chose their path.
+    pub misses_by_rule: MissesByRule,
     pub bypass_share: f64,
     /// Share of the requests routed remote with the prefix fetched from a
     /// decode worker (the third path).
@@ -327,6 +374,7 @@ impl RunSummary {
             interactivity_p90: interactivity(itl.p90),
             slo_attainment: ratio(total.requests - total.missed(), total.requests),
             misses,
+            misses_by_rule: MissesByRule::of(measured.iter().copied(), slo),
             bypass_share: ratio(counters.bypassed, counters.bypassed + counters.remote),
             fetch_share: ratio(counters.fetched, counters.bypassed + counters.remote),
             prefill_hit_rate_p: ratio(counters.p_cached_tokens, counters.p_prompt_tokens),
@@ -387,6 +435,7 @@ mod tests {
                 prompt_tokens: 10,
                 output_tokens: 11,
                 path,
+                rule: format!("{path:?}"),
                 reusable_tokens: 0,
                 ttft_floor_ms: 0.0,
             })
@@ -409,6 +458,63 @@ mod tests {
         assert_eq!(sum.fetch, of(4, 0, 2, 0));
     }
 
+    /// Each measured request counts once, under its rule; the rules rank
+    /// by misses, then by requests, then by name; sums over runs add up,
+    /// rules one run lacks included.
+    #[test]
+    fn misses_by_rule() {
+        let slo = Slo {
+            ttft_ms: 100.0,
+            itl_ms: 20.0,
+        };
+        // (rule, TTFT ms, ITL ms over 11 tokens)
+        let cases = [
+            ("a", 10, 10),
+            ("b", 10, 10),
+            ("b", 10, 10),
+            ("c", 200, 10),
+            ("c", 10, 30),
+            ("d", 200, 30),
+        ];
+        let record = |i: usize, &(rule, ttft, itl): &(&str, u64, u64)| RequestRecord {
+            id: i as u64,
+            session: 0,
+            turn: 0,
+            arrival_us: 0,
+            first_token_us: ttft * 1_000,
+            finish_us: ttft * 1_000 + itl * 10_000,
+            prompt_tokens: 10,
+            output_tokens: 11,
+            path: Path::Bypass,
+            rule: rule.into(),
+            reusable_tokens: 0,
+            ttft_floor_ms: 0.0,
+        };
+        let records: Vec<RequestRecord> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| record(i, c))
+            .collect();
+        let m = MissesByRule::of(&records, &slo);
+        let of = |requests, ttft_only, itl_only, both| Misses {
+            requests,
+            ttft_only,
+            itl_only,
+            both,
+        };
+        let (c, d, b, a) = (
+            of(2, 1, 1, 0),
+            of(1, 0, 0, 1),
+            of(2, 0, 0, 0),
+            of(1, 0, 0, 0),
+        );
+        assert_eq!(m.ranked(), vec![("c", &c), ("d", &d), ("b", &b), ("a", &a)]);
+        let mut sum = MissesByRule::of(&records[3..4], &slo);
+        sum += &m;
+        assert_eq!(sum.ranked()[0], ("c", &of(3, 2, 1, 0)));
+        assert_eq!(sum.ranked().len(), 4);
+    }
+
     #[test]
     fn request_latencies() {
         let r = RequestRecord {
@@ -421,6 +527,7 @@ mod tests {
             prompt_tokens: 10,
             output_tokens: 11,
             path: Path::Bypass,
+            rule: "isl.short_append".into(),
             reusable_tokens: 0,
             ttft_floor_ms: 50.0,
         };

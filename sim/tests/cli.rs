@@ -1,5 +1,6 @@
 //! The `sim` binary's command line, run as a user runs it.
 
+use std::collections::BTreeMap;
 use std::process::Command;
 
 fn sim(args: &[&str]) -> anyhow::Result<String> {
@@ -189,27 +190,55 @@ fn tune_refuses_an_unknown_policy_by_name() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The per-path figures of a "SLO misses by path" line:
-/// `(misses, requests, TTFT only, ITL only, both)` each.
-fn misses_by_path(line: &str) -> Vec<[u64; 5]> {
-    let (_, paths) = line.split_once(": ").unwrap_or_else(|| panic!("{line}"));
-    // "<path> <misses> of <requests> (TTFT only <n>, ITL only <n>, both <n>)"
-    paths
+/// A misses line's groups (paths or rules), each with its five figures:
+/// "<name> <misses> of <requests> (TTFT only <n>, ITL only <n>, both <n>)".
+fn misses_by(line: &str) -> Vec<(String, [u64; 5])> {
+    let (_, groups) = line.split_once(": ").unwrap_or_else(|| panic!("{line}"));
+    groups
         .split("; ")
-        .map(|path| {
-            let numbers: Vec<u64> = path
+        .map(|group| {
+            let words: Vec<&str> = group.split_whitespace().collect();
+            let name_len = words
+                .iter()
+                .position(|w| w.parse::<u64>().is_ok())
+                .unwrap_or_else(|| panic!("{group}"));
+            let numbers: Vec<u64> = group
                 .split([' ', '(', ')', ','])
                 .filter_map(|w| w.parse().ok())
                 .collect();
-            numbers[..].try_into().unwrap_or_else(|_| panic!("{path}"))
+            let figures = numbers[..].try_into().unwrap_or_else(|_| panic!("{group}"));
+            (words[..name_len].join(" "), figures)
         })
         .collect()
 }
 
+fn misses_by_path(line: &str) -> Vec<[u64; 5]> {
+    misses_by(line).into_iter().map(|(_, f)| f).collect()
+}
+
+/// The line starting with `prefix`.
+fn line_starting<'a>(out: &'a str, prefix: &str) -> &'a str {
+    out.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line {prefix:?}:\n{out}"))
+}
+
+/// Each figure summed over the groups.
+fn sum_figures(groups: &[[u64; 5]]) -> [u64; 5] {
+    let mut sum = [0; 5];
+    for g in groups {
+        for (s, f) in sum.iter_mut().zip(g) {
+            *s += f;
+        }
+    }
+    sum
+}
+
 /// `sim run` says where the SLO misses are: every measured request on one
-/// path, and the misses there adding up to what the attainment leaves.
+/// path, and the misses there adding up to what the attainment leaves; and
+/// the same requests by the rule that chose their path.
 #[test]
-fn run_prints_the_misses_by_path() -> anyhow::Result<()> {
+fn run_prints_the_misses_by_path_and_by_rule() -> anyhow::Result<()> {
     // Targets tight enough that some requests miss each.
     let out = sim(&[
         &SHORT_ISL_RUN[..],
@@ -228,13 +257,8 @@ fn run_prints_the_misses_by_path() -> anyhow::Result<()> {
         .and_then(|cell| cell.split_whitespace().next())
         .unwrap_or_else(|| panic!("no SLO% cell:\n{out}"))
         .parse()?;
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("SLO misses by path: "))
-        .unwrap_or_else(|| panic!("no misses line:\n{out}"));
-    let paths = misses_by_path(line);
-    let sum = |i: usize| paths.iter().map(|p| p[i]).sum::<u64>();
-    let (misses, requests, ttft_only, itl_only, both) = (sum(0), sum(1), sum(2), sum(3), sum(4));
+    let line = line_starting(&out, "SLO misses by path: ");
+    let [misses, requests, ttft_only, itl_only, both] = sum_figures(&misses_by_path(line));
     assert_eq!(requests, measured, "{line}");
     assert_eq!(misses, ttft_only + itl_only + both, "{line}");
     assert!(
@@ -246,38 +270,59 @@ fn run_prints_the_misses_by_path() -> anyhow::Result<()> {
         (missed_share - (100.0 - attainment)).abs() < 0.06,
         "{missed_share} against {attainment}% within the SLO:\n{out}"
     );
+    // By rule: the same requests and misses, under the ISL rule's names
+    // (and the gate's), the one that missed most first.
+    let line = line_starting(&out, "SLO misses by rule: ");
+    let rules = misses_by(line);
+    let figures: Vec<[u64; 5]> = rules.iter().map(|(_, f)| *f).collect();
+    assert_eq!(
+        sum_figures(&figures),
+        [misses, requests, ttft_only, itl_only, both],
+        "{line}"
+    );
+    assert!(
+        rules
+            .iter()
+            .all(|(name, _)| name.starts_with("isl.") || name.starts_with("gate.")),
+        "{line}"
+    );
+    assert!(
+        rules.iter().any(|(name, _)| name == "isl.short_append"),
+        "{line}"
+    );
+    assert!(figures.windows(2).all(|w| w[0][0] >= w[1][0]), "{line}");
     Ok(())
 }
 
-/// `sim run --seeds N` sums the misses by path over the seeds: each path's
-/// figures are the sums of what each seed prints alone.
+/// `sim run --seeds N` sums the misses over the seeds: each path's and
+/// each rule's figures are the sums of what each seed prints alone.
 #[test]
-fn run_with_seeds_sums_the_misses_by_path() -> anyhow::Result<()> {
+fn run_with_seeds_sums_the_misses() -> anyhow::Result<()> {
     let tight = ["--ttft-slo-ms", "250", "--itl-slo-ms", "20"];
-    let misses = |out: &str, prefix: &str| {
-        let line = out
-            .lines()
-            .find(|l| l.starts_with(prefix))
-            .unwrap_or_else(|| panic!("no line {prefix:?}:\n{out}"));
-        misses_by_path(line)
-    };
     let both = sim(&[&SHORT_ISL_RUN[..], &tight, &["--seeds", "2", "--seed", "3"]].concat())?;
-    let summed = misses(&both, "SLO misses by path, all seeds: ");
-    let mut expected: Vec<[u64; 5]> = Vec::new();
-    for seed in ["3", "4"] {
-        let alone = sim(&[&SHORT_ISL_RUN[..], &tight, &["--seed", seed]].concat())?;
-        let paths = misses(&alone, "SLO misses by path: ");
-        assert_eq!(paths.len(), 3, "every path taken in this run:\n{alone}");
-        if expected.is_empty() {
-            expected = paths;
-        } else {
-            for (e, p) in expected.iter_mut().zip(&paths) {
-                for (a, b) in e.iter_mut().zip(p) {
-                    *a += b;
-                }
+    let alone: Vec<String> = ["3", "4"]
+        .iter()
+        .map(|seed| sim(&[&SHORT_ISL_RUN[..], &tight, &["--seed", seed]].concat()))
+        .collect::<anyhow::Result<_>>()?;
+    for by in ["path", "rule"] {
+        let summed: BTreeMap<String, [u64; 5]> = misses_by(line_starting(
+            &both,
+            &format!("SLO misses by {by}, all seeds: "),
+        ))
+        .into_iter()
+        .collect();
+        let mut expected: BTreeMap<String, [u64; 5]> = BTreeMap::new();
+        for out in &alone {
+            let groups = misses_by(line_starting(out, &format!("SLO misses by {by}: ")));
+            if by == "path" {
+                assert_eq!(groups.len(), 3, "every path taken in this run:\n{out}");
+            }
+            for (name, figures) in groups {
+                let sum = expected.entry(name).or_default();
+                *sum = sum_figures(&[*sum, figures]);
             }
         }
+        assert_eq!(summed, expected, "{both}");
     }
-    assert_eq!(summed, expected, "{both}");
     Ok(())
 }

@@ -410,6 +410,19 @@ fn the_report_charts_and_records_the_misses() -> anyhow::Result<()> {
             (within - point.summary.slo_attainment).abs() < 1e-9,
             "{row}"
         );
+        // By rule: the same requests and misses, partitioned otherwise.
+        let by_rule = row["misses_by_rule"].as_object().unwrap();
+        assert!(
+            by_rule
+                .keys()
+                .all(|rule| rule.starts_with("isl.") || rule.starts_with("gate.")),
+            "{row}"
+        );
+        let rule_sum =
+            |key: &str| -> u64 { by_rule.values().map(|m| m[key].as_u64().unwrap()).sum() };
+        for key in ["requests", "ttft_only", "itl_only", "both"] {
+            assert_eq!(rule_sum(key), sum(key), "{key}: {row}");
+        }
     }
     Ok(())
 }
