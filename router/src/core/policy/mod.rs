@@ -62,6 +62,11 @@ pub mod rules {
     /// SLA rule: both paths meet the targets, remote spends less compute
     /// (or as much, and its first token is sooner): remote.
     pub const SLA_REMOTE_NO_MORE_WORK: &str = "sla.remote_no_more_work";
+    /// SLA rule: both paths meet the targets with the same compute, and
+    /// the prefill worker, holding the prefix itself, has room for the
+    /// prefill in its next step (its queue and these tokens fit in one
+    /// step's token budget): remote.
+    pub const SLA_REMOTE_HAS_ROOM: &str = "sla.remote_has_room";
     /// SLA rule: only the local prefill meets the TTFT and ITL targets: bypass.
     pub const SLA_LOCAL_MEETS_TARGETS: &str = "sla.local_meets_targets";
     /// SLA rule: only remote meets the targets: remote.

@@ -224,13 +224,23 @@ pub struct FetchPrediction {
 /// 1. both paths meet the targets (local: TTFT, and the decode worker's
 ///    ITL with this prefill; remote: TTFT): the one that spends less
 ///    prefill compute (a bypass reuses the decode worker's prefix, a remote
-///    prefill what the prefill worker holds); equal work, the sooner first
-///    token (ties local). Until 2026-12-06 equal work went remote, "which
-///    slows no decode": on the agentic workload near its capacity one
-///    request in seven (mostly appends to a prompt both sides held) then
-///    queued on the two busy prefill workers for nothing, and SLO
-///    attainment was 1.2-1.5 points lower at 2.7-2.9 sessions/s (20
-///    seeds);
+///    prefill what the prefill worker holds). Equal work: remote when the
+///    prefill worker holds the prefix itself and its next step has room
+///    for the prefill (its queue and these tokens fit in one step's token
+///    budget, `max_batched_tokens`): compute nobody waits for, run at
+///    once, and the decode worker's running requests are spared its
+///    stall. Otherwise the sooner first token (ties local).
+///
+///    Until 2026-12-06 equal work went remote, "which slows no decode": on
+///    the agentic workload near its capacity one request in seven (mostly
+///    appends to a prompt both sides held) then queued on the two busy
+///    prefill workers for nothing, and SLO attainment was 1.2-1.5 points
+///    lower at 2.7-2.9 sessions/s (20 seeds). Until 2026-12-07 it went to
+///    the sooner first token alone, local whenever the prefill worker had
+///    any queue: on single-turn prompts sharing prefixes every worker holds
+///    (`sim --workload synthetic`) the decode workers then took every tie
+///    up to their ITL target and 8% of the requests missed it, while the
+///    prefill workers had room;
 /// 2. only one meets them: that one;
 /// 3. neither: remote when the decode worker's running requests would be
 ///    over the ITL target with the local prefill (it misses them all,
@@ -482,6 +492,19 @@ impl SlaDynamic {
     }
 }
 
+/// Whether the prefill worker's next step has room for a prefill of
+/// `tokens`: its queue and these fit in one step's token budget (false
+/// when the budget is unknown).
+fn prefill_has_room(input: &PolicyInput<'_>, tokens: u64) -> bool {
+    let budget = u64::from(input.prefill.record.max_batched_tokens);
+    input
+        .prefill
+        .load
+        .queued_prefill_tokens
+        .saturating_add(tokens)
+        <= budget
+}
+
 impl ConditionalDisaggPolicy for SlaDynamic {
     fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
         let s = self.predict(input);
@@ -542,6 +565,19 @@ impl ConditionalDisaggPolicy for SlaDynamic {
                 format!(
                     "both meet the targets; remote prefill {:.0} ms < local {:.0} ms of compute: {what}",
                     r.work_ms, s.local_work_ms
+                ),
+            ),
+            (true, true)
+                if r.path == Path::Remote && prefill_has_room(input, s.remote_prefill_tokens) =>
+            (
+                Path::Remote,
+                rules::SLA_REMOTE_HAS_ROOM,
+                format!(
+                    "both meet the targets with the same compute ({:.0} ms); {p} holds the prefix and its next step has room for the prefill (a queue of {} tokens and these {} fit in one step's {}): {what}, sparing {d}'s running requests the stall",
+                    r.work_ms,
+                    input.prefill.load.queued_prefill_tokens,
+                    s.remote_prefill_tokens,
+                    input.prefill.record.max_batched_tokens,
                 ),
             ),
             (true, true) if s.local_ttft_ms <= r.ttft_ms => (
@@ -632,9 +668,10 @@ mod tests {
     }
 
     /// Both paths meet the targets: the one that spends less prefill
-    /// compute; the same work, the sooner first token.
+    /// compute; the same work, the prefill worker while its next step has
+    /// room for the prefill, else the sooner first token.
     #[test]
-    fn both_meet_the_cheaper_path_wins_and_equal_work_the_sooner_first_token() {
+    fn both_meet_the_cheaper_path_wins_and_equal_work_goes_where_there_is_room() {
         let f = Fixture::new();
         let policy = SlaDynamic::default();
         let (path, rule, why) = decide(
@@ -646,30 +683,50 @@ mod tests {
             (Path::Bypass, rules::SLA_LOCAL_SAVES_WORK),
             "{why}"
         );
-        let (path, rule, why) = decide(
-            &policy,
-            &f.input(4_000, 0, running(10, 640), EffectiveLoad::default()),
-        );
-        assert_eq!(
-            (path, rule),
-            (Path::Remote, rules::SLA_REMOTE_NO_MORE_WORK),
-            "{why}"
-        );
-        assert!(why.contains("remote's first token is sooner"), "{why}");
-        // The same cold prompt while the prefill worker works off a queue
-        // (its first token still within the target): local's is sooner,
-        // and the prefill worker's queue stays as it is.
-        let queued = EffectiveLoad {
-            queued_prefill_tokens: 8_000,
+        // A cold prompt of 4000 tokens: the same work on both sides. The
+        // prefill worker's next step (8192 tokens) has room for it while
+        // its queue is at most 4192 tokens.
+        let queued = |tokens| EffectiveLoad {
+            queued_prefill_tokens: tokens,
             ..EffectiveLoad::default()
         };
-        let (path, rule, why) = decide(&policy, &f.input(4_000, 0, running(10, 640), queued));
+        for p_queue in [0, 4_192] {
+            let (path, rule, why) = decide(
+                &policy,
+                &f.input(4_000, 0, running(10, 640), queued(p_queue)),
+            );
+            assert_eq!(
+                (path, rule),
+                (Path::Remote, rules::SLA_REMOTE_HAS_ROOM),
+                "{why}"
+            );
+            assert!(
+                why.contains("its next step has room for the prefill"),
+                "{why}"
+            );
+        }
+        // One token more queued: local's first token is sooner, and the
+        // prefill worker's queue stays as it is.
+        let (path, rule, why) =
+            decide(&policy, &f.input(4_000, 0, running(10, 640), queued(4_193)));
         assert_eq!(
             (path, rule),
             (Path::Bypass, rules::SLA_LOCAL_SAVES_WORK),
             "{why}"
         );
         assert!(why.contains("local's first token is no later"), "{why}");
+        // Unless the decode worker's own queue is longer still.
+        let d_load = EffectiveLoad {
+            queued_prefill_tokens: 20_000,
+            ..running(10, 640)
+        };
+        let (path, rule, why) = decide(&policy, &f.input(4_000, 0, d_load, queued(8_192)));
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_NO_MORE_WORK),
+            "{why}"
+        );
+        assert!(why.contains("remote's first token is sooner"), "{why}");
     }
 
     /// The ITL target binds: just above the predicted ITL the append
