@@ -405,15 +405,44 @@ mod tests {
         assert_eq!(Percentiles::of(vec![7.0]).p99, 7.0);
     }
 
+    /// Targets the misses tests count against.
+    const SLO: Slo = Slo {
+        ttft_ms: 100.0,
+        itl_ms: 20.0,
+    };
+
+    /// A request of 11 output tokens with the given TTFT and ITL (ms).
+    fn record(id: usize, path: Path, rule: &str, ttft_ms: u64, itl_ms: u64) -> RequestRecord {
+        RequestRecord {
+            id: id as u64,
+            session: 0,
+            turn: 0,
+            arrival_us: 0,
+            first_token_us: ttft_ms * 1_000,
+            finish_us: ttft_ms * 1_000 + itl_ms * 10_000,
+            prompt_tokens: 10,
+            output_tokens: 11,
+            path,
+            rule: rule.into(),
+            reusable_tokens: 0,
+            ttft_floor_ms: 0.0,
+        }
+    }
+
+    fn misses(requests: u64, ttft_only: u64, itl_only: u64, both: u64) -> Misses {
+        Misses {
+            requests,
+            ttft_only,
+            itl_only,
+            both,
+        }
+    }
+
     /// Each measured request counts once, on its path, under the targets
     /// it missed; sums over runs add up.
     #[test]
     fn misses_by_path() {
-        let slo = Slo {
-            ttft_ms: 100.0,
-            itl_ms: 20.0,
-        };
-        // (path, TTFT ms, ITL ms over 11 tokens)
+        // (path, TTFT ms, ITL ms)
         let cases = [
             (Path::Bypass, 100, 20),
             (Path::Bypass, 101, 20),
@@ -425,37 +454,18 @@ mod tests {
         let records: Vec<RequestRecord> = cases
             .iter()
             .enumerate()
-            .map(|(i, &(path, ttft, itl))| RequestRecord {
-                id: i as u64,
-                session: 0,
-                turn: 0,
-                arrival_us: 0,
-                first_token_us: ttft * 1_000,
-                finish_us: ttft * 1_000 + itl * 10_000,
-                prompt_tokens: 10,
-                output_tokens: 11,
-                path,
-                rule: format!("{path:?}"),
-                reusable_tokens: 0,
-                ttft_floor_ms: 0.0,
-            })
+            .map(|(i, &(path, ttft, itl))| record(i, path, "r", ttft, itl))
             .collect();
-        let m = MissesByPath::of(&records, &slo);
-        let of = |requests, ttft_only, itl_only, both| Misses {
-            requests,
-            ttft_only,
-            itl_only,
-            both,
-        };
-        assert_eq!(m.bypass, of(3, 1, 1, 0));
-        assert_eq!(m.remote, of(1, 0, 0, 1));
-        assert_eq!(m.fetch, of(2, 0, 1, 0));
-        assert_eq!(m.total(), of(6, 1, 2, 1));
+        let m = MissesByPath::of(&records, &SLO);
+        assert_eq!(m.bypass, misses(3, 1, 1, 0));
+        assert_eq!(m.remote, misses(1, 0, 0, 1));
+        assert_eq!(m.fetch, misses(2, 0, 1, 0));
+        assert_eq!(m.total(), misses(6, 1, 2, 1));
         assert_eq!(m.over_shares(), (2.0 / 6.0, 3.0 / 6.0));
         let mut sum = m;
         sum += &m;
-        assert_eq!(sum.bypass, of(6, 2, 2, 0));
-        assert_eq!(sum.fetch, of(4, 0, 2, 0));
+        assert_eq!(sum.bypass, misses(6, 2, 2, 0));
+        assert_eq!(sum.fetch, misses(4, 0, 2, 0));
     }
 
     /// Each measured request counts once, under its rule; the rules rank
@@ -463,11 +473,7 @@ mod tests {
     /// rules one run lacks included.
     #[test]
     fn misses_by_rule() {
-        let slo = Slo {
-            ttft_ms: 100.0,
-            itl_ms: 20.0,
-        };
-        // (rule, TTFT ms, ITL ms over 11 tokens)
+        // (rule, TTFT ms, ITL ms)
         let cases = [
             ("a", 10, 10),
             ("b", 10, 10),
@@ -476,42 +482,22 @@ mod tests {
             ("c", 10, 30),
             ("d", 200, 30),
         ];
-        let record = |i: usize, &(rule, ttft, itl): &(&str, u64, u64)| RequestRecord {
-            id: i as u64,
-            session: 0,
-            turn: 0,
-            arrival_us: 0,
-            first_token_us: ttft * 1_000,
-            finish_us: ttft * 1_000 + itl * 10_000,
-            prompt_tokens: 10,
-            output_tokens: 11,
-            path: Path::Bypass,
-            rule: rule.into(),
-            reusable_tokens: 0,
-            ttft_floor_ms: 0.0,
-        };
         let records: Vec<RequestRecord> = cases
             .iter()
             .enumerate()
-            .map(|(i, c)| record(i, c))
+            .map(|(i, &(rule, ttft, itl))| record(i, Path::Bypass, rule, ttft, itl))
             .collect();
-        let m = MissesByRule::of(&records, &slo);
-        let of = |requests, ttft_only, itl_only, both| Misses {
-            requests,
-            ttft_only,
-            itl_only,
-            both,
-        };
+        let m = MissesByRule::of(&records, &SLO);
         let (c, d, b, a) = (
-            of(2, 1, 1, 0),
-            of(1, 0, 0, 1),
-            of(2, 0, 0, 0),
-            of(1, 0, 0, 0),
+            misses(2, 1, 1, 0),
+            misses(1, 0, 0, 1),
+            misses(2, 0, 0, 0),
+            misses(1, 0, 0, 0),
         );
         assert_eq!(m.ranked(), vec![("c", &c), ("d", &d), ("b", &b), ("a", &a)]);
-        let mut sum = MissesByRule::of(&records[3..4], &slo);
+        let mut sum = MissesByRule::of(&records[3..4], &SLO);
         sum += &m;
-        assert_eq!(sum.ranked()[0], ("c", &of(3, 2, 1, 0)));
+        assert_eq!(sum.ranked()[0], ("c", &misses(3, 2, 1, 0)));
         assert_eq!(sum.ranked().len(), 4);
     }
 
