@@ -487,16 +487,16 @@ fn misses_json(m: &MissesByPath) -> serde_json::Value {
     serde_json::json!({"bypass": one_misses_json(&m.bypass), "remote": one_misses_json(&m.remote), "remote_fetch": one_misses_json(&m.fetch)})
 }
 
-/// [`MissesByRule`] as the report's JSON: per rule, as [`misses_json`]'s
-/// per path.
+/// [`MissesByRule`] as the report's JSON: per rule (by name), as
+/// [`misses_json`]'s per path.
 fn rule_misses_json(m: &MissesByRule) -> serde_json::Value {
-    m.ranked()
-        .into_iter()
+    m.by_name()
         .map(|(rule, misses)| (rule.to_owned(), one_misses_json(misses)))
         .collect::<serde_json::Map<_, _>>()
         .into()
 }
 
+/// One path's or rule's [`Misses`] as JSON.
 fn one_misses_json(m: &Misses) -> serde_json::Value {
     serde_json::json!({"requests": m.requests, "ttft_only": m.ttft_only, "itl_only": m.itl_only, "both": m.both})
 }

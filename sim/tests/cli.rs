@@ -212,6 +212,7 @@ fn misses_by(line: &str) -> Vec<(String, [u64; 5])> {
         .collect()
 }
 
+/// A "SLO misses by path" line's figures, per path in the printed order.
 fn misses_by_path(line: &str) -> Vec<[u64; 5]> {
     misses_by(line).into_iter().map(|(_, f)| f).collect()
 }
@@ -305,12 +306,18 @@ fn run_with_seeds_sums_the_misses() -> anyhow::Result<()> {
         .map(|seed| sim(&[&SHORT_ISL_RUN[..], &tight, &["--seed", seed]].concat()))
         .collect::<anyhow::Result<_>>()?;
     for by in ["path", "rule"] {
-        let summed: BTreeMap<String, [u64; 5]> = misses_by(line_starting(
+        let printed = misses_by(line_starting(
             &both,
             &format!("SLO misses by {by}, all seeds: "),
-        ))
-        .into_iter()
-        .collect();
+        ));
+        if by == "rule" {
+            assert!(
+                printed.windows(2).all(|w| w[0].1[0] >= w[1].1[0]),
+                "the rule that missed most first:\n{both}"
+            );
+        }
+        let summed: BTreeMap<String, [u64; 5]> = printed.iter().cloned().collect();
+        assert_eq!(summed.len(), printed.len(), "each {by} once:\n{both}");
         let mut expected: BTreeMap<String, [u64; 5]> = BTreeMap::new();
         for out in &alone {
             let groups = misses_by(line_starting(out, &format!("SLO misses by {by}: ")));

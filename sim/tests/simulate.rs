@@ -394,7 +394,9 @@ fn the_report_charts_and_records_the_misses() -> anyhow::Result<()> {
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("results.json"))?)?;
     std::fs::remove_dir_all(&dir)?;
-    for (row, point) in json.as_array().unwrap().iter().zip(&points) {
+    let rows = json.as_array().unwrap();
+    assert_eq!(rows.len(), points.len(), "a row per point");
+    for (row, point) in rows.iter().zip(&points) {
         let by_path = &row["misses_by_path"];
         let sum = |key: &str| -> u64 {
             ["bypass", "remote", "remote_fetch"]

@@ -57,15 +57,18 @@ pub mod rules {
     /// Load rule: both sides busy: remote (spare the decodes).
     pub const LOAD_DECODE_BUSY: &str = "load.decode_busy";
     /// SLA rule: both paths meet the targets, the local prefill spends less
-    /// compute (or as much, and its first token is no later): bypass.
+    /// compute (or as much, [`SLA_REMOTE_HAS_ROOM`] does not apply, and its
+    /// first token is no later): bypass.
     pub const SLA_LOCAL_SAVES_WORK: &str = "sla.local_saves_work";
     /// SLA rule: both paths meet the targets, remote spends less compute
-    /// (or as much, and its first token is sooner): remote.
+    /// (or as much, [`SLA_REMOTE_HAS_ROOM`] does not apply, and its first
+    /// token is sooner): remote.
     pub const SLA_REMOTE_NO_MORE_WORK: &str = "sla.remote_no_more_work";
     /// SLA rule: both paths meet the targets with the same compute, and
-    /// the prefill worker, holding the prefix itself, has room for the
-    /// prefill in its next step (its queue and these tokens fit in one
-    /// step's token budget): remote.
+    /// the plain remote prefill (no pull: the prefill worker holds as much
+    /// of the prompt as the decode worker) fits in the prefill worker's
+    /// next step (its queue and these tokens within one step's token
+    /// budget): remote.
     pub const SLA_REMOTE_HAS_ROOM: &str = "sla.remote_has_room";
     /// SLA rule: only the local prefill meets the TTFT and ITL targets: bypass.
     pub const SLA_LOCAL_MEETS_TARGETS: &str = "sla.local_meets_targets";

@@ -225,22 +225,24 @@ pub struct FetchPrediction {
 ///    ITL with this prefill; remote: TTFT): the one that spends less
 ///    prefill compute (a bypass reuses the decode worker's prefix, a remote
 ///    prefill what the prefill worker holds). Equal work: remote when the
-///    prefill worker holds the prefix itself and its next step has room
-///    for the prefill (its queue and these tokens fit in one step's token
-///    budget, `max_batched_tokens`): compute nobody waits for, run at
-///    once, and the decode worker's running requests are spared its
-///    stall. Otherwise the sooner first token (ties local).
+///    plain remote prefill (no pull: the prefill worker holds as much of
+///    the prompt as the decode worker) fits in the prefill worker's next
+///    step (its queue and these tokens within one step's token budget,
+///    `max_batched_tokens`): compute nobody waits for, and the decode
+///    worker's running requests are spared its stall. Otherwise the
+///    sooner first token (ties local).
 ///
 ///    Until 2026-12-06 equal work went remote, "which slows no decode": on
 ///    the agentic workload near its capacity one request in seven (mostly
 ///    appends to a prompt both sides held) then queued on the two busy
 ///    prefill workers for nothing, and SLO attainment was 1.2-1.5 points
 ///    lower at 2.7-2.9 sessions/s (20 seeds). Until 2026-12-07 it went to
-///    the sooner first token alone, local whenever the prefill worker had
-///    any queue: on single-turn prompts sharing prefixes every worker holds
-///    (`sim --workload synthetic`) the decode workers then took every tie
-///    up to their ITL target and 8% of the requests missed it, while the
-///    prefill workers had room;
+///    the sooner first token alone, local once a few hundred tokens were
+///    queued on the prefill worker (a remote first token also pays the
+///    transfer): on single-turn prompts sharing prefixes every worker
+///    holds (`sim --workload synthetic`) the decode workers then took
+///    every tie up to their ITL target and 8% of the requests missed it,
+///    while the prefill workers had room;
 /// 2. only one meets them: that one;
 /// 3. neither: remote when the decode worker's running requests would be
 ///    over the ITL target with the local prefill (it misses them all,
@@ -493,16 +495,12 @@ impl SlaDynamic {
 }
 
 /// Whether the prefill worker's next step has room for a prefill of
-/// `tokens`: its queue and these fit in one step's token budget (false
-/// when the budget is unknown).
+/// `tokens`: its queue and these fit in one step's token budget. A budget
+/// of 0 (not registered) has room for nothing.
 fn prefill_has_room(input: &PolicyInput<'_>, tokens: u64) -> bool {
     let budget = u64::from(input.prefill.record.max_batched_tokens);
-    input
-        .prefill
-        .load
-        .queued_prefill_tokens
-        .saturating_add(tokens)
-        <= budget
+    let queued = input.prefill.load.queued_prefill_tokens;
+    budget > 0 && queued.saturating_add(tokens) <= budget
 }
 
 impl ConditionalDisaggPolicy for SlaDynamic {
@@ -573,7 +571,7 @@ impl ConditionalDisaggPolicy for SlaDynamic {
                 Path::Remote,
                 rules::SLA_REMOTE_HAS_ROOM,
                 format!(
-                    "both meet the targets with the same compute ({:.0} ms); {p} holds the prefix and its next step has room for the prefill (a queue of {} tokens and these {} fit in one step's {}): {what}, sparing {d}'s running requests the stall",
+                    "both meet the targets with the same compute ({:.0} ms) and {p} needs no pull; its next step has room for the prefill (a queue of {} tokens and these {} fit in one step's {}): {what}, sparing {d}'s running requests the stall",
                     r.work_ms,
                     input.prefill.load.queued_prefill_tokens,
                     s.remote_prefill_tokens,
@@ -705,6 +703,40 @@ mod tests {
                 "{why}"
             );
         }
+        // A prompt both sides hold 2000 tokens of (a shared system prompt)
+        // ties the same way.
+        let mut shared = f.input(6_000, 2_000, running(10, 640), queued(4_192));
+        shared.prefill.held = shared.decode.held;
+        let (path, rule, why) = decide(&policy, &shared);
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_HAS_ROOM),
+            "{why}"
+        );
+        // A tie with the fetching remote prefill (the prefix pulled from
+        // the decode worker) is no such case, though the prefill worker's
+        // step has room: the sooner first token, local.
+        let mut pulled = f.input(6_000, 4_000, running(10, 640), queued(1_000));
+        pulled.fetch = Some(crate::core::fetch::FetchOption {
+            source: pulled.decode,
+            prefix_tokens: 4_000,
+            pulled_tokens: 4_000,
+        });
+        let (path, rule, why) = decide(&policy, &pulled);
+        assert_eq!(
+            (path, rule),
+            (Path::Bypass, rules::SLA_LOCAL_SAVES_WORK),
+            "{why}"
+        );
+        assert!(why.contains("local's first token is no later"), "{why}");
+        // A prefill worker that registered no step budget has room for
+        // nothing.
+        let mut p = f.p.clone();
+        p.max_batched_tokens = 0;
+        let mut unknown = f.input(4_000, 0, running(10, 640), queued(0));
+        unknown.prefill.record = &p;
+        let (_, rule, why) = decide(&policy, &unknown);
+        assert_ne!(rule, rules::SLA_REMOTE_HAS_ROOM, "{why}");
         // One token more queued: local's first token is sooner, and the
         // prefill worker's queue stays as it is.
         let (path, rule, why) =
