@@ -21,6 +21,8 @@ fn cluster() -> RouterCore {
     core
 }
 
+/// Routes `prompt` (64 output tokens expected) as decision `id`, seeded by
+/// it.
 fn route(
     core: &mut RouterCore,
     prompt: &[u32],
@@ -28,20 +30,8 @@ fn route(
     id: u64,
     now_ms: u64,
 ) -> protocol::RouteDecision {
-    let hashes = core.hasher().hash_prompt(prompt);
-    let request = RouteRequest {
-        request_id: "r",
-        isl_tokens: prompt.len() as u32,
-        block_hashes: &hashes,
-        expected_output_tokens: 64,
-        session,
-    };
-    let options = RouteOptions {
-        avoid: &[],
-        explain: true,
-    };
     let mut rng = ChaCha8Rng::seed_from_u64(id);
-    core.route(&request, options, DecisionId(id), now_ms, &mut rng)
+    route_session_prompt(core, prompt, session, 64, DecisionId(id), now_ms, &mut rng)
         .unwrap()
         .decision
 }

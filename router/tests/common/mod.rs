@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use kv_indexer::{KvIndexer, OwnershipIndex};
 use protocol::{
     BlockHash, DecisionId, HashingContract, KvEvent, KvEventBatch, LoadReport, Role, RouteDecision,
-    Tier, WorkerId, WorkerRecord,
+    SessionId, Tier, WorkerId, WorkerRecord,
 };
 use rand::Rng;
 use router::{
@@ -60,20 +60,34 @@ impl RoutePrompt for RouterCore {
         now_ms: u64,
         rng: &mut R,
     ) -> Result<Routed, RouteError> {
-        let hashes = self.hasher().hash_prompt(prompt);
-        let request = RouteRequest {
-            request_id: "r",
-            isl_tokens: prompt.len() as u32,
-            block_hashes: &hashes,
-            expected_output_tokens,
-            session: None,
-        };
-        let options = RouteOptions {
-            avoid: &[],
-            explain: true,
-        };
-        self.route(&request, options, id, now_ms, rng)
+        route_session_prompt(self, prompt, None, expected_output_tokens, id, now_ms, rng)
     }
+}
+
+/// [`RoutePrompt::route_prompt`] as a turn of `session` (none: outside
+/// any).
+pub fn route_session_prompt<R: Rng>(
+    core: &mut RouterCore,
+    prompt: &[u32],
+    session: Option<&SessionId>,
+    expected_output_tokens: u32,
+    id: DecisionId,
+    now_ms: u64,
+    rng: &mut R,
+) -> Result<Routed, RouteError> {
+    let hashes = core.hasher().hash_prompt(prompt);
+    let request = RouteRequest {
+        request_id: "r",
+        isl_tokens: prompt.len() as u32,
+        block_hashes: &hashes,
+        expected_output_tokens,
+        session,
+    };
+    let options = RouteOptions {
+        avoid: &[],
+        explain: true,
+    };
+    core.route(&request, options, id, now_ms, rng)
 }
 
 /// A routed decision and its explanation.
