@@ -154,7 +154,15 @@ pub struct Engine {
     pins: Vec<u32>,
     /// Restarts so far: a pin from before the last one holds nothing.
     generation: u64,
+    /// A recent mean of the steps that decoded, µs (0 before the first):
+    /// what [`LoadReport::decode_step_us`] reports.
+    decode_step_us: f64,
 }
+
+/// The weight of the newest decode step in [`Engine::load_report`]'s
+/// `decode_step_us`: a moving mean over about the last ten steps that
+/// decoded.
+const DECODE_STEP_WEIGHT: f64 = 0.02;
 
 /// Blocks of a prefix held for another worker's read
 /// ([`Engine::pin_prefix`]): they are in use (not evictable) until
@@ -197,6 +205,7 @@ impl Engine {
             reads: 0,
             pins: vec![0; config.kv_capacity_blocks as usize],
             generation: 0,
+            decode_step_us: 0.0,
         })
     }
 
@@ -406,6 +415,9 @@ impl Engine {
         self.busy_until_us = start_us.saturating_add(duration_us);
         self.stats.steps += 1;
         self.stats.busy_us += duration_us;
+        if planned.decode_seqs > 0 {
+            self.note_decode_step(duration_us);
+        }
         let mut outputs = Vec::with_capacity(self.outputs.len());
         outputs.append(&mut self.outputs);
         Some(Step {
@@ -416,6 +428,15 @@ impl Engine {
             decode_seqs: planned.decode_seqs,
             pulls,
         })
+    }
+
+    fn note_decode_step(&mut self, duration_us: u64) {
+        let d = duration_us as f64;
+        self.decode_step_us = if self.decode_step_us == 0.0 {
+            d
+        } else {
+            self.decode_step_us + DECODE_STEP_WEIGHT * (d - self.decode_step_us)
+        };
     }
 
     fn sync_stats(&mut self) {
@@ -470,7 +491,8 @@ impl Engine {
     /// `active_decode_blocks` sums the blocks of each decoding request (a
     /// prefix shared by several counts once per request, as each one's
     /// attention reads it); `kv_blocks_used` counts distinct blocks held by
-    /// requests.
+    /// requests; `decode_step_us` is a moving mean of the steps that
+    /// decoded, 0 while nothing decodes.
     pub fn load_report(&self, now_us: u64) -> LoadReport {
         let mut running_prefill = 0u64;
         let mut decode_blocks = 0u64;
@@ -505,6 +527,12 @@ impl Engine {
             kv_blocks_used: u64::from(counts.in_use),
             kv_blocks_total: u64::from(counts.total),
             at_ms: now_us / 1000,
+            // `as` saturates.
+            decode_step_us: if decode_blocks > 0 {
+                self.decode_step_us.round() as u32
+            } else {
+                0
+            },
         }
     }
 
@@ -520,6 +548,7 @@ impl Engine {
         self.pins.fill(0);
         self.generation += 1;
         self.reads = 0;
+        self.decode_step_us = 0.0;
         dropped
     }
 

@@ -318,6 +318,39 @@ fn load_report_counts_blocks_and_prefill_work() {
     assert_eq!(r.at_ms, s.end_us() / 1000);
 }
 
+/// The report's `decode_step_us` is a moving mean of the steps that
+/// decoded: the first one's time, then a little of each later one's (a
+/// long prefill chunk mixed in moves it only a little), 0 while nothing
+/// decodes and after a restart.
+#[test]
+fn load_report_says_how_long_decode_steps_took_lately() {
+    let cfg = Preset::llama8b_h100().engine_config(16);
+    let mut e = engine(Role::Both, cfg);
+    e.submit(req(1, &tokens(0, 1000), 50, Mode::LocalPrefill))
+        .unwrap();
+    let prefill = e.step(0).unwrap();
+    assert_eq!(prefill.decode_seqs, 0);
+    // Prefilled and decoding, no decode step yet: none to report.
+    assert_eq!(e.load_report(prefill.end_us()).decode_step_us, 0);
+    let first = e.step(prefill.end_us()).unwrap();
+    assert_eq!(first.decode_seqs, 1);
+    let r = e.load_report(first.end_us());
+    assert_eq!(u64::from(r.decode_step_us), first.duration_us);
+    // A long prefill mixed into the next step: the mean moves by a fiftieth
+    // of the difference.
+    e.submit(req(2, &tokens(50_000, 8000), 5, Mode::LocalPrefill))
+        .unwrap();
+    let mixed = e.step(first.end_us()).unwrap();
+    assert!(mixed.prefill_tokens > 0 && mixed.decode_seqs == 1);
+    let mean =
+        first.duration_us as f64 + (mixed.duration_us as f64 - first.duration_us as f64) / 50.0;
+    let r = e.load_report(mixed.end_us());
+    assert_eq!(f64::from(r.decode_step_us), mean.round());
+    assert!(mixed.duration_us > 4 * first.duration_us);
+    e.restart();
+    assert_eq!(e.load_report(mixed.end_us()).decode_step_us, 0);
+}
+
 /// A waiting request's queued prefill is what it will compute: its prompt
 /// less the prefix cached when it came (the router's ledger counts the
 /// same), not its whole prompt.

@@ -50,6 +50,7 @@
 //! ```
 
 pub mod config;
+pub mod itl;
 pub mod publisher;
 pub mod relabel;
 pub mod server;

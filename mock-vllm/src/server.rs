@@ -27,6 +27,7 @@ use tokio::sync::{mpsc, watch};
 use worker_agent::{Engine, SimEngine};
 
 use crate::config::Config;
+use crate::itl::{self, ItlHistogram, TokenClock};
 use crate::relabel::Relabeler;
 
 /// One data-parallel rank: an engine, its relabeler, its publisher's count.
@@ -44,6 +45,7 @@ pub struct RankStats {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub generation_tokens: u64,
+    pub itl: ItlHistogram,
 }
 
 /// What the engine was asked, for tests (`/switchyard/debug`).
@@ -266,6 +268,19 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         "Number of generation tokens processed.",
         &|_, r| lock(&r.stats).generation_tokens as f64,
     );
+    let itl_name = if s.old_metric_names {
+        itl::OLD_NAME
+    } else {
+        itl::NAME
+    };
+    let _ = writeln!(
+        out,
+        "# HELP {itl_name} Histogram of inter-token latency in seconds.\n# TYPE {itl_name} histogram"
+    );
+    for (rank, r) in app.ranks.iter().enumerate() {
+        let labels = format!("engine=\"{rank}\",model_name=\"{model}\"");
+        lock(&r.stats).itl.write(&mut out, itl_name, &labels);
+    }
     let _ = writeln!(out, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge");
     for (rank, r) in app.ranks.iter().enumerate() {
         let _ = writeln!(
@@ -739,7 +754,7 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
             .body(body)
             .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "building the response"));
     }
-    let outcome = collect(events).await;
+    let outcome = collect(&app, rank, events).await;
     if let Some((e, retryable)) = outcome.failed {
         lock(&app.debug).errors += 1;
         return error(
@@ -840,11 +855,20 @@ fn account(app: &App, rank: usize, outcome: &Outcome, prompt_tokens: u32) {
     s.generation_tokens += outcome.tokens.len() as u64;
 }
 
-async fn collect(mut events: BoxStream<'static, GenerateEvent>) -> Outcome {
+/// `tokens` of a request came now: observed in its rank's ITL histogram.
+fn tokens_came(app: &App, rank: usize, clock: &mut TokenClock, tokens: usize) {
+    if let Some((interval, n)) = clock.tick(std::time::Instant::now(), tokens) {
+        lock(&app.ranks[rank].stats).itl.observe(interval, n);
+    }
+}
+
+async fn collect(app: &App, rank: usize, mut events: BoxStream<'static, GenerateEvent>) -> Outcome {
     let mut o = Outcome::default();
+    let mut clock = TokenClock::default();
     while let Some(event) = events.next().await {
         match event {
             GenerateEvent::Tokens(t) | GenerateEvent::Scored { tokens: t, .. } => {
+                tokens_came(app, rank, &mut clock, t.len());
                 o.tokens.extend(t)
             }
             GenerateEvent::Prefilled { cached_tokens, .. } => o.cached = cached_tokens.unwrap_or(0),
@@ -892,9 +916,11 @@ async fn stream_events(
         })
     };
     let mut o = Outcome::default();
+    let mut clock = TokenClock::default();
     while let Some(event) = events.next().await {
         match event {
             GenerateEvent::Tokens(t) | GenerateEvent::Scored { tokens: t, .. } => {
+                tokens_came(&app, rank, &mut clock, t.len());
                 let lp = logprobs.map(|(k, ids)| fake_logprobs(&t, o.tokens.len(), k, ids));
                 let c = chunk(
                     json!({"index": 0, "text": text_of(&t), "token_ids": t, "logprobs": lp, "finish_reason": null, "stop_reason": null}),

@@ -278,14 +278,19 @@ async fn every_stage_through_the_adapter() -> Result<()> {
             .await?;
     ensure!(tokens(&events).len() == 2, "{events:?}");
 
-    // The load: capacity from the engine; running requests and usage from
-    // its metrics while a long request decodes.
+    // The load: capacity from the engine; running requests, usage and the
+    // recent inter-token latency from its metrics while a long request
+    // decodes.
     let capacity = facts.kv_capacity_blocks;
     let long = engine.generate(request("long", Stage::Local, prompt(4, 3000), 3000));
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let load = engine.load();
-        if load.kv_blocks_total == capacity && load.running >= 1 && load.kv_blocks_used > 0 {
+        if load.kv_blocks_total == capacity
+            && load.running >= 1
+            && load.kv_blocks_used > 0
+            && load.decode_step_us > 0
+        {
             break;
         }
         ensure!(tokio::time::Instant::now() < deadline, "{load:?}");

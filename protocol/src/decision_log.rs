@@ -196,7 +196,11 @@ pub struct CandidateState {
 
 /// The numbers of a candidate, as columns: depths as differences (they are
 /// cumulative), the reported use as its difference from the effective one.
-const COLUMNS: usize = 9;
+const COLUMNS: usize = 10;
+
+/// Columns every entry has; the ones after them are absent in entries of
+/// older releases (read as 0).
+const REQUIRED_COLUMNS: usize = 9;
 
 fn column_values(s: &CandidateState) -> [u64; COLUMNS] {
     let l = &s.load;
@@ -210,6 +214,7 @@ fn column_values(s: &CandidateState) -> [u64; COLUMNS] {
         l.active_decode_blocks,
         l.kv_blocks_used,
         zigzag(l.reported_kv_blocks_used.wrapping_sub(l.kv_blocks_used) as i64),
+        u64::from(l.decode_step_us),
     ]
 }
 
@@ -230,6 +235,7 @@ fn from_columns(v: [u64; COLUMNS]) -> Result<CandidateState, String> {
             active_decode_blocks: v[6],
             kv_blocks_used: v[7],
             reported_kv_blocks_used: v[7].wrapping_add(unzigzag(v[8]) as u64),
+            decode_step_us: count(v[9], "decode step")?,
         },
     })
 }
@@ -300,6 +306,9 @@ impl Columns {
         let n = n as usize;
         let mut rows = vec![[0u64; COLUMNS]; n];
         for c in 0..COLUMNS {
+            if c >= REQUIRED_COLUMNS && bytes.is_empty() {
+                break;
+            }
             let (&kind, rest) = bytes.split_first().ok_or("truncated column")?;
             bytes = rest;
             match kind {

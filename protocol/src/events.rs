@@ -172,6 +172,12 @@ pub struct LoadReport {
     pub kv_blocks_total: u64,
     /// Milliseconds on the reporter's clock (virtual time in the simulator).
     pub at_ms: u64,
+    /// The inter-token latency the worker's decoding requests saw lately,
+    /// in microseconds: a recent mean of its decode steps' times (prefill
+    /// chunks mixed into them included). 0 when unknown or when nothing
+    /// decoded lately. Reports of older agents lack it (0).
+    #[serde(default)]
+    pub decode_step_us: u32,
 }
 
 impl LoadReport {
@@ -186,6 +192,7 @@ impl LoadReport {
             kv_blocks_used: 0,
             kv_blocks_total,
             at_ms,
+            decode_step_us: 0,
         }
     }
 

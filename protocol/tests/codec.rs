@@ -395,3 +395,22 @@ fn decisions_before_the_third_path_still_read() {
     assert_eq!(json["path"], "remote_fetch");
     assert_eq!(json["fetch"]["source"], "d0");
 }
+
+/// A load report of an older agent (no decode step time: one element fewer
+/// in its msgpack array) reads as one whose step time is unknown.
+#[test]
+fn reports_without_a_decode_step_read_as_unknown() {
+    let mut report = LoadReport::idle(worker("d0"), 100, 3);
+    report.running = 2;
+    report.decode_step_us = 45;
+    let bytes = report.encode();
+    // [0x92, version, 0x99 (9 fields), ..., decode_step_us: 45 (a fixint)]
+    assert_eq!(bytes[2], 0x99, "{bytes:02x?}");
+    assert_eq!(bytes.last(), Some(&45));
+    let mut old = bytes[..bytes.len() - 1].to_vec();
+    old[2] = 0x98;
+    let back = LoadReport::decode(&old).unwrap();
+    assert_eq!(back.decode_step_us, 0);
+    assert_eq!(back.running, 2);
+    assert_eq!(LoadReport::decode(&bytes).unwrap(), report);
+}

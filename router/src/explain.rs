@@ -23,6 +23,7 @@ fn candidate_json(c: &CandidateScore, picked: bool, block_size: u32) -> Value {
             "kv_blocks_used": c.load.kv_blocks_used,
             "reported_kv_blocks_used": c.load.reported_kv_blocks_used,
             "kv_capacity_blocks": c.load.kv_capacity_blocks,
+            "decode_step_us": c.load.decode_step_us,
         },
         "busy": c.busy,
         "cost": c.cost,
@@ -123,20 +124,21 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
         let _ = writeln!(out, "  {title} (lower cost wins):");
         let _ = writeln!(
             out,
-            "      {:<12} {:>21} {:>8} {:>8} {:>10} {:>16} {:>10}",
+            "      {:<12} {:>21} {:>8} {:>8} {:>10} {:>16} {:>10} {:>10}",
             "worker",
             "overlap dev/host/any",
             "running",
             "waiting",
             "queued tk",
             "kv used/total",
+            "ITL lately",
             "cost"
         );
         for (i, c) in cs.iter().enumerate() {
             let mark = if Some(i) == pick { "->" } else { "  " };
             let _ = writeln!(
                 out,
-                "    {mark}{:<12} {:>21} {:>8} {:>8} {:>10} {:>16} {:>10.1}{}",
+                "    {mark}{:<12} {:>21} {:>8} {:>8} {:>10} {:>16} {:>10} {:>10.1}{}",
                 c.worker.to_string(),
                 format!(
                     "{}/{}/{} blocks",
@@ -146,6 +148,10 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
                 c.load.waiting,
                 c.load.queued_prefill_tokens,
                 format!("{}/{}", c.load.kv_blocks_used, c.load.kv_capacity_blocks),
+                match c.load.decode_step_us {
+                    0 => "-".to_owned(),
+                    us => format!("{:.1} ms", f64::from(us) / 1000.0),
+                },
                 c.cost,
                 if c.busy { " busy" } else { "" }
             );

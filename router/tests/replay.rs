@@ -70,7 +70,18 @@ fn history_in(config: RouterConfig, policy: Policy) -> (Vec<DecisionRecord>, Vec
             let now = n * 100;
             for (i, d) in ["d0", "d1", "d2", "p0"].into_iter().enumerate() {
                 let active = (n * 37 + i as u64 * 101) % 900;
-                core.on_load(report(d, active, active * 2, 20_000, now), now);
+                // Decode workers say how long their decodes took lately:
+                // 30 to 69 ms a token.
+                let step_us = if d.starts_with('d') {
+                    30_000 + ((n * 13 + i as u64 * 29) % 40) as u32 * 1_000
+                } else {
+                    0
+                };
+                let load = protocol::LoadReport {
+                    decode_step_us: step_us,
+                    ..report(d, active, active * 2, 20_000, now)
+                };
+                core.on_load(load, now);
             }
             let hashes = core.hasher().hash_prompt(conversation);
             let request = RouteRequest {
@@ -257,6 +268,36 @@ fn sla_decisions_replay_with_their_calibration() {
         .filter(|(r, replayed)| difference(&r.decision, &replayed.decision).is_some())
         .count();
     assert!(differ >= calibrated, "{differ} of {calibrated}");
+
+    // The decode workers' reported ITL is recorded and replayed: without
+    // it some decisions differ.
+    let reported = records
+        .iter()
+        .filter(|r| {
+            r.inputs
+                .candidates
+                .iter()
+                .any(|c| c.load.decode_step_us > 0)
+        })
+        .count();
+    assert_eq!(reported, records.len());
+    let unreported: Vec<DecisionRecord> = records
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            r.inputs
+                .candidates
+                .iter_mut()
+                .for_each(|c| c.load.decode_step_us = 0);
+            r
+        })
+        .collect();
+    let differ = unreported
+        .iter()
+        .zip(replay_all(&unreported, &deltas, &Overrides::default()))
+        .filter(|(r, replayed)| difference(&r.decision, &replayed.decision).is_some())
+        .count();
+    assert!(differ > 0, "{differ} of {}", records.len());
 }
 
 #[test]

@@ -141,8 +141,24 @@ impl Fixture {
 }
 
 /// The engine's HTTP API as far as the KV side needs it: `/v1/models` and
-/// `/metrics` (a captured-format text).
+/// `/metrics` (a captured-format text, then an inter-token latency
+/// histogram whose totals grow by 10 tokens at 45 ms each per scrape).
 async fn engine_api(metrics: &'static str) -> Result<(SocketAddr, oneshot::Sender<()>)> {
+    let scrapes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let metrics = move || {
+        let k = scrapes.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as f64;
+        let labels = format!("engine=\"0\",model_name=\"{MODEL}\"");
+        async move {
+            format!(
+                "{metrics}# TYPE vllm:inter_token_latency_seconds histogram\n\
+                 vllm:inter_token_latency_seconds_bucket{{{labels},le=\"+Inf\"}} {count}\n\
+                 vllm:inter_token_latency_seconds_sum{{{labels}}} {sum}\n\
+                 vllm:inter_token_latency_seconds_count{{{labels}}} {count}\n",
+                count = 10.0 * k,
+                sum = 0.45 * k,
+            )
+        }
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let app = axum::Router::new()
@@ -152,7 +168,7 @@ async fn engine_api(metrics: &'static str) -> Result<(SocketAddr, oneshot::Sende
                 axum::Json(json!({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
             }),
         )
-        .route("/metrics", get(move || async move { metrics }));
+        .route("/metrics", get(metrics));
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
         let _ = axum::serve(listener, app)
@@ -293,11 +309,12 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     until_matches(&mut follower, &mut fx, "history").await?;
     until_epochs(&mut follower, 1, "history").await?;
 
-    // The load comes from the engine's metrics.
+    // The load comes from the engine's metrics, the recent inter-token
+    // latency from its histogram's totals over two scrapes or more.
     let report = timeout(WAIT, async {
         while let Some(m) = loads.next().await {
             let r = LoadReport::decode(&m.payload)?;
-            if r.running == 3 {
+            if r.running == 3 && r.decode_step_us > 0 {
                 return Ok::<_, anyhow::Error>(r);
             }
         }
@@ -308,8 +325,9 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
         (
             report.waiting,
             report.kv_blocks_used,
-            report.kv_blocks_total
-        ) == (2, 250, 1000),
+            report.kv_blocks_total,
+            report.decode_step_us
+        ) == (2, 250, 1000, 45_000),
         "{report:?}"
     );
 

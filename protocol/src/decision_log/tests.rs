@@ -220,6 +220,28 @@ fn garbage_columns_are_errors() {
     assert!(Columns::from_bytes(&bytes).is_err(), "trailing bytes");
 }
 
+#[test]
+fn columns_of_older_entries_read_without_the_decode_step() {
+    let state = CandidateState {
+        depth: [4, 5, 5],
+        load: CandidateLoad {
+            running: 3,
+            decode_step_us: 41_000,
+            ..CandidateLoad::default()
+        },
+    };
+    let two = Columns(vec![state; 2]);
+    let bytes = two.to_bytes();
+    // The last column, the decode step, written once for both: its kind
+    // and a 3-byte varint. An older release wrote none.
+    let older = &bytes[..bytes.len() - 4];
+    let read = Columns::from_bytes(older).expect("an older entry");
+    let mut expected = state;
+    expected.load.decode_step_us = 0;
+    assert_eq!(read, Columns(vec![expected; 2]));
+    assert_eq!(Columns::from_bytes(&bytes), Ok(two));
+}
+
 fn load() -> impl Strategy<Value = CandidateLoad> {
     (
         0u32..64,
@@ -228,15 +250,17 @@ fn load() -> impl Strategy<Value = CandidateLoad> {
         0u64..100_000,
         prop_oneof![0u64..100_000, Just(u64::MAX)],
         any::<u64>(),
+        prop_oneof![Just(0u32), any::<u32>()],
     )
         .prop_map(
-            |(running, waiting, queued, active, used, reported)| CandidateLoad {
+            |(running, waiting, queued, active, used, reported, step)| CandidateLoad {
                 running,
                 waiting,
                 queued_prefill_tokens: queued,
                 active_decode_blocks: active,
                 kv_blocks_used: used,
                 reported_kv_blocks_used: reported,
+                decode_step_us: step,
             },
         )
 }

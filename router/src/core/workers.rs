@@ -174,6 +174,9 @@ pub struct EffectiveLoad {
     /// KV blocks the ledger has pinned here for prefill workers pulling a
     /// prefix (counted in `kv_blocks_used` too).
     pub pinned_blocks: u64,
+    /// The inter-token latency its decodes saw lately, µs, as last
+    /// reported ([`LoadReport::decode_step_us`]; 0: unknown).
+    pub decode_step_us: u32,
 }
 
 impl EffectiveLoad {
@@ -233,7 +236,7 @@ impl Slot {
 
     /// See [`EffectiveLoad`].
     pub(crate) fn effective(&self) -> EffectiveLoad {
-        let (queued, active, used, total, running, waiting) = match &self.report {
+        let (queued, active, used, total, running, waiting, step) = match &self.report {
             Some(r) => (
                 r.queued_prefill_tokens,
                 r.active_decode_blocks,
@@ -241,8 +244,9 @@ impl Slot {
                 r.kv_blocks_total,
                 r.running,
                 r.waiting,
+                r.decode_step_us,
             ),
-            None => (0, 0, 0, 0, 0, 0),
+            None => (0, 0, 0, 0, 0, 0, 0),
         };
         let u = &self.unreported;
         let l = &self.ledger;
@@ -264,6 +268,7 @@ impl Slot {
             running: running.saturating_add(u.requests).max(l.requests),
             waiting,
             pinned_blocks: l.pinned_blocks,
+            decode_step_us: step,
         }
     }
 }

@@ -13,6 +13,7 @@ use tracing::{info, warn};
 
 use super::engine::{lock, Shared};
 use super::prom::{self, ScrapedLoad};
+use super::recent::RecentLatency;
 use crate::engine::EngineLoad;
 use crate::metrics as m;
 
@@ -129,6 +130,7 @@ pub(super) fn engine_load(shared: &Shared, block_size: u32, total: u64) -> Engin
             .map_or(0, |u| (u * total as f64).round() as u64)
             .min(total),
         kv_blocks_total: total,
+        decode_step_us: scraped.recent_itl_us,
     }
 }
 
@@ -158,8 +160,9 @@ pub(super) async fn scrape(
     Ok(prom::load(&samples, Some(model), rank))
 }
 
-/// Scrapes every `interval` into the shared state until `stop`; a failing
-/// scrape keeps the last values (said once, counted every time).
+/// Scrapes every `interval` into the shared state until `stop`, with the
+/// recent inter-token latency from the scrapes so far; a failing scrape
+/// keeps the last values (said once, counted every time).
 pub(super) async fn scrape_loop(
     http: reqwest::Client,
     url: String,
@@ -172,17 +175,22 @@ pub(super) async fn scrape_loop(
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
+    let started = tokio::time::Instant::now();
+    let mut recent = RecentLatency::default();
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             _ = tick.tick() => {}
         }
         match scrape(&http, &url, &model, rank).await {
-            Ok(load) => {
+            Ok(mut load) => {
                 if failing {
                     info!(url, "engine metrics scraped again");
                     failing = false;
                 }
+                let at_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                recent.observe(at_ms, load.itl);
+                load.recent_itl_us = recent.mean_us();
                 *lock(&shared.scraped) = load;
             }
             Err(e) => {

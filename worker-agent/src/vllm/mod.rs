@@ -86,6 +86,7 @@ mod load;
 pub mod openai;
 pub mod prom;
 mod proxy;
+pub mod recent;
 pub mod sequence;
 pub mod translate;
 pub mod wire;

@@ -6,7 +6,11 @@
 //! a fraction in 0..1 despite the name; `vllm:cache_config_info` carries
 //! the cache configuration as labels (`block_size`, `num_gpu_blocks`).
 //! SGLang's: `sglang:num_running_reqs`, `sglang:num_queue_reqs`,
-//! `sglang:token_usage`. Every sample carries a `model_name` label; with
+//! `sglang:token_usage`. The inter-token latency histogram's totals
+//! (`_sum`, `_count`): `vllm:inter_token_latency_seconds` (older builds:
+//! `vllm:time_per_output_token_seconds`), `sglang:inter_token_latency_seconds`
+//! (older: `sglang:time_per_output_token_seconds`), one observation per
+//! output token. Every sample carries a `model_name` label; with
 //! data parallelism an engine index label (`engine`, or SGLang's
 //! `dp_rank`) tells the ranks apart.
 
@@ -118,6 +122,19 @@ pub struct ScrapedLoad {
     pub block_size: Option<u32>,
     /// `num_gpu_blocks` of `vllm:cache_config_info`.
     pub num_gpu_blocks: Option<u64>,
+    /// The inter-token latency histogram's totals so far.
+    pub itl: Option<LatencyTotals>,
+    /// The mean inter-token latency lately, µs (0: unknown): not in one
+    /// scrape, the scrape loop fills it from `itl` over time
+    /// ([`super::recent::RecentLatency`]).
+    pub recent_itl_us: u32,
+}
+
+/// A latency histogram's cumulative `_sum` (seconds) and `_count`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LatencyTotals {
+    pub sum_s: f64,
+    pub count: f64,
 }
 
 const RUNNING: [&str; 2] = ["vllm:num_requests_running", "sglang:num_running_reqs"];
@@ -128,6 +145,24 @@ const KV_USAGE: [&str; 3] = [
     "sglang:token_usage",
 ];
 const RANK_LABELS: [&str; 3] = ["engine", "dp_rank", "engine_index"];
+/// Newest first: an engine exporting two is read by the first.
+const ITL: [&str; 4] = [
+    "vllm:inter_token_latency_seconds",
+    "sglang:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "sglang:time_per_output_token_seconds",
+];
+
+/// `name` as `(index in ITL, is the sum)` when it is one of their totals.
+fn itl_total(name: &str) -> Option<(usize, bool)> {
+    ITL.iter()
+        .enumerate()
+        .find_map(|(i, base)| match name.strip_prefix(base)? {
+            "_sum" => Some((i, true)),
+            "_count" => Some((i, false)),
+            _ => None,
+        })
+}
 
 /// The load of the engine serving `model` (any model when `None`), of
 /// data-parallel rank `rank` when the samples carry a rank label (samples
@@ -144,9 +179,14 @@ pub fn load(samples: &[Sample], model: Option<&str>, rank: u32) -> ScrapedLoad {
     let mut out = ScrapedLoad::default();
     let mut usage = (0.0, 0u32);
     let mut usage_name: Option<&str> = None;
+    // The totals of each ITL name, summed over the samples.
+    let mut itl = [(None::<f64>, None::<f64>); ITL.len()];
     for s in samples.iter().filter(|s| ours(s)) {
         let name = s.name.as_str();
-        if RUNNING.contains(&name) {
+        if let Some((i, is_sum)) = itl_total(name) {
+            let total = if is_sum { &mut itl[i].0 } else { &mut itl[i].1 };
+            *total.get_or_insert(0.0) += s.value;
+        } else if RUNNING.contains(&name) {
             *out.running.get_or_insert(0.0) += s.value;
         } else if WAITING.contains(&name) {
             *out.waiting.get_or_insert(0.0) += s.value;
@@ -174,6 +214,12 @@ pub fn load(samples: &[Sample], model: Option<&str>, rank: u32) -> ScrapedLoad {
     if usage.1 > 0 {
         out.kv_usage = Some((usage.0 / f64::from(usage.1)).clamp(0.0, 1.0));
     }
+    out.itl = itl.iter().find_map(|&(sum, count)| {
+        Some(LatencyTotals {
+            sum_s: sum?,
+            count: count?,
+        })
+    });
     out
 }
 
@@ -266,6 +312,36 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="28000"} 1.0
         assert_eq!(samples[2].labels["a"], "b\"c");
         let (samples, _) = parse("vllm:kv_cache_usage_perc 0.3\nvllm:gpu_cache_usage_perc 0.9\n");
         assert_eq!(load(&samples, None, 0).kv_usage, Some(0.3));
+    }
+
+    #[test]
+    fn the_inter_token_latency_totals_of_the_newest_name() {
+        let text = "\
+vllm:time_per_output_token_seconds_sum{engine=\"0\",model_name=\"m\"} 99.0
+vllm:time_per_output_token_seconds_count{engine=\"0\",model_name=\"m\"} 99.0
+vllm:inter_token_latency_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 1000.0
+vllm:inter_token_latency_seconds_sum{engine=\"0\",model_name=\"m\"} 40.5
+vllm:inter_token_latency_seconds_count{engine=\"0\",model_name=\"m\"} 1000.0
+vllm:inter_token_latency_seconds_sum{engine=\"1\",model_name=\"m\"} 7.0
+vllm:inter_token_latency_seconds_count{engine=\"1\",model_name=\"m\"} 100.0
+";
+        let (samples, bad) = parse(text);
+        assert_eq!(bad, 0);
+        let totals = |rank| load(&samples, Some("m"), rank).itl;
+        assert_eq!(
+            totals(0),
+            Some(LatencyTotals {
+                sum_s: 40.5,
+                count: 1000.0
+            })
+        );
+        assert_eq!(totals(1).map(|t| t.count), Some(100.0));
+        // An older build's name alone; a sum without its count is nothing.
+        let (older, _) = parse("vllm:time_per_output_token_seconds_sum 3.0\nvllm:time_per_output_token_seconds_count 60\n");
+        assert_eq!(load(&older, None, 0).itl.map(|t| t.sum_s), Some(3.0));
+        let (half, _) = parse("sglang:inter_token_latency_seconds_sum 3.0\n");
+        assert_eq!(load(&half, None, 0).itl, None);
+        assert_eq!(load(&parse(OLD).0, None, 0).itl, None);
     }
 
     #[test]

@@ -154,9 +154,16 @@ pub struct SlaPrediction {
     /// The model's decode step on the decode worker with this request in its
     /// batch (without any prefill mixed in).
     pub step_model_ms: f64,
+    /// The inter-token latency the decode worker reported its decodes saw
+    /// lately ([`crate::EffectiveLoad::decode_step_us`]; 0: unknown or nothing
+    /// decoding).
+    pub live_step_ms: f64,
     /// The decode worker's ITL without this request's prefill:
     /// `step_model_ms` times the ITL factor (which learnt how much the
-    /// batch's growth and the prefills mixed in lengthen a request's ITL).
+    /// batch's growth and the prefills mixed in lengthen a request's ITL),
+    /// and no less than `live_step_ms`: the model knows neither the
+    /// prefills now mixed into that worker's steps nor how one worker
+    /// differs from the rest, the report does.
     pub itl_base_ms: f64,
     /// The time this local prefill's chunks add to the steps they are mixed
     /// into: every request running there waits that much longer.
@@ -336,7 +343,12 @@ impl SlaDynamic {
                 c.mixed_chunk_ms(chunk, d_hit + start)
             })
             .sum();
-        let itl_base = k.itl * step_model;
+        let live_step = if batch > 0 {
+            f64::from(d.load.decode_step_us) / 1000.0
+        } else {
+            0.0
+        };
+        let itl_base = (k.itl * step_model).max(live_step);
         let itl_local = itl_base + stall / f64::from(input.expected_output_tokens.max(1));
 
         let p = &input.prefill;
@@ -389,6 +401,7 @@ impl SlaDynamic {
             local_model_ms: local_model,
             local_ttft_ms: k.local_ttft * local_model,
             step_model_ms: step_model,
+            live_step_ms: live_step,
             itl_base_ms: itl_base,
             prefill_stall_ms: stall,
             itl_local_ms: itl_local,
@@ -511,8 +524,13 @@ impl ConditionalDisaggPolicy for SlaDynamic {
         let local_ok = s.local_ttft_ms <= tt && s.itl_local_ms <= it;
         let r = self.remote_option(input, &s);
         let k = s.factors;
+        let reported = if s.live_step_ms > 0.0 {
+            format!(" (its decodes lately {:.1} ms)", s.live_step_ms)
+        } else {
+            String::new()
+        };
         let mut numbers = format!(
-            "local on {d}: {} tokens, TTFT {:.0} ms, ITL {:.1} -> {:.1} ms (stall {:.0} ms over {} running); remote on {p}: {} tokens, TTFT {:.0} ms (transfer {:.0} ms)",
+            "local on {d}: {} tokens, TTFT {:.0} ms, ITL {:.1}{reported} -> {:.1} ms (stall {:.0} ms over {} running); remote on {p}: {} tokens, TTFT {:.0} ms (transfer {:.0} ms)",
             s.local_prefill_tokens,
             s.local_ttft_ms,
             s.itl_base_ms,
@@ -781,6 +799,62 @@ mod tests {
                 assert_eq!(rule, rules::SLA_REMOTE_MEETS_TARGETS, "{why}");
             }
         }
+    }
+
+    /// The decode worker's reported recent ITL is the floor of the ITL
+    /// base: above the model's, it is the base (and can send an append
+    /// remote the model alone would bypass); below it, or unknown, or with
+    /// nothing running there, the model's stands.
+    #[test]
+    fn the_reported_itl_is_the_floor_of_the_base() {
+        let f = Fixture::new();
+        let policy = SlaDynamic::default();
+        let with_step = |us| EffectiveLoad {
+            decode_step_us: us,
+            ..running(20, 20 * 64)
+        };
+        let plain = policy.predict(&f.input(8_000, 7_800, with_step(0), EffectiveLoad::default()));
+        assert_eq!(plain.live_step_ms, 0.0);
+        let model = plain.itl_base_ms;
+        assert!(model < 50.0, "{model}");
+
+        let below = (model * 1000.0) as u32 - 1_000;
+        let s = policy.predict(&f.input(8_000, 7_800, with_step(below), EffectiveLoad::default()));
+        assert_eq!(s.itl_base_ms, model);
+        assert_eq!(s.live_step_ms, f64::from(below) / 1000.0);
+
+        // 200 tokens' stall spread over the answer adds about 0.1 ms.
+        let input = f.input(8_000, 7_800, with_step(59_960), EffectiveLoad::default());
+        let s = policy.predict(&input);
+        assert_eq!(s.itl_base_ms, 59.96);
+        // The stall is added to the base as before.
+        let stall = plain.itl_local_ms - model;
+        assert!(stall > 0.0 && (s.itl_local_ms - 59.96 - stall).abs() < 1e-9);
+        let (path, rule, why) = decide(&policy, &input);
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_MEETS_TARGETS),
+            "{why}"
+        );
+        assert!(
+            why.contains("ITL 60.0 (its decodes lately 60.0 ms) -> 60.1 ms"),
+            "{why}"
+        );
+        let (path, _, why) = decide(
+            &policy,
+            &f.input(8_000, 7_800, with_step(0), EffectiveLoad::default()),
+        );
+        assert_eq!(path, Path::Bypass, "{why}");
+        assert!(!why.contains("lately"), "{why}");
+
+        // Nothing running: a stale report says nothing of this request's ITL.
+        let idle = EffectiveLoad {
+            decode_step_us: 59_000,
+            ..EffectiveLoad::default()
+        };
+        let s = policy.predict(&f.input(8_000, 7_800, idle, EffectiveLoad::default()));
+        assert_eq!(s.live_step_ms, 0.0);
+        assert!(s.itl_base_ms < 59.0);
     }
 
     /// Neither meets the targets: remote spares the running decodes, else
