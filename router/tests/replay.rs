@@ -254,19 +254,7 @@ fn sla_decisions_replay_with_their_calibration() {
             record.decision.id
         );
     }
-    let stripped: Vec<DecisionRecord> = records
-        .iter()
-        .cloned()
-        .map(|mut r| {
-            r.inputs.calibration.clear();
-            r
-        })
-        .collect();
-    let differ = stripped
-        .iter()
-        .zip(replay_all(&stripped, &deltas, &Overrides::default()))
-        .filter(|(r, replayed)| difference(&r.decision, &replayed.decision).is_some())
-        .count();
+    let differ = differ_without(&records, &deltas, |r| r.inputs.calibration.clear());
     assert!(differ >= calibrated, "{differ} of {calibrated}");
 
     // The decode workers' reported ITL is recorded and replayed: without
@@ -281,23 +269,35 @@ fn sla_decisions_replay_with_their_calibration() {
         })
         .count();
     assert_eq!(reported, records.len());
-    let unreported: Vec<DecisionRecord> = records
+    let differ = differ_without(&records, &deltas, |r| {
+        r.inputs
+            .candidates
+            .iter_mut()
+            .for_each(|c| c.load.decode_step_us = 0)
+    });
+    assert!(differ > 0, "{differ} of {}", records.len());
+}
+
+/// How many of `records` replay to another decision once `strip` took
+/// something out of each.
+fn differ_without(
+    records: &[DecisionRecord],
+    deltas: &[IndexDelta],
+    strip: impl Fn(&mut DecisionRecord),
+) -> usize {
+    let stripped: Vec<DecisionRecord> = records
         .iter()
         .cloned()
         .map(|mut r| {
-            r.inputs
-                .candidates
-                .iter_mut()
-                .for_each(|c| c.load.decode_step_us = 0);
+            strip(&mut r);
             r
         })
         .collect();
-    let differ = unreported
+    stripped
         .iter()
-        .zip(replay_all(&unreported, &deltas, &Overrides::default()))
+        .zip(replay_all(&stripped, deltas, &Overrides::default()))
         .filter(|(r, replayed)| difference(&r.decision, &replayed.decision).is_some())
-        .count();
-    assert!(differ > 0, "{differ} of {}", records.len());
+        .count()
 }
 
 #[test]
