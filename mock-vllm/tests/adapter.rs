@@ -298,6 +298,16 @@ async fn every_stage_through_the_adapter() -> Result<()> {
     }
     let events = collect(long).await?;
     ensure!(tokens(&events).len() == 3000);
+    // Its metrics are valid Prometheus text (vLLM's names have colons).
+    let metrics = reqwest::get(format!("{}/metrics", mock.url()))
+        .await?
+        .text()
+        .await?;
+    ensure!(
+        metrics.contains("vllm:inter_token_latency_seconds_count{engine=\"0\""),
+        "{metrics}"
+    );
+    tests::promtool::check_metrics(&metrics, &["metric names should not contain ':'"])?;
 
     // A block set asked for comes in order in the KV stream.
     engine.request_block_set();

@@ -96,6 +96,7 @@ async fn ready_after_catching_up_from_snapshot_and_deltas_across_a_gap() -> Resu
         metrics.contains("router_deltas_total{outcome=\"applied\"} 2"),
         "{metrics}"
     );
+    tests::promtool::check_metrics(&metrics, &[])?;
     let body: serde_json::Value = router
         .http
         .get(router.url("/readyz"))

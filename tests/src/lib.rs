@@ -5,11 +5,13 @@
 //! fixtures and KV-stream tap the crates' tests share ([`fixtures`]), and
 //! the runner of data-driven scenarios ([`datadriven`]), and a throwaway
 //! certificate authority for TLS tests ([`tls`]), and the tokenizer the
-//! project ships ([`tokenizer`]).
+//! project ships ([`tokenizer`]), and `promtool check metrics` on a
+//! service's `/metrics` ([`promtool`]).
 
 pub mod clusters;
 pub mod datadriven;
 pub mod fixtures;
+pub mod promtool;
 pub mod servers;
 pub mod services;
 pub mod tls;

@@ -177,15 +177,15 @@ fn free_addr() -> Result<SocketAddr> {
 
 async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    // HTTP/1.0: the body comes whole, not in chunks.
     stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n").as_bytes())
         .await?;
     let mut text = String::new();
     timeout(WAIT, stream.read_to_string(&mut text)).await??;
     let status = text.get(9..12).context("no status line")?.parse()?;
-    Ok((status, text))
+    let (_, body) = text.split_once("\r\n\r\n").context("no body")?;
+    Ok((status, body.to_owned()))
 }
 
 // --- 1. Registration ---------------------------------------------------
@@ -637,6 +637,7 @@ async fn bad_requests_get_a_clear_failure_and_serving_goes_on() -> Result<()> {
     ] {
         assert!(metrics.contains(line), "{line} missing from\n{metrics}");
     }
+    tests::promtool::check_metrics(&metrics, &[])?;
     agent.shutdown(WAIT).await?;
     Ok(())
 }

@@ -697,29 +697,6 @@ mod tests {
                 assert!(fresh.contains(&series), "no {series}:\n{fresh}");
             }
         }
-        let promtool = std::process::Command::new("promtool")
-            .args(["check", "metrics"])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn();
-        let Ok(mut promtool) = promtool else {
-            eprintln!("promtool is not installed: its check is skipped");
-            return;
-        };
-        use std::io::Write as _;
-        promtool
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-        let out = promtool.wait_with_output().unwrap();
-        let said = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success() && said.trim().is_empty(),
-            "promtool: {said}"
-        );
+        ::tests::promtool::check_metrics(&text, &[]).unwrap();
     }
 }
