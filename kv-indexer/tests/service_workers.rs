@@ -73,7 +73,7 @@ async fn a_gap_triggers_a_resync_request() -> Result<()> {
     })
     .await?;
     ensure!(service.metric("kv_indexer_resync_requests_total").await? == 1.0);
-    let (_, metrics) = common::http_get(service.http, "/metrics").await?;
+    let (_, metrics) = http_get(service.http, "/metrics").await?;
     tests::promtool::check_metrics(&metrics, &[])?;
 
     // The agent resyncs: a new epoch from Cleared, applied.
