@@ -154,15 +154,16 @@ pub struct Engine {
     pins: Vec<u32>,
     /// Restarts so far: a pin from before the last one holds nothing.
     generation: u64,
-    /// A recent mean of the steps that decoded, µs (0 before the first):
-    /// what [`LoadReport::decode_step_us`] reports.
-    decode_step_us: f64,
+    /// A moving mean of the durations of the steps that decoded since
+    /// decoding last started here, µs: what [`LoadReport::recent_itl_us`]
+    /// reports (`None` while nothing decodes).
+    recent_itl_us: Option<f64>,
 }
 
 /// The weight of the newest decode step in [`Engine::load_report`]'s
-/// `decode_step_us`: a moving mean over about the last ten steps that
+/// `recent_itl_us`: a moving mean over about the last fifty steps that
 /// decoded.
-const DECODE_STEP_WEIGHT: f64 = 0.02;
+const RECENT_ITL_WEIGHT: f64 = 0.02;
 
 /// Blocks of a prefix held for another worker's read
 /// ([`Engine::pin_prefix`]): they are in use (not evictable) until
@@ -205,7 +206,7 @@ impl Engine {
             reads: 0,
             pins: vec![0; config.kv_capacity_blocks as usize],
             generation: 0,
-            decode_step_us: 0.0,
+            recent_itl_us: None,
         })
     }
 
@@ -417,6 +418,10 @@ impl Engine {
         self.stats.busy_us += duration_us;
         if planned.decode_seqs > 0 {
             self.note_decode_step(duration_us);
+        } else {
+            // Nothing decodes (decodes go first in every step): the next
+            // decode starts a new mean, not the last busy period's.
+            self.recent_itl_us = None;
         }
         let mut outputs = Vec::with_capacity(self.outputs.len());
         outputs.append(&mut self.outputs);
@@ -432,11 +437,10 @@ impl Engine {
 
     fn note_decode_step(&mut self, duration_us: u64) {
         let d = duration_us as f64;
-        self.decode_step_us = if self.decode_step_us == 0.0 {
-            d
-        } else {
-            self.decode_step_us + DECODE_STEP_WEIGHT * (d - self.decode_step_us)
-        };
+        self.recent_itl_us = Some(match self.recent_itl_us {
+            None => d,
+            Some(mean) => mean + RECENT_ITL_WEIGHT * (d - mean),
+        });
     }
 
     fn sync_stats(&mut self) {
@@ -491,7 +495,7 @@ impl Engine {
     /// `active_decode_blocks` sums the blocks of each decoding request (a
     /// prefix shared by several counts once per request, as each one's
     /// attention reads it); `kv_blocks_used` counts distinct blocks held by
-    /// requests; `decode_step_us` is a moving mean of the steps that
+    /// requests; `recent_itl_us` is a moving mean of the steps that
     /// decoded, 0 while nothing decodes.
     pub fn load_report(&self, now_us: u64) -> LoadReport {
         let mut running_prefill = 0u64;
@@ -528,10 +532,9 @@ impl Engine {
             kv_blocks_total: u64::from(counts.total),
             at_ms: now_us / 1000,
             // `as` saturates.
-            decode_step_us: if decode_blocks > 0 {
-                self.decode_step_us.round() as u32
-            } else {
-                0
+            recent_itl_us: match self.recent_itl_us {
+                Some(mean) if decode_blocks > 0 => mean.round() as u32,
+                _ => 0,
             },
         }
     }
@@ -548,7 +551,7 @@ impl Engine {
         self.pins.fill(0);
         self.generation += 1;
         self.reads = 0;
-        self.decode_step_us = 0.0;
+        self.recent_itl_us = None;
         dropped
     }
 

@@ -318,12 +318,12 @@ fn load_report_counts_blocks_and_prefill_work() {
     assert_eq!(r.at_ms, s.end_us() / 1000);
 }
 
-/// The report's `decode_step_us` is a moving mean of the steps that
+/// The report's `recent_itl_us` is a moving mean of the steps that
 /// decoded: the first one's time, then a little of each later one's (a
-/// long prefill chunk mixed in moves it only a little), 0 while nothing
-/// decodes and after a restart.
+/// long prefill chunk mixed in moves it only a little); 0 while nothing
+/// decodes and after a restart, and a new mean once decoding starts again.
 #[test]
-fn load_report_says_how_long_decode_steps_took_lately() {
+fn load_report_says_the_recent_itl() {
     let cfg = Preset::llama8b_h100().engine_config(16);
     let mut e = engine(Role::Both, cfg);
     e.submit(req(1, &tokens(0, 1000), 50, Mode::LocalPrefill))
@@ -331,11 +331,11 @@ fn load_report_says_how_long_decode_steps_took_lately() {
     let prefill = e.step(0).unwrap();
     assert_eq!(prefill.decode_seqs, 0);
     // Prefilled and decoding, no decode step yet: none to report.
-    assert_eq!(e.load_report(prefill.end_us()).decode_step_us, 0);
+    assert_eq!(e.load_report(prefill.end_us()).recent_itl_us, 0);
     let first = e.step(prefill.end_us()).unwrap();
     assert_eq!(first.decode_seqs, 1);
     let r = e.load_report(first.end_us());
-    assert_eq!(u64::from(r.decode_step_us), first.duration_us);
+    assert_eq!(u64::from(r.recent_itl_us), first.duration_us);
     // A long prefill mixed into the next step: the mean moves by a fiftieth
     // of the difference.
     e.submit(req(2, &tokens(50_000, 8000), 5, Mode::LocalPrefill))
@@ -345,10 +345,25 @@ fn load_report_says_how_long_decode_steps_took_lately() {
     let mean =
         first.duration_us as f64 + (mixed.duration_us as f64 - first.duration_us as f64) / 50.0;
     let r = e.load_report(mixed.end_us());
-    assert_eq!(f64::from(r.decode_step_us), mean.round());
+    assert_eq!(f64::from(r.recent_itl_us), mean.round());
     assert!(mixed.duration_us > 4 * first.duration_us);
+
+    // Idle, then a new request: its decode steps start a new mean, not
+    // the busy period's.
+    let mut now = mixed.end_us();
+    while let Some(step) = e.step(now) {
+        now = step.end_us();
+    }
+    assert_eq!(e.load_report(now).recent_itl_us, 0);
+    e.submit(req(3, &tokens(90_000, 100), 5, Mode::LocalPrefill))
+        .unwrap();
+    let prefill = e.step(now).unwrap();
+    let alone = e.step(prefill.end_us()).unwrap();
+    assert_eq!(alone.decode_seqs, 1);
+    let r = e.load_report(alone.end_us());
+    assert_eq!(u64::from(r.recent_itl_us), alone.duration_us);
     e.restart();
-    assert_eq!(e.load_report(mixed.end_us()).decode_step_us, 0);
+    assert_eq!(e.load_report(alone.end_us()).recent_itl_us, 0);
 }
 
 /// A waiting request's queued prefill is what it will compute: its prompt

@@ -119,7 +119,7 @@ pub fn seeds() -> Vec<Vec<u8>> {
         kv_blocks_used: 120,
         kv_blocks_total: 1000,
         at_ms: 1_700_000_000_000,
-        decode_step_us: 41_250,
+        recent_itl_us: 41_250,
     };
     let request = tests::fixtures::generate_request("r-1", Stage::Local, vec![1, 2, 3, 4], 16);
     let chunk = GenerateChunk {

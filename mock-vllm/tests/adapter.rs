@@ -289,7 +289,7 @@ async fn every_stage_through_the_adapter() -> Result<()> {
         if load.kv_blocks_total == capacity
             && load.running >= 1
             && load.kv_blocks_used > 0
-            && load.decode_step_us > 0
+            && load.recent_itl_us > 0
         {
             break;
         }

@@ -199,7 +199,8 @@ pub struct CandidateState {
 const COLUMNS: usize = 10;
 
 /// Columns every entry has; the ones after them are absent in entries of
-/// older releases (read as 0).
+/// older releases (read as 0), and columns after [`COLUMNS`] (a newer
+/// release's) are skipped.
 const REQUIRED_COLUMNS: usize = 9;
 
 fn column_values(s: &CandidateState) -> [u64; COLUMNS] {
@@ -214,7 +215,7 @@ fn column_values(s: &CandidateState) -> [u64; COLUMNS] {
         l.active_decode_blocks,
         l.kv_blocks_used,
         zigzag(l.reported_kv_blocks_used.wrapping_sub(l.kv_blocks_used) as i64),
-        u64::from(l.decode_step_us),
+        u64::from(l.recent_itl_us),
     ]
 }
 
@@ -235,7 +236,7 @@ fn from_columns(v: [u64; COLUMNS]) -> Result<CandidateState, String> {
             active_decode_blocks: v[6],
             kv_blocks_used: v[7],
             reported_kv_blocks_used: v[7].wrapping_add(unzigzag(v[8]) as u64),
-            decode_step_us: count(v[9], "decode step")?,
+            recent_itl_us: count(v[9], "decode step")?,
         },
     })
 }
@@ -305,27 +306,31 @@ impl Columns {
         }
         let n = n as usize;
         let mut rows = vec![[0u64; COLUMNS]; n];
-        for c in 0..COLUMNS {
-            if c >= REQUIRED_COLUMNS && bytes.is_empty() {
-                break;
-            }
+        let mut c = 0;
+        while c < REQUIRED_COLUMNS || !bytes.is_empty() {
             let (&kind, rest) = bytes.split_first().ok_or("truncated column")?;
             bytes = rest;
+            // Columns past the ones this release knows (a newer writer's)
+            // are read and left out.
+            let known = c < COLUMNS;
             match kind {
                 CONSTANT => {
                     let v = get_varint(&mut bytes)?;
-                    rows.iter_mut().for_each(|r| r[c] = v);
+                    if known {
+                        rows.iter_mut().for_each(|r| r[c] = v);
+                    }
                 }
                 EACH => {
                     for r in &mut rows {
-                        r[c] = get_varint(&mut bytes)?;
+                        let v = get_varint(&mut bytes)?;
+                        if known {
+                            r[c] = v;
+                        }
                     }
                 }
                 other => return Err(format!("unknown column kind {other}")),
             }
-        }
-        if !bytes.is_empty() {
-            return Err(format!("{} bytes after the columns", bytes.len()));
+            c += 1;
         }
         rows.into_iter()
             .map(from_columns)

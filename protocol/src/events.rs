@@ -177,7 +177,7 @@ pub struct LoadReport {
     /// chunks mixed into them included). 0 when unknown or when nothing
     /// decoded lately. Reports of older agents lack it (0).
     #[serde(default)]
-    pub decode_step_us: u32,
+    pub recent_itl_us: u32,
 }
 
 impl LoadReport {
@@ -192,7 +192,7 @@ impl LoadReport {
             kv_blocks_used: 0,
             kv_blocks_total,
             at_ms,
-            decode_step_us: 0,
+            recent_itl_us: 0,
         }
     }
 

@@ -83,10 +83,10 @@ pub struct CandidateLoad {
     pub kv_blocks_used: u64,
     /// What the last report alone said (the ledger not counted).
     pub reported_kv_blocks_used: u64,
-    /// The last report's [`crate::LoadReport::decode_step_us`] (absent in
+    /// The last report's [`crate::LoadReport::recent_itl_us`] (absent in
     /// older records: 0, unknown).
     #[serde(default)]
-    pub decode_step_us: u32,
+    pub recent_itl_us: u32,
 }
 
 /// The indexer's position and digest, by request/reply (`INDEX_STATUS`).

@@ -399,18 +399,27 @@ fn decisions_before_the_third_path_still_read() {
 /// A load report of an older agent (no decode step time: one element fewer
 /// in its msgpack array) reads as one whose step time is unknown.
 #[test]
-fn reports_without_a_decode_step_read_as_unknown() {
+fn reports_without_a_recent_itl_read_as_unknown() {
     let mut report = LoadReport::idle(worker("d0"), 100, 3);
     report.running = 2;
-    report.decode_step_us = 45;
+    report.recent_itl_us = 45;
     let bytes = report.encode();
-    // [0x92, version, 0x99 (9 fields), ..., decode_step_us: 45 (a fixint)]
+    // [0x92, version, 0x99 (9 fields), ..., recent_itl_us: 45 (a fixint)]
     assert_eq!(bytes[2], 0x99, "{bytes:02x?}");
     assert_eq!(bytes.last(), Some(&45));
     let mut old = bytes[..bytes.len() - 1].to_vec();
     old[2] = 0x98;
     let back = LoadReport::decode(&old).unwrap();
-    assert_eq!(back.decode_step_us, 0);
+    assert_eq!(back.recent_itl_us, 0);
     assert_eq!(back.running, 2);
     assert_eq!(LoadReport::decode(&bytes).unwrap(), report);
+    // A reader refuses a report one field longer than it knows: so routers
+    // are upgraded before the agents whose reports gain a field.
+    let mut newer = bytes.clone();
+    newer[2] = 0x9a;
+    newer.push(7);
+    assert!(matches!(
+        LoadReport::decode(&newer),
+        Err(DecodeError::Malformed { .. })
+    ));
 }

@@ -120,7 +120,7 @@ fn setup() -> (RouterCore, Vec<u32>) {
                 kv_blocks_used: active + 10_000,
                 kv_blocks_total: 100_000,
                 at_ms: 0,
-                decode_step_us: 0,
+                recent_itl_us: 0,
             },
             0,
         );

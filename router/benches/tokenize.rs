@@ -149,7 +149,7 @@ fn core(contract: &HashingContract, held: &[Vec<protocol::BlockHash>]) -> Router
                 kv_blocks_used: 20_000,
                 kv_blocks_total: 100_000,
                 at_ms: 0,
-                decode_step_us: 0,
+                recent_itl_us: 0,
             },
             0,
         );

@@ -23,7 +23,7 @@ fn candidate_json(c: &CandidateScore, picked: bool, block_size: u32) -> Value {
             "kv_blocks_used": c.load.kv_blocks_used,
             "reported_kv_blocks_used": c.load.reported_kv_blocks_used,
             "kv_capacity_blocks": c.load.kv_capacity_blocks,
-            "decode_step_us": c.load.decode_step_us,
+            "recent_itl_us": c.load.recent_itl_us,
         },
         "busy": c.busy,
         "cost": c.cost,
@@ -148,7 +148,7 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
                 c.load.waiting,
                 c.load.queued_prefill_tokens,
                 format!("{}/{}", c.load.kv_blocks_used, c.load.kv_capacity_blocks),
-                match c.load.decode_step_us {
+                match c.load.recent_itl_us {
                     0 => "-".to_owned(),
                     us => format!("{:.1} ms", f64::from(us) / 1000.0),
                 },

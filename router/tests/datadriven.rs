@@ -151,7 +151,7 @@ fn run(scenario: &mut Option<Scenario>, command: &str) -> String {
                     kv_blocks_used: number(&opts, "used", 0),
                     kv_blocks_total: capacity,
                     at_ms: at,
-                    decode_step_us: number(&opts, "step_us", 0),
+                    recent_itl_us: number(&opts, "itl_us", 0),
                 },
                 at,
             );

@@ -78,7 +78,7 @@ fn history_in(config: RouterConfig, policy: Policy) -> (Vec<DecisionRecord>, Vec
                     0
                 };
                 let load = protocol::LoadReport {
-                    decode_step_us: step_us,
+                    recent_itl_us: step_us,
                     ..report(d, active, active * 2, 20_000, now)
                 };
                 core.on_load(load, now);
@@ -261,19 +261,14 @@ fn sla_decisions_replay_with_their_calibration() {
     // it some decisions differ.
     let reported = records
         .iter()
-        .filter(|r| {
-            r.inputs
-                .candidates
-                .iter()
-                .any(|c| c.load.decode_step_us > 0)
-        })
+        .filter(|r| r.inputs.candidates.iter().any(|c| c.load.recent_itl_us > 0))
         .count();
     assert_eq!(reported, records.len());
     let differ = differ_without(&records, &deltas, |r| {
         r.inputs
             .candidates
             .iter_mut()
-            .for_each(|c| c.load.decode_step_us = 0)
+            .for_each(|c| c.load.recent_itl_us = 0)
     });
     assert!(differ > 0, "{differ} of {}", records.len());
 }

@@ -85,7 +85,7 @@ proptest! {
                 kv_blocks_used: w.active + w.used_extra,
                 kv_blocks_total: CAPACITY,
                 at_ms: 0,
-                decode_step_us: 0,
+                recent_itl_us: 0,
             }, 0);
         }
         core.apply_delta(&IndexDelta {

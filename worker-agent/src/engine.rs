@@ -44,8 +44,8 @@ pub struct EngineLoad {
     pub kv_blocks_used: u64,
     pub kv_blocks_total: u64,
     /// The inter-token latency its decodes saw lately, µs (0: unknown or
-    /// nothing decoding; see [`LoadReport::decode_step_us`]).
-    pub decode_step_us: u32,
+    /// nothing decoding; see [`LoadReport::recent_itl_us`]).
+    pub recent_itl_us: u32,
 }
 
 impl EngineLoad {
@@ -60,7 +60,7 @@ impl EngineLoad {
             kv_blocks_used: self.kv_blocks_used,
             kv_blocks_total: self.kv_blocks_total,
             at_ms,
-            decode_step_us: self.decode_step_us,
+            recent_itl_us: self.recent_itl_us,
         }
     }
 }
@@ -74,7 +74,7 @@ impl From<&LoadReport> for EngineLoad {
             active_decode_blocks: r.active_decode_blocks,
             kv_blocks_used: r.kv_blocks_used,
             kv_blocks_total: r.kv_blocks_total,
-            decode_step_us: r.decode_step_us,
+            recent_itl_us: r.recent_itl_us,
         }
     }
 }

@@ -314,7 +314,7 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
     let report = timeout(WAIT, async {
         while let Some(m) = loads.next().await {
             let r = LoadReport::decode(&m.payload)?;
-            if r.running == 3 && r.decode_step_us > 0 {
+            if r.running == 3 && r.recent_itl_us > 0 {
                 return Ok::<_, anyhow::Error>(r);
             }
         }
@@ -326,7 +326,7 @@ async fn scenario(name: &str, fixture_args: &[&str], topic: &str) -> Result<()> 
             report.waiting,
             report.kv_blocks_used,
             report.kv_blocks_total,
-            report.decode_step_us
+            report.recent_itl_us
         ) == (2, 250, 1000, 45_000),
         "{report:?}"
     );

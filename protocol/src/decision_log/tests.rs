@@ -221,12 +221,12 @@ fn garbage_columns_are_errors() {
 }
 
 #[test]
-fn columns_of_older_entries_read_without_the_decode_step() {
+fn columns_of_older_and_newer_entries_read() {
     let state = CandidateState {
         depth: [4, 5, 5],
         load: CandidateLoad {
             running: 3,
-            decode_step_us: 41_000,
+            recent_itl_us: 41_000,
             ..CandidateLoad::default()
         },
     };
@@ -237,9 +237,20 @@ fn columns_of_older_entries_read_without_the_decode_step() {
     let older = &bytes[..bytes.len() - 4];
     let read = Columns::from_bytes(older).expect("an older entry");
     let mut expected = state;
-    expected.load.decode_step_us = 0;
+    expected.load.recent_itl_us = 0;
     assert_eq!(read, Columns(vec![expected; 2]));
-    assert_eq!(Columns::from_bytes(&bytes), Ok(two));
+    assert_eq!(Columns::from_bytes(&bytes), Ok(two.clone()));
+    // Eight columns are not an entry of any release.
+    let eight = &older[..older.len() - 2];
+    assert_eq!(eight[eight.len() - 2..], [CONSTANT, 0], "the ninth column");
+    let eight = &eight[..eight.len() - 2];
+    assert!(Columns::from_bytes(eight).is_err());
+    // A newer release's columns after the ones known are skipped.
+    let mut newer = bytes.clone();
+    newer.extend([EACH, 7, 0x80, 0x01, CONSTANT, 5]);
+    assert_eq!(Columns::from_bytes(&newer), Ok(two));
+    newer.push(EACH);
+    assert!(Columns::from_bytes(&newer).is_err(), "a truncated column");
 }
 
 fn load() -> impl Strategy<Value = CandidateLoad> {
@@ -260,7 +271,7 @@ fn load() -> impl Strategy<Value = CandidateLoad> {
                 active_decode_blocks: active,
                 kv_blocks_used: used,
                 reported_kv_blocks_used: reported,
-                decode_step_us: step,
+                recent_itl_us: step,
             },
         )
 }

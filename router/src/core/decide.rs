@@ -441,7 +441,7 @@ impl RouterCore {
                         active_decode_blocks: c.load.active_decode_blocks,
                         kv_blocks_used: c.load.kv_blocks_used,
                         reported_kv_blocks_used: c.load.reported_kv_blocks_used,
-                        decode_step_us: c.load.decode_step_us,
+                        recent_itl_us: c.load.recent_itl_us,
                     },
                     capabilities: record.capabilities,
                 })

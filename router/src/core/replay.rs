@@ -235,7 +235,7 @@ fn register(
         kv_blocks_used: c.load.kv_blocks_used,
         kv_blocks_total: c.kv_capacity_blocks,
         at_ms: 0,
-        decode_step_us: c.load.decode_step_us,
+        recent_itl_us: c.load.recent_itl_us,
     };
     core.on_load(load, 0);
     Ok(())

@@ -175,8 +175,8 @@ pub struct EffectiveLoad {
     /// prefix (counted in `kv_blocks_used` too).
     pub pinned_blocks: u64,
     /// The inter-token latency its decodes saw lately, µs, as last
-    /// reported ([`LoadReport::decode_step_us`]; 0: unknown).
-    pub decode_step_us: u32,
+    /// reported ([`LoadReport::recent_itl_us`]; 0: unknown).
+    pub recent_itl_us: u32,
 }
 
 impl EffectiveLoad {
@@ -244,7 +244,7 @@ impl Slot {
                 r.kv_blocks_total,
                 r.running,
                 r.waiting,
-                r.decode_step_us,
+                r.recent_itl_us,
             ),
             None => (0, 0, 0, 0, 0, 0, 0),
         };
@@ -268,7 +268,7 @@ impl Slot {
             running: running.saturating_add(u.requests).max(l.requests),
             waiting,
             pinned_blocks: l.pinned_blocks,
-            decode_step_us: step,
+            recent_itl_us: step,
         }
     }
 }

@@ -105,7 +105,7 @@ pub fn report(worker: &str, active: u64, used: u64, total: u64, at_ms: u64) -> L
         kv_blocks_used: used,
         kv_blocks_total: total,
         at_ms,
-        decode_step_us: 0,
+        recent_itl_us: 0,
     }
 }
 

@@ -130,7 +130,7 @@ pub(super) fn engine_load(shared: &Shared, block_size: u32, total: u64) -> Engin
             .map_or(0, |u| (u * total as f64).round() as u64)
             .min(total),
         kv_blocks_total: total,
-        decode_step_us: scraped.recent_itl_us,
+        recent_itl_us: scraped.recent_itl_us,
     }
 }
 

@@ -7,10 +7,11 @@
 //! the cache configuration as labels (`block_size`, `num_gpu_blocks`).
 //! SGLang's: `sglang:num_running_reqs`, `sglang:num_queue_reqs`,
 //! `sglang:token_usage`. The inter-token latency histogram's totals
-//! (`_sum`, `_count`): `vllm:inter_token_latency_seconds` (older builds:
+//! (`_sum`, `_count`), one observation per output token:
+//! `vllm:inter_token_latency_seconds` (older builds:
 //! `vllm:time_per_output_token_seconds`), `sglang:inter_token_latency_seconds`
-//! (older: `sglang:time_per_output_token_seconds`), one observation per
-//! output token. Every sample carries a `model_name` label; with
+//! (SGLang's `time_per_output_token_seconds` is not read: one observation
+//! per finished request, its time to first token included). Every sample carries a `model_name` label; with
 //! data parallelism an engine index label (`engine`, or SGLang's
 //! `dp_rank`) tells the ranks apart.
 
@@ -146,11 +147,10 @@ const KV_USAGE: [&str; 3] = [
 ];
 const RANK_LABELS: [&str; 3] = ["engine", "dp_rank", "engine_index"];
 /// Newest first: an engine exporting two is read by the first.
-const ITL: [&str; 4] = [
+const ITL: [&str; 3] = [
     "vllm:inter_token_latency_seconds",
     "sglang:inter_token_latency_seconds",
     "vllm:time_per_output_token_seconds",
-    "sglang:time_per_output_token_seconds",
 ];
 
 /// `name` as `(index in ITL, is the sum)` when it is one of their totals.
@@ -341,6 +341,8 @@ vllm:inter_token_latency_seconds_count{engine=\"1\",model_name=\"m\"} 100.0
         assert_eq!(load(&older, None, 0).itl.map(|t| t.sum_s), Some(3.0));
         let (half, _) = parse("sglang:inter_token_latency_seconds_sum 3.0\n");
         assert_eq!(load(&half, None, 0).itl, None);
+        let (per_request, _) = parse("sglang:time_per_output_token_seconds_sum 3.0\nsglang:time_per_output_token_seconds_count 2\n");
+        assert_eq!(load(&per_request, None, 0).itl, None);
         assert_eq!(load(&parse(OLD).0, None, 0).itl, None);
     }
 

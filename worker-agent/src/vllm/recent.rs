@@ -1,7 +1,7 @@
 //! The engine's recent inter-token latency, from the cumulative totals of
 //! its latency histogram ([`super::prom::LatencyTotals`]) scraped over
 //! time: the mean of the observations of about the last [`WINDOW_MS`].
-//! What the load report says as `decode_step_us`. Pure: the scrape loop
+//! What the load report says as `recent_itl_us`. Pure: the scrape loop
 //! feeds it the totals and its clock.
 
 use std::collections::VecDeque;
@@ -40,9 +40,14 @@ impl RecentLatency {
         }
         self.points.push_back((at_ms, t));
         // Keep the newest point at or before the window's start: the mean
-        // covers the whole window.
+        // covers the whole window; but not one from before a gap in the
+        // scrapes of more than a window (the mean would reach back across
+        // it).
         let start = at_ms.saturating_sub(WINDOW_MS);
         while self.points.len() > 2 && self.points[1].0 <= start {
+            self.points.pop_front();
+        }
+        if self.points.len() > 1 && self.points[0].0 < start.saturating_sub(WINDOW_MS) {
             self.points.pop_front();
         }
         if self.points.len() > MAX_POINTS {
@@ -95,7 +100,7 @@ mod tests {
     }
 
     #[test]
-    fn a_restart_starts_over_and_a_missing_histogram_changes_nothing() {
+    fn restarts_missing_histograms_and_gaps_in_the_scrapes() {
         let mut r = RecentLatency::default();
         r.observe(0, totals(10.0, 100.0));
         r.observe(500, totals(12.0, 150.0));
@@ -106,6 +111,12 @@ mod tests {
         r.observe(1_500, totals(1.5, 30.0));
         assert_eq!(r.mean_us(), 50_000);
         r.observe(2_000, totals(f64::NAN, 40.0));
+        assert_eq!(r.mean_us(), 50_000);
+        // Scrapes failed for 10 s: the next one says nothing of lately yet,
+        // the one after it does.
+        r.observe(12_000, totals(100.0, 1_030.0));
+        assert_eq!(r.mean_us(), 0);
+        r.observe(12_500, totals(101.0, 1_050.0));
         assert_eq!(r.mean_us(), 50_000);
     }
 

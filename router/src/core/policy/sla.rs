@@ -155,13 +155,13 @@ pub struct SlaPrediction {
     /// batch (without any prefill mixed in).
     pub step_model_ms: f64,
     /// The inter-token latency the decode worker reported its decodes saw
-    /// lately ([`crate::EffectiveLoad::decode_step_us`]; 0: unknown or nothing
+    /// lately ([`crate::EffectiveLoad::recent_itl_us`]; 0: unknown or nothing
     /// decoding).
-    pub live_step_ms: f64,
+    pub recent_itl_ms: f64,
     /// The decode worker's ITL without this request's prefill:
     /// `step_model_ms` times the ITL factor (which learnt how much the
     /// batch's growth and the prefills mixed in lengthen a request's ITL),
-    /// and no less than `live_step_ms`: the model knows neither the
+    /// and no less than `recent_itl_ms`: the model knows neither the
     /// prefills now mixed into that worker's steps nor how one worker
     /// differs from the rest, the report does.
     pub itl_base_ms: f64,
@@ -343,12 +343,12 @@ impl SlaDynamic {
                 c.mixed_chunk_ms(chunk, d_hit + start)
             })
             .sum();
-        let live_step = if batch > 0 {
-            f64::from(d.load.decode_step_us) / 1000.0
+        let recent_itl = if batch > 0 {
+            f64::from(d.load.recent_itl_us) / 1000.0
         } else {
             0.0
         };
-        let itl_base = (k.itl * step_model).max(live_step);
+        let itl_base = (k.itl * step_model).max(recent_itl);
         let itl_local = itl_base + stall / f64::from(input.expected_output_tokens.max(1));
 
         let p = &input.prefill;
@@ -401,7 +401,7 @@ impl SlaDynamic {
             local_model_ms: local_model,
             local_ttft_ms: k.local_ttft * local_model,
             step_model_ms: step_model,
-            live_step_ms: live_step,
+            recent_itl_ms: recent_itl,
             itl_base_ms: itl_base,
             prefill_stall_ms: stall,
             itl_local_ms: itl_local,
@@ -524,8 +524,8 @@ impl ConditionalDisaggPolicy for SlaDynamic {
         let local_ok = s.local_ttft_ms <= tt && s.itl_local_ms <= it;
         let r = self.remote_option(input, &s);
         let k = s.factors;
-        let reported = if s.live_step_ms > 0.0 {
-            format!(" (its decodes lately {:.1} ms)", s.live_step_ms)
+        let reported = if s.recent_itl_ms > 0.0 {
+            format!(" (its decodes lately {:.1} ms)", s.recent_itl_ms)
         } else {
             String::new()
         };
@@ -810,18 +810,18 @@ mod tests {
         let f = Fixture::new();
         let policy = SlaDynamic::default();
         let with_step = |us| EffectiveLoad {
-            decode_step_us: us,
+            recent_itl_us: us,
             ..running(20, 20 * 64)
         };
         let plain = policy.predict(&f.input(8_000, 7_800, with_step(0), EffectiveLoad::default()));
-        assert_eq!(plain.live_step_ms, 0.0);
+        assert_eq!(plain.recent_itl_ms, 0.0);
         let model = plain.itl_base_ms;
         assert!(model < 50.0, "{model}");
 
         let below = (model * 1000.0) as u32 - 1_000;
         let s = policy.predict(&f.input(8_000, 7_800, with_step(below), EffectiveLoad::default()));
         assert_eq!(s.itl_base_ms, model);
-        assert_eq!(s.live_step_ms, f64::from(below) / 1000.0);
+        assert_eq!(s.recent_itl_ms, f64::from(below) / 1000.0);
 
         // 200 tokens' stall spread over the answer adds about 0.1 ms.
         let input = f.input(8_000, 7_800, with_step(59_960), EffectiveLoad::default());
@@ -849,11 +849,11 @@ mod tests {
 
         // Nothing running: a stale report says nothing of this request's ITL.
         let idle = EffectiveLoad {
-            decode_step_us: 59_000,
+            recent_itl_us: 59_000,
             ..EffectiveLoad::default()
         };
         let s = policy.predict(&f.input(8_000, 7_800, idle, EffectiveLoad::default()));
-        assert_eq!(s.live_step_ms, 0.0);
+        assert_eq!(s.recent_itl_ms, 0.0);
         assert!(s.itl_base_ms < 59.0);
     }
 
