@@ -236,7 +236,7 @@ fn from_columns(v: [u64; COLUMNS]) -> Result<CandidateState, String> {
             active_decode_blocks: v[6],
             kv_blocks_used: v[7],
             reported_kv_blocks_used: v[7].wrapping_add(unzigzag(v[8]) as u64),
-            recent_itl_us: count(v[9], "decode step")?,
+            recent_itl_us: count(v[9], "recent ITL")?,
         },
     })
 }

@@ -396,7 +396,7 @@ fn decisions_before_the_third_path_still_read() {
     assert_eq!(json["fetch"]["source"], "d0");
 }
 
-/// A load report of an older agent (no decode step time: one element fewer
+/// A load report of an older agent (no recent ITL: one element fewer
 /// in its msgpack array) reads as one whose step time is unknown.
 #[test]
 fn reports_without_a_recent_itl_read_as_unknown() {

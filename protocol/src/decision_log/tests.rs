@@ -232,7 +232,7 @@ fn columns_of_older_and_newer_entries_read() {
     };
     let two = Columns(vec![state; 2]);
     let bytes = two.to_bytes();
-    // The last column, the decode step, written once for both: its kind
+    // The last column, the recent ITL, written once for both: its kind
     // and a 3-byte varint. An older release wrote none.
     let older = &bytes[..bytes.len() - 4];
     let read = Columns::from_bytes(older).expect("an older entry");

@@ -236,7 +236,7 @@ impl Slot {
 
     /// See [`EffectiveLoad`].
     pub(crate) fn effective(&self) -> EffectiveLoad {
-        let (queued, active, used, total, running, waiting, step) = match &self.report {
+        let (queued, active, used, total, running, waiting, recent_itl) = match &self.report {
             Some(r) => (
                 r.queued_prefill_tokens,
                 r.active_decode_blocks,
@@ -268,7 +268,7 @@ impl Slot {
             running: running.saturating_add(u.requests).max(l.requests),
             waiting,
             pinned_blocks: l.pinned_blocks,
-            recent_itl_us: step,
+            recent_itl_us: recent_itl,
         }
     }
 }

@@ -11,9 +11,9 @@
 //! `vllm:inter_token_latency_seconds` (older builds:
 //! `vllm:time_per_output_token_seconds`), `sglang:inter_token_latency_seconds`
 //! (SGLang's `time_per_output_token_seconds` is not read: one observation
-//! per finished request, its time to first token included). Every sample carries a `model_name` label; with
-//! data parallelism an engine index label (`engine`, or SGLang's
-//! `dp_rank`) tells the ranks apart.
+//! per finished request, its time to first token included). Every sample
+//! carries a `model_name` label; with data parallelism an engine index
+//! label (`engine`, or SGLang's `dp_rank`) tells the ranks apart.
 
 use std::collections::BTreeMap;
 

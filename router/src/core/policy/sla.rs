@@ -809,22 +809,22 @@ mod tests {
     fn the_reported_itl_is_the_floor_of_the_base() {
         let f = Fixture::new();
         let policy = SlaDynamic::default();
-        let with_step = |us| EffectiveLoad {
+        let with_itl = |us| EffectiveLoad {
             recent_itl_us: us,
             ..running(20, 20 * 64)
         };
-        let plain = policy.predict(&f.input(8_000, 7_800, with_step(0), EffectiveLoad::default()));
+        let plain = policy.predict(&f.input(8_000, 7_800, with_itl(0), EffectiveLoad::default()));
         assert_eq!(plain.recent_itl_ms, 0.0);
         let model = plain.itl_base_ms;
         assert!(model < 50.0, "{model}");
 
         let below = (model * 1000.0) as u32 - 1_000;
-        let s = policy.predict(&f.input(8_000, 7_800, with_step(below), EffectiveLoad::default()));
+        let s = policy.predict(&f.input(8_000, 7_800, with_itl(below), EffectiveLoad::default()));
         assert_eq!(s.itl_base_ms, model);
         assert_eq!(s.recent_itl_ms, f64::from(below) / 1000.0);
 
         // 200 tokens' stall spread over the answer adds about 0.1 ms.
-        let input = f.input(8_000, 7_800, with_step(59_960), EffectiveLoad::default());
+        let input = f.input(8_000, 7_800, with_itl(59_960), EffectiveLoad::default());
         let s = policy.predict(&input);
         assert_eq!(s.itl_base_ms, 59.96);
         // The stall is added to the base as before.
@@ -842,7 +842,7 @@ mod tests {
         );
         let (path, _, why) = decide(
             &policy,
-            &f.input(8_000, 7_800, with_step(0), EffectiveLoad::default()),
+            &f.input(8_000, 7_800, with_itl(0), EffectiveLoad::default()),
         );
         assert_eq!(path, Path::Bypass, "{why}");
         assert!(!why.contains("lately"), "{why}");
