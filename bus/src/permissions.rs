@@ -127,6 +127,9 @@ fn agent(worker: &WorkerId) -> Permissions {
         subjects::kv_events(worker),
         subjects::kv_events_live(worker),
         subjects::load(worker),
+        // A prefill leg's query for the KV handle of the decode worker
+        // it pulls a prefix from.
+        subjects::KV_HANDLE_ALL.to_owned(),
     ];
     publish.extend([
         "$JS.API.INFO".to_owned(),
@@ -140,6 +143,7 @@ fn agent(worker: &WorkerId) -> Permissions {
             subjects::cancel(worker),
             subjects::resync(worker),
             subjects::ping(worker),
+            subjects::kv_handle(worker),
             subjects::kv_reannounce(worker),
             format!("{}.>", inbox_prefix(&agent_user(worker))),
         ],
@@ -291,15 +295,21 @@ mod tests {
     }
 
     #[test]
-    fn an_agent_publishes_only_its_own_worker() {
+    fn an_agent_publishes_only_its_own_worker_and_handle_queries() {
         let d0 = agent(&worker("d0"));
         assert!(d0.publish.contains(&"sy.kv.events.d0.0".to_owned()));
         assert!(d0.publish.contains(&"sy.load.d0.0".to_owned()));
         assert!(d0.publish.contains(&"sy.kv.live.d0.0".to_owned()));
-        assert!(d0.publish.iter().all(|s| !s.contains('>')
-            && !s.contains('*')
-            && !s.starts_with("sy.index")
-            && !s.starts_with("sy.worker")));
+        // Of other workers' subjects, only the KV-handle queries (a
+        // prefill leg asking its source for the blocks it pulls).
+        assert!(d0
+            .publish
+            .iter()
+            .filter(|s| s.as_str() != subjects::KV_HANDLE_ALL)
+            .all(|s| !s.contains('>')
+                && !s.contains('*')
+                && !s.starts_with("sy.index")
+                && !s.starts_with("sy.worker")));
         assert!(d0
             .subscribe
             .iter()

@@ -3,6 +3,7 @@
 //! validated into [`Config`] (see the `settings` crate).
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use engine_sim::{KvTransfer, Preset};
 use protocol::Role;
@@ -46,6 +47,12 @@ pub struct Options {
     /// Acts as an SGLang decode-mode server (with `role` decode): refuses
     /// `kv_transfer_params` and any request without `do_local_prefill`.
     pub sglang_decode: bool,
+    /// vLLM's `bidirectional_kv_xfer` (NixlConnector, vLLM >= 0.21):
+    /// export finished requests' blocks, and pull a prefix with a handle.
+    pub bidirectional_kv_xfer: bool,
+    /// How long exported blocks wait for their read.
+    #[serde(with = "settings::duration")]
+    pub decoder_kv_blocks_ttl: Duration,
 }
 
 impl Default for Options {
@@ -74,6 +81,8 @@ impl Default for Options {
             lora_modules: Vec::new(),
             max_model_len: 131_072,
             sglang_decode: false,
+            bidirectional_kv_xfer: false,
+            decoder_kv_blocks_ttl: Duration::from_secs(480),
         }
     }
 }
@@ -111,6 +120,16 @@ pub fn flags() -> Vec<Flag> {
             "sglang_decode",
             Kind::Switch,
             "Act as an SGLang decode-mode server: kv_transfer_params refused (SGLang's bootstrap handshake instead), and a request without do_local_prefill refused (it cannot prefill locally)",
+        ),
+        Flag::new(
+            "bidirectional_kv_xfer",
+            Kind::Switch,
+            "vLLM's bidirectional NIXL transfer (kv_connector_extra_config.bidirectional_kv_xfer): a request that came with kv_transfer_params exports its blocks when it finishes (the handle in its response's kv_transfer_params, streamed in the final chunk as with vLLM PR #40186), and a prefill whose kv_transfer_params are such a handle pulls that prefix from the engine named in it",
+        ),
+        Flag::new(
+            "decoder_kv_blocks_ttl",
+            Kind::Duration,
+            "With --bidirectional-kv-xfer: how long exported blocks wait for their one read (vLLM's decoder_kv_blocks_ttl)",
         ),
         Flag::new("encoding", Kind::Text, "KV batch encoding: array, map, or tagged (today's vLLM 0.33 / SGLang 0.5: an array batch of tagged-map events; vLLM's with 32-byte digests and group_idx)"),
         Flag::new(
@@ -215,6 +234,8 @@ pub struct Config {
     pub lora_modules: Vec<String>,
     pub max_model_len: u32,
     pub sglang_decode: bool,
+    pub bidirectional_kv_xfer: bool,
+    pub decoder_kv_blocks_ttl: Duration,
 }
 
 impl Config {
@@ -286,6 +307,8 @@ impl Options {
             lora_modules: self.lora_modules.clone(),
             max_model_len: self.max_model_len,
             sglang_decode: self.sglang_decode,
+            bidirectional_kv_xfer: self.bidirectional_kv_xfer,
+            decoder_kv_blocks_ttl: self.decoder_kv_blocks_ttl,
         })
     }
 }

@@ -51,6 +51,7 @@
 
 pub mod config;
 pub mod itl;
+pub mod nixl;
 pub mod publisher;
 pub mod relabel;
 pub mod server;

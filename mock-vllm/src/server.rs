@@ -1,14 +1,16 @@
 //! vLLM's HTTP interface over the simulated engines: `/v1/completions`
 //! (token-id prompts, streamed or not, `kv_transfer_params` in and out),
 //! `/v1/models`, `/metrics` under vLLM's names, `/health`; and mock-only
-//! `/switchyard/config` (block size, capacity) and `/switchyard/debug`
-//! (what the engine was sent, e.g. the `kv_transfer_params` it received).
+//! `/switchyard/config` (block size, capacity), `/switchyard/debug` (what
+//! the engine was sent, e.g. the `kv_transfer_params` it received) and
+//! `/switchyard/nixl/read` (another engine's read of blocks this one
+//! exported: [`crate::nixl`]).
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -28,6 +30,7 @@ use worker_agent::{Engine, SimEngine};
 
 use crate::config::Config;
 use crate::itl::{self, ItlHistogram, TokenClock};
+use crate::nixl::{self, Endpoint, Exports, Pull};
 use crate::relabel::Relabeler;
 
 /// One data-parallel rank: an engine, its relabeler, its publisher's count.
@@ -57,9 +60,14 @@ struct DebugState {
     kv_transfer_params_received: u64,
     last_kv_transfer_params: Option<Value>,
     /// Prefill requests that pull their prefix from a decode engine first
-    /// (vLLM's bidirectional transfer: `do_remote_decode` with a remote).
+    /// (vLLM's bidirectional transfer: `do_remote_decode` with a whole
+    /// handle).
     prefix_pulls_received: u64,
     last_pull_params: Option<Value>,
+    /// Pulls the source declined (recomputed), and pulls whose tokens were
+    /// not the prompt's prefix (failed).
+    pulls_declined: u64,
+    pull_mismatches: u64,
     /// Requests that came with `do_local_prefill: true`.
     do_local_prefill_received: u64,
     errors: u64,
@@ -67,10 +75,6 @@ struct DebugState {
     /// (the newest last, at most [`RECEIVED_KEPT`]).
     received: VecDeque<(String, Map<String, Value>)>,
 }
-
-/// A prefix pull of fewer tokens is recomputed instead (vLLM's
-/// `kv_recompute_threshold` default with bidirectional transfer on).
-const PULL_RECOMPUTE_THRESHOLD: u32 = 64;
 
 /// How many requests' sampling fields `/switchyard/debug` keeps.
 const RECEIVED_KEPT: usize = 64;
@@ -89,6 +93,10 @@ pub struct App {
     next_rank: AtomicUsize,
     next_request: AtomicU64,
     debug: Mutex<DebugState>,
+    /// Blocks exported for other engines to read (bidirectional transfer).
+    exports: Mutex<Exports>,
+    /// Reads of other engines' exported blocks.
+    http: reqwest::Client,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -104,11 +112,13 @@ fn unix_s() -> u64 {
 impl App {
     pub fn new(settings: Config, ranks: Vec<RankHandle>) -> Self {
         Self {
-            settings,
             ranks,
             next_rank: AtomicUsize::new(0),
             next_request: AtomicU64::new(0),
             debug: Mutex::new(DebugState::default()),
+            exports: Mutex::new(Exports::new(settings.decoder_kv_blocks_ttl)),
+            http: reqwest::Client::new(),
+            settings,
         }
     }
 }
@@ -121,6 +131,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/switchyard/config", get(switchyard_config))
         .route("/switchyard/debug", get(switchyard_debug))
+        .route("/switchyard/nixl/read", post(nixl_read))
         // vLLM reads bodies of any size: a 256k-token prompt is about 2 MB
         // of JSON, axum's default limit.
         .layer(axum::extract::DefaultBodyLimit::disable())
@@ -190,6 +201,10 @@ async fn switchyard_debug(State(app): State<Arc<App>>) -> Response {
         "last_kv_transfer_params": d.last_kv_transfer_params,
         "prefix_pulls_received": d.prefix_pulls_received,
         "last_pull_params": d.last_pull_params,
+        "pulls_declined": d.pulls_declined,
+        "pull_mismatches": d.pull_mismatches,
+        "handles_exported": lock(&app.exports).exported,
+        "handles_read": lock(&app.exports).read,
         "do_local_prefill_received": d.do_local_prefill_received,
         "errors": d.errors,
         "received": d.received.iter().map(|(id, fields)| json!({"request_id": id, "model": fields.get("model"), "fields": fields})).collect::<Vec<_>>(),
@@ -600,32 +615,44 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
             );
         }
     }
-    // vLLM's bidirectional pull: a prefill whose params name a remote (the
-    // decode engine holding the prefix) and how many tokens it holds.
+    // vLLM's bidirectional pull: a prefill whose params are a decode
+    // engine's handle to the prefix's blocks.
     let mut fetch = None;
     let stage = if remote_decode {
         if s.role == Role::Decode {
             return error(StatusCode::BAD_REQUEST, "this engine is a decode instance (kv_consumer): it does not prefill for remote decodes");
         }
         let params = c.kv_transfer_params.clone().unwrap_or_default();
-        let remote = params.get("remote_engine_id").and_then(Value::as_str);
-        let tokens = params.get("remote_num_tokens").and_then(Value::as_u64);
-        if let (Some(remote), Some(tokens)) = (remote, tokens) {
-            let prefix = (tokens.min(c.prompt.len() as u64)) as u32;
-            // vLLM recomputes a pull below kv_recompute_threshold (64).
-            if prefix >= PULL_RECOMPUTE_THRESHOLD {
-                let source = remote
-                    .parse()
-                    .unwrap_or_else(|_| WorkerId::new("remote", 0).expect("a valid name"));
-                fetch = Some(PrefixFetch {
-                    source,
-                    prefix_tokens: prefix,
-                    pulled_tokens: prefix,
-                });
+        let pull = nixl::pull_of(&params, c.prompt.len()).filter(|_| s.bidirectional_kv_xfer);
+        if let Some(pull) = pull {
+            {
+                let mut d = lock(&app.debug);
+                d.prefix_pulls_received += 1;
+                d.last_pull_params = Some(Value::Object(params));
             }
-            let mut d = lock(&app.debug);
-            d.prefix_pulls_received += 1;
-            d.last_pull_params = Some(Value::Object(params));
+            match pulled(&app, &pull, &c.prompt).await {
+                Ok(tokens) => {
+                    let source = pull
+                        .engine_id
+                        .parse()
+                        .unwrap_or_else(|_| WorkerId::new("remote", 0).expect("a valid name"));
+                    fetch = Some(PrefixFetch {
+                        source,
+                        prefix_tokens: tokens,
+                        pulled_tokens: tokens,
+                    });
+                }
+                Err(Pulled::Declined(why)) => {
+                    lock(&app.debug).pulls_declined += 1;
+                    tracing::warn!(%request_id, reason = %why, "the source declined the read: recomputed");
+                }
+                Err(Pulled::Wrong(why)) => {
+                    let mut d = lock(&app.debug);
+                    d.pull_mismatches += 1;
+                    d.errors += 1;
+                    return error(StatusCode::INTERNAL_SERVER_ERROR, why);
+                }
+            }
         }
         Stage::Prefill
     } else if remote_prefill {
@@ -730,6 +757,12 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
         host: s.listen.ip().to_string(),
         port: s.listen.port(),
         block_size: s.block_size,
+        // A bidirectional engine exports the blocks of a request that came
+        // with any kv_transfer_params (a decode leg, or a bypass asking).
+        handle_for: (s.bidirectional_kv_xfer
+            && !is_prefill
+            && c.kv_transfer_params.as_ref().is_some_and(|p| !p.is_empty()))
+        .then(|| c.prompt.clone()),
     };
     let events = stream::once(async move { first }).chain(events).boxed();
     let app2 = app.clone();
@@ -784,6 +817,8 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
     });
     if is_prefill {
         body["kv_transfer_params"] = meta.transfer_params(outcome.cached);
+    } else if let Some(handle) = meta.exported(&app, &outcome.tokens) {
+        body["kv_transfer_params"] = handle;
     }
     axum::Json(body).into_response()
 }
@@ -799,9 +834,25 @@ struct Meta {
     host: String,
     port: u16,
     block_size: u32,
+    /// The prompt of a request whose blocks are exported when it
+    /// finishes: its response carries the handle.
+    handle_for: Option<Vec<u32>>,
 }
 
 impl Meta {
+    /// The handle to the blocks of this finished request (of `output`),
+    /// if it exports them.
+    fn exported(&self, app: &App, output: &[u32]) -> Option<Value> {
+        let prompt = self.handle_for.as_ref()?;
+        let at = Endpoint {
+            engine_id: self.engine_id.clone(),
+            host: self.host.clone(),
+            port: self.port,
+            block_size: self.block_size,
+        };
+        Some(lock(&app.exports).export(&self.id, prompt, output, &at, Instant::now()))
+    }
+
     /// Made-up NIXL transfer parameters for a prefill's response.
     fn transfer_params(&self, cached: u32) -> Value {
         let blocks = self.prompt_tokens.div_ceil(self.block_size.max(1));
@@ -857,7 +908,7 @@ fn account(app: &App, rank: usize, outcome: &Outcome, prompt_tokens: u32) {
 
 /// `tokens` of a request came now: observed in its rank's ITL histogram.
 fn tokens_came(app: &App, rank: usize, clock: &mut TokenClock, tokens: usize) {
-    if let Some((interval, n)) = clock.tick(std::time::Instant::now(), tokens) {
+    if let Some((interval, n)) = clock.tick(Instant::now(), tokens) {
         lock(&app.ranks[rank].stats).itl.observe(interval, n);
     }
 }
@@ -942,6 +993,9 @@ async fn stream_events(
                 );
                 if is_prefill {
                     c["kv_transfer_params"] = meta.transfer_params(o.cached);
+                } else if let Some(handle) = meta.exported(&app, &o.tokens) {
+                    // In the final chunk: vLLM with PR #40186.
+                    c["kv_transfer_params"] = handle;
                 }
                 send(&c);
                 o.finish = Some(finish_reason(reason));
@@ -975,4 +1029,81 @@ async fn stream_events(
         }));
     }
     let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+}
+
+/// Why a pull gave no prefix.
+enum Pulled {
+    /// The source declined the read (unknown, read already, expired):
+    /// recomputed, as vLLM's recompute policy does.
+    Declined(String),
+    /// What was pulled is not this prompt's prefix, or the handle lists
+    /// too few blocks (vLLM would use the wrong KV, or fail an assertion).
+    Wrong(String),
+}
+
+/// Reads `pull`'s tokens from the source engine; the tokens pulled.
+async fn pulled(app: &App, pull: &Pull, prompt: &[u32]) -> Result<u32, Pulled> {
+    let n = pull.tokens as usize;
+    let needed = n.div_ceil(app.settings.block_size.max(1) as usize);
+    if pull.blocks < needed {
+        return Err(Pulled::Wrong(format!(
+            "the handle lists {} remote blocks for {n} tokens, which take {needed} (vLLM asserts num_local_blocks <= len(remote_block_ids))",
+            pull.blocks
+        )));
+    }
+    let url = format!("http://{}:{}/switchyard/nixl/read", pull.host, pull.port);
+    let body = json!({"remote_request_id": pull.request_id, "tokens": n});
+    let response = app
+        .http
+        .post(&url)
+        .json(&body)
+        .timeout(std::time::Duration::from_secs(10))
+        .send()
+        .await
+        .map_err(|e| Pulled::Declined(format!("reading {url}: {e}")))?;
+    let status = response.status();
+    let answer: Value = response
+        .json()
+        .await
+        .map_err(|e| Pulled::Declined(format!("reading {url}: {e}")))?;
+    if !status.is_success() {
+        return Err(Pulled::Declined(format!(
+            "{url} answered {status}: {answer}"
+        )));
+    }
+    let tokens: Vec<u32> = serde_json::from_value(answer["tokens"].clone())
+        .map_err(|e| Pulled::Declined(format!("{url}: {e}")))?;
+    if tokens.as_slice() != &prompt[..n] {
+        let at = tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        return Err(Pulled::Wrong(format!(
+            "the KV pulled from {} ({:?}) is not this prompt's prefix: they differ at token {at} of {n} (vLLM would use it silently)",
+            pull.engine_id, pull.request_id
+        )));
+    }
+    Ok(n as u32)
+}
+
+/// Another engine reads blocks this one exported (vLLM: a NIXL read).
+async fn nixl_read(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let asked: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("not JSON: {e}")),
+    };
+    let (Some(id), Some(n)) = (
+        asked["remote_request_id"].as_str(),
+        asked["tokens"].as_u64(),
+    ) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "a read names remote_request_id and tokens",
+        );
+    };
+    match lock(&app.exports).read(id, n as usize, Instant::now()) {
+        Ok(tokens) => axum::Json(json!({"tokens": tokens})).into_response(),
+        Err(why) => error(StatusCode::GONE, why),
+    }
 }

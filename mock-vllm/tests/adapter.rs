@@ -1,6 +1,8 @@
 //! The agent's vLLM adapter against mock-vllm, in process: every stage of
 //! generation, kv_transfer_params passed through, the KV stream in
-//! canonical hashes, the load, data-parallel ranks, and failures.
+//! canonical hashes, the load, data-parallel ranks, failures, and vLLM's
+//! bidirectional transfer (handles kept on the decode side, pulled with on
+//! the prefill side).
 
 use std::time::Duration;
 
@@ -9,8 +11,8 @@ use engine_sim::Preset;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use protocol::{
-    BlockHash, BlockHasher, FinishReason, GenerateEvent, HashSalt, KvEvent, KvTransferParams, Role,
-    Stage, WorkerId,
+    BlockHash, BlockHasher, FinishReason, GenerateEvent, HashSalt, KvEvent, KvHandle,
+    KvTransferParams, PrefixFetch, Role, Stage, WorkerId,
 };
 use serde_json::Value;
 use tests::fixtures::{generate_request as request, output_tokens as tokens};
@@ -127,6 +129,7 @@ impl Mock {
             metrics_interval: Duration::from_millis(50),
             return_token_ids: true,
             bidirectional_kv: false,
+            kv_handle_ttl: Duration::from_secs(450),
             do_local_prefill: false,
             replay: ReplayLimits {
                 connect: Duration::from_secs(1),
@@ -366,4 +369,100 @@ async fn data_parallel_ranks_are_separate_workers() -> Result<()> {
     rank0.stop();
     rank1.stop();
     mock.stop().await
+}
+
+/// vLLM's bidirectional transfer through the adapter: a decode engine's
+/// bypass asks for a handle, the adapter keeps the one returned and gives
+/// it (once) for a later prompt that extends the conversation; a prefill
+/// engine sent it pulls exactly that prefix from the decode engine. A
+/// handle to other tokens fails the prefill (mock-vllm checks what vLLM
+/// would not), and a prefill without one prefills whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -> Result<()> {
+    let flags = ["--bidirectional-kv-xfer=true"];
+    let (d_mock, p_mock) = (Mock::start(&flags).await?, Mock::start(&flags).await?);
+    let bidirectional = |mock: &Mock, role: Role| VllmConfig {
+        role,
+        bidirectional_kv: true,
+        ..mock.adapter(0, 1)
+    };
+    let d = VllmEngine::connect(bidirectional(&d_mock, Role::Decode)).await?;
+    let p = VllmEngine::connect(bidirectional(&p_mock, Role::Prefill)).await?;
+    ensure!(d.wants_kv_handles() && p.wants_kv_handles());
+
+    // Turn 1 on the decode engine: a bypass of 300 tokens, 40 out.
+    let turn1 = prompt(7, 300);
+    let events = collect(d.generate(request("turn1", Stage::Local, turn1.clone(), 40))).await?;
+    let mut turn2 = turn1.clone();
+    turn2.extend(tokens(&events));
+    turn2.extend(prompt(8, 500));
+    let fetch = PrefixFetch {
+        source: WorkerId::new("d", 0).unwrap(),
+        prefix_tokens: 336,
+        pulled_tokens: 336,
+    };
+    let prefix = canonical(&turn2[..336]);
+    ensure!(d
+        .take_kv_handle("turn2", &canonical(&prompt(9, 400)))
+        .is_none());
+    let handle = d
+        .take_kv_handle("turn2", &prefix)
+        .context("the handle to turn 1's blocks")?;
+    // Turn 1's prompt and output, 339 computed tokens: 21 whole blocks.
+    ensure!(handle.blocks == 21, "{handle:?}");
+    ensure!(
+        d.take_kv_handle("turn2", &prefix).is_none(),
+        "a handle is given once"
+    );
+    let params: Value = serde_json::from_str(&handle.engine)?;
+    ensure!(
+        params["remote_num_tokens"] == 336 && params["remote_engine_id"] == "engine-under-test",
+        "{params}"
+    );
+
+    // Turn 2's prefill pulls it: the prefix comes cached.
+    let mut leg = request("turn2", Stage::Prefill, turn2.clone(), 1);
+    leg.annotation.fetch = Some(fetch.clone());
+    let events = collect(p.generate_pulling(leg.clone(), Some(handle.clone()))).await?;
+    let cached = events.iter().find_map(|e| match e {
+        GenerateEvent::Prefilled { cached_tokens, .. } => *cached_tokens,
+        _ => None,
+    });
+    ensure!(cached.is_some_and(|c| c >= 336), "{events:?}");
+    let p_debug = p_mock.debug().await?;
+    ensure!(
+        p_debug["prefix_pulls_received"] == 1 && p_debug["pull_mismatches"] == 0,
+        "{p_debug}"
+    );
+    ensure!(d_mock.debug().await?["handles_read"] == 1);
+
+    // A handle to other tokens (here: the same handle again, for a prompt
+    // that does not extend turn 1) fails the prefill, loudly.
+    let other = KvHandle {
+        engine: handle.engine.replace("cmpl-turn1", "cmpl-turn3"),
+        ..handle
+    };
+    let events = collect(d.generate(request("turn3", Stage::Local, prompt(5, 400), 4))).await?;
+    ensure!(events.last().is_some_and(GenerateEvent::is_last));
+    let mut wrong = request("wrong", Stage::Prefill, turn2.clone(), 1);
+    wrong.annotation.fetch = Some(fetch.clone());
+    let events = collect(p.generate_pulling(wrong, Some(other))).await?;
+    ensure!(
+        matches!(events.last(), Some(GenerateEvent::Failed { error, .. }) if error.contains("not this prompt's prefix")),
+        "{events:?}"
+    );
+
+    // No handle: a plain prefill, nothing pulled.
+    let mut plain = request("plain", Stage::Prefill, turn2, 1);
+    plain.annotation.fetch = Some(fetch);
+    let events = collect(p.generate_pulling(plain, None)).await?;
+    ensure!(
+        matches!(events.last(), Some(GenerateEvent::Finished { .. })),
+        "{events:?}"
+    );
+    ensure!(p_mock.debug().await?["prefix_pulls_received"] == 2);
+    d.stop();
+    p.stop();
+    d_mock.stop().await?;
+    p_mock.stop().await
 }

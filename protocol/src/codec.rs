@@ -7,8 +7,8 @@ use crate::decision::RouteDecision;
 use crate::events::{KvEventBatch, LoadReport};
 use crate::fragment::RequestFragment;
 use crate::generate::{
-    CancelRequest, GenerateChunk, GenerateRequest, LegProbe, LegProbeReply, OverlapQuery,
-    OverlapReply, RequestProgress, ResyncReply,
+    CancelRequest, GenerateChunk, GenerateRequest, KvHandleQuery, KvHandleReply, LegProbe,
+    LegProbeReply, OverlapQuery, OverlapReply, RequestProgress, ResyncReply,
 };
 use crate::index::{IndexDelta, IndexSnapshot};
 use crate::presence::RouterHeartbeat;
@@ -123,4 +123,6 @@ message! {
     RouterHeartbeat => "RouterHeartbeat", version 1;
     LegProbe => "LegProbe", version 1;
     LegProbeReply => "LegProbeReply", version 1;
+    KvHandleQuery => "KvHandleQuery", version 1;
+    KvHandleReply => "KvHandleReply", version 1;
 }

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::decision::Annotation;
+use crate::hash::{BlockHasher, HashSalt};
 use crate::ids::{BlockHash, DecisionId, WorkerId};
 
 /// What a worker does with a routed request.
@@ -205,6 +206,19 @@ impl Sampling {
             .chain([("lora", self.lora.is_some())])
             .filter_map(|(name, on)| on.then_some(name))
             .collect()
+    }
+
+    /// The hasher of this request's blocks: `base` (the deployment's, for
+    /// `model`), or salted with its LoRA adapter and `cache_salt` when it
+    /// has either, as an engine's `BlockStored` for it is salted (from its
+    /// `lora_name` and `cache_salt`), so that they match each other and
+    /// nothing else.
+    pub fn block_hasher(&self, base: BlockHasher, model: &str) -> BlockHasher {
+        let (lora, cache_salt) = (self.lora.as_deref(), self.cache_salt.as_deref());
+        if lora.is_none() && cache_salt.is_none() {
+            return base;
+        }
+        BlockHasher::new(base.block_size(), HashSalt::new(model, lora, cache_salt)).unwrap_or(base)
     }
 }
 
@@ -415,10 +429,83 @@ pub struct CancelRequest {
     pub reason: String,
 }
 
+/// Request/reply to the agent of a decode worker, on
+/// [`crate::subjects::kv_handle`]: the prefill worker's agent of a
+/// [`crate::Path::RemoteFetch`] leg asks for the engine's handle to the
+/// blocks of `prefix` (the leg's prompt blocks the source holds), which a
+/// vLLM engine with bidirectional KV transfer returned when its last turn
+/// of that conversation finished. A handle is single-use: the answer takes
+/// it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvHandleQuery {
+    /// The leg's request, for the source's log.
+    pub request_id: String,
+    /// The prompt's leading block hashes (chained), the longest first
+    /// matched.
+    pub prefix: Vec<BlockHash>,
+}
+
+/// The answer to a [`KvHandleQuery`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvHandleReply {
+    /// `None`: the source holds no live handle to any leading part of the
+    /// prefix (none returned, expired, already taken, or an engine that
+    /// keeps none).
+    pub handle: Option<KvHandle>,
+}
+
+/// An engine's handle to KV blocks another engine may read once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvHandle {
+    /// How many leading blocks of the query it covers.
+    pub blocks: u32,
+    /// Engine-specific, passed through unchanged (vLLM's
+    /// `kv_transfer_params` JSON, cut to those blocks).
+    pub engine: String,
+}
+
 /// Published by the replica that dispatched a request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestProgress {
     pub decision: DecisionId,
     pub progress: Progress,
     pub at_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::HashingContract;
+
+    /// A salted request's blocks match blocks stored under the same
+    /// adapter and salt, not the base model's nor another tenant's.
+    #[test]
+    fn lora_and_cache_salt_salt_the_hashes() {
+        let contract = HashingContract::for_model("m", 4);
+        let base = BlockHasher::new(4, contract.salt).unwrap();
+        let prompt: Vec<u32> = (0..12).collect();
+        let with = |lora: Option<&str>, salt: Option<&str>| {
+            let s = Sampling {
+                lora: lora.map(str::to_owned),
+                cache_salt: salt.map(str::to_owned),
+                ..Sampling::default()
+            };
+            s.block_hasher(base, "m").hash_prompt(&prompt)
+        };
+        assert_eq!(with(None, None), base.hash_prompt(&prompt));
+        let stored = BlockHasher::new(4, HashSalt::new("m", Some("a"), Some("t1"))).unwrap();
+        assert_eq!(with(Some("a"), Some("t1")), stored.hash_prompt(&prompt));
+        let all = [
+            with(None, None),
+            with(Some("a"), None),
+            with(None, Some("t1")),
+            with(Some("a"), Some("t1")),
+            with(Some("a"), Some("t2")),
+        ];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a[0], b[0]);
+            }
+        }
+    }
 }

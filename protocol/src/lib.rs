@@ -30,9 +30,10 @@ pub use decision_log::{
 pub use events::{KvEvent, KvEventBatch, LoadReport, Tier, TierSet};
 pub use fragment::{Reassembly, RequestFragment};
 pub use generate::{
-    CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvTransferParams,
-    LegProbe, LegProbeReply, OverlapQuery, OverlapReply, Progress, RequestProgress, ResyncReply,
-    Sampling, Stage, TokenLogprob, WorkerOverlap,
+    CancelRequest, FinishReason, GenerateChunk, GenerateEvent, GenerateRequest, KvHandle,
+    KvHandleQuery, KvHandleReply, KvTransferParams, LegProbe, LegProbeReply, OverlapQuery,
+    OverlapReply, Progress, RequestProgress, ResyncReply, Sampling, Stage, TokenLogprob,
+    WorkerOverlap,
 };
 pub use hash::{BlockHasher, HashSalt, HASH_SCHEME};
 pub use ids::{BlockHash, DecisionId, InvalidSessionId, SessionId, WorkerId};

@@ -172,6 +172,15 @@ pub fn resync(worker: &WorkerId) -> String {
 /// Every worker's resync subject (the indexer's publish permission).
 pub const RESYNC_ALL: &str = "sy.worker.*.*.resync";
 
+/// Request/reply: a [`crate::KvHandleQuery`] to a worker's agent (from
+/// the agent of a prefill worker about to pull a prefix from it).
+pub fn kv_handle(worker: &WorkerId) -> String {
+    format!("sy.worker.{}.kv_handle", worker.subject_tokens())
+}
+
+/// Every worker's KV-handle subject (an agent's publish permission).
+pub const KV_HANDLE_ALL: &str = "sy.worker.*.*.kv_handle";
+
 /// etcd: one key per registered worker, under the worker's lease.
 pub const ETCD_WORKERS_PREFIX: &str = "/switchyard/workers/";
 

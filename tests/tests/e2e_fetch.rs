@@ -1,9 +1,13 @@
-//! The third path end to end on mock-vllm engines: a long append to a
+//! The third path end to end on mock-vllm engines with vLLM's bidirectional
+//! KV transfer (`--bidirectional-kv-xfer`): a long append to a
 //! conversation held on a decode worker goes to the prefill worker with the
 //! prefix fetched from that decode worker (router `--prefix-fetch`, agents
-//! `--vllm-bidirectional-kv`): the prefill engine receives the pull
-//! parameters naming the decode worker, the decode engine the prefill
-//! engine's handoff, and `replay verify` reproduces the decision.
+//! `--vllm-bidirectional-kv`). The decode engine returned a handle to the
+//! previous turn's blocks, its agent kept it, the prefill worker's agent
+//! asked for it and sent it to its engine, which read exactly the prompt's
+//! prefix from the decode engine (mock-vllm fails a pull of other tokens);
+//! the decode engine got the prefill engine's handoff, and `replay verify`
+//! reproduces the decision.
 
 mod cluster;
 
@@ -26,6 +30,7 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
     let extra = ExtraFlags {
         router: vec!["--prefix-fetch=true".into()],
         agent: vec!["--vllm-bidirectional-kv=true".into()],
+        engine: vec!["--bidirectional-kv-xfer=true".into()],
     };
     let cluster =
         Cluster::start_with_flags(&[("p0", "prefill", VLLM), ("d0", "decode", VLLM)], 1, extra)
@@ -81,16 +86,28 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             .context("d0's overlap")?;
         ensure!(d_held >= p_held + 1_024, "{info}");
 
-        // The prefill engine was asked to pull d0's prefix...
+        // The prefill engine pulled d0's prefix with d0's engine's handle
+        // to turn 1's blocks (the bypass asked for one), cut to the whole
+        // blocks of the prompt, and read exactly the prompt's tokens...
         let p0 = cluster.engine_debug("p0").await?;
-        ensure!(p0["prefix_pulls_received"] == 1, "p0's engine: {p0}");
-        let pull = &p0["last_pull_params"];
         ensure!(
-            pull["remote_engine_id"] == "d0"
+            p0["prefix_pulls_received"] == 1
+                && p0["pulls_declined"] == 0
+                && p0["pull_mismatches"] == 0,
+            "p0's engine: {p0}"
+        );
+        let pull = &p0["last_pull_params"];
+        let d0_id = cluster.worker("d0")?.engine_id.as_str();
+        let pulled = pull["remote_num_tokens"].as_u64().unwrap_or(0);
+        ensure!(
+            pull["remote_engine_id"] == d0_id
+                && pull["remote_request_id"]
+                    .as_str()
+                    .is_some_and(|id| id.contains("fetch-turn1"))
                 && pull["do_remote_decode"] == true
                 && pull["do_remote_prefill"] == false
-                && pull["remote_num_tokens"].as_u64()
-                    == Some(d_held / u64::from(BLOCK_SIZE) * u64::from(BLOCK_SIZE))
+                && pulled <= d_held
+                && pulled + u64::from(BLOCK_SIZE) > d_held
                 && pull["transfer_mode"] == "pull",
             "p0 got {pull}"
         );
@@ -102,8 +119,15 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             "cached {cached:?} of {d_held} pulled: {}",
             responses[2]["usage"]
         );
-        // The decode engine got p0's handoff both remote times.
+        // The decode engine returned a handle with every turn it served
+        // (the decode legs of turns 0 and 2, the bypass of turn 1); one
+        // was read.
         let d0 = cluster.engine_debug("d0").await?;
+        ensure!(
+            d0["handles_exported"] == 3 && d0["handles_read"] == 1,
+            "d0's engine: {d0}"
+        );
+        // The decode engine got p0's handoff both remote times.
         let p0_id = cluster.worker("p0")?.engine_id.as_str();
         ensure!(
             d0["kv_transfer_params_received"] == 2
@@ -120,6 +144,19 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             .await?;
         ensure!(
             metrics.contains(r#"worker_agent_engine_prefix_fetches_total{outcome="pulled"} 1"#),
+            "{metrics}"
+        );
+        // d0's agent kept the handles and gave one.
+        let metrics = cluster
+            .http
+            .get(format!("{}/metrics", cluster.worker("d0")?.agent.url()))
+            .send()
+            .await?
+            .text()
+            .await?;
+        ensure!(
+            metrics.contains(r#"worker_agent_kv_handle_queries_total{outcome="given"} 1"#)
+                && metrics.contains(r#"worker_agent_kv_handles_returned_total{outcome="kept"} 3"#),
             "{metrics}"
         );
 

@@ -11,7 +11,8 @@ use std::fmt;
 
 use futures::stream::BoxStream;
 use protocol::{
-    GenerateEvent, GenerateRequest, HashingContract, KvEvent, LoadReport, Sampling, WorkerId,
+    BlockHash, GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvHandle, LoadReport,
+    Sampling, WorkerId,
 };
 
 /// Facts about the engine that do not change while it runs (they go into
@@ -118,6 +119,35 @@ pub trait Engine: Send + Sync + fmt::Debug {
     /// without one (the engine stopped), the agent sends a retryable
     /// failure.
     fn generate(&self, request: GenerateRequest) -> BoxStream<'static, GenerateEvent>;
+
+    /// Whether a prefill leg that pulls its prefix from a decode worker
+    /// ([`protocol::Path::RemoteFetch`]) needs that engine's handle to the
+    /// blocks (vLLM's bidirectional KV transfer). The agent then asks the
+    /// source's agent for it ([`protocol::subjects::kv_handle`]) and serves
+    /// the leg with [`Engine::generate_pulling`].
+    fn wants_kv_handles(&self) -> bool {
+        false
+    }
+
+    /// Serves a prefill leg that pulls its prefix, with the source
+    /// engine's handle (`None`: the source had none to give, so the leg
+    /// prefills whole).
+    fn generate_pulling(
+        &self,
+        request: GenerateRequest,
+        handle: Option<KvHandle>,
+    ) -> BoxStream<'static, GenerateEvent> {
+        let _ = handle;
+        self.generate(request)
+    }
+
+    /// Takes (single use) this engine's handle to its blocks of the
+    /// longest leading part of `prefix` (a prompt's chained block hashes)
+    /// it kept one for, for the prefill worker of `request_id`.
+    fn take_kv_handle(&self, request_id: &str, prefix: &[BlockHash]) -> Option<KvHandle> {
+        let _ = (request_id, prefix);
+        None
+    }
 
     /// The first field of `sampling` (its HTTP name) this engine cannot
     /// honour: the agent answers such a request with a

@@ -67,9 +67,18 @@ pub const ENGINE_SCRAPE_ERRORS: &str = "worker_agent_engine_scrape_errors_total"
 /// (served as local prefills).
 pub const ENGINE_DECODE_WITHOUT_PARAMS: &str = "worker_agent_engine_decode_without_params_total";
 /// Prefill legs of the third path (a prefix to pull from a decode worker)
-/// by outcome: `pulled` (sent with the bidirectional parameters) or
-/// `plain` (`--vllm-bidirectional-kv` off: prefilled whole).
+/// by outcome: `pulled` (sent with the source's handle), `no_handle` (the
+/// source's agent gave none: prefilled whole) or `plain`
+/// (`--vllm-bidirectional-kv` off: prefilled whole).
 pub const ENGINE_PREFIX_FETCHES: &str = "worker_agent_engine_prefix_fetches_total";
+/// KV-handle queries this agent answered, by outcome (`given`, `not_held`,
+/// `expired`, `uncuttable`, `malformed`).
+pub const KV_HANDLE_QUERIES: &str = "worker_agent_kv_handle_queries_total";
+/// Handles to finished requests' blocks the engine returned and the agent
+/// keeps for a later turn's prefill worker to pull from.
+pub const KV_HANDLES_KEPT: &str = "worker_agent_kv_handles_kept";
+/// Handles the engine returned, by outcome (`kept`, `unreadable`).
+pub const KV_HANDLES_RETURNED: &str = "worker_agent_kv_handles_returned_total";
 /// Streamed chunks with text but no token ids (an engine that ignores
 /// `return_token_ids`).
 pub const ENGINE_TEXT_ONLY_CHUNKS: &str = "worker_agent_engine_text_only_chunks_total";
@@ -151,7 +160,19 @@ pub fn describe() {
     );
     describe_counter!(
         ENGINE_PREFIX_FETCHES,
-        "Prefill legs that fetch their prefix from a decode worker, by outcome (pulled, plain)"
+        "Prefill legs that fetch their prefix from a decode worker, by outcome (pulled, no_handle, plain)"
+    );
+    describe_counter!(
+        KV_HANDLE_QUERIES,
+        "Queries for a handle to this engine's blocks (from a prefill worker's agent), by outcome (given, not_held, expired, uncuttable, malformed)"
+    );
+    describe_gauge!(
+        KV_HANDLES_KEPT,
+        "Handles to finished requests' blocks kept for a later turn's prefill worker"
+    );
+    describe_counter!(
+        KV_HANDLES_RETURNED,
+        "Handles to finished requests' blocks the engine returned, by outcome (kept, unreadable)"
     );
     describe_counter!(
         ENGINE_TEXT_ONLY_CHUNKS,

@@ -154,11 +154,13 @@ pub struct Cluster {
     pub extra: ExtraFlags,
 }
 
-/// Flags added to every router's and agent's command line.
+/// Flags added to every router's, agent's and mock-vllm engine's command
+/// line.
 #[derive(Debug, Clone, Default)]
 pub struct ExtraFlags {
     pub router: Vec<String>,
     pub agent: Vec<String>,
+    pub engine: Vec<String>,
 }
 
 impl Cluster {
@@ -455,6 +457,7 @@ impl Cluster {
                     ]
                     .into_iter()
                     .chain(mock_extra.drain(..))
+                    .chain(self.extra.engine.iter().cloned())
                     .collect::<Vec<_>>(),
                 )?;
                 service.wait_http_ok(http, "/health", STARTUP)?;

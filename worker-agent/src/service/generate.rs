@@ -136,15 +136,31 @@ impl Agent {
             "generate"
         );
         let decision = request.annotation.decision;
-        let events = self.engine.generate(request);
         let held = self.in_flight.hold(decision);
-        let task = self.tasks.spawn(
-            async move {
-                forward(out, events).await;
-                drop(held);
-            }
-            .in_current_span(),
-        );
+        let pulls = matches!(request.stage, Stage::Prefill) && request.annotation.fetch.is_some();
+        let task = if pulls && self.engine.wants_kv_handles() {
+            // The source engine's handle to the prefix first (vLLM's
+            // bidirectional transfer), from its agent.
+            let (engine, client) = (self.engine.clone(), self.client.clone());
+            let contract = self.contract.clone();
+            self.tasks.spawn(
+                async move {
+                    let handle = super::kv_handle::ask(&client, &contract, &request).await;
+                    forward(out, engine.generate_pulling(request, handle)).await;
+                    drop(held);
+                }
+                .in_current_span(),
+            )
+        } else {
+            let events = self.engine.generate(request);
+            self.tasks.spawn(
+                async move {
+                    forward(out, events).await;
+                    drop(held);
+                }
+                .in_current_span(),
+            )
+        };
         self.streams.insert(decision, task);
     }
 

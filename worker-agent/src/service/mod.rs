@@ -11,10 +11,14 @@
 //! - `generate.rs`: generation requests, chunks and cancels.
 //! - `ping.rs`: answers routers' liveness probes, from its own task, until
 //!   the agent has drained.
+//! - `kv_handle.rs`: the third path's handles between agents: a pulling
+//!   prefill leg asks its source's agent for the engine's handle to the
+//!   prefix; queries about this engine are answered from their own task.
 
 mod event_loop;
 mod generate;
 mod kv;
+mod kv_handle;
 mod ping;
 mod startup;
 

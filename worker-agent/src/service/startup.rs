@@ -133,6 +133,11 @@ async fn serve_worker(
         subscribe(&client, subjects::ping(&worker)).await?,
         in_flight.clone(),
     );
+    let handle_queries = super::kv_handle::answer(
+        client.clone(),
+        subscribe(&client, subjects::kv_handle(&worker)).await?,
+        engine.clone(),
+    );
 
     let store_full = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (http_stop, http_task) = match config.http_addr {
@@ -212,6 +217,7 @@ async fn serve_worker(
     }
     let unpublished = agent.wind_down().await;
     pings.abort();
+    handle_queries.abort();
     if let Some(stop) = http_stop {
         let _ = stop.send(());
     }

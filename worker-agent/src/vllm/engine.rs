@@ -14,7 +14,8 @@ use engine_sim::Preset;
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use protocol::{
-    Capabilities, GenerateEvent, GenerateRequest, HashingContract, Role, Sampling, WorkerId,
+    BlockHash, Capabilities, GenerateEvent, GenerateRequest, HashingContract, KvHandle, Role,
+    Sampling, WorkerId,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -106,9 +107,14 @@ pub struct VllmConfig {
     pub metrics_interval: Duration,
     /// Ask for generated token ids (`return_token_ids`).
     pub return_token_ids: bool,
-    /// Serve a prefill leg that fetches its prefix (the third path) with
-    /// vLLM's bidirectional NIXL parameters; off: as a plain prefill.
+    /// vLLM's bidirectional KV transfer (the third path): keep the handles
+    /// the engine returns for later turns' prefill workers, and serve a
+    /// prefill leg that fetches its prefix with its source's handle; off:
+    /// as a plain prefill.
     pub bidirectional_kv: bool,
+    /// How long a returned handle is kept: below the engine's
+    /// `decoder_kv_blocks_ttl`, after which it declines the read.
+    pub kv_handle_ttl: Duration,
     /// SGLang decode server: send bypasses with `do_local_prefill: true`.
     pub do_local_prefill: bool,
     /// Limits of one replay request.
@@ -201,6 +207,18 @@ impl Engine for VllmEngine {
     }
 
     fn generate(&self, request: GenerateRequest) -> BoxStream<'static, GenerateEvent> {
+        self.generate_pulling(request, None)
+    }
+
+    fn wants_kv_handles(&self) -> bool {
+        self.ctx.bidirectional_kv
+    }
+
+    fn generate_pulling(
+        &self,
+        request: GenerateRequest,
+        handle: Option<KvHandle>,
+    ) -> BoxStream<'static, GenerateEvent> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let ctx = self.ctx.clone();
         let guard = InflightGuard::new(&self.shared, &request);
@@ -212,7 +230,7 @@ impl Engine for VllmEngine {
                 // token it cannot pass on; this covers a silent engine
                 // (queued, or in a long prefill).
                 tokio::select! {
-                    () = ctx.serve(request, &tx, &guard) => {}
+                    () = ctx.serve(request, handle, &tx, &guard) => {}
                     () = tx.closed() => {}
                 }
             }
@@ -223,6 +241,10 @@ impl Engine for VllmEngine {
 
     fn unsupported(&self, sampling: &Sampling) -> Option<&'static str> {
         self.ctx.kind.unsupported(sampling)
+    }
+
+    fn take_kv_handle(&self, request_id: &str, prefix: &[BlockHash]) -> Option<KvHandle> {
+        self.ctx.handles.as_ref()?.take(request_id, prefix)
     }
 
     fn stop(&self) {

@@ -81,6 +81,7 @@
 
 mod connect;
 pub mod engine;
+pub mod handles;
 mod kv_task;
 mod load;
 pub mod openai;

@@ -21,10 +21,14 @@
 //!   `choices[].logprobs` (`tokens`, `top_logprobs`' keys) `token_id:ID`;
 //!   they are read back per token ([`parse_logprobs`]).
 //! - The third path (a prefix pulled from a decode worker, vLLM's
-//!   bidirectional NIXL transfer, `bidirectional_kv_xfer`): the prefill
-//!   request's `kv_transfer_params` name the decode worker as the remote
-//!   (`do_remote_decode: true`, `remote_engine_id`, `remote_num_tokens`,
-//!   [`pull_params`]); the rest is as above.
+//!   bidirectional NIXL transfer, `bidirectional_kv_xfer`): a decode
+//!   engine returns a handle to a finished request's blocks in its
+//!   response's `kv_transfer_params` (`do_remote_decode: true`,
+//!   `remote_block_ids`, `remote_request_id`, ...) when the request carried
+//!   any (a bypass carries `{"do_remote_prefill": false}`,
+//!   [`ask_for_handle`]); a later turn's prefill request sends that handle,
+//!   cut to the prompt's prefix ([`super::handles`]), as its
+//!   `kv_transfer_params`; the rest is as above.
 
 use protocol::{Sampling, TokenLogprob};
 use serde_json::{json, Map, Value};
@@ -36,12 +40,23 @@ pub enum Kind {
     Local,
     /// Prefill only, for a remote decode.
     Prefill,
-    /// Prefill only, pulling the prefix from the decode worker that holds
-    /// it first ([`pull_params`]).
+    /// Prefill only, pulling the prefix first from the decode engine
+    /// that holds it: its handle, as `kv_transfer_params`.
     PrefillFetch(Map<String, Value>),
     /// Decode of a prompt prefilled elsewhere; the prefill engine's
     /// `kv_transfer_params`.
     Decode(Map<String, Value>),
+}
+
+/// Asks a decode engine with bidirectional KV transfer to return a
+/// handle to the request's blocks when it finishes (vLLM exports them only
+/// for requests that carry `kv_transfer_params`), for a later turn's
+/// prefill worker to pull.
+pub fn ask_for_handle(body: &mut Value) {
+    if let Some(o) = body.as_object_mut() {
+        o.entry("kv_transfer_params")
+            .or_insert_with(|| json!({"do_remote_prefill": false}));
+    }
 }
 
 /// Asks an SGLang decode server to prefill locally (SGLang builds that
@@ -108,31 +123,6 @@ pub fn completion_body(
         o.insert("return_token_ids".into(), json!(true));
     }
     body
-}
-
-/// The `kv_transfer_params` of a prefill that pulls `fetch`'s prefix from
-/// its source first (vLLM's bidirectional pull: the prefill worker is the
-/// pulling side of a `do_remote_decode` request whose remote is the decode
-/// worker). The source is named by its worker id; `remote_block_ids`,
-/// `remote_request_id`, `remote_host` and `remote_port` would be the
-/// decode engine's own handle, returned in its previous response's
-/// `kv_transfer_params`, which the router does not relay yet (mock-vllm
-/// needs none of them).
-pub fn pull_params(fetch: &protocol::PrefixFetch) -> Map<String, Value> {
-    let Value::Object(params) = json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "remote_engine_id": fetch.source.to_string(),
-        "remote_request_id": null,
-        "remote_block_ids": [],
-        "remote_host": null,
-        "remote_port": null,
-        "remote_num_tokens": fetch.prefix_tokens,
-        "transfer_mode": "pull",
-    }) else {
-        unreachable!("an object literal")
-    };
-    params
 }
 
 /// Every sampling field set, under vLLM's names (`lora` is the `model`).
@@ -498,28 +488,44 @@ pub fn error_message(body: &str) -> String {
 mod tests {
     use super::*;
 
-    /// The third path's prefill: vLLM's bidirectional pull, the decode
-    /// worker named as the remote holding `remote_num_tokens`; one token,
-    /// not streamed, like any prefill.
+    /// The third path's prefill: the decode engine's handle sent as it
+    /// is; one token, not streamed, like any prefill. A bypass asks for a
+    /// handle; a decode leg's handoff params already make the engine
+    /// return one.
     #[test]
-    fn a_fetching_prefill_names_the_decode_worker_as_its_remote() {
-        let fetch = protocol::PrefixFetch {
-            source: "d0".parse().unwrap(),
-            prefix_tokens: 4_096,
-            pulled_tokens: 1_024,
+    fn a_pulling_prefill_sends_the_handle_and_a_bypass_asks_for_one() {
+        let Value::Object(handle) = json!({
+            "do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": "engine-d", "remote_request_id": "r1",
+            "remote_block_ids": [[7, 8]], "remote_num_tokens": 32,
+        }) else {
+            unreachable!()
         };
-        let kind = Kind::PrefillFetch(pull_params(&fetch));
+        let kind = Kind::PrefillFetch(handle.clone());
         let b = completion_body("m", &[1], 8, &Sampling::default(), &kind, true);
         assert_eq!(
             (b["max_tokens"].clone(), b["stream"].clone()),
             (json!(1), json!(false))
         );
-        let p = &b["kv_transfer_params"];
-        assert_eq!(p["do_remote_decode"], json!(true));
-        assert_eq!(p["do_remote_prefill"], json!(false));
-        assert_eq!(p["remote_engine_id"], json!("d0"));
-        assert_eq!(p["remote_num_tokens"], json!(4_096));
-        assert_eq!(p["transfer_mode"], json!("pull"));
+        assert_eq!(b["kv_transfer_params"], Value::Object(handle));
+
+        let mut b = completion_body("m", &[1], 8, &Sampling::default(), &Kind::Local, true);
+        ask_for_handle(&mut b);
+        assert_eq!(b["kv_transfer_params"], json!({"do_remote_prefill": false}));
+        let params = json!({"remote_engine_id": "p", "do_remote_prefill": true});
+        let Value::Object(params) = params else {
+            unreachable!()
+        };
+        let mut b = completion_body(
+            "m",
+            &[1],
+            8,
+            &Sampling::default(),
+            &Kind::Decode(params),
+            true,
+        );
+        ask_for_handle(&mut b);
+        assert_eq!(b["kv_transfer_params"]["remote_engine_id"], json!("p"));
     }
 
     #[test]

@@ -1,18 +1,25 @@
 //! Generation requests: each one a call to the engine's
 //! `/v1/completions` ([`super::openai`]): local requests streamed, a
 //! prefill's `kv_transfer_params` passed on, a decode's sent back; every
-//! failure ends as a clear `Failed`.
+//! failure ends as a clear `Failed`. With bidirectional KV transfer, the
+//! handles a decode engine returns are kept ([`Handles`]) and a pulling
+//! prefill sends its source's.
 
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use metrics::counter;
-use protocol::{FinishReason, GenerateEvent, GenerateRequest, KvTransferParams, Stage, WorkerId};
+use metrics::{counter, gauge};
+use protocol::{
+    BlockHash, BlockHasher, FinishReason, GenerateEvent, GenerateRequest, KvHandle,
+    KvTransferParams, Stage, WorkerId,
+};
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
-use tracing::warn;
+use tracing::{debug, warn};
 
-use super::engine::EngineKind;
+use super::engine::{lock, EngineKind};
+use super::handles::HandleStore;
 use super::load::InflightGuard;
 use super::openai::{self, Kind};
 use crate::metrics as m;
@@ -29,17 +36,107 @@ pub(super) struct RequestContext {
     pub(super) block_size: u32,
     pub(super) return_token_ids: bool,
     pub(super) bidirectional_kv: bool,
+    /// With `bidirectional_kv`: the handles the engine returned.
+    pub(super) handles: Option<Handles>,
     /// Bypasses carry `do_local_prefill: true` (an SGLang decode server).
     pub(super) do_local_prefill: bool,
     pub(super) timeout: Duration,
     pub(super) stop: watch::Receiver<bool>,
 }
 
+/// The handles to finished requests' blocks the engine returned, for the
+/// prefill workers of later turns ([`HandleStore`] on the agent's clock).
+#[derive(Debug)]
+pub(super) struct Handles {
+    store: Mutex<HandleStore>,
+    /// The deployment's hasher and model, salted per request as the
+    /// router salts its prompt.
+    hasher: BlockHasher,
+    model: String,
+    origin: Instant,
+}
+
+impl Handles {
+    pub(super) fn new(hasher: BlockHasher, model: String, ttl: Duration, max_bytes: usize) -> Self {
+        Self {
+            store: Mutex::new(HandleStore::new(
+                hasher.block_size(),
+                ttl.as_millis() as u64,
+                max_bytes,
+            )),
+            hasher,
+            model,
+            origin: Instant::now(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    /// Keeps the handle `returned` with a finished `request` whose output
+    /// was `output` (empty when the engine sent no ids).
+    fn keep(&self, request: &GenerateRequest, returned: Value, output: &[u32]) {
+        let Value::Object(params) = returned else {
+            return;
+        };
+        let is_handle = params.get("do_remote_decode").and_then(Value::as_bool) == Some(true)
+            && params.get("remote_num_tokens").is_some_and(Value::is_u64);
+        if !is_handle {
+            counter!(m::KV_HANDLES_RETURNED, "outcome" => "unreadable").increment(1);
+            let params = Value::Object(params);
+            warn!(
+                request_id = %request.request_id,
+                %params,
+                "the engine returned kv_transfer_params that are no handle to its blocks: not kept"
+            );
+            return;
+        }
+        let hasher = request.sampling.block_hasher(self.hasher, &self.model);
+        let mut tokens = request.prompt.clone();
+        tokens.extend_from_slice(output);
+        let sequence = hasher.hash_prompt(&tokens);
+        let prompt_blocks = request.prompt.len() / hasher.block_size() as usize;
+        let prompt: &[BlockHash] = &sequence[..prompt_blocks.min(sequence.len())];
+        let sequence = if output.is_empty() {
+            &[][..]
+        } else {
+            &sequence[..]
+        };
+        let mut store = lock(&self.store);
+        store.insert(&params, prompt, sequence, self.now_ms());
+        gauge!(m::KV_HANDLES_KEPT).set(store.len() as f64);
+        counter!(m::KV_HANDLES_RETURNED, "outcome" => "kept").increment(1);
+    }
+
+    /// Takes the handle to the longest leading part of `prefix`.
+    pub(super) fn take(&self, request_id: &str, prefix: &[BlockHash]) -> Option<KvHandle> {
+        let mut store = lock(&self.store);
+        let taken = store.take(prefix, self.now_ms());
+        gauge!(m::KV_HANDLES_KEPT).set(store.len() as f64);
+        let outcome = match &taken {
+            Ok(_) => "given",
+            Err(miss) => {
+                debug!(
+                    request_id,
+                    reason = miss.as_str(),
+                    "no handle for a prefill worker's prefix"
+                );
+                miss.as_str()
+            }
+        };
+        counter!(m::KV_HANDLE_QUERIES, "outcome" => outcome).increment(1);
+        taken.ok()
+    }
+}
+
 impl RequestContext {
-    /// Serves one request, sending its events to `out`.
+    /// Serves one request, sending its events to `out`; `handle`: the
+    /// source engine's, for a prefill that pulls its prefix.
     pub(super) async fn serve(
         &self,
         request: GenerateRequest,
+        handle: Option<KvHandle>,
         out: &mpsc::UnboundedSender<GenerateEvent>,
         guard: &InflightGuard,
     ) {
@@ -54,13 +151,14 @@ impl RequestContext {
         tokio::select! {
             // The stream just ends: the agent reports a retryable failure.
             _ = stop.changed() => {}
-            () = self.serve_inner(request, out, guard) => {}
+            () = self.serve_inner(request, handle, out, guard) => {}
         }
     }
 
     async fn serve_inner(
         &self,
         request: GenerateRequest,
+        handle: Option<KvHandle>,
         out: &mpsc::UnboundedSender<GenerateEvent>,
         guard: &InflightGuard,
     ) {
@@ -75,16 +173,32 @@ impl RequestContext {
             }
             Stage::Prefill => match &request.annotation.fetch {
                 Some(fetch) if self.bidirectional_kv => {
-                    counter!(m::ENGINE_PREFIX_FETCHES, "outcome" => "pulled").increment(1);
-                    tracing::info!(
-                        request_id = %request.request_id,
-                        decision = %request.annotation.decision,
-                        source = %fetch.source,
-                        prefix_tokens = fetch.prefix_tokens,
-                        pulled_tokens = fetch.pulled_tokens,
-                        "prefill pulling its prefix from a decode worker"
-                    );
-                    Kind::PrefillFetch(openai::pull_params(fetch))
+                    let params = handle.and_then(|h| {
+                        let blocks = h.blocks;
+                        match serde_json::from_str::<Value>(&h.engine) {
+                            Ok(Value::Object(p)) => Some((p, blocks)),
+                            _ => None,
+                        }
+                    });
+                    match params {
+                        Some((params, blocks)) => {
+                            counter!(m::ENGINE_PREFIX_FETCHES, "outcome" => "pulled").increment(1);
+                            tracing::info!(
+                                request_id = %request.request_id,
+                                decision = %request.annotation.decision,
+                                source = %fetch.source,
+                                prefix_tokens = fetch.prefix_tokens,
+                                handle_blocks = blocks,
+                                "prefill pulling its prefix from a decode worker"
+                            );
+                            Kind::PrefillFetch(params)
+                        }
+                        None => {
+                            counter!(m::ENGINE_PREFIX_FETCHES, "outcome" => "no_handle")
+                                .increment(1);
+                            Kind::Prefill
+                        }
+                    }
                 }
                 Some(fetch) => {
                     counter!(m::ENGINE_PREFIX_FETCHES, "outcome" => "plain").increment(1);
@@ -126,6 +240,9 @@ impl RequestContext {
         );
         if self.do_local_prefill && kind == Kind::Local {
             openai::ask_local_prefill(&mut body);
+        }
+        if self.handles.is_some() && kind == Kind::Local {
+            openai::ask_for_handle(&mut body);
         }
         let mut call = self
             .http
@@ -189,8 +306,7 @@ impl RequestContext {
         if matches!(kind, Kind::Prefill | Kind::PrefillFetch(_)) {
             return self.prefilled(request, response, out).await;
         }
-        self.stream(response, out, guard, request.sampling.logprobs.is_some())
-            .await;
+        self.stream(&request, response, out, guard).await;
     }
 
     /// A prefill's non-streamed response: its `kv_transfer_params`.
@@ -251,11 +367,16 @@ impl RequestContext {
     /// then the end.
     async fn stream(
         &self,
+        request: &GenerateRequest,
         response: reqwest::Response,
         out: &mpsc::UnboundedSender<GenerateEvent>,
         guard: &InflightGuard,
-        logprobs: bool,
     ) {
+        let logprobs = request.sampling.logprobs.is_some();
+        // With bidirectional KV transfer: the handle the engine returns at
+        // the end, and the output's ids (its blocks' names).
+        let mut returned = None;
+        let mut output = Vec::new();
         let mut body = response.bytes_stream();
         let mut sse = openai::SseParser::new();
         let mut produced = 0u32;
@@ -284,7 +405,10 @@ impl RequestContext {
                     if rest.is_empty() {
                         return match finish {
                             // A stream without [DONE] that said it finished.
-                            Some(reason) => finished(out, produced, usage, &reason),
+                            Some(reason) => {
+                                self.keep_handle(request, returned, &output);
+                                finished(out, produced, usage, &reason)
+                            }
                             None => fail(
                                 out,
                                 true,
@@ -298,6 +422,7 @@ impl RequestContext {
             for data in datas {
                 match openai::parse_event(&data) {
                     Ok(openai::Event::Done) => {
+                        self.keep_handle(request, returned, &output);
                         return finished(
                             out,
                             produced,
@@ -313,9 +438,15 @@ impl RequestContext {
                                 format!("the engine failed the request: {error}"),
                             );
                         }
+                        if c.kv_transfer_params.is_some() {
+                            returned = c.kv_transfer_params;
+                        }
                         match c.token_ids {
                             Some(ids) if !ids.is_empty() => {
                                 produced += ids.len() as u32;
+                                if self.handles.is_some() {
+                                    output.extend_from_slice(&ids);
+                                }
                                 guard.produced(ids.len());
                                 let event = match (logprobs, c.logprobs) {
                                     (false, _) => GenerateEvent::Tokens(ids),
@@ -367,6 +498,16 @@ impl RequestContext {
                     }
                 }
             }
+        }
+    }
+}
+
+impl RequestContext {
+    /// Keeps the handle the engine returned with a finished request, if
+    /// it returned one and handles are kept.
+    fn keep_handle(&self, request: &GenerateRequest, returned: Option<Value>, output: &[u32]) {
+        if let (Some(handles), Some(returned)) = (&self.handles, returned) {
+            handles.keep(request, returned, output);
         }
     }
 }

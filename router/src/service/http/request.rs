@@ -7,7 +7,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
 
-use protocol::{BlockHasher, HashSalt, SessionId};
+use protocol::{BlockHasher, SessionId};
 
 use super::error::ApiError;
 use super::fields::{FieldError, Fields, Members, MAX_CHOICES};
@@ -77,7 +77,7 @@ impl App {
     /// engine stores for it (from the `BlockStored`'s `lora_name` and
     /// `cache_salt`), so that they match each other and nothing else.
     pub(super) fn hasher_for(&self, sampling: &protocol::Sampling) -> BlockHasher {
-        salted(self.hasher, &self.model, sampling)
+        sampling.block_hasher(self.hasher, &self.model)
     }
 
     /// The request's `max_tokens` (asked for, or the default cut to what
@@ -455,53 +455,4 @@ fn chat_messages(value: serde_json::Value) -> Result<Vec<Message>, FieldError> {
             })
         })
         .collect()
-}
-
-/// `hasher` for `model`, salted with the request's LoRA adapter and cache
-/// salt when it has either (the agent's `Translator` salts an engine's
-/// `BlockStored` with its `lora_name` and `cache_salt` the same way).
-fn salted(hasher: BlockHasher, model: &str, sampling: &protocol::Sampling) -> BlockHasher {
-    let (lora, cache_salt) = (sampling.lora.as_deref(), sampling.cache_salt.as_deref());
-    if lora.is_none() && cache_salt.is_none() {
-        return hasher;
-    }
-    BlockHasher::new(hasher.block_size(), HashSalt::new(model, lora, cache_salt)).unwrap_or(hasher)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use protocol::{HashingContract, Sampling};
-
-    /// A salted request's blocks match blocks stored under the same
-    /// adapter and salt, not the base model's nor another tenant's.
-    #[test]
-    fn lora_and_cache_salt_salt_the_hashes() {
-        let contract = HashingContract::for_model("m", 4);
-        let base = BlockHasher::new(4, contract.salt).unwrap();
-        let prompt: Vec<u32> = (0..12).collect();
-        let with = |lora: Option<&str>, salt: Option<&str>| {
-            let s = Sampling {
-                lora: lora.map(str::to_owned),
-                cache_salt: salt.map(str::to_owned),
-                ..Sampling::default()
-            };
-            salted(base, "m", &s).hash_prompt(&prompt)
-        };
-        assert_eq!(with(None, None), base.hash_prompt(&prompt));
-        let stored = BlockHasher::new(4, HashSalt::new("m", Some("a"), Some("t1"))).unwrap();
-        assert_eq!(with(Some("a"), Some("t1")), stored.hash_prompt(&prompt));
-        let all = [
-            with(None, None),
-            with(Some("a"), None),
-            with(None, Some("t1")),
-            with(Some("a"), Some("t1")),
-            with(Some("a"), Some("t2")),
-        ];
-        for (i, a) in all.iter().enumerate() {
-            for b in &all[i + 1..] {
-                assert_ne!(a[0], b[0]);
-            }
-        }
-    }
 }
