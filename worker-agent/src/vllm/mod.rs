@@ -67,6 +67,12 @@
 //! streams text only still finishes its requests, but no token ids reach
 //! the router (counted).
 //!
+//! The third path (`--vllm-bidirectional-kv`, vLLM's bidirectional NIXL
+//! transfer): bypasses ask the engine for a handle to their blocks, the
+//! handles it returns are kept ([`handles`]) and given once to the agent of
+//! a prefill worker that pulls that prefix, whose prefill request sends it
+//! as its `kv_transfer_params` (`proxy.rs`).
+//!
 //! # SGLang
 //!
 //! `--engine sglang` decodes SGLang's variant of the events (signed i64
