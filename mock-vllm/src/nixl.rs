@@ -45,6 +45,8 @@ pub struct Endpoint {
 #[derive(Debug)]
 struct Export {
     tokens: Vec<u32>,
+    /// Its block ids, as its handle lists them.
+    ids: Vec<u64>,
     expires: Instant,
 }
 
@@ -52,6 +54,7 @@ struct Export {
 #[derive(Debug)]
 pub struct Exports {
     ttl: Duration,
+    block_size: u32,
     by_request: HashMap<String, Export>,
     /// Handles given out, and read.
     pub exported: u64,
@@ -59,9 +62,10 @@ pub struct Exports {
 }
 
 impl Exports {
-    pub fn new(ttl: Duration) -> Self {
+    pub fn new(ttl: Duration, block_size: u32) -> Self {
         Self {
             ttl,
+            block_size,
             by_request: HashMap::new(),
             exported: 0,
             read: 0,
@@ -83,8 +87,11 @@ impl Exports {
         let mut tokens = prompt.to_vec();
         tokens.extend_from_slice(output);
         tokens.pop();
-        let blocks = (tokens.len() as u32).div_ceil(at.block_size.max(1));
-        let ids: Vec<u32> = (0..blocks).collect();
+        // Ids unique to the export, so that a read names the blocks it
+        // means: a handle cut wrong reads other ids.
+        let blocks = tokens.len().div_ceil(at.block_size.max(1) as usize) as u64;
+        let base = (self.exported + 1) * 1_000_000;
+        let ids: Vec<u64> = (base..base + blocks).collect();
         let expiry = SystemTime::now()
             .checked_add(self.ttl)
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -92,7 +99,7 @@ impl Exports {
         let params = json!({
             "do_remote_prefill": false,
             "do_remote_decode": true,
-            "remote_block_ids": [ids],
+            "remote_block_ids": [ids.clone()],
             "remote_engine_id": at.engine_id,
             "remote_request_id": request_id,
             "remote_host": at.host,
@@ -108,6 +115,7 @@ impl Exports {
             request_id.to_owned(),
             Export {
                 tokens,
+                ids,
                 expires: now + self.ttl,
             },
         );
@@ -115,23 +123,51 @@ impl Exports {
         params
     }
 
-    /// The first `n` tokens behind `request_id`'s handle, read once.
-    pub fn read(&mut self, request_id: &str, n: usize, now: Instant) -> Result<Vec<u32>, String> {
+    /// The first `n` tokens behind `request_id`'s handle, read once from
+    /// the blocks `ids` (which must be its first ones).
+    pub fn read(
+        &mut self,
+        request_id: &str,
+        n: usize,
+        ids: &[u64],
+        now: Instant,
+    ) -> Result<Vec<u32>, Declined> {
         let export = self.by_request.remove(request_id).ok_or_else(|| {
-            format!("no blocks exported for {request_id:?} (never, or read already)")
+            Declined::Gone(format!(
+                "no blocks exported for {request_id:?} (never, or read already)"
+            ))
         })?;
         if export.expires <= now {
-            return Err(format!("the blocks of {request_id:?} expired"));
+            return Err(Declined::Gone(format!(
+                "the blocks of {request_id:?} expired"
+            )));
         }
         if n > export.tokens.len() {
-            return Err(format!(
+            return Err(Declined::Wrong(format!(
                 "{n} tokens asked of {request_id:?}, which holds {}",
                 export.tokens.len()
-            ));
+            )));
+        }
+        let needed = n.div_ceil(self.block_size.max(1) as usize);
+        if ids.len() != needed || ids != &export.ids[..needed] {
+            return Err(Declined::Wrong(format!(
+                "{n} tokens read of {request_id:?} from blocks {:?}, which are not its first {needed}",
+                &ids[..ids.len().min(4)]
+            )));
         }
         self.read += 1;
         Ok(export.tokens[..n].to_vec())
     }
+}
+
+/// Why a read was declined.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Declined {
+    /// Unknown, read already, or expired (vLLM declines; the reader
+    /// recomputes).
+    Gone(String),
+    /// Blocks or tokens the handle does not hold: a reader's bug.
+    Wrong(String),
 }
 
 /// A prefill's pull, from its `kv_transfer_params`.
@@ -144,7 +180,7 @@ pub struct Pull {
     /// Tokens to pull: `min(remote_num_tokens, prompt)`.
     pub tokens: u64,
     /// Remote block ids of the first group.
-    pub blocks: usize,
+    pub ids: Vec<u64>,
 }
 
 /// The pull `params` ask of a prefill of `prompt_len` tokens: `None`
@@ -156,9 +192,9 @@ pub fn pull_of(params: &Map<String, Value>, prompt_len: usize) -> Option<Pull> {
         return None;
     }
     let ids = params.get("remote_block_ids").and_then(Value::as_array)?;
-    let blocks = match ids.first() {
-        Some(Value::Array(group)) => group.len(),
-        Some(_) => ids.len(),
+    let ids: Vec<u64> = match ids.first() {
+        Some(Value::Array(group)) => group.iter().filter_map(Value::as_u64).collect(),
+        Some(_) => ids.iter().filter_map(Value::as_u64).collect(),
         None => return None,
     };
     let port = params
@@ -169,13 +205,13 @@ pub fn pull_of(params: &Map<String, Value>, prompt_len: usize) -> Option<Pull> {
         .get("remote_num_tokens")
         .and_then(Value::as_u64)?
         .min(prompt_len as u64);
-    (tokens >= PULL_RECOMPUTE_THRESHOLD && blocks > 0).then_some(Pull {
+    (tokens >= PULL_RECOMPUTE_THRESHOLD && !ids.is_empty()).then_some(Pull {
         engine_id: text("remote_engine_id")?,
         request_id: text("remote_request_id")?,
         host: text("remote_host")?,
         port,
         tokens,
-        blocks,
+        ids,
     })
 }
 
@@ -195,7 +231,7 @@ mod tests {
     #[test]
     fn an_exported_handle_is_read_once_and_names_its_computed_tokens() {
         let now = Instant::now();
-        let mut exports = Exports::new(Duration::from_secs(480));
+        let mut exports = Exports::new(Duration::from_secs(480), 16);
         let prompt: Vec<u32> = (0..100).collect();
         let params = exports.export("r1", &prompt, &[500, 501, 502], &at(), now);
         // 102 computed tokens in 7 blocks of 16.
@@ -205,26 +241,33 @@ mod tests {
             unreachable!()
         };
         let pull = pull_of(&params, 200).unwrap();
-        assert_eq!((pull.tokens, pull.blocks, pull.port), (102, 7, 9));
-        let tokens = exports.read("r1", 102, now).unwrap();
+        assert_eq!((pull.tokens, pull.ids.len(), pull.port), (102, 7, 9));
+        // Blocks other than its first are refused (and the read spent).
+        assert!(exports.read("r1", 102, &pull.ids[1..], now).is_err());
+        exports.export("r1", &prompt, &[500, 501, 502], &at(), now);
+        let ids: Vec<u64> = (2_000_000..2_000_007).collect();
+        let tokens = exports.read("r1", 102, &ids, now).unwrap();
         assert_eq!(&tokens[..100], &prompt[..]);
         assert_eq!(&tokens[100..], &[500, 501]);
-        assert!(exports.read("r1", 102, now).is_err(), "read once");
+        assert!(exports.read("r1", 102, &ids, now).is_err(), "read once");
     }
 
     #[test]
     fn expired_or_short_handles_are_declined() {
         let now = Instant::now();
-        let mut exports = Exports::new(Duration::from_secs(1));
+        let mut exports = Exports::new(Duration::from_secs(1), 16);
         exports.export("r1", &[1, 2, 3], &[4], &at(), now);
-        assert!(exports.read("r1", 3, now + Duration::from_secs(2)).is_err());
+        let first = [1_000_000];
+        assert!(exports
+            .read("r1", 3, &first, now + Duration::from_secs(2))
+            .is_err());
         exports.export("r2", &[1, 2, 3], &[4], &at(), now);
-        assert!(exports.read("r2", 4, now).is_err());
+        assert!(exports.read("r2", 4, &[2_000_000], now).is_err());
     }
 
     #[test]
     fn params_without_a_whole_handle_or_below_the_threshold_pull_nothing() {
-        let mut exports = Exports::new(Duration::from_secs(480));
+        let mut exports = Exports::new(Duration::from_secs(480), 16);
         let prompt: Vec<u32> = (0..100).collect();
         let Value::Object(whole) = exports.export("r1", &prompt, &[1], &at(), Instant::now())
         else {

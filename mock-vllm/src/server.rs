@@ -116,7 +116,10 @@ impl App {
             next_rank: AtomicUsize::new(0),
             next_request: AtomicU64::new(0),
             debug: Mutex::new(DebugState::default()),
-            exports: Mutex::new(Exports::new(settings.decoder_kv_blocks_ttl)),
+            exports: Mutex::new(Exports::new(
+                settings.decoder_kv_blocks_ttl,
+                settings.block_size,
+            )),
             http: reqwest::Client::new(),
             settings,
         }
@@ -1045,14 +1048,18 @@ enum Pulled {
 async fn pulled(app: &App, pull: &Pull, prompt: &[u32]) -> Result<u32, Pulled> {
     let n = pull.tokens as usize;
     let needed = n.div_ceil(app.settings.block_size.max(1) as usize);
-    if pull.blocks < needed {
+    if pull.ids.len() < needed {
         return Err(Pulled::Wrong(format!(
             "the handle lists {} remote blocks for {n} tokens, which take {needed} (vLLM asserts num_local_blocks <= len(remote_block_ids))",
-            pull.blocks
+            pull.ids.len()
         )));
     }
     let url = format!("http://{}:{}/switchyard/nixl/read", pull.host, pull.port);
-    let body = json!({"remote_request_id": pull.request_id, "tokens": n});
+    let body = json!({
+        "remote_request_id": pull.request_id,
+        "tokens": n,
+        "block_ids": &pull.ids[..needed],
+    });
     let response = app
         .http
         .post(&url)
@@ -1066,6 +1073,9 @@ async fn pulled(app: &App, pull: &Pull, prompt: &[u32]) -> Result<u32, Pulled> {
         .json()
         .await
         .map_err(|e| Pulled::Declined(format!("reading {url}: {e}")))?;
+    if status == StatusCode::CONFLICT {
+        return Err(Pulled::Wrong(format!("{url} refused the read: {answer}")));
+    }
     if !status.is_success() {
         return Err(Pulled::Declined(format!(
             "{url} answered {status}: {answer}"
@@ -1093,17 +1103,22 @@ async fn nixl_read(State(app): State<Arc<App>>, body: Bytes) -> Response {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("not JSON: {e}")),
     };
-    let (Some(id), Some(n)) = (
+    let ids: Option<Vec<u64>> = asked["block_ids"]
+        .as_array()
+        .and_then(|ids| ids.iter().map(Value::as_u64).collect());
+    let (Some(id), Some(n), Some(ids)) = (
         asked["remote_request_id"].as_str(),
         asked["tokens"].as_u64(),
+        ids,
     ) else {
         return error(
             StatusCode::BAD_REQUEST,
-            "a read names remote_request_id and tokens",
+            "a read names remote_request_id, tokens and block_ids",
         );
     };
-    match lock(&app.exports).read(id, n as usize, Instant::now()) {
+    match lock(&app.exports).read(id, n as usize, &ids, Instant::now()) {
         Ok(tokens) => axum::Json(json!({"tokens": tokens})).into_response(),
-        Err(why) => error(StatusCode::GONE, why),
+        Err(nixl::Declined::Gone(why)) => error(StatusCode::GONE, why),
+        Err(nixl::Declined::Wrong(why)) => error(StatusCode::CONFLICT, why),
     }
 }

@@ -11,7 +11,7 @@ use engine_sim::Preset;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use protocol::{
-    BlockHash, BlockHasher, FinishReason, GenerateEvent, HashSalt, KvEvent, KvHandle,
+    BlockHash, BlockHasher, FinishReason, GenerateEvent, HashSalt, KvEvent, KvHandleQuery,
     KvTransferParams, PrefixFetch, Role, Stage, WorkerId,
 };
 use serde_json::Value;
@@ -401,17 +401,22 @@ async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -
         prefix_tokens: 336,
         pulled_tokens: 336,
     };
-    let prefix = canonical(&turn2[..336]);
+    let query = |id: &str, prompt: &[u32]| KvHandleQuery {
+        request_id: id.into(),
+        first: 0,
+        prefix: canonical(prompt),
+    };
+    const ANY: usize = usize::MAX;
     ensure!(d
-        .take_kv_handle("turn2", &canonical(&prompt(9, 400)))
+        .take_kv_handle(&query("x", &prompt(9, 400)), ANY)
         .is_none());
     let handle = d
-        .take_kv_handle("turn2", &prefix)
+        .take_kv_handle(&query("turn2", &turn2), ANY)
         .context("the handle to turn 1's blocks")?;
     // Turn 1's prompt and output, 339 computed tokens: 21 whole blocks.
     ensure!(handle.blocks == 21, "{handle:?}");
     ensure!(
-        d.take_kv_handle("turn2", &prefix).is_none(),
+        d.take_kv_handle(&query("turn2", &turn2), ANY).is_none(),
         "a handle is given once"
     );
     let params: Value = serde_json::from_str(&handle.engine)?;
@@ -423,7 +428,7 @@ async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -
     // Turn 2's prefill pulls it: the prefix comes cached.
     let mut leg = request("turn2", Stage::Prefill, turn2.clone(), 1);
     leg.annotation.fetch = Some(fetch.clone());
-    let events = collect(p.generate_pulling(leg.clone(), Some(handle.clone()))).await?;
+    let events = collect(p.generate_pulling(leg, Some(handle))).await?;
     let cached = events.iter().find_map(|e| match e {
         GenerateEvent::Prefilled { cached_tokens, .. } => *cached_tokens,
         _ => None,
@@ -436,17 +441,22 @@ async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -
     );
     ensure!(d_mock.debug().await?["handles_read"] == 1);
 
-    // A handle to other tokens (here: the same handle again, for a prompt
-    // that does not extend turn 1) fails the prefill, loudly.
-    let other = KvHandle {
-        engine: handle.engine.replace("cmpl-turn1", "cmpl-turn3"),
-        ..handle
-    };
-    let events = collect(d.generate(request("turn3", Stage::Local, prompt(5, 400), 4))).await?;
-    ensure!(events.last().is_some_and(GenerateEvent::is_last));
+    // A prompt and output of whole blocks (296 + 40 = 336 tokens): the
+    // last block's last token is not computed, so the handle covers 20.
+    let turn3 = prompt(5, 296);
+    let events = collect(d.generate(request("turn3", Stage::Local, turn3.clone(), 40))).await?;
+    let mut turn4 = turn3;
+    turn4.extend(tokens(&events));
+    turn4.extend(prompt(6, 100));
+    let handle = d
+        .take_kv_handle(&query("turn4", &turn4), ANY)
+        .context("the handle to turn 3's blocks")?;
+    ensure!(handle.blocks == 20, "{handle:?}");
+    // Sent with a prompt it is no prefix of, it fails the prefill loudly
+    // (vLLM would use the wrong KV silently).
     let mut wrong = request("wrong", Stage::Prefill, turn2.clone(), 1);
     wrong.annotation.fetch = Some(fetch.clone());
-    let events = collect(p.generate_pulling(wrong, Some(other))).await?;
+    let events = collect(p.generate_pulling(wrong, Some(handle))).await?;
     ensure!(
         matches!(events.last(), Some(GenerateEvent::Failed { error, .. }) if error.contains("not this prompt's prefix")),
         "{events:?}"

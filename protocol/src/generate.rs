@@ -432,7 +432,7 @@ pub struct CancelRequest {
 /// Request/reply to the agent of a decode worker, on
 /// [`crate::subjects::kv_handle`]: the prefill worker's agent of a
 /// [`crate::Path::RemoteFetch`] leg asks for the engine's handle to the
-/// blocks of `prefix` (the leg's prompt blocks the source holds), which a
+/// longest leading part of its prompt the engine has one for, which a
 /// vLLM engine with bidirectional KV transfer returned when its last turn
 /// of that conversation finished. A handle is single-use: the answer takes
 /// it.
@@ -440,8 +440,11 @@ pub struct CancelRequest {
 pub struct KvHandleQuery {
     /// The leg's request, for the source's log.
     pub request_id: String,
-    /// The prompt's leading block hashes (chained), the longest first
-    /// matched.
+    /// The position in the prompt of `prefix`'s first block (above 0 when
+    /// the query was cut to the bus's payload limit).
+    pub first: u32,
+    /// The prompt's chained block hashes from block `first` on: every
+    /// whole block, the longest match taken.
     pub prefix: Vec<BlockHash>,
 }
 

@@ -309,6 +309,8 @@ pub enum ConfigError {
     Role(String),
     #[error("sglang_do_local_prefill is for --engine sglang only")]
     DoLocalPrefill,
+    #[error("vllm_bidirectional_kv is for --engine vllm only (SGLang's decode servers refuse kv_transfer_params)")]
+    BidirectionalKv,
     #[error("worker name: {0}")]
     WorkerId(#[from] InvalidWorkerId),
     #[error(transparent)]
@@ -468,6 +470,9 @@ impl Options {
             .map_err(|expected| ConfigError::StreamReplicas(self.stream_replicas, expected))?;
         let load_interval = self.load_interval;
         let real_engine = self.real_engine(&worker, role, &preset)?;
+        if self.vllm_bidirectional_kv && self.engine != EngineChoice::Vllm {
+            return Err(ConfigError::BidirectionalKv);
+        }
         if self.sglang_do_local_prefill && self.engine != EngineChoice::Sglang {
             return Err(ConfigError::DoLocalPrefill);
         }
@@ -811,5 +816,14 @@ mod tests {
             caps(engine(EngineChoice::Vllm, "decode", true)),
             Err(ConfigError::DoLocalPrefill)
         ));
+        // vLLM's bidirectional transfer on vLLM only.
+        for (choice, ok) in [(EngineChoice::Vllm, true), (EngineChoice::Sglang, false)] {
+            let o = Options {
+                vllm_bidirectional_kv: true,
+                ..engine(choice, "decode", false)
+            };
+            let validated = o.validate();
+            assert_eq!(validated.is_ok(), ok, "{choice:?}: {:?}", validated.err());
+        }
     }
 }

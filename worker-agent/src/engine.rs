@@ -11,7 +11,7 @@ use std::fmt;
 
 use futures::stream::BoxStream;
 use protocol::{
-    BlockHash, GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvHandle, LoadReport,
+    GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvHandle, KvHandleQuery, LoadReport,
     Sampling, WorkerId,
 };
 
@@ -142,10 +142,10 @@ pub trait Engine: Send + Sync + fmt::Debug {
     }
 
     /// Takes (single use) this engine's handle to its blocks of the
-    /// longest leading part of `prefix` (a prompt's chained block hashes)
-    /// it kept one for, for the prefill worker of `request_id`.
-    fn take_kv_handle(&self, request_id: &str, prefix: &[BlockHash]) -> Option<KvHandle> {
-        let _ = (request_id, prefix);
+    /// longest leading part of the query's prompt it kept one for, at most
+    /// `max_bytes` of engine parameters (what the bus carries).
+    fn take_kv_handle(&self, query: &KvHandleQuery, max_bytes: usize) -> Option<KvHandle> {
+        let _ = (query, max_bytes);
         None
     }
 

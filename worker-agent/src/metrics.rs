@@ -72,13 +72,19 @@ pub const ENGINE_DECODE_WITHOUT_PARAMS: &str = "worker_agent_engine_decode_witho
 /// (`--vllm-bidirectional-kv` off: prefilled whole).
 pub const ENGINE_PREFIX_FETCHES: &str = "worker_agent_engine_prefix_fetches_total";
 /// KV-handle queries this agent answered, by outcome (`given`, `not_held`,
-/// `expired`, `uncuttable`, `malformed`).
+/// `expired`, `uncuttable`, `too_large`, `malformed`, `unanswered`: the
+/// answer could not be sent).
 pub const KV_HANDLE_QUERIES: &str = "worker_agent_kv_handle_queries_total";
 /// Handles to finished requests' blocks the engine returned and the agent
 /// keeps for a later turn's prefill worker to pull from.
 pub const KV_HANDLES_KEPT: &str = "worker_agent_kv_handles_kept";
 /// Handles the engine returned, by outcome (`kept`, `unreadable`).
 pub const KV_HANDLES_RETURNED: &str = "worker_agent_kv_handles_returned_total";
+/// Handles dropped unread, by reason (`expired`, `memory`).
+pub const KV_HANDLES_DROPPED: &str = "worker_agent_kv_handles_dropped_total";
+/// This agent's queries for the handle of a pulling prefill's source, by
+/// outcome (`given`, `none_held`, `timeout`, `failed`, `malformed`).
+pub const KV_HANDLE_ASKS: &str = "worker_agent_kv_handle_asks_total";
 /// Streamed chunks with text but no token ids (an engine that ignores
 /// `return_token_ids`).
 pub const ENGINE_TEXT_ONLY_CHUNKS: &str = "worker_agent_engine_text_only_chunks_total";
@@ -164,7 +170,15 @@ pub fn describe() {
     );
     describe_counter!(
         KV_HANDLE_QUERIES,
-        "Queries for a handle to this engine's blocks (from a prefill worker's agent), by outcome (given, not_held, expired, uncuttable, malformed)"
+        "Queries for a handle to this engine's blocks (from a prefill worker's agent), by outcome (given, not_held, expired, uncuttable, too_large, malformed, unanswered)"
+    );
+    describe_counter!(
+        KV_HANDLES_DROPPED,
+        "Handles to finished requests' blocks dropped unread, by reason (expired, memory)"
+    );
+    describe_counter!(
+        KV_HANDLE_ASKS,
+        "Queries for the handle of a pulling prefill's source, by outcome (given, none_held, timeout, failed, malformed)"
     );
     describe_gauge!(
         KV_HANDLES_KEPT,

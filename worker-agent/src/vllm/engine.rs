@@ -14,7 +14,7 @@ use engine_sim::Preset;
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use protocol::{
-    BlockHash, Capabilities, GenerateEvent, GenerateRequest, HashingContract, KvHandle, Role,
+    Capabilities, GenerateEvent, GenerateRequest, HashingContract, KvHandle, KvHandleQuery, Role,
     Sampling, WorkerId,
 };
 use tokio::sync::{mpsc, watch};
@@ -243,8 +243,8 @@ impl Engine for VllmEngine {
         self.ctx.kind.unsupported(sampling)
     }
 
-    fn take_kv_handle(&self, request_id: &str, prefix: &[BlockHash]) -> Option<KvHandle> {
-        self.ctx.handles.as_ref()?.take(request_id, prefix)
+    fn take_kv_handle(&self, query: &KvHandleQuery, max_bytes: usize) -> Option<KvHandle> {
+        self.ctx.handles.as_ref()?.take(query, max_bytes)
     }
 
     fn stop(&self) {

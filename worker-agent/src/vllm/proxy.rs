@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use metrics::{counter, gauge};
 use protocol::{
-    BlockHash, BlockHasher, FinishReason, GenerateEvent, GenerateRequest, KvHandle,
+    BlockHasher, FinishReason, GenerateEvent, GenerateRequest, KvHandle, KvHandleQuery,
     KvTransferParams, Stage, WorkerId,
 };
 use serde_json::Value;
@@ -75,8 +75,8 @@ impl Handles {
     }
 
     /// Keeps the handle `returned` with a finished `request` whose output
-    /// was `output` (empty when the engine sent no ids).
-    fn keep(&self, request: &GenerateRequest, returned: Value, output: &[u32]) {
+    /// was `output` (`None`: its ids are not all known).
+    fn keep(&self, request: &GenerateRequest, returned: Value, output: Option<&[u32]>) {
         let Value::Object(params) = returned else {
             return;
         };
@@ -92,33 +92,31 @@ impl Handles {
             );
             return;
         }
-        let hasher = request.sampling.block_hasher(self.hasher, &self.model);
+        // The tokens the engine computed: the prompt, and the output but
+        // its last token.
         let mut tokens = request.prompt.clone();
-        tokens.extend_from_slice(output);
-        let sequence = hasher.hash_prompt(&tokens);
+        if let Some((_, computed)) = output.and_then(<[u32]>::split_last) {
+            tokens.extend_from_slice(computed);
+        }
+        let hasher = request.sampling.block_hasher(self.hasher, &self.model);
+        let computed = hasher.hash_prompt(&tokens);
         let prompt_blocks = request.prompt.len() / hasher.block_size() as usize;
-        let prompt: &[BlockHash] = &sequence[..prompt_blocks.min(sequence.len())];
-        let sequence = if output.is_empty() {
-            &[][..]
-        } else {
-            &sequence[..]
-        };
         let mut store = lock(&self.store);
-        store.insert(&params, prompt, sequence, self.now_ms());
-        gauge!(m::KV_HANDLES_KEPT).set(store.len() as f64);
+        store.insert(&params, prompt_blocks, &computed, self.now_ms());
+        self.export(&store);
         counter!(m::KV_HANDLES_RETURNED, "outcome" => "kept").increment(1);
     }
 
-    /// Takes the handle to the longest leading part of `prefix`.
-    pub(super) fn take(&self, request_id: &str, prefix: &[BlockHash]) -> Option<KvHandle> {
+    /// Takes the handle to the longest leading part of `query`'s prompt.
+    pub(super) fn take(&self, query: &KvHandleQuery, max_bytes: usize) -> Option<KvHandle> {
         let mut store = lock(&self.store);
-        let taken = store.take(prefix, self.now_ms());
-        gauge!(m::KV_HANDLES_KEPT).set(store.len() as f64);
+        let taken = store.take(query.first, &query.prefix, max_bytes, self.now_ms());
+        self.export(&store);
         let outcome = match &taken {
             Ok(_) => "given",
             Err(miss) => {
                 debug!(
-                    request_id,
+                    request_id = %query.request_id,
                     reason = miss.as_str(),
                     "no handle for a prefill worker's prefix"
                 );
@@ -127,6 +125,12 @@ impl Handles {
         };
         counter!(m::KV_HANDLE_QUERIES, "outcome" => outcome).increment(1);
         taken.ok()
+    }
+
+    fn export(&self, store: &HandleStore) {
+        gauge!(m::KV_HANDLES_KEPT).set(store.len() as f64);
+        counter!(m::KV_HANDLES_DROPPED, "reason" => "expired").absolute(store.expired);
+        counter!(m::KV_HANDLES_DROPPED, "reason" => "memory").absolute(store.evicted);
     }
 }
 
@@ -406,7 +410,11 @@ impl RequestContext {
                         return match finish {
                             // A stream without [DONE] that said it finished.
                             Some(reason) => {
-                                self.keep_handle(request, returned, &output);
+                                self.keep_handle(
+                                    request,
+                                    returned,
+                                    known_output(&output, text_only, usage),
+                                );
                                 finished(out, produced, usage, &reason)
                             }
                             None => fail(
@@ -422,7 +430,11 @@ impl RequestContext {
             for data in datas {
                 match openai::parse_event(&data) {
                     Ok(openai::Event::Done) => {
-                        self.keep_handle(request, returned, &output);
+                        self.keep_handle(
+                            request,
+                            returned,
+                            known_output(&output, text_only, usage),
+                        );
                         return finished(
                             out,
                             produced,
@@ -505,11 +517,23 @@ impl RequestContext {
 impl RequestContext {
     /// Keeps the handle the engine returned with a finished request, if
     /// it returned one and handles are kept.
-    fn keep_handle(&self, request: &GenerateRequest, returned: Option<Value>, output: &[u32]) {
+    fn keep_handle(
+        &self,
+        request: &GenerateRequest,
+        returned: Option<Value>,
+        output: Option<&[u32]>,
+    ) {
         if let (Some(handles), Some(returned)) = (&self.handles, returned) {
             handles.keep(request, returned, output);
         }
     }
+}
+
+/// A streamed request's output ids, when all of them came: none came
+/// without ids, and as many as the engine counted.
+fn known_output(output: &[u32], text_only: bool, usage: Option<openai::Usage>) -> Option<&[u32]> {
+    let counted = usage.is_none_or(|u| u.completion_tokens as usize == output.len());
+    (!text_only && counted).then_some(output)
 }
 
 /// The engine cannot return the log-probabilities asked for: a 400
