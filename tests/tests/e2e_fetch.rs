@@ -135,25 +135,13 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             "d0's engine: {d0}"
         );
         // p0's agent counted the pull.
-        let metrics = cluster
-            .http
-            .get(format!("{}/metrics", cluster.worker("p0")?.agent.url()))
-            .send()
-            .await?
-            .text()
-            .await?;
+        let metrics = agent_metrics(&cluster, "p0").await?;
         ensure!(
             metrics.contains(r#"worker_agent_engine_prefix_fetches_total{outcome="pulled"} 1"#),
             "{metrics}"
         );
         // d0's agent kept the handles and gave one.
-        let metrics = cluster
-            .http
-            .get(format!("{}/metrics", cluster.worker("d0")?.agent.url()))
-            .send()
-            .await?
-            .text()
-            .await?;
+        let metrics = agent_metrics(&cluster, "d0").await?;
         ensure!(
             metrics.contains(r#"worker_agent_kv_handle_queries_total{outcome="given"} 1"#)
                 && metrics.contains(r#"worker_agent_kv_handles_returned_total{outcome="kept"} 3"#),
@@ -192,6 +180,12 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
     }
     .await;
     result.with_context(|| cluster.logs())
+}
+
+/// The `/metrics` text of worker `name`'s agent.
+async fn agent_metrics(cluster: &Cluster, name: &str) -> Result<String> {
+    let url = format!("{}/metrics", cluster.worker(name)?.agent.url());
+    Ok(cluster.http.get(url).send().await?.text().await?)
 }
 
 /// The tokens appended after turn `turn`'s answer.
