@@ -756,10 +756,12 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
         created: unix_s(),
         model: s.model.clone(),
         prompt_tokens: c.prompt.len() as u32,
-        engine_id: s.engine_id.clone(),
-        host: s.listen.ip().to_string(),
-        port: s.listen.port(),
-        block_size: s.block_size,
+        at: Endpoint {
+            engine_id: s.engine_id.clone(),
+            host: s.listen.ip().to_string(),
+            port: s.listen.port(),
+            block_size: s.block_size,
+        },
         // A bidirectional engine exports the blocks of a request that came
         // with any kv_transfer_params (a decode leg, or a bypass asking).
         handle_for: (s.bidirectional_kv_xfer
@@ -833,10 +835,8 @@ struct Meta {
     created: u64,
     model: String,
     prompt_tokens: u32,
-    engine_id: String,
-    host: String,
-    port: u16,
-    block_size: u32,
+    /// Where this engine's blocks are read from.
+    at: Endpoint,
     /// The prompt of a request whose blocks are exported when it
     /// finishes: its response carries the handle.
     handle_for: Option<Vec<u32>>,
@@ -847,25 +847,19 @@ impl Meta {
     /// if it exports them.
     fn exported(&self, app: &App, output: &[u32]) -> Option<Value> {
         let prompt = self.handle_for.as_ref()?;
-        let at = Endpoint {
-            engine_id: self.engine_id.clone(),
-            host: self.host.clone(),
-            port: self.port,
-            block_size: self.block_size,
-        };
-        Some(lock(&app.exports).export(&self.id, prompt, output, &at, Instant::now()))
+        Some(lock(&app.exports).export(&self.id, prompt, output, &self.at, Instant::now()))
     }
 
     /// Made-up NIXL transfer parameters for a prefill's response.
     fn transfer_params(&self, cached: u32) -> Value {
-        let blocks = self.prompt_tokens.div_ceil(self.block_size.max(1));
+        let blocks = self.prompt_tokens.div_ceil(self.at.block_size.max(1));
         json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
-            "remote_engine_id": self.engine_id,
+            "remote_engine_id": self.at.engine_id,
             "remote_block_ids": (0..blocks).collect::<Vec<u32>>(),
-            "remote_host": self.host,
-            "remote_port": self.port,
+            "remote_host": self.at.host,
+            "remote_port": self.at.port,
             "tp_size": 1,
             "mock_prompt_tokens": self.prompt_tokens,
             "mock_cached_tokens": cached,

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::hash::{HashSalt, HASH_SCHEME};
+use crate::hash::{BlockHasher, HashSalt, ZeroBlockSize, HASH_SCHEME};
 use crate::ids::WorkerId;
 
 /// What a worker does.
@@ -100,6 +100,12 @@ impl HashingContract {
             scheme: HASH_SCHEME.to_owned(),
             salt: HashSalt::new(model, None, None),
         }
+    }
+
+    /// The hasher of the contract's blocks (a request's own salt aside:
+    /// [`crate::Sampling::block_hasher`]).
+    pub fn hasher(&self) -> Result<BlockHasher, ZeroBlockSize> {
+        BlockHasher::new(self.block_size, self.salt)
     }
 }
 

@@ -3,7 +3,7 @@
 //! range checks; and the settings recorded with every decision.
 
 use protocol::hash::ZeroBlockSize;
-use protocol::{BlockHasher, HashingContract};
+use protocol::HashingContract;
 
 use super::fetch::FetchConfig;
 use super::gate::GateConfig;
@@ -71,7 +71,7 @@ impl RouterConfig {
                 "a finite number > 0",
             ));
         }
-        BlockHasher::new(self.contract.block_size, self.contract.salt)?;
+        self.contract.hasher()?;
         Ok(())
     }
 

@@ -229,7 +229,7 @@ impl RouterCore {
         config.validate()?;
         let policy = policy.into();
         policy.validate()?;
-        let hasher = BlockHasher::new(config.contract.block_size, config.contract.salt)?;
+        let hasher = config.contract.hasher()?;
         Ok(Self {
             workers: Workers::new(config.contract.clone(), config.ledger),
             config,

@@ -3,6 +3,7 @@
 //! numbered chunks; cancels from routers stop a stream.
 
 use async_nats::{Client, Message as NatsMessage, Subject};
+use futures::future::{self, FutureExt};
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use metrics::counter;
@@ -138,29 +139,26 @@ impl Agent {
         let decision = request.annotation.decision;
         let held = self.in_flight.hold(decision);
         let pulls = matches!(request.stage, Stage::Prefill) && request.annotation.fetch.is_some();
-        let task = if pulls && self.engine.wants_kv_handles() {
+        let events = if pulls && self.engine.wants_kv_handles() {
             // The source engine's handle to the prefix first (vLLM's
             // bidirectional transfer), from its agent.
             let (engine, client) = (self.engine.clone(), self.client.clone());
             let contract = self.contract.clone();
-            self.tasks.spawn(
-                async move {
-                    let handle = super::kv_handle::ask(&client, &contract, &request).await;
-                    forward(out, engine.generate_pulling(request, handle)).await;
-                    drop(held);
-                }
-                .in_current_span(),
-            )
+            async move {
+                let handle = super::kv_handle::ask(&client, &contract, &request).await;
+                engine.generate_pulling(request, handle)
+            }
+            .boxed()
         } else {
-            let events = self.engine.generate(request);
-            self.tasks.spawn(
-                async move {
-                    forward(out, events).await;
-                    drop(held);
-                }
-                .in_current_span(),
-            )
+            future::ready(self.engine.generate(request)).boxed()
         };
+        let task = self.tasks.spawn(
+            async move {
+                forward(out, events.await).await;
+                drop(held);
+            }
+            .in_current_span(),
+        );
         self.streams.insert(decision, task);
     }
 

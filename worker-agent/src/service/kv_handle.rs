@@ -94,7 +94,7 @@ pub(super) async fn ask(
     let outcome = |outcome: &'static str| {
         counter!(m::KV_HANDLE_ASKS, "outcome" => outcome).increment(1);
     };
-    let base = match protocol::BlockHasher::new(contract.block_size, contract.salt) {
+    let base = match contract.hasher() {
         Ok(b) => b,
         Err(e) => {
             outcome("failed");

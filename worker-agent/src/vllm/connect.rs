@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use protocol::{BlockHasher, HashingContract};
+use protocol::HashingContract;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -184,11 +184,9 @@ impl VllmEngine {
         let (commands_tx, commands_rx) = mpsc::unbounded_channel();
         // The deployment's hasher: the translator names blocks the way the
         // router does (the block size is checked event by event).
-        let hasher = BlockHasher::new(
-            config.block_size,
-            HashingContract::for_model(&config.model, config.block_size).salt,
-        )
-        .map_err(|e| VllmError::Zmq(e.to_string()))?;
+        let hasher = HashingContract::for_model(&config.model, config.block_size)
+            .hasher()
+            .map_err(|e| VllmError::Zmq(e.to_string()))?;
         let core = RankCore::new(
             Translator::new(&config.model, hasher),
             rank,
@@ -234,7 +232,6 @@ impl VllmEngine {
             dp_size: config.dp_size,
             block_size: learned.block_size,
             return_token_ids: config.return_token_ids,
-            bidirectional_kv: config.bidirectional_kv,
             handles: config.bidirectional_kv.then(|| {
                 Handles::new(
                     hasher,

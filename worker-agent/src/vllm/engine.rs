@@ -211,7 +211,7 @@ impl Engine for VllmEngine {
     }
 
     fn wants_kv_handles(&self) -> bool {
-        self.ctx.bidirectional_kv
+        self.ctx.handles.is_some()
     }
 
     fn generate_pulling(

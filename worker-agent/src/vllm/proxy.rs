@@ -35,8 +35,9 @@ pub(super) struct RequestContext {
     pub(super) dp_size: u32,
     pub(super) block_size: u32,
     pub(super) return_token_ids: bool,
-    pub(super) bidirectional_kv: bool,
-    /// With `bidirectional_kv`: the handles the engine returned.
+    /// vLLM's bidirectional KV transfer (`VllmConfig::bidirectional_kv`):
+    /// the handles the engine returned; a fetching prefill leg pulls only
+    /// with it.
     pub(super) handles: Option<Handles>,
     /// Bypasses carry `do_local_prefill: true` (an SGLang decode server).
     pub(super) do_local_prefill: bool,
@@ -176,7 +177,7 @@ impl RequestContext {
                 return;
             }
             Stage::Prefill => match &request.annotation.fetch {
-                Some(fetch) if self.bidirectional_kv => {
+                Some(fetch) if self.handles.is_some() => {
                     let params = handle.and_then(|h| {
                         let blocks = h.blocks;
                         match serde_json::from_str::<Value>(&h.engine) {
