@@ -338,6 +338,16 @@ impl Engine {
         self.sched.pull_done(id, &mut self.cache)
     }
 
+    /// The pull of request `id`'s supplied prefix ([`Step::pulls`]) was
+    /// declined (its source no longer held the blocks): the blocks set
+    /// aside for it are let go unstored, and it goes back to the front of
+    /// the queue to compute what it lacks. Returns whether it was waiting
+    /// for one. Call as [`Engine::pull_done`].
+    pub fn pull_declined(&mut self, id: u64) -> bool {
+        let bs = self.hasher.block_size();
+        self.sched.pull_declined(id, &mut self.cache, bs)
+    }
+
     /// Drops request `id` (its client went away): it leaves the queue or
     /// the batch at once, and its blocks are released; the full ones stay
     /// in the prefix cache. Call between steps (after the outputs of the

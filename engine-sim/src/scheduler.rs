@@ -372,6 +372,23 @@ impl Scheduler {
         true
     }
 
+    /// The pull of request `id` was declined: the blocks allocated for it
+    /// are released unstored (its device hit stays cached) and it goes
+    /// back to the queue's front, pulled (it computes the rest). Returns
+    /// whether it was pulling.
+    pub(crate) fn pull_declined(&mut self, id: u64, cache: &mut KvCache, block_size: u32) -> bool {
+        let Some(k) = self.pulling.iter().position(|s| s.id == id) else {
+            return false;
+        };
+        let mut seq = self.pulling.remove(k);
+        // Only its device hit is left to find at admission.
+        seq.expected_hit_tokens = seq.expected_hit_tokens.min(seq.committed * block_size);
+        release_blocks(&mut seq, cache);
+        self.waiting_prefill_tokens += u64::from(seq.queued_prefill());
+        self.waiting.push_front(seq);
+        true
+    }
+
     /// Queues a new request.
     pub(crate) fn enqueue(&mut self, seq: Seq) {
         self.waiting_prefill_tokens += u64::from(seq.queued_prefill());

@@ -563,6 +563,17 @@ fn an_aborted_request_leaves_at_once_and_its_full_blocks_stay_cached() {
     assert_eq!(tokens_of(&outs, 1), 5);
 }
 
+/// A prefill worker of 16-token blocks that computed the first 160 tokens
+/// (10 blocks) of a 500-token prompt; the prompt, and when it is idle.
+fn prefill_worker_holding_ten_blocks() -> (Engine, Vec<u32>, u64) {
+    let mut p = engine(Role::Prefill, small_config(16, 64, 256, 8));
+    let prompt = tokens(0, 500);
+    p.submit(req(9, &prompt[..160], 0, Mode::PrefillOnly))
+        .unwrap();
+    let (_, now) = run_to_idle(&mut p, 0, 10);
+    (p, prompt, now)
+}
+
 /// The third path's prefill worker pulls a supplied prefix when the request
 /// reaches the head of its queue, not before: it takes blocks for what it
 /// lacks of it (held, so not evicted while the pull runs, and stored in the
@@ -572,13 +583,8 @@ fn an_aborted_request_leaves_at_once_and_its_full_blocks_stay_cached() {
 /// work.
 #[test]
 fn a_supplied_prefix_is_pulled_at_admission_and_held_until_used() {
-    let cfg = small_config(16, 64, 256, 8);
-    let mut p = engine(Role::Prefill, cfg);
-    let prompt = tokens(0, 500);
     // Holds 10 of the 25 supplied blocks already.
-    p.submit(req(9, &prompt[..160], 0, Mode::PrefillOnly))
-        .unwrap();
-    let (_, now) = run_to_idle(&mut p, 0, 10);
+    let (mut p, prompt, now) = prefill_worker_holding_ten_blocks();
     let computed = p.stats().prefill_tokens;
     let mut pulling = req(1, &prompt, 0, Mode::PrefillOnly);
     pulling.pull_tokens = 400;
@@ -648,6 +654,42 @@ fn a_supplied_prefix_is_pulled_at_admission_and_held_until_used() {
     assert!(p.abort(5));
     assert_eq!(p.block_counts().in_use, 0);
     assert!(p.is_idle());
+    p.check_invariants().unwrap();
+}
+
+/// A pull its source declined (the blocks were let go there, e.g. its
+/// export expired): the blocks set aside for it go back unstored, the
+/// request's queued work counts what it lacks again, and it computes all
+/// but its own device hit, once.
+#[test]
+fn a_declined_pull_is_computed_instead() {
+    let (mut p, prompt, now) = prefill_worker_holding_ten_blocks();
+    let mut pulling = req(1, &prompt, 0, Mode::PrefillOnly);
+    pulling.pull_tokens = 400;
+    p.submit(pulling).unwrap();
+    assert_eq!(
+        p.step(now).unwrap().pulls,
+        vec![Pull { id: 1, tokens: 240 }]
+    );
+    assert_eq!(p.block_counts().in_use, 25, "its hit and the pull's blocks");
+    let before = p.stats().prefill_tokens;
+    assert!(p.pull_declined(1));
+    assert!(!p.pull_declined(1) && !p.pull_done(1), "once");
+    assert_eq!(p.block_counts().in_use, 0);
+    assert_eq!(p.cached_prefix_tokens(&prompt), 160, "nothing stored");
+    assert_eq!(p.load_report(now).queued_prefill_tokens, 340);
+    p.check_invariants().unwrap();
+    let (outs, _) = run_to_idle(&mut p, now, 20);
+    assert!(outs.iter().any(|(_, o)| matches!(
+        o,
+        StepOutput::PrefillDone {
+            id: 1,
+            cached_tokens: 160,
+            ..
+        }
+    )));
+    assert_eq!(p.stats().prefill_tokens - before, 340, "the rest computed");
+    assert_eq!(p.stats().pulled_prefix_tokens, 240, "asked for, once");
     p.check_invariants().unwrap();
 }
 

@@ -1,8 +1,8 @@
 //! The agent's vLLM adapter against mock-vllm, in process: every stage of
 //! generation, kv_transfer_params passed through, the KV stream in
 //! canonical hashes, the load, data-parallel ranks, failures, and vLLM's
-//! bidirectional transfer (handles kept on the decode side, pulled with on
-//! the prefill side).
+//! bidirectional transfer (a prefix exported on the decode side, pulled
+//! with on the prefill side).
 
 use std::time::Duration;
 
@@ -129,7 +129,6 @@ impl Mock {
             metrics_interval: Duration::from_millis(50),
             return_token_ids: true,
             bidirectional_kv: false,
-            kv_handle_ttl: Duration::from_secs(450),
             do_local_prefill: false,
             replay: ReplayLimits {
                 connect: Duration::from_secs(1),
@@ -371,14 +370,16 @@ async fn data_parallel_ranks_are_separate_workers() -> Result<()> {
     mock.stop().await
 }
 
-/// vLLM's bidirectional transfer through the adapter: a decode engine's
-/// bypass asks for a handle, the adapter keeps the one returned and gives
-/// it (once) for a later prompt that extends the conversation; a prefill
-/// engine sent it pulls exactly that prefix from the decode engine. A
+/// vLLM's bidirectional transfer through the adapter: a bypass asks the
+/// decode engine for nothing; when a prefill worker needs a prefix the
+/// decode engine holds, the adapter has the engine export it (a one-token
+/// request of it) and returns the handle; a prefill engine sent it pulls
+/// exactly that prefix from the decode engine. Each export is its own. A
 /// handle to other tokens fails the prefill (mock-vllm checks what vLLM
-/// would not), and a prefill without one prefills whole.
+/// would not), a prefill without one prefills whole, and an adapter
+/// without bidirectional transfer exports nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -> Result<()> {
+async fn a_prefix_exported_on_the_decode_side_is_pulled_with_on_the_prefill_side() -> Result<()> {
     let flags = ["--bidirectional-kv-xfer=true"];
     let (d_mock, p_mock) = (Mock::start(&flags).await?, Mock::start(&flags).await?);
     let bidirectional = |mock: &Mock, role: Role| VllmConfig {
@@ -390,12 +391,16 @@ async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -
     let p = VllmEngine::connect(bidirectional(&p_mock, Role::Prefill)).await?;
     ensure!(d.wants_kv_handles() && p.wants_kv_handles());
 
-    // Turn 1 on the decode engine: a bypass of 300 tokens, 40 out.
+    // Turn 1 on the decode engine: a bypass of 300 tokens, 40 out; it
+    // exports nothing.
     let turn1 = prompt(7, 300);
     let events = collect(d.generate(request("turn1", Stage::Local, turn1.clone(), 40))).await?;
+    ensure!(d_mock.debug().await?["handles_exported"] == 0);
     let mut turn2 = turn1.clone();
     turn2.extend(tokens(&events));
     turn2.extend(prompt(8, 500));
+    // Turn 1's prompt and output but its last token, 339 computed tokens:
+    // 21 whole blocks, as the router would see them.
     let fetch = PrefixFetch {
         source: WorkerId::new("d", 0).unwrap(),
         prefix_tokens: 336,
@@ -403,26 +408,26 @@ async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -
     };
     let query = |id: &str, prompt: &[u32]| KvHandleQuery {
         request_id: id.into(),
-        first: 0,
-        prefix: canonical(prompt),
+        tokens: prompt[..336].to_vec(),
+        lora: None,
+        cache_salt: None,
     };
     const ANY: usize = usize::MAX;
-    ensure!(d
-        .take_kv_handle(&query("x", &prompt(9, 400)), ANY)
-        .is_none());
     let handle = d
-        .take_kv_handle(&query("turn2", &turn2), ANY)
-        .context("the handle to turn 1's blocks")?;
-    // Turn 1's prompt and output, 339 computed tokens: 21 whole blocks.
+        .export_kv(query("turn2", &turn2), ANY)
+        .await
+        .context("the handle to turn 2's prefix")?;
     ensure!(handle.blocks == 21, "{handle:?}");
-    ensure!(
-        d.take_kv_handle(&query("turn2", &turn2), ANY).is_none(),
-        "a handle is given once"
-    );
     let params: Value = serde_json::from_str(&handle.engine)?;
     ensure!(
         params["remote_num_tokens"] == 336 && params["remote_engine_id"] == "engine-under-test",
         "{params}"
+    );
+    let d_debug = d_mock.debug().await?;
+    ensure!(d_debug["handles_exported"] == 1, "{d_debug}");
+    ensure!(
+        d.export_kv(query("small", &turn2), 16).await.is_none(),
+        "a handle larger than the bus carries is not given"
     );
 
     // Turn 2's prefill pulls it: the prefix comes cached.
@@ -441,19 +446,14 @@ async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -
     );
     ensure!(d_mock.debug().await?["handles_read"] == 1);
 
-    // A prompt and output of whole blocks (296 + 40 = 336 tokens): the
-    // last block's last token is not computed, so the handle covers 20.
-    let turn3 = prompt(5, 296);
-    let events = collect(d.generate(request("turn3", Stage::Local, turn3.clone(), 40))).await?;
-    let mut turn4 = turn3;
-    turn4.extend(tokens(&events));
-    turn4.extend(prompt(6, 100));
+    // A handle to another prompt's blocks, sent with a prompt it is no
+    // prefix of, fails the prefill loudly (vLLM would use the wrong KV
+    // silently).
+    let other = prompt(5, 400);
     let handle = d
-        .take_kv_handle(&query("turn4", &turn4), ANY)
-        .context("the handle to turn 3's blocks")?;
-    ensure!(handle.blocks == 20, "{handle:?}");
-    // Sent with a prompt it is no prefix of, it fails the prefill loudly
-    // (vLLM would use the wrong KV silently).
+        .export_kv(query("other", &other), ANY)
+        .await
+        .context("the handle to another prefix")?;
     let mut wrong = request("wrong", Stage::Prefill, turn2.clone(), 1);
     wrong.annotation.fetch = Some(fetch.clone());
     let events = collect(p.generate_pulling(wrong, Some(handle))).await?;
@@ -461,6 +461,12 @@ async fn a_handle_kept_on_the_decode_side_is_pulled_with_on_the_prefill_side() -
         matches!(events.last(), Some(GenerateEvent::Failed { error, .. }) if error.contains("not this prompt's prefix")),
         "{events:?}"
     );
+
+    // Without bidirectional transfer nothing is exported.
+    let plain_d = VllmEngine::connect(d_mock.adapter(0, 1)).await?;
+    ensure!(!plain_d.wants_kv_handles());
+    ensure!(plain_d.export_kv(query("off", &turn2), ANY).await.is_none());
+    plain_d.stop();
 
     // No handle: a plain prefill, nothing pulled.
     let mut plain = request("plain", Stage::Prefill, turn2, 1);

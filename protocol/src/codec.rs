@@ -123,6 +123,6 @@ message! {
     RouterHeartbeat => "RouterHeartbeat", version 1;
     LegProbe => "LegProbe", version 1;
     LegProbeReply => "LegProbeReply", version 1;
-    KvHandleQuery => "KvHandleQuery", version 1;
+    KvHandleQuery => "KvHandleQuery", version 2;
     KvHandleReply => "KvHandleReply", version 1;
 }

@@ -431,39 +431,39 @@ pub struct CancelRequest {
 
 /// Request/reply to the agent of a decode worker, on
 /// [`crate::subjects::kv_handle`]: the prefill worker's agent of a
-/// [`crate::Path::RemoteFetch`] leg asks for the engine's handle to the
-/// longest leading part of its prompt the engine has one for, which a
-/// vLLM engine with bidirectional KV transfer returned when its last turn
-/// of that conversation finished. A handle is single-use: the answer takes
-/// it.
+/// [`crate::Path::RemoteFetch`] leg asks it to have its engine export the
+/// prompt's prefix the router saw it hold (vLLM's bidirectional KV
+/// transfer: a one-token request of the prefix, whose blocks the engine
+/// then keeps for one read), and answers with the engine's handle to them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvHandleQuery {
     /// The leg's request, for the source's log.
     pub request_id: String,
-    /// The position in the prompt of `prefix`'s first block (above 0 when
-    /// the query was cut to the bus's payload limit).
-    pub first: u32,
-    /// The prompt's chained block hashes from block `first` on: every
-    /// whole block, the longest match taken.
-    pub prefix: Vec<BlockHash>,
+    /// The prompt's leading tokens to export: whole blocks (cut from the
+    /// back to what the bus carries).
+    pub tokens: Vec<u32>,
+    /// The request's LoRA adapter and `cache_salt`: the source's prefix
+    /// cache names the prefix's blocks with them
+    /// ([`Sampling::block_hasher`]).
+    pub lora: Option<String>,
+    pub cache_salt: Option<String>,
 }
 
 /// The answer to a [`KvHandleQuery`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvHandleReply {
-    /// `None`: the source holds no live handle to any leading part of the
-    /// prefix (none returned, expired, already taken, or an engine that
-    /// keeps none).
+    /// `None`: the source's engine exported nothing (it failed, or the
+    /// engine exports nothing: its agent says why in its log and metrics).
     pub handle: Option<KvHandle>,
 }
 
 /// An engine's handle to KV blocks another engine may read once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvHandle {
-    /// How many leading blocks of the query it covers.
+    /// How many leading blocks of the query's tokens it covers.
     pub blocks: u32,
     /// Engine-specific, passed through unchanged (vLLM's
-    /// `kv_transfer_params` JSON, cut to those blocks).
+    /// `kv_transfer_params` JSON).
     pub engine: String,
 }
 

@@ -98,6 +98,7 @@ pub fn run(
         seed: 1,
         warmup_fraction: 0.0,
         fetch: router::FetchConfig::default(),
+        kv_export: Default::default(),
         host_offload_gib: 0.0,
         reuse_ceiling: false,
         router_params: Vec::new(),

@@ -6,7 +6,10 @@
 //!   worker (remote) or its decode worker (bypass); on the third path
 //!   ([`Path::RemoteFetch`]) the decode worker supplying the prefix pins it
 //!   until the prefill is done (as the router's ledger counts it), unless
-//!   the prefill worker holds all of it already;
+//!   the prefill worker holds all of it already: pinned at the decision,
+//!   or taken from the requests the decode worker exported as they
+//!   finished ([`KvExport::VllmEveryRequest`]: none found, the prefill
+//!   worker computes the whole prompt);
 //! - an engine step starts: the pulls of supplied prefixes its prefill
 //!   worker asks for when it admits their requests ([`engine_sim::Step::pulls`])
 //!   start on the links, and their sources' reads with them;
@@ -23,6 +26,9 @@
 //!   read on its source and goes to the prefill worker
 //!   ([`Engine::pull_done`]: stored in its cache, its KV events show the
 //!   blocks), which computes only the rest;
+//! - a request finishes: when its decode engine exports it
+//!   ([`KvExport::export_of`]) it pins its blocks until a fetch takes them
+//!   or their TTL ends (an event then lets them go);
 //! - every load interval each engine's load report reaches the router.
 
 use std::cmp::Ordering;
@@ -45,6 +51,7 @@ use worker_agent::core::{Backoff, Effect, Input, KvCore, OutboxLimits};
 use worker_agent::BlockMirror;
 
 use crate::deployment::Deployment;
+use crate::exports::{Exports, KvExport};
 use crate::floor::{Floor, TtftFloor};
 use crate::metrics::{Counters, RequestRecord, RunSummary, Slo};
 use crate::reuse::{ReuseCeiling, ReuseLog};
@@ -77,6 +84,9 @@ pub struct SimConfig {
     /// deployments' router; the aggregated and disaggregated ones never
     /// fetch.
     pub fetch: router::FetchConfig,
+    /// Where the third path's reads find their blocks on the decode
+    /// worker, and how long it pins them.
+    pub kv_export: KvExport,
     /// Each worker's host-memory tier (G2) in GiB; 0: none.
     pub host_offload_gib: f64,
     /// Router settings over the core's defaults, by
@@ -160,6 +170,10 @@ enum Event {
     /// The shared links' next change (a transfer ends or starts moving).
     LinkTick,
     LoadTick,
+    /// A decode worker's oldest exports may have expired.
+    ExportsExpire {
+        worker: usize,
+    },
 }
 
 #[derive(Debug)]
@@ -206,6 +220,12 @@ struct InFlight {
     /// until the prefill is done (read while the prefill worker pulls it,
     /// which it does when it admits the request).
     source: Option<(usize, PinnedPrefix)>,
+    /// When the source's engine lets the pin go unread (vLLM's TTL): a
+    /// pull that starts later is declined.
+    source_expires_us: u64,
+    /// Its decode engine exports it when it finishes: pinned that long,
+    /// and whether a fetch can find it ([`KvExport::export_of`]).
+    export: Option<(u64, bool)>,
     first_token_us: Option<u64>,
     floor: Floor,
 }
@@ -257,6 +277,11 @@ struct Cluster<'w> {
     records: Vec<RequestRecord>,
     counters: Counters,
     window: (u64, u64),
+    /// Each worker's exported requests ([`KvExport::export_of`]).
+    exports: Vec<Exports<PinnedPrefix>>,
+    /// The engines run vLLM's bidirectional transfer: this deployment's
+    /// router fetches prefixes (the C/D ones, with the third path on).
+    bidirectional: bool,
 }
 
 /// The first KV epoch of every worker.
@@ -321,6 +346,7 @@ pub fn simulate(config: &SimConfig, workload: &mut dyn Workload) -> Result<RunRe
 impl<'w> Cluster<'w> {
     fn new(config: SimConfig, workload: &'w mut dyn Workload) -> Result<Self, SimError> {
         let router_config = config.router_config()?;
+        let bidirectional = router_config.fetch.enabled;
         let contract = router_config.contract.clone();
         let policy = config.deployment.policy();
         let mut router = RouterCore::new(router_config, policy)?;
@@ -371,6 +397,7 @@ impl<'w> Cluster<'w> {
         let window_end = workload.arrival_window_us();
         let warmup = (window_end as f64 * config.warmup_fraction.clamp(0.0, 0.9)) as u64;
         let busy = vec![false; engines.len()];
+        let exports = engines.iter().map(|_| Exports::default()).collect();
         let links = SharedLinks::new(config.link, engines.len());
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         let floor = TtftFloor::new(engine_config.cost, engine_config.block_size);
@@ -400,6 +427,8 @@ impl<'w> Cluster<'w> {
             records: Vec::new(),
             counters: Counters::default(),
             window: (warmup, window_end.max(warmup + 1)),
+            exports,
+            bidirectional,
         })
     }
 
@@ -456,6 +485,14 @@ impl<'w> Cluster<'w> {
                         self.router
                             .apply_delta(&delta)
                             .expect("deltas reach the replica in order");
+                    }
+                }
+                Event::ExportsExpire { worker } => {
+                    self.pending -= 1;
+                    let expired = self.exports[worker].expire(at_us);
+                    self.counters.exports.expired += expired.len() as u64;
+                    for pin in expired {
+                        self.unpin(worker, pin);
                     }
                 }
                 Event::LinkTick => {
@@ -548,21 +585,35 @@ impl<'w> Cluster<'w> {
         // pulls what it lacks of it when it admits the request (nothing to
         // hold when it has all of it now).
         let mut source = None;
+        let mut pull_tokens = 0;
+        let mut source_expires_us = u64::MAX;
         if let (Some(f), Some(p)) = (&decision.fetch, prefill) {
             let worker = self.worker_index[&f.source];
-            let pin = self.engines[worker].pin_prefix(&spec.prompt, f.prefix_tokens);
-            if pin.tokens() > self.engines[p].cached_prefix_tokens(&spec.prompt) {
-                source = Some((worker, pin));
-            } else {
-                self.unpin(worker, pin);
+            if let Some((tokens, pin, expires_us)) =
+                self.supplied_prefix(worker, &spec.prompt, f.prefix_tokens)
+            {
+                if tokens > self.engines[p].cached_prefix_tokens(&spec.prompt) {
+                    pull_tokens = tokens;
+                    source = Some((worker, pin));
+                    source_expires_us = expires_us;
+                } else {
+                    self.unpin(worker, pin);
+                }
             }
         }
+        // The engines export only where the third path is on (vLLM's
+        // bidirectional transfer).
+        let export = self
+            .config
+            .kv_export
+            .export_of(decision.path)
+            .filter(|_| self.bidirectional);
         let request = EngineRequest {
             id: spec.id,
             prompt: spec.prompt.clone(),
             output_tokens: spec.output.clone(),
             mode,
-            pull_tokens: source.as_ref().map_or(0, |(_, pin)| pin.tokens()),
+            pull_tokens,
         };
         self.in_flight.insert(
             spec.id,
@@ -575,6 +626,8 @@ impl<'w> Cluster<'w> {
                 decode,
                 prefill,
                 source,
+                source_expires_us,
+                export,
                 first_token_us: None,
                 floor,
             },
@@ -629,10 +682,57 @@ impl<'w> Cluster<'w> {
         }
     }
 
+    /// What the third path's source supplies of `prompt`'s first
+    /// `prefix_tokens`: its leading tokens, the pin that holds them until
+    /// the prefill is done, and when the source's engine would let them go
+    /// unread. Pinned at the decision
+    /// ([`KvExport::pins_at_decision`]), the source pins what it holds now;
+    /// otherwise the fetch takes the export whose blocks continue the
+    /// prompt furthest (the export's whole pin: the engine frees it after
+    /// the read), and finds none once it is read or expired.
+    fn supplied_prefix(
+        &mut self,
+        worker: usize,
+        prompt: &[u32],
+        prefix_tokens: u32,
+    ) -> Option<(u32, PinnedPrefix, u64)> {
+        if self.config.kv_export.pins_at_decision() {
+            let pin = self.engines[worker].pin_prefix(prompt, prefix_tokens);
+            let expires_us = self
+                .config
+                .kv_export
+                .ttl_us()
+                .map_or(u64::MAX, |ttl| self.now_us + ttl);
+            return Some((pin.tokens(), pin, expires_us));
+        }
+        let bs = self.config.block_size.max(1);
+        let blocks = ((prefix_tokens / bs) as usize).min(self.hashes.len());
+        let Some(taken) = self.exports[worker].take_longest(&self.hashes[..blocks]) else {
+            self.counters.exports.missing += 1;
+            return None;
+        };
+        self.counters.exports.read += 1;
+        let tokens = (taken.blocks as u32 * bs).min(taken.pin.tokens());
+        Some((tokens, taken.pin, taken.expires_us))
+    }
+
     /// A prefill worker admitted a request whose prefix it pulls: the read
     /// of its source's pin starts, and the blocks it lacks go over the
     /// links.
     fn start_pull(&mut self, worker: usize, pull: Pull) {
+        let expired = self
+            .in_flight
+            .get(&pull.id)
+            .is_some_and(|r| self.now_us > r.source_expires_us);
+        if expired {
+            // The source's engine let the blocks go: it declines the read,
+            // and the prefill worker computes the prefix.
+            self.counters.exports.declined += 1;
+            self.release_source(pull.id);
+            self.engines[worker].pull_declined(pull.id);
+            self.wake(worker);
+            return;
+        }
         let Some((source, pin)) = self
             .in_flight
             .get_mut(&pull.id)
@@ -861,6 +961,9 @@ impl<'w> Cluster<'w> {
             return;
         };
         self.router.on_finished(r.decision);
+        if let Some((ttl_us, keyed)) = r.export {
+            self.export(id, r.decode, &r.spec, ttl_us, keyed);
+        }
         if let Some(first) = r.first_token_us {
             let decode_ms = self.now_us.saturating_sub(first) as f64 / 1e3;
             self.router
@@ -881,6 +984,34 @@ impl<'w> Cluster<'w> {
             ttft_floor_ms: r.floor.ttft_ms,
         });
         self.finish_session_turn(&r.spec);
+    }
+
+    /// The decode worker pins finished request `id`'s computed blocks (its
+    /// prompt and its output but the last token) for `ttl_us`, or until a
+    /// fetch reads them: when `keyed`, found by each whole block from its
+    /// prompt's end on.
+    fn export(&mut self, id: u64, decode: usize, spec: &RequestSpec, ttl_us: u64, keyed: bool) {
+        let mut computed = spec.prompt.to_vec();
+        computed.extend_from_slice(&spec.output[..spec.output.len().saturating_sub(1)]);
+        let pin = self.engines[decode].pin_prefix(&computed, computed.len() as u32);
+        let bs = self.config.block_size.max(1) as usize;
+        let blocks = pin.tokens() as usize / bs;
+        let first = (spec.prompt.len() / bs).saturating_sub(1);
+        if blocks <= first {
+            // Evicted already (or a prompt under one block): nothing to read.
+            self.unpin(decode, pin);
+            return;
+        }
+        let mut hashes = Vec::new();
+        if keyed {
+            self.router
+                .hasher()
+                .extend(None, &computed[..blocks * bs], &mut hashes);
+            hashes.drain(..first);
+        }
+        let at = self.now_us + ttl_us;
+        self.exports[decode].insert(id, pin, hashes, at);
+        self.schedule(at, Event::ExportsExpire { worker: decode });
     }
 
     /// Lets a closed-loop workload issue the conversation's next turn.
@@ -925,6 +1056,7 @@ mod tests {
             seed: 1,
             warmup_fraction: 0.0,
             fetch: router::FetchConfig::default(),
+            kv_export: Default::default(),
             host_offload_gib: 0.0,
             reuse_ceiling: false,
             router_params: Vec::new(),

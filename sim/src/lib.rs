@@ -7,6 +7,7 @@ pub mod capacity;
 pub mod cluster;
 pub mod compare;
 pub mod deployment;
+pub mod exports;
 pub mod floor;
 pub mod metrics;
 pub mod plot;
@@ -17,7 +18,8 @@ pub mod workload;
 pub use capacity::{Capacity, Search};
 pub use cluster::{simulate, RunResult, SimConfig, SimError};
 pub use deployment::{conditional_policies, Deployment};
+pub use exports::KvExport;
 pub use metrics::{
-    Misses, MissesByPath, MissesByRule, Percentiles, RequestRecord, RunSummary, Slo,
+    ExportFigures, Misses, MissesByPath, MissesByRule, Percentiles, RequestRecord, RunSummary, Slo,
 };
 pub use worker_agent::core::OutboxLimits;

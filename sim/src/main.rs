@@ -14,7 +14,7 @@ use sim::compare::{
 };
 use sim::tune::{tuned_params, Best, Progress, Tune};
 use sim::workload::{AgenticConfig, Arrivals, MooncakeConfig, SyntheticConfig};
-use sim::{conditional_policies, Deployment, OutboxLimits, Search, SimConfig, Slo};
+use sim::{conditional_policies, Deployment, KvExport, OutboxLimits, Search, SimConfig, Slo};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -119,6 +119,13 @@ enum WorkloadArg {
     Synthetic,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum KvExportArg {
+    Ideal,
+    VllmOnDemand,
+    VllmEveryRequest,
+}
+
 #[derive(Debug, Args)]
 struct Common {
     #[arg(long, value_enum, default_value_t = WorkloadArg::Agentic)]
@@ -165,6 +172,22 @@ struct Common {
     /// Fewest tokens worth pulling from a decode worker.
     #[arg(long, default_value_t = router::FetchConfig::default().min_tokens)]
     prefix_fetch_min_tokens: u32,
+    /// What the third path pins on the decode worker it reads from:
+    /// `ideal`, the fetched prefix from the decision until read, nothing
+    /// else (the simulated engine; no real engine does this);
+    /// `vllm-on-demand`, vLLM's bidirectional transfer as the worker agent
+    /// uses it (the fetched prefix exported at the decision, pinned until
+    /// read; and every remote decode leg exported as it finishes, pinned
+    /// until --decoder-kv-blocks-ttl-s: nobody reads it);
+    /// `vllm-every-request`, every request decoded exported, pinned until
+    /// a later turn's fetch reads it or the TTL (a fetch whose export is
+    /// gone prefills whole).
+    #[arg(long, value_enum, default_value_t = KvExportArg::Ideal)]
+    kv_export: KvExportArg,
+    /// With `--kv-export vllm-*`: seconds a decode engine keeps an export
+    /// nobody read (vLLM's `decoder_kv_blocks_ttl`).
+    #[arg(long, default_value_t = 480.0)]
+    decoder_kv_blocks_ttl_s: f64,
     /// Each worker's host-memory KV tier (G2) in GiB, for every
     /// deployment: evicted blocks are offloaded there and read back over
     /// PCIe instead of recomputed (0: no host tier). Run `sim compare` with
@@ -276,6 +299,12 @@ impl Common {
                 self.host_offload_gib
             );
         }
+        if !(self.decoder_kv_blocks_ttl_s.is_finite() && self.decoder_kv_blocks_ttl_s > 0.0) {
+            bail!(
+                "--decoder-kv-blocks-ttl-s must be a finite number > 0, not {}",
+                self.decoder_kv_blocks_ttl_s
+            );
+        }
         if self.prefill_workers >= self.workers {
             bail!(
                 "--prefill-workers ({}) must be fewer than --workers ({})",
@@ -310,6 +339,14 @@ impl Common {
             fetch: router::FetchConfig {
                 enabled: self.prefix_fetch,
                 min_tokens: self.prefix_fetch_min_tokens,
+            },
+            kv_export: {
+                let ttl_us = (self.decoder_kv_blocks_ttl_s * 1e6) as u64;
+                match self.kv_export {
+                    KvExportArg::Ideal => KvExport::Ideal,
+                    KvExportArg::VllmOnDemand => KvExport::VllmOnDemand { ttl_us },
+                    KvExportArg::VllmEveryRequest => KvExport::VllmEveryRequest { ttl_us },
+                }
             },
             host_offload_gib: self.host_offload_gib,
             reuse_ceiling: false,
@@ -396,8 +433,10 @@ fn main() -> anyhow::Result<()> {
                 common.seed
             );
             println!(
-                "{note}; SLO: TTFT <= {} ms and ITL <= {} ms\n",
-                common.ttft_slo_ms, common.itl_slo_ms
+                "{note}; SLO: TTFT <= {} ms and ITL <= {} ms\n{}\n",
+                common.ttft_slo_ms,
+                common.itl_slo_ms,
+                third_path_note(&base)
             );
             print!("{}", table(&results, workload.load_unit()));
             let search = Search {
@@ -502,6 +541,9 @@ fn main() -> anyhow::Result<()> {
             );
             println!("{}", floor_line(s));
             println!("{}", misses_lines(&s.misses, &s.misses_by_rule, ""));
+            if s.exports.any() {
+                println!("{}", exports_line(&s.exports, ""));
+            }
             if let Some(c) = results[0].reuse_ceiling {
                 let block_bytes = config.preset.engine_config(config.block_size).block_bytes();
                 println!(
@@ -523,6 +565,28 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The C/D deployments' third path, and what it pins on the decode
+/// workers, as the outputs say it.
+fn third_path_note(config: &SimConfig) -> String {
+    if !config.fetch.enabled {
+        return "C/D third path (a prefix fetched from a decode worker): off".into();
+    }
+    let pins = match config.kv_export {
+        KvExport::Ideal => "only the prefix a fetch reads, until read (--kv-export ideal: no engine does this today; vLLM: --kv-export vllm-on-demand)".to_owned(),
+        KvExport::VllmOnDemand { ttl_us } => format!(
+            "the prefix a fetch reads, and every remote decode leg for {:.0} s (vLLM as the agent uses it)",
+            ttl_us as f64 / 1e6
+        ),
+        KvExport::VllmEveryRequest { ttl_us } => format!(
+            "every request decoded, until a fetch reads it or {:.0} s (vLLM with a handle asked of every request)",
+            ttl_us as f64 / 1e6
+        ),
+    };
+    format!(
+        "C/D third path (a prefix fetched from a decode worker): on; the decode workers pin {pins}"
+    )
+}
+
 /// What a turn-2+ TTFT floor is, as the outputs say it.
 const FLOOR_IS: &str =
     "each later turn alone on an idle worker holding every block an earlier request had";
@@ -536,6 +600,15 @@ fn floor_line(s: &sim::RunSummary) -> String {
         s.later_turn_ttft_ms.p90,
         s.later_turn_ttft_floor_ms.p90,
         100.0 * s.reusable_share
+    )
+}
+
+/// What became of the decode workers' exports (`--kv-export
+/// vllm-*`).
+fn exports_line(e: &sim::ExportFigures, label: &str) -> String {
+    format!(
+        "decode workers' exports{label} (the whole run): {} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined after the TTL (the prefix computed), {} expired unread",
+        e.read, e.missing, e.declined, e.expired
     )
 }
 
@@ -640,11 +713,16 @@ fn run_seeds(
     );
     let mut by_path = sim::MissesByPath::default();
     let mut by_rule = sim::MissesByRule::default();
+    let mut exports = sim::ExportFigures::default();
     for p in &points {
         by_path += &p.summary.misses;
         by_rule += &p.summary.misses_by_rule;
+        exports += &p.summary.exports;
     }
     println!("{}", misses_lines(&by_path, &by_rule, ", all seeds"));
+    if exports.any() {
+        println!("{}", exports_line(&exports, ", all seeds"));
+    }
     Ok(())
 }
 
@@ -724,6 +802,7 @@ fn tune(
         common.ttft_slo_ms,
         common.itl_slo_ms
     );
+    println!("{}", third_path_note(base));
     println!(
         "capacity: the highest load with >= 90% of requests within the SLO{} (bisected to {:.0}%)\n",
         if seeds == 1 { "" } else { " on average over the seeds" },

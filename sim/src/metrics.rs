@@ -231,6 +231,37 @@ impl Percentiles {
     }
 }
 
+/// What became of the decode workers' exports with a vLLM
+/// [`crate::KvExport`], over the whole run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExportFigures {
+    /// Fetches that took an exported request.
+    pub read: u64,
+    /// Fetches that found none (read already, or expired): the prefill
+    /// worker computed the whole prompt.
+    pub missing: u64,
+    /// Exports whose TTL ended unread.
+    pub expired: u64,
+    /// Fetches whose read came after the TTL (the prefill worker computed
+    /// the prefix).
+    pub declined: u64,
+}
+
+impl ExportFigures {
+    pub fn any(&self) -> bool {
+        *self != Self::default()
+    }
+}
+
+impl std::ops::AddAssign<&ExportFigures> for ExportFigures {
+    fn add_assign(&mut self, other: &ExportFigures) {
+        self.read += other.read;
+        self.missing += other.missing;
+        self.expired += other.expired;
+        self.declined += other.declined;
+    }
+}
+
 /// Counters the cluster keeps while it runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Counters {
@@ -257,6 +288,7 @@ pub struct Counters {
     pub gate_vetoes: u64,
     /// Requests an engine refused (e.g. longer than its whole cache).
     pub refused: u64,
+    pub exports: ExportFigures,
     /// Decode-side saturation, sampled at every load tick inside the
     /// measurement window over the decode-capable workers: Σ KV usage
     /// (blocks held by requests / capacity), samples at or above 90%,
@@ -312,6 +344,8 @@ pub struct RunSummary {
     pub preemptions: u64,
     pub gate_vetoes: u64,
     pub refused: u64,
+    /// The decode workers' exports ([`crate::KvExport::VllmEveryRequest`]).
+    pub exports: ExportFigures,
     /// Decode workers' mean KV usage over the window (held by requests).
     pub decode_kv_usage: f64,
     /// Share of the samples with a decode worker at >= 90% KV usage.
@@ -388,6 +422,7 @@ impl RunSummary {
             preemptions: counters.preemptions,
             gate_vetoes: counters.gate_vetoes,
             refused: counters.refused,
+            exports: counters.exports,
             decode_kv_usage: counters.decode_kv_usage_sum / counters.decode_samples.max(1) as f64,
             decode_kv_full_share: ratio(counters.decode_kv_full_samples, counters.decode_samples),
             decode_waiting: ratio(counters.decode_waiting_sum, counters.decode_samples),

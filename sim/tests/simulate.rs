@@ -25,6 +25,7 @@ fn config(deployment: Deployment, seed: u64) -> SimConfig {
         seed,
         warmup_fraction: 0.0,
         fetch: router::FetchConfig::default(),
+        kv_export: Default::default(),
         host_offload_gib: 0.0,
         reuse_ceiling: false,
         router_params: Vec::new(),
@@ -326,6 +327,67 @@ fn fetched_prefixes_reach_the_prefill_workers_caches() {
         .any(|r| r.path == protocol::Path::RemoteFetch));
     let again = with(true);
     assert_eq!(on.records, again.records);
+}
+
+/// Decode engines that export every request they finish (vLLM's
+/// bidirectional transfer fed a handle with each request): fetches read
+/// exports, those nobody reads expire, a fetch whose export is gone
+/// prefills whole, every request is still served (every pin let go), and
+/// the pinned exports hold more of the decode workers' memory than
+/// on-demand pins do. The same for the same seed.
+#[test]
+fn every_request_exports_pin_decode_memory_until_read_or_expired() {
+    let with = |kv_export: sim::KvExport| {
+        let mut c = config(cd_isl(), 7);
+        c.fetch = router::FetchConfig {
+            enabled: true,
+            min_tokens: 256,
+        };
+        c.kv_export = kv_export;
+        simulate(&c, &mut agentic(7)).unwrap()
+    };
+    let on_demand = with(sim::KvExport::Ideal);
+    let every = |ttl_us| with(sim::KvExport::VllmEveryRequest { ttl_us });
+    let (short, long) = (every(1_000_000), every(60_000_000));
+    assert!(
+        !on_demand.summary.exports.any(),
+        "on demand keeps no exports"
+    );
+    for run in [&short, &long] {
+        let e = run.summary.exports;
+        assert!(e.read > 0 && e.expired > 0, "{e:?}");
+        assert_eq!(
+            run.records.len(),
+            on_demand.records.len(),
+            "every request served"
+        );
+    }
+    assert!(
+        short.summary.exports.missing > long.summary.exports.missing,
+        "a shorter TTL loses more exports before their read: {:?} vs {:?}",
+        short.summary.exports,
+        long.summary.exports
+    );
+    assert!(
+        long.summary.decode_kv_usage > on_demand.summary.decode_kv_usage * 1.1,
+        "decode KV usage {} with every request exported vs {} on demand",
+        long.summary.decode_kv_usage,
+        on_demand.summary.decode_kv_usage
+    );
+    assert_eq!(long.records, every(60_000_000).records);
+    // A deployment without the third path runs its engines without
+    // bidirectional transfer: nothing exported.
+    let mut c = config(
+        Deployment::Disaggregated {
+            prefill: 2,
+            decode: 6,
+        },
+        7,
+    );
+    c.fetch.enabled = true;
+    c.kv_export = sim::KvExport::VllmOnDemand { ttl_us: 60_000_000 };
+    let disaggregated = simulate(&c, &mut agentic(7)).unwrap();
+    assert!(!disaggregated.summary.exports.any());
 }
 
 /// The host tier (G2): with device caches too small for the sessions'

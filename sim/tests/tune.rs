@@ -25,6 +25,7 @@ fn base() -> SimConfig {
         seed: 1,
         warmup_fraction: 0.2,
         fetch: router::FetchConfig::default(),
+        kv_export: Default::default(),
         host_offload_gib: 0.0,
         reuse_ceiling: false,
         router_params: Vec::new(),

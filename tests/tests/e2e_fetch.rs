@@ -2,12 +2,13 @@
 //! KV transfer (`--bidirectional-kv-xfer`): a long append to a
 //! conversation held on a decode worker goes to the prefill worker with the
 //! prefix fetched from that decode worker (router `--prefix-fetch`, agents
-//! `--vllm-bidirectional-kv`). The decode engine returned a handle to the
-//! previous turn's blocks, its agent kept it, the prefill worker's agent
-//! asked for it and sent it to its engine, which read exactly the prompt's
-//! prefix from the decode engine (mock-vllm fails a pull of other tokens);
-//! the decode engine got the prefill engine's handoff, and `replay verify`
-//! reproduces the decision.
+//! `--vllm-bidirectional-kv`). The prefill worker's agent asked the decode
+//! worker's agent for the prefix, whose engine exported it (a one-token
+//! request of it) and returned a handle, which the prefill worker's engine
+//! was sent and with which it read exactly the prompt's prefix from the
+//! decode engine (mock-vllm fails a pull of other tokens); the decode
+//! engine got the prefill engine's handoff, and `replay verify` reproduces
+//! the decision.
 
 mod cluster;
 
@@ -86,9 +87,9 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             .context("d0's overlap")?;
         ensure!(d_held >= p_held + 1_024, "{info}");
 
-        // The prefill engine pulled d0's prefix with d0's engine's handle
-        // to turn 1's blocks (the bypass asked for one), cut to the whole
-        // blocks of the prompt, and read exactly the prompt's tokens...
+        // The prefill engine pulled d0's prefix with the handle d0's engine
+        // exported for turn 2 (the whole blocks the router saw d0 hold),
+        // and read exactly the prompt's tokens...
         let p0 = cluster.engine_debug("p0").await?;
         ensure!(
             p0["prefix_pulls_received"] == 1
@@ -103,7 +104,7 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             pull["remote_engine_id"] == d0_id
                 && pull["remote_request_id"]
                     .as_str()
-                    .is_some_and(|id| id.contains("fetch-turn1"))
+                    .is_some_and(|id| id.contains("fetch-turn2"))
                 && pull["do_remote_decode"] == true
                 && pull["do_remote_prefill"] == false
                 && pulled <= d_held
@@ -119,9 +120,10 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             "cached {cached:?} of {d_held} pulled: {}",
             responses[2]["usage"]
         );
-        // The decode engine returned a handle with every turn it served
-        // (the decode legs of turns 0 and 2, the bypass of turn 1); one
-        // was read.
+        // The decode engine exported turn 2's prefix, and the decode legs
+        // of turns 0 and 2 (vLLM exports every request that came with
+        // transfer params; the bypass of turn 1 came with none); one was
+        // read.
         let d0 = cluster.engine_debug("d0").await?;
         ensure!(
             d0["handles_exported"] == 3 && d0["handles_read"] == 1,
@@ -140,11 +142,11 @@ async fn a_long_append_fetches_its_prefix_from_the_decode_worker() -> Result<()>
             metrics.contains(r#"worker_agent_engine_prefix_fetches_total{outcome="pulled"} 1"#),
             "{metrics}"
         );
-        // d0's agent kept the handles and gave one.
+        // d0's agent had one export made and gave its handle.
         let metrics = agent_metrics(&cluster, "d0").await?;
         ensure!(
             metrics.contains(r#"worker_agent_kv_handle_queries_total{outcome="given"} 1"#)
-                && metrics.contains(r#"worker_agent_kv_handles_returned_total{outcome="kept"} 3"#),
+                && metrics.contains("worker_agent_kv_export_recomputed_tokens_total"),
             "{metrics}"
         );
 

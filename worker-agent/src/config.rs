@@ -81,10 +81,6 @@ pub struct Options {
     /// Real engine: serve the third path's prefill legs (a prefix pulled
     /// from a decode worker) with vLLM's bidirectional NIXL parameters.
     pub vllm_bidirectional_kv: bool,
-    /// Real engine with bidirectional KV transfer: how long a handle the
-    /// engine returned is kept (below its `decoder_kv_blocks_ttl`).
-    #[serde(with = "settings::duration")]
-    pub vllm_kv_handle_ttl: Duration,
     /// SGLang decode server that accepts `do_local_prefill` (SGLang builds
     /// with draft PR #34773): it serves bypasses.
     pub sglang_do_local_prefill: bool,
@@ -129,9 +125,6 @@ impl Default for Options {
             engine_metrics_interval: Duration::from_millis(200),
             engine_return_token_ids: true,
             vllm_bidirectional_kv: false,
-            // vLLM's decoder_kv_blocks_ttl is 480 s; its example proxy
-            // keeps handles 450 s.
-            vllm_kv_handle_ttl: Duration::from_secs(450),
             sglang_do_local_prefill: false,
             kv_replay_timeout: Duration::from_secs(5),
             kv_idle_check: Duration::from_secs(1),
@@ -250,12 +243,7 @@ pub fn flags() -> Vec<Flag> {
         Flag::new(
             "vllm_bidirectional_kv",
             Kind::Switch,
-            "Real engine: vLLM's bidirectional KV transfer (vLLM >= 0.21 with bidirectional_kv_xfer on P and D; see the README): keep the handles a decode engine returns with finished requests, and serve a prefill leg that fetches its prefix from a decode worker (the router's --prefix-fetch) with that worker's handle, asked of its agent; off: such legs are plain prefills",
-        ),
-        Flag::new(
-            "vllm_kv_handle_ttl",
-            Kind::Duration,
-            "Real engine with --vllm-bidirectional-kv: how long a handle to a finished request's blocks is kept for a later turn's prefill worker; set it below the engine's decoder_kv_blocks_ttl (480 s by default), after which the engine declines the read",
+            "Real engine: vLLM's bidirectional KV transfer (vLLM >= 0.21 with bidirectional_kv_xfer on P and D; see the README): have the engine export a prefix a prefill worker asks for (a one-token request of it) and serve a prefill leg that fetches its prefix from a decode worker (the router's --prefix-fetch) with the handle that worker's engine exported; off: such legs are plain prefills. vLLM then also keeps every remote decode leg's blocks for its decoder_kv_blocks_ttl: see the README before turning it on",
         ),
         Flag::new(
             "sglang_do_local_prefill",
@@ -552,7 +540,6 @@ impl Options {
             (self.engine_timeout, "engine_timeout"),
             (self.engine_metrics_interval, "engine_metrics_interval"),
             (self.kv_replay_timeout, "kv_replay_timeout"),
-            (self.vllm_kv_handle_ttl, "vllm_kv_handle_ttl"),
         ] {
             if value.is_zero() {
                 return Err(ConfigError::ZeroDuration(name));
@@ -577,7 +564,6 @@ impl Options {
             metrics_interval: self.engine_metrics_interval,
             return_token_ids: self.engine_return_token_ids,
             bidirectional_kv: self.vllm_bidirectional_kv,
-            kv_handle_ttl: self.vllm_kv_handle_ttl,
             do_local_prefill: self.sglang_do_local_prefill && role == Role::Decode,
             replay: ReplayLimits {
                 connect: Duration::from_secs(2).min(replay_total),

@@ -9,6 +9,7 @@
 
 use std::fmt;
 
+use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use protocol::{
     GenerateEvent, GenerateRequest, HashingContract, KvEvent, KvHandle, KvHandleQuery, LoadReport,
@@ -123,8 +124,9 @@ pub trait Engine: Send + Sync + fmt::Debug {
     /// Whether a prefill leg that pulls its prefix from a decode worker
     /// ([`protocol::Path::RemoteFetch`]) needs that engine's handle to the
     /// blocks (vLLM's bidirectional KV transfer). The agent then asks the
-    /// source's agent for it ([`protocol::subjects::kv_handle`]) and serves
-    /// the leg with [`Engine::generate_pulling`].
+    /// source's agent to have its engine export them
+    /// ([`protocol::subjects::kv_handle`], [`Engine::export_kv`]) and
+    /// serves the leg with [`Engine::generate_pulling`].
     fn wants_kv_handles(&self) -> bool {
         false
     }
@@ -141,12 +143,20 @@ pub trait Engine: Send + Sync + fmt::Debug {
         self.generate(request)
     }
 
-    /// Takes (single use) this engine's handle to its blocks of the
-    /// longest leading part of the query's prompt it kept one for, at most
-    /// `max_bytes` of engine parameters (what the bus carries).
-    fn take_kv_handle(&self, query: &KvHandleQuery, max_bytes: usize) -> Option<KvHandle> {
+    /// Has the engine export its blocks of `query`'s tokens for another
+    /// engine's read, and returns its handle to them, of at most
+    /// `max_bytes` of engine parameters (what the bus carries). vLLM with
+    /// bidirectional KV transfer: a one-token request of those tokens,
+    /// whose blocks the engine then keeps until one read or its TTL.
+    /// `None`: nothing exported (the engine says why in its log and
+    /// metrics).
+    fn export_kv(
+        &self,
+        query: KvHandleQuery,
+        max_bytes: usize,
+    ) -> BoxFuture<'static, Option<KvHandle>> {
         let _ = (query, max_bytes);
-        None
+        Box::pin(std::future::ready(None))
     }
 
     /// The first field of `sampling` (its HTTP name) this engine cannot

@@ -71,19 +71,17 @@ pub const ENGINE_DECODE_WITHOUT_PARAMS: &str = "worker_agent_engine_decode_witho
 /// source's agent gave none: prefilled whole) or `plain`
 /// (`--vllm-bidirectional-kv` off: prefilled whole).
 pub const ENGINE_PREFIX_FETCHES: &str = "worker_agent_engine_prefix_fetches_total";
-/// KV-handle queries this agent answered, by outcome (`given`, `not_held`,
-/// `expired`, `uncuttable`, `too_large`, `malformed`, `unanswered`: the
-/// answer could not be sent).
+/// KV-handle queries this agent answered by having its engine export the
+/// prefix, by outcome (`given`; `disabled`: `--vllm-bidirectional-kv`
+/// off or an engine that exports nothing; `empty`, `failed`, `unreadable`,
+/// `too_large`, `malformed`; `unanswered`: the answer could not be sent).
 pub const KV_HANDLE_QUERIES: &str = "worker_agent_kv_handle_queries_total";
-/// Handles to finished requests' blocks the engine returned and the agent
-/// keeps for a later turn's prefill worker to pull from.
-pub const KV_HANDLES_KEPT: &str = "worker_agent_kv_handles_kept";
-/// Handles the engine returned, by outcome (`kept`, `unreadable`).
-pub const KV_HANDLES_RETURNED: &str = "worker_agent_kv_handles_returned_total";
-/// Handles dropped unread, by reason (`expired`, `memory`).
-pub const KV_HANDLES_DROPPED: &str = "worker_agent_kv_handles_dropped_total";
+/// Prompt tokens the engine computed for the exports it was asked for
+/// (the prefix's last block, which vLLM always recomputes, and any block
+/// it no longer held).
+pub const KV_EXPORT_RECOMPUTED_TOKENS: &str = "worker_agent_kv_export_recomputed_tokens_total";
 /// This agent's queries for the handle of a pulling prefill's source, by
-/// outcome (`given`, `none_held`, `timeout`, `failed`, `malformed`).
+/// outcome (`given`, `none`, `timeout`, `failed`, `malformed`).
 pub const KV_HANDLE_ASKS: &str = "worker_agent_kv_handle_asks_total";
 /// Streamed chunks with text but no token ids (an engine that ignores
 /// `return_token_ids`).
@@ -170,23 +168,15 @@ pub fn describe() {
     );
     describe_counter!(
         KV_HANDLE_QUERIES,
-        "Queries for a handle to this engine's blocks (from a prefill worker's agent), by outcome (given, not_held, expired, uncuttable, too_large, malformed, unanswered)"
+        "Queries for an export of this engine's blocks of a prefix (from a prefill worker's agent), by outcome (given, disabled, empty, failed, unreadable, too_large, malformed, unanswered)"
     );
     describe_counter!(
-        KV_HANDLES_DROPPED,
-        "Handles to finished requests' blocks dropped unread, by reason (expired, memory)"
+        KV_EXPORT_RECOMPUTED_TOKENS,
+        "Prompt tokens the engine computed for the exports it was asked for"
     );
     describe_counter!(
         KV_HANDLE_ASKS,
-        "Queries for the handle of a pulling prefill's source, by outcome (given, none_held, timeout, failed, malformed)"
-    );
-    describe_gauge!(
-        KV_HANDLES_KEPT,
-        "Handles to finished requests' blocks kept for a later turn's prefill worker"
-    );
-    describe_counter!(
-        KV_HANDLES_RETURNED,
-        "Handles to finished requests' blocks the engine returned, by outcome (kept, unreadable)"
+        "Queries for the handle of a pulling prefill's source, by outcome (given, none, timeout, failed, malformed)"
     );
     describe_counter!(
         ENGINE_TEXT_ONLY_CHUNKS,

@@ -132,7 +132,6 @@ async fn every_failure_ends_clearly_and_in_time() -> Result<()> {
         metrics_interval: Duration::from_millis(100),
         return_token_ids: true,
         bidirectional_kv: false,
-        kv_handle_ttl: Duration::from_secs(450),
         do_local_prefill: false,
         replay: ReplayLimits {
             connect: Duration::from_secs(1),

@@ -17,9 +17,7 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use metrics::{counter, gauge};
-use protocol::{
-    subjects, DecisionId, HashingContract, KvEventBatch, LoadReport, Message, Role, WorkerId,
-};
+use protocol::{subjects, DecisionId, KvEventBatch, LoadReport, Message, Role, WorkerId};
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinError, JoinSet};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
@@ -90,9 +88,8 @@ pub(super) struct Epochs {
 pub(super) struct Agent {
     pub(super) worker: WorkerId,
     pub(super) role: Role,
-    /// How the worker names blocks (a pulling leg's query names its prefix
-    /// so).
-    pub(super) contract: HashingContract,
+    /// The worker's block size (a pulling leg asks for whole blocks).
+    pub(super) block_size: u32,
     pub(super) engine: Arc<dyn Engine>,
     pub(super) bus: Bus,
     pub(super) client: Client,
@@ -180,7 +177,7 @@ impl Agent {
         Self {
             worker: settings.worker.clone(),
             role: settings.role,
-            contract: settings.contract.clone(),
+            block_size: settings.contract.block_size,
             engine,
             client: bus.client().clone(),
             bus,

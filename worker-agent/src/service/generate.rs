@@ -141,11 +141,12 @@ impl Agent {
         let pulls = matches!(request.stage, Stage::Prefill) && request.annotation.fetch.is_some();
         let events = if pulls && self.engine.wants_kv_handles() {
             // The source engine's handle to the prefix first (vLLM's
-            // bidirectional transfer), from its agent.
+            // bidirectional transfer: it exports the prefix), from its
+            // agent.
             let (engine, client) = (self.engine.clone(), self.client.clone());
-            let contract = self.contract.clone();
+            let block_size = self.block_size;
             async move {
-                let handle = super::kv_handle::ask(&client, &contract, &request).await;
+                let handle = super::kv_handle::ask(&client, block_size, &request).await;
                 engine.generate_pulling(request, handle)
             }
             .boxed()

@@ -1,10 +1,11 @@
 //! The third path's handles between agents (vLLM's bidirectional KV
 //! transfer): before a prefill leg that pulls its prefix from a decode
-//! worker, this agent asks that worker's agent for its engine's handle to
-//! the longest leading part of the prompt it holds ([`ask`]); and every
-//! agent answers such queries about its own engine, from its own task
-//! ([`answer`]), as it answers probes. A reply the bus cannot carry is
-//! not sent: the engine keeps a handle too large for it.
+//! worker, this agent asks that worker's agent to have its engine export
+//! the prefix and answer with the engine's handle to it ([`ask`]); and
+//! every agent answers such queries about its own engine ([`answer`]),
+//! each export a task of its own (it is a request to the engine). A reply
+//! the bus cannot carry is not sent: the engine keeps its export until its
+//! TTL.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,62 +13,86 @@ use std::time::Duration;
 use async_nats::{Client, Subscriber};
 use futures::StreamExt;
 use metrics::counter;
-use protocol::{
-    subjects, GenerateRequest, HashingContract, KvHandle, KvHandleQuery, KvHandleReply, Message,
-};
-use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use protocol::{subjects, GenerateRequest, KvHandle, KvHandleQuery, KvHandleReply, Message};
+use tokio::task::{JoinHandle, JoinSet};
+use tracing::{debug, warn, Instrument};
 
 use crate::engine::Engine;
 use crate::metrics as m;
 
-/// How long a prefill leg waits for the source's agent (which answers
-/// from memory) before it prefills whole.
+/// How long a prefill leg waits for the source's agent (whose engine
+/// exports the prefix in one step, unless its queue is long) before it
+/// prefills whole.
 pub(super) const ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Answers every handle query on `queries` with `engine`'s handle, until
-/// aborted.
+/// Answers every handle query on `queries` with `engine`'s export, until
+/// aborted (the exports under way with it).
 pub(super) fn answer(
     client: Client,
     mut queries: Subscriber,
     engine: Arc<dyn Engine>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        while let Some(query) = queries.next().await {
-            let Some(reply) = query.reply else { continue };
-            let (request_id, handle) = match KvHandleQuery::decode(&query.payload) {
-                Ok(q) => {
-                    // Room for the reply's envelope beside the params.
-                    let room = payload_limit(&client).saturating_sub(REPLY_OVERHEAD);
-                    let handle = engine.take_kv_handle(&q, room);
-                    if let Some(h) = &handle {
-                        info!(
-                            request_id = %q.request_id,
-                            blocks = h.blocks,
-                            "gave a prefill worker the handle to this engine's blocks of its prefix"
-                        );
-                    }
-                    (Some(q.request_id), handle)
+        let mut exports = JoinSet::new();
+        loop {
+            tokio::select! {
+                query = queries.next() => {
+                    let Some(query) = query else { break };
+                    let Some(reply) = query.reply else { continue };
+                    let client = client.clone();
+                    let engine = engine.clone();
+                    exports.spawn(
+                        async move {
+                            answer_one(&client, reply, &query.payload, engine.as_ref()).await;
+                        }
+                        .in_current_span(),
+                    );
                 }
-                Err(e) => {
-                    counter!(m::KV_HANDLE_QUERIES, "outcome" => "malformed").increment(1);
-                    warn!(error = %e, "a malformed KV-handle query: answered with none");
-                    (None, None)
-                }
-            };
-            let given = handle.is_some();
-            let answer = KvHandleReply { handle }.encode();
-            if let Err(e) = client.publish(reply, answer.into()).await {
-                counter!(m::KV_HANDLE_QUERIES, "outcome" => "unanswered").increment(1);
-                warn!(
-                    request_id = request_id.as_deref().unwrap_or("unknown"),
-                    given,
-                    error = %e,
-                    "answering a KV-handle query failed (a handle given is lost: the engine keeps its blocks until their TTL)"
-                );
+                Some(_) = exports.join_next(), if !exports.is_empty() => {}
             }
         }
     })
+}
+
+/// Has the engine export what `payload` asks for and answers on `reply`.
+async fn answer_one(
+    client: &Client,
+    reply: async_nats::Subject,
+    payload: &[u8],
+    engine: &dyn Engine,
+) {
+    let (request_id, handle) = match KvHandleQuery::decode(payload) {
+        Ok(q) => {
+            // Room for the reply's envelope beside the params.
+            let room = payload_limit(client).saturating_sub(REPLY_OVERHEAD);
+            let request_id = q.request_id.clone();
+            let handle = engine.export_kv(q, room).await;
+            if let Some(h) = &handle {
+                debug!(
+                    request_id = %request_id,
+                    blocks = h.blocks,
+                    "answered a prefill worker with the engine's handle to its prefix"
+                );
+            }
+            (Some(request_id), handle)
+        }
+        Err(e) => {
+            counter!(m::KV_HANDLE_QUERIES, "outcome" => "malformed").increment(1);
+            warn!(error = %e, "a malformed KV-handle query: answered with none");
+            (None, None)
+        }
+    };
+    let given = handle.is_some();
+    let answer = KvHandleReply { handle }.encode();
+    if let Err(e) = client.publish(reply, answer.into()).await {
+        counter!(m::KV_HANDLE_QUERIES, "outcome" => "unanswered").increment(1);
+        warn!(
+            request_id = request_id.as_deref().unwrap_or("unknown"),
+            given,
+            error = %e,
+            "answering a KV-handle query failed (an export made is lost: the engine keeps its blocks until their TTL)"
+        );
+    }
 }
 
 /// Bytes of a reply or query beside its handle or hashes (envelope,
@@ -79,38 +104,32 @@ fn payload_limit(client: &Client) -> usize {
     client.server_info().max_payload
 }
 
-/// The handle of the engine `request`'s prefix is pulled from, if its
-/// agent has one (`None`, logged and counted by why, for every other
-/// outcome: the leg then prefills whole). The query names every whole
-/// block of the prompt (the source matches as much as it holds, which may
-/// be more than the router saw), cut from the front to the bus's payload
-/// limit.
+/// The handle the engine `request`'s prefix is pulled from exported for
+/// it, if its agent got one (`None`, logged and counted by why, for every
+/// other outcome: the leg then prefills whole). The query names the
+/// prefix the router saw the source hold (whole blocks of `block_size`),
+/// cut from the back to the bus's payload limit.
 pub(super) async fn ask(
     client: &Client,
-    contract: &HashingContract,
+    block_size: u32,
     request: &GenerateRequest,
 ) -> Option<KvHandle> {
     let fetch = request.annotation.fetch.as_ref()?;
     let outcome = |outcome: &'static str| {
         counter!(m::KV_HANDLE_ASKS, "outcome" => outcome).increment(1);
     };
-    let base = match contract.hasher() {
-        Ok(b) => b,
-        Err(e) => {
-            outcome("failed");
-            warn!(request_id = %request.request_id, error = %e, "no KV-handle query: the contract's block size");
-            return None;
-        }
-    };
-    let hasher = request.sampling.block_hasher(base, &contract.model);
-    let mut prefix = hasher.hash_prompt(&request.prompt);
-    let room = payload_limit(client).saturating_sub(REPLY_OVERHEAD) / HASH_BYTES;
-    let first = prefix.len().saturating_sub(room);
-    prefix.drain(..first);
+    let room = payload_limit(client).saturating_sub(REPLY_OVERHEAD) / TOKEN_BYTES;
+    let bs = block_size.max(1) as usize;
+    let tokens = (fetch.prefix_tokens as usize)
+        .min(request.prompt.len())
+        .min(room)
+        / bs
+        * bs;
     let query = KvHandleQuery {
         request_id: request.request_id.clone(),
-        first: first as u32,
-        prefix,
+        tokens: request.prompt[..tokens].to_vec(),
+        lora: request.sampling.lora.clone(),
+        cache_salt: request.sampling.cache_salt.clone(),
     };
     let asked = client.request(subjects::kv_handle(&fetch.source), query.encode().into());
     let (kind, why) = match tokio::time::timeout(ASK_TIMEOUT, asked).await {
@@ -121,16 +140,10 @@ pub(super) async fn ask(
                 outcome("given");
                 return Some(h);
             }
-            Ok(KvHandleReply { handle: None }) => {
-                outcome("none_held");
-                info!(
-                    request_id = %request.request_id,
-                    decision = %request.annotation.decision,
-                    source = %fetch.source,
-                    "the prefix's source holds no handle to it: prefilled whole"
-                );
-                return None;
-            }
+            Ok(KvHandleReply { handle: None }) => (
+                "none",
+                "the source's engine exported nothing (its agent logs why)".to_owned(),
+            ),
             Err(e) => ("malformed", format!("its answer is malformed: {e}")),
         },
     };
@@ -145,5 +158,5 @@ pub(super) async fn ask(
     None
 }
 
-/// A block hash's bytes in a msgpack query (a u64 as 9 bytes).
-const HASH_BYTES: usize = 9;
+/// The most bytes a token takes in a msgpack query (a u32 as 5 bytes).
+const TOKEN_BYTES: usize = 5;

@@ -15,7 +15,7 @@ use tracing::{info, Instrument};
 use super::engine::{lock, Shared, VllmConfig, VllmEngine, VllmError};
 use super::kv_task::KvTask;
 use super::load::{scrape, scrape_loop};
-use super::proxy::{Handles, RequestContext};
+use super::proxy::RequestContext;
 use super::sequence::{RankCore, Stats};
 use super::translate::Translator;
 use super::zmq as z;
@@ -232,14 +232,7 @@ impl VllmEngine {
             dp_size: config.dp_size,
             block_size: learned.block_size,
             return_token_ids: config.return_token_ids,
-            handles: config.bidirectional_kv.then(|| {
-                Handles::new(
-                    hasher,
-                    config.model.clone(),
-                    config.kv_handle_ttl,
-                    HANDLES_MAX_BYTES,
-                )
-            }),
+            bidirectional: config.bidirectional_kv,
             do_local_prefill: config.do_local_prefill,
             timeout: config.request_timeout,
             stop: stop_rx,
@@ -255,10 +248,6 @@ impl VllmEngine {
         })
     }
 }
-
-/// Most bytes of returned handles kept (each lists a block id for every
-/// block of its conversation).
-const HANDLES_MAX_BYTES: usize = 64 << 20;
 
 async fn get_json(http: &reqwest::Client, url: &str, timeout: Duration) -> Result<Value, String> {
     let response = tokio::time::timeout(timeout, http.get(url).send())

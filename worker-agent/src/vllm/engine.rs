@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use engine_sim::Preset;
+use futures::future::BoxFuture;
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
 use protocol::{
@@ -107,14 +108,11 @@ pub struct VllmConfig {
     pub metrics_interval: Duration,
     /// Ask for generated token ids (`return_token_ids`).
     pub return_token_ids: bool,
-    /// vLLM's bidirectional KV transfer (the third path): keep the handles
-    /// the engine returns for later turns' prefill workers, and serve a
-    /// prefill leg that fetches its prefix with its source's handle; off:
-    /// as a plain prefill.
+    /// vLLM's bidirectional KV transfer (the third path): have the engine
+    /// export a prefix a prefill worker asks for, and serve a prefill leg
+    /// that fetches its prefix with its source's handle; off: as a plain
+    /// prefill.
     pub bidirectional_kv: bool,
-    /// How long a returned handle is kept: below the engine's
-    /// `decoder_kv_blocks_ttl`, after which it declines the read.
-    pub kv_handle_ttl: Duration,
     /// SGLang decode server: send bypasses with `do_local_prefill: true`.
     pub do_local_prefill: bool,
     /// Limits of one replay request.
@@ -211,7 +209,7 @@ impl Engine for VllmEngine {
     }
 
     fn wants_kv_handles(&self) -> bool {
-        self.ctx.handles.is_some()
+        self.ctx.bidirectional
     }
 
     fn generate_pulling(
@@ -243,8 +241,13 @@ impl Engine for VllmEngine {
         self.ctx.kind.unsupported(sampling)
     }
 
-    fn take_kv_handle(&self, query: &KvHandleQuery, max_bytes: usize) -> Option<KvHandle> {
-        self.ctx.handles.as_ref()?.take(query, max_bytes)
+    fn export_kv(
+        &self,
+        query: KvHandleQuery,
+        max_bytes: usize,
+    ) -> BoxFuture<'static, Option<KvHandle>> {
+        let ctx = self.ctx.clone();
+        Box::pin(async move { ctx.export(query, max_bytes).await }.in_current_span())
     }
 
     fn stop(&self) {

@@ -68,10 +68,11 @@
 //! the router (counted).
 //!
 //! The third path (`--vllm-bidirectional-kv`, vLLM's bidirectional NIXL
-//! transfer): bypasses ask the engine for a handle to their blocks, the
-//! handles it returns are kept ([`handles`]) and given once to the agent of
-//! a prefill worker that pulls that prefix, whose prefill request sends it
-//! as its `kv_transfer_params` (`proxy.rs`).
+//! transfer): when a prefill worker's agent asks for a prefix, the engine
+//! is asked to export it (a one-token request of it with
+//! `kv_transfer_params`), and the handle it returns goes to that agent,
+//! whose prefill request sends it as its `kv_transfer_params`
+//! (`proxy.rs`).
 //!
 //! # SGLang
 //!
@@ -87,7 +88,6 @@
 
 mod connect;
 pub mod engine;
-pub mod handles;
 mod kv_task;
 mod load;
 pub mod openai;

@@ -25,10 +25,11 @@
 //!   engine returns a handle to a finished request's blocks in its
 //!   response's `kv_transfer_params` (`do_remote_decode: true`,
 //!   `remote_block_ids`, `remote_request_id`, ...) when the request carried
-//!   any (a bypass carries `{"do_remote_prefill": false}`,
-//!   [`ask_for_handle`]); a later turn's prefill request sends that handle,
-//!   cut to the prompt's prefix ([`super::handles`]), as its
-//!   `kv_transfer_params`; the rest is as above.
+//!   any. The agent asks for one when a prefill worker needs the prefix:
+//!   a one-token request of the prefix with
+//!   `{"do_remote_prefill": false}` ([`Kind::Export`], not streamed, so
+//!   the handle comes in the body); the prefill request sends that handle
+//!   as its `kv_transfer_params`; the rest is as above.
 
 use protocol::{Sampling, TokenLogprob};
 use serde_json::{json, Map, Value};
@@ -46,17 +47,10 @@ pub enum Kind {
     /// Decode of a prompt prefilled elsewhere; the prefill engine's
     /// `kv_transfer_params`.
     Decode(Map<String, Value>),
-}
-
-/// Asks a decode engine with bidirectional KV transfer to return a
-/// handle to the request's blocks when it finishes (vLLM exports them only
-/// for requests that carry `kv_transfer_params`), for a later turn's
-/// prefill worker to pull.
-pub fn ask_for_handle(body: &mut Value) {
-    if let Some(o) = body.as_object_mut() {
-        o.entry("kv_transfer_params")
-            .or_insert_with(|| json!({"do_remote_prefill": false}));
-    }
+    /// One token of a prefix the engine holds, so that it exports the
+    /// prefix's blocks for another engine's read (vLLM exports a finished
+    /// request's blocks only when it came with `kv_transfer_params`).
+    Export,
 }
 
 /// Asks an SGLang decode server to prefill locally (SGLang builds that
@@ -85,7 +79,7 @@ pub fn completion_body(
     insert_sampling(
         o,
         sampling,
-        matches!(kind, Kind::Prefill | Kind::PrefillFetch(_)),
+        matches!(kind, Kind::Prefill | Kind::PrefillFetch(_) | Kind::Export),
     );
     match kind {
         Kind::Local | Kind::Decode(_) => {
@@ -111,6 +105,14 @@ pub fn completion_body(
             o.insert("stream".into(), json!(false));
             o.insert("max_tokens".into(), json!(1));
             o.insert("kv_transfer_params".into(), Value::Object(params.clone()));
+        }
+        Kind::Export => {
+            o.insert("stream".into(), json!(false));
+            o.insert("max_tokens".into(), json!(1));
+            o.insert(
+                "kv_transfer_params".into(),
+                json!({"do_remote_prefill": false}),
+            );
         }
     }
     if let Kind::Decode(params) = kind {
@@ -489,11 +491,12 @@ mod tests {
     use super::*;
 
     /// The third path's prefill: the decode engine's handle sent as it
-    /// is; one token, not streamed, like any prefill. A bypass asks for a
-    /// handle; a decode leg's handoff params already make the engine
-    /// return one.
+    /// is; one token, not streamed, like any prefill. The export asks the
+    /// decode engine for a handle to a prefix: one token of it, not
+    /// streamed (the handle comes in the body), with the prefix cache's
+    /// salt and nothing that changes the output; a bypass asks for none.
     #[test]
-    fn a_pulling_prefill_sends_the_handle_and_a_bypass_asks_for_one() {
+    fn a_pulling_prefill_sends_the_handle_and_an_export_asks_for_one() {
         let Value::Object(handle) = json!({
             "do_remote_decode": true, "do_remote_prefill": false,
             "remote_engine_id": "engine-d", "remote_request_id": "r1",
@@ -509,23 +512,25 @@ mod tests {
         );
         assert_eq!(b["kv_transfer_params"], Value::Object(handle));
 
-        let mut b = completion_body("m", &[1], 8, &Sampling::default(), &Kind::Local, true);
-        ask_for_handle(&mut b);
-        assert_eq!(b["kv_transfer_params"], json!({"do_remote_prefill": false}));
-        let params = json!({"remote_engine_id": "p", "do_remote_prefill": true});
-        let Value::Object(params) = params else {
-            unreachable!()
+        let salted = Sampling {
+            cache_salt: Some("s".into()),
+            lora: Some("adapter".into()),
+            temperature: Some(0.5),
+            ..Sampling::default()
         };
-        let mut b = completion_body(
-            "m",
-            &[1],
-            8,
-            &Sampling::default(),
-            &Kind::Decode(params),
-            true,
+        let b = completion_body("m", &[1, 2], 8, &salted, &Kind::Export, false);
+        assert_eq!(
+            (b["max_tokens"].clone(), b["stream"].clone()),
+            (json!(1), json!(false))
         );
-        ask_for_handle(&mut b);
-        assert_eq!(b["kv_transfer_params"]["remote_engine_id"], json!("p"));
+        assert_eq!(b["kv_transfer_params"], json!({"do_remote_prefill": false}));
+        assert_eq!(
+            (b["model"].clone(), b["cache_salt"].clone()),
+            (json!("adapter"), json!("s"))
+        );
+        assert!(b.get("temperature").is_none());
+        let b = completion_body("m", &[1], 8, &Sampling::default(), &Kind::Local, true);
+        assert!(b.get("kv_transfer_params").is_none());
     }
 
     #[test]

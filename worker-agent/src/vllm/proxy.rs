@@ -1,25 +1,24 @@
 //! Generation requests: each one a call to the engine's
 //! `/v1/completions` ([`super::openai`]): local requests streamed, a
 //! prefill's `kv_transfer_params` passed on, a decode's sent back; every
-//! failure ends as a clear `Failed`. With bidirectional KV transfer, the
-//! handles a decode engine returns are kept ([`Handles`]) and a pulling
-//! prefill sends its source's.
+//! failure ends as a clear `Failed`. With bidirectional KV transfer, a
+//! decode engine exports a prefix when another worker's prefill asks for
+//! it ([`RequestContext::export`]) and a pulling prefill sends its
+//! source's handle.
 
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
-use metrics::{counter, gauge};
+use metrics::counter;
 use protocol::{
-    BlockHasher, FinishReason, GenerateEvent, GenerateRequest, KvHandle, KvHandleQuery,
-    KvTransferParams, Stage, WorkerId,
+    FinishReason, GenerateEvent, GenerateRequest, KvHandle, KvHandleQuery, KvTransferParams,
+    Sampling, Stage, WorkerId,
 };
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
-use tracing::{debug, warn};
+use tracing::{info, warn};
 
-use super::engine::{lock, EngineKind};
-use super::handles::HandleStore;
+use super::engine::EngineKind;
 use super::load::InflightGuard;
 use super::openai::{self, Kind};
 use crate::metrics as m;
@@ -36,103 +35,13 @@ pub(super) struct RequestContext {
     pub(super) block_size: u32,
     pub(super) return_token_ids: bool,
     /// vLLM's bidirectional KV transfer (`VllmConfig::bidirectional_kv`):
-    /// the handles the engine returned; a fetching prefill leg pulls only
-    /// with it.
-    pub(super) handles: Option<Handles>,
+    /// the engine exports prefixes asked for, and a fetching prefill leg
+    /// pulls with its source's handle.
+    pub(super) bidirectional: bool,
     /// Bypasses carry `do_local_prefill: true` (an SGLang decode server).
     pub(super) do_local_prefill: bool,
     pub(super) timeout: Duration,
     pub(super) stop: watch::Receiver<bool>,
-}
-
-/// The handles to finished requests' blocks the engine returned, for the
-/// prefill workers of later turns ([`HandleStore`] on the agent's clock).
-#[derive(Debug)]
-pub(super) struct Handles {
-    store: Mutex<HandleStore>,
-    /// The deployment's hasher and model, salted per request as the
-    /// router salts its prompt.
-    hasher: BlockHasher,
-    model: String,
-    origin: Instant,
-}
-
-impl Handles {
-    pub(super) fn new(hasher: BlockHasher, model: String, ttl: Duration, max_bytes: usize) -> Self {
-        Self {
-            store: Mutex::new(HandleStore::new(
-                hasher.block_size(),
-                ttl.as_millis() as u64,
-                max_bytes,
-            )),
-            hasher,
-            model,
-            origin: Instant::now(),
-        }
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.origin.elapsed().as_millis() as u64
-    }
-
-    /// Keeps the handle `returned` with a finished `request` whose output
-    /// was `output` (`None`: its ids are not all known).
-    fn keep(&self, request: &GenerateRequest, returned: Value, output: Option<&[u32]>) {
-        let Value::Object(params) = returned else {
-            return;
-        };
-        let is_handle = params.get("do_remote_decode").and_then(Value::as_bool) == Some(true)
-            && params.get("remote_num_tokens").is_some_and(Value::is_u64);
-        if !is_handle {
-            counter!(m::KV_HANDLES_RETURNED, "outcome" => "unreadable").increment(1);
-            let params = Value::Object(params);
-            warn!(
-                request_id = %request.request_id,
-                %params,
-                "the engine returned kv_transfer_params that are no handle to its blocks: not kept"
-            );
-            return;
-        }
-        // The tokens the engine computed: the prompt, and the output but
-        // its last token.
-        let mut tokens = request.prompt.clone();
-        if let Some((_, computed)) = output.and_then(<[u32]>::split_last) {
-            tokens.extend_from_slice(computed);
-        }
-        let hasher = request.sampling.block_hasher(self.hasher, &self.model);
-        let computed = hasher.hash_prompt(&tokens);
-        let prompt_blocks = request.prompt.len() / hasher.block_size() as usize;
-        let mut store = lock(&self.store);
-        store.insert(&params, prompt_blocks, &computed, self.now_ms());
-        self.export(&store);
-        counter!(m::KV_HANDLES_RETURNED, "outcome" => "kept").increment(1);
-    }
-
-    /// Takes the handle to the longest leading part of `query`'s prompt.
-    pub(super) fn take(&self, query: &KvHandleQuery, max_bytes: usize) -> Option<KvHandle> {
-        let mut store = lock(&self.store);
-        let taken = store.take(query.first, &query.prefix, max_bytes, self.now_ms());
-        self.export(&store);
-        let outcome = match &taken {
-            Ok(_) => "given",
-            Err(miss) => {
-                debug!(
-                    request_id = %query.request_id,
-                    reason = miss.as_str(),
-                    "no handle for a prefill worker's prefix"
-                );
-                miss.as_str()
-            }
-        };
-        counter!(m::KV_HANDLE_QUERIES, "outcome" => outcome).increment(1);
-        taken.ok()
-    }
-
-    fn export(&self, store: &HandleStore) {
-        gauge!(m::KV_HANDLES_KEPT).set(store.len() as f64);
-        counter!(m::KV_HANDLES_DROPPED, "reason" => "expired").absolute(store.expired);
-        counter!(m::KV_HANDLES_DROPPED, "reason" => "memory").absolute(store.evicted);
-    }
 }
 
 impl RequestContext {
@@ -177,7 +86,7 @@ impl RequestContext {
                 return;
             }
             Stage::Prefill => match &request.annotation.fetch {
-                Some(fetch) if self.handles.is_some() => {
+                Some(fetch) if self.bidirectional => {
                     let params = handle.and_then(|h| {
                         let blocks = h.blocks;
                         match serde_json::from_str::<Value>(&h.engine) {
@@ -245,9 +154,6 @@ impl RequestContext {
         );
         if self.do_local_prefill && kind == Kind::Local {
             openai::ask_local_prefill(&mut body);
-        }
-        if self.handles.is_some() && kind == Kind::Local {
-            openai::ask_for_handle(&mut body);
         }
         let mut call = self
             .http
@@ -366,6 +272,135 @@ impl RequestContext {
         });
     }
 
+    /// Has the engine export its blocks of `query`'s tokens (whole blocks
+    /// of them) for another engine's read: a one-token request of them
+    /// with `kv_transfer_params` ([`openai::Kind::Export`]), after which
+    /// vLLM keeps the blocks until one read or its `decoder_kv_blocks_ttl`.
+    /// Returns the engine's handle, of at most `max_bytes`; every outcome
+    /// is counted (`worker_agent_kv_handle_queries_total`) and every miss
+    /// logged with the request id.
+    pub(super) async fn export(&self, query: KvHandleQuery, max_bytes: usize) -> Option<KvHandle> {
+        let request_id = query.request_id.clone();
+        let (outcome, handle) = match self.export_inner(query, max_bytes).await {
+            Ok(handle) => ("given", Some(handle)),
+            Err((outcome, why)) => {
+                warn!(%request_id, reason = %why, "no export of a prefill worker's prefix");
+                (outcome, None)
+            }
+        };
+        counter!(m::KV_HANDLE_QUERIES, "outcome" => outcome).increment(1);
+        handle
+    }
+
+    async fn export_inner(
+        &self,
+        query: KvHandleQuery,
+        max_bytes: usize,
+    ) -> Result<KvHandle, (&'static str, String)> {
+        if !self.bidirectional {
+            return Err((
+                "disabled",
+                "--vllm-bidirectional-kv is off on this worker".into(),
+            ));
+        }
+        let bs = self.block_size.max(1) as usize;
+        let tokens = &query.tokens[..query.tokens.len() / bs * bs];
+        if tokens.is_empty() {
+            return Err(("empty", "the query names no whole block".into()));
+        }
+        let salt = Sampling {
+            lora: query.lora,
+            cache_salt: query.cache_salt,
+            ..Sampling::default()
+        };
+        let body = openai::completion_body(&self.model, tokens, 1, &salt, &Kind::Export, false);
+        let mut call = self
+            .http
+            .post(&self.completions_url)
+            .header("x-request-id", format!("{}-export", query.request_id))
+            .json(&body);
+        if self.dp_size > 1 {
+            call = call.header("x-data-parallel-rank", self.worker.dp_rank().to_string());
+        }
+        let failed = |why: String| ("failed", why);
+        let response = tokio::time::timeout(self.timeout, call.send())
+            .await
+            .map_err(|_| {
+                failed(format!(
+                    "the engine did not answer within {:?}",
+                    self.timeout
+                ))
+            })?
+            .map_err(|e| failed(format!("the request to the engine failed: {e}")))?;
+        let status = response.status();
+        let text = tokio::time::timeout(self.timeout, response.text())
+            .await
+            .map_err(|_| failed("the engine's answer did not complete in time".into()))?
+            .map_err(|e| failed(format!("the engine's answer broke off: {e}")))?;
+        if !status.is_success() {
+            return Err(failed(format!(
+                "the engine answered HTTP {status}: {}",
+                openai::error_message(&text)
+            )));
+        }
+        let chunk = serde_json::from_str::<Value>(&text)
+            .map_err(|e| e.to_string())
+            .and_then(|v| openai::parse_chunk(&v))
+            .map_err(|e| ("unreadable", format!("the engine's answer: {e}")))?;
+        let params = chunk.kv_transfer_params.ok_or((
+            "unreadable",
+            "the engine returned no kv_transfer_params: is it started with bidirectional_kv_xfer?"
+                .to_owned(),
+        ))?;
+        let remote_tokens = params
+            .get("remote_num_tokens")
+            .and_then(Value::as_u64)
+            .filter(|_| params.get("do_remote_decode").and_then(Value::as_bool) == Some(true))
+            .ok_or_else(|| {
+                (
+                    "unreadable",
+                    format!(
+                        "the engine's kv_transfer_params are no handle to its blocks: {params}"
+                    ),
+                )
+            })?;
+        let blocks = (remote_tokens as usize).min(tokens.len()) / bs;
+        if blocks == 0 {
+            return Err((
+                "unreadable",
+                format!("the engine's handle covers no whole block: {params}"),
+            ));
+        }
+        let engine = params.to_string();
+        if engine.len() > max_bytes {
+            return Err((
+                "too_large",
+                format!(
+                    "its handle ({} bytes) is larger than the bus carries ({max_bytes}): the engine keeps the blocks until its TTL",
+                    engine.len()
+                ),
+            ));
+        }
+        let recomputed = chunk
+            .usage
+            .and_then(|u| u.cached_tokens)
+            .map(|cached| (tokens.len() as u64).saturating_sub(u64::from(cached)));
+        if let Some(n) = recomputed {
+            counter!(m::KV_EXPORT_RECOMPUTED_TOKENS).increment(n);
+        }
+        info!(
+            request_id = %query.request_id,
+            tokens = tokens.len(),
+            blocks,
+            recomputed,
+            "the engine exported a prefix for a prefill worker"
+        );
+        Ok(KvHandle {
+            blocks: blocks as u32,
+            engine,
+        })
+    }
+
     /// A streamed completion: tokens as they come (with their
     /// log-probabilities when `logprobs` were asked for: an engine that
     /// sends tokens without them, or unreadable ones, refuses the field),
@@ -378,10 +413,6 @@ impl RequestContext {
         guard: &InflightGuard,
     ) {
         let logprobs = request.sampling.logprobs.is_some();
-        // With bidirectional KV transfer: the handle the engine returns at
-        // the end, and the output's ids (its blocks' names).
-        let mut returned = None;
-        let mut output = Vec::new();
         let mut body = response.bytes_stream();
         let mut sse = openai::SseParser::new();
         let mut produced = 0u32;
@@ -410,14 +441,7 @@ impl RequestContext {
                     if rest.is_empty() {
                         return match finish {
                             // A stream without [DONE] that said it finished.
-                            Some(reason) => {
-                                self.keep_handle(
-                                    request,
-                                    returned,
-                                    known_output(&output, text_only, usage),
-                                );
-                                finished(out, produced, usage, &reason)
-                            }
+                            Some(reason) => finished(out, produced, usage, &reason),
                             None => fail(
                                 out,
                                 true,
@@ -431,11 +455,6 @@ impl RequestContext {
             for data in datas {
                 match openai::parse_event(&data) {
                     Ok(openai::Event::Done) => {
-                        self.keep_handle(
-                            request,
-                            returned,
-                            known_output(&output, text_only, usage),
-                        );
                         return finished(
                             out,
                             produced,
@@ -451,15 +470,9 @@ impl RequestContext {
                                 format!("the engine failed the request: {error}"),
                             );
                         }
-                        if c.kv_transfer_params.is_some() {
-                            returned = c.kv_transfer_params;
-                        }
                         match c.token_ids {
                             Some(ids) if !ids.is_empty() => {
                                 produced += ids.len() as u32;
-                                if self.handles.is_some() {
-                                    output.extend_from_slice(&ids);
-                                }
                                 guard.produced(ids.len());
                                 let event = match (logprobs, c.logprobs) {
                                     (false, _) => GenerateEvent::Tokens(ids),
@@ -513,28 +526,6 @@ impl RequestContext {
             }
         }
     }
-}
-
-impl RequestContext {
-    /// Keeps the handle the engine returned with a finished request, if
-    /// it returned one and handles are kept.
-    fn keep_handle(
-        &self,
-        request: &GenerateRequest,
-        returned: Option<Value>,
-        output: Option<&[u32]>,
-    ) {
-        if let (Some(handles), Some(returned)) = (&self.handles, returned) {
-            handles.keep(request, returned, output);
-        }
-    }
-}
-
-/// A streamed request's output ids, when all of them came: none came
-/// without ids, and as many as the engine counted.
-fn known_output(output: &[u32], text_only: bool, usage: Option<openai::Usage>) -> Option<&[u32]> {
-    let counted = usage.is_none_or(|u| u.completion_tokens as usize == output.len());
-    (!text_only && counted).then_some(output)
 }
 
 /// The engine cannot return the log-probabilities asked for: a 400

@@ -1,0 +1,251 @@
+//! How a decode engine keeps the blocks the third path reads, and what
+//! that costs it.
+//!
+//! vLLM's bidirectional NIXL transfer lets a prefill engine read a decode
+//! engine's blocks only through a handle the decode engine returns with a
+//! finished request, and with the transfer on it exports every request
+//! that came with transfer params: it pins the request's blocks until the
+//! first read or `decoder_kv_blocks_ttl` (480 s by default). Three models
+//! ([`KvExport`]):
+//!
+//! - **ideal**: the fetched prefix is pinned from the router's decision
+//!   until the prefill worker has read it, and nothing else is pinned
+//!   (`engine_sim::Engine::pin_prefix`). The simulated engine does this;
+//!   no real engine does.
+//! - **vLLM, on demand** (what the worker agent does): the decode worker's
+//!   agent asks its engine to export the prefix a fetch needs (a one-token
+//!   request of it), pinned from the decision until read, as in the ideal
+//!   model; and every remote decode leg, which carries the prefill
+//!   engine's transfer params, is exported as it finishes and stays pinned
+//!   until the TTL: nobody reads it.
+//! - **vLLM, every request** (the agent before it asked on demand: a
+//!   handle asked of every bypass): every request decoded is exported as it
+//!   finishes, pinned until a later turn's fetch reads it or the TTL ends,
+//!   conversations that never come back included. [`Exports`] keeps them,
+//!   found as the agent found them: by the chained block hash of each whole
+//!   block from the end of the request's prompt to the last block the
+//!   engine computed; a fetch that finds none prefills whole.
+
+use std::collections::{HashMap, VecDeque};
+
+use protocol::{BlockHash, Path};
+
+/// How the third path's source keeps the blocks it supplies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvExport {
+    /// Pinned from the decision until read; nothing else pinned.
+    #[default]
+    Ideal,
+    /// vLLM, the agent asking for an export when a fetch needs it: pinned
+    /// from the decision until read; every remote decode leg pinned until
+    /// `ttl_us` after it finishes.
+    VllmOnDemand { ttl_us: u64 },
+    /// vLLM, a handle asked of every request: every request decoded pinned
+    /// until a fetch reads it or `ttl_us` after it finishes.
+    VllmEveryRequest { ttl_us: u64 },
+}
+
+impl KvExport {
+    /// Whether a fetch pins its prefix at the decision (else it takes an
+    /// export kept since an earlier request finished).
+    pub fn pins_at_decision(self) -> bool {
+        !matches!(self, Self::VllmEveryRequest { .. })
+    }
+
+    /// How long the decode engine keeps an export nobody read (`None`: as
+    /// long as the read takes to come).
+    pub fn ttl_us(self) -> Option<u64> {
+        match self {
+            Self::Ideal => None,
+            Self::VllmOnDemand { ttl_us } | Self::VllmEveryRequest { ttl_us } => Some(ttl_us),
+        }
+    }
+
+    /// What the decode engine does with a request that finishes after
+    /// coming on `path`: keeps its blocks pinned for that long, and
+    /// whether a later fetch can find them (`None`: not exported).
+    pub fn export_of(self, path: Path) -> Option<(u64, bool)> {
+        match self {
+            Self::Ideal => None,
+            Self::VllmOnDemand { ttl_us } => path.is_remote().then_some((ttl_us, false)),
+            Self::VllmEveryRequest { ttl_us } => Some((ttl_us, true)),
+        }
+    }
+}
+
+/// One decode engine's exported requests, each holding a pin `P` on its
+/// blocks until it is taken (read) or expires.
+#[derive(Debug)]
+pub struct Exports<P> {
+    by_id: HashMap<u64, Export<P>>,
+    /// The newest export that covers each key.
+    by_key: HashMap<BlockHash, u64>,
+    /// `(expires_us, id)` in insertion order, which is expiry order (one
+    /// TTL for all).
+    expiry: VecDeque<(u64, u64)>,
+}
+
+/// An export a fetch took ([`Exports::take_longest`]).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Taken<P> {
+    /// Leading blocks of the prompt it covers.
+    pub blocks: usize,
+    pub pin: P,
+    pub expires_us: u64,
+}
+
+#[derive(Debug)]
+struct Export<P> {
+    pin: P,
+    keys: Vec<BlockHash>,
+    expires_us: u64,
+}
+
+impl<P> Default for Exports<P> {
+    fn default() -> Self {
+        Self {
+            by_id: HashMap::new(),
+            by_key: HashMap::new(),
+            expiry: VecDeque::new(),
+        }
+    }
+}
+
+impl<P> Exports<P> {
+    /// Keeps request `id`'s export until `expires_us` (no earlier than any
+    /// kept before), found by `keys`; the newest export wins a key two
+    /// share.
+    pub fn insert(&mut self, id: u64, pin: P, keys: Vec<BlockHash>, expires_us: u64) {
+        debug_assert!(self.expiry.back().is_none_or(|&(at, _)| at <= expires_us));
+        for &key in &keys {
+            self.by_key.insert(key, id);
+        }
+        self.by_id.insert(
+            id,
+            Export {
+                pin,
+                keys,
+                expires_us,
+            },
+        );
+        self.expiry.push_back((expires_us, id));
+    }
+
+    /// Takes (single use) the export keyed by the longest leading part of
+    /// `prefix` (a prompt's chained block hashes): how many of its blocks
+    /// it covers, its pin (all of the exported request's blocks), and when
+    /// the engine would have let it go (a read after that is declined).
+    pub fn take_longest(&mut self, prefix: &[BlockHash]) -> Option<Taken<P>> {
+        let (i, id) = prefix
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(i, hash)| self.by_key.get(hash).map(|&id| (i, id)))?;
+        let export = self.remove(id)?;
+        Some(Taken {
+            blocks: i + 1,
+            pin: export.pin,
+            expires_us: export.expires_us,
+        })
+    }
+
+    /// Removes the exports whose TTL has ended by `now_us` and returns
+    /// their pins.
+    pub fn expire(&mut self, now_us: u64) -> Vec<P> {
+        let mut pins = Vec::new();
+        while let Some(&(at, id)) = self.expiry.front() {
+            if at > now_us {
+                break;
+            }
+            self.expiry.pop_front();
+            if let Some(export) = self.remove(id) {
+                pins.push(export.pin);
+            }
+        }
+        pins
+    }
+
+    /// Exports kept (not yet read or expired).
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Export<P>> {
+        let export = self.by_id.remove(&id)?;
+        for key in &export.keys {
+            if self.by_key.get(key) == Some(&id) {
+                self.by_key.remove(key);
+            }
+        }
+        Some(export)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(n: u64) -> BlockHash {
+        BlockHash(n)
+    }
+
+    fn taken<P>(blocks: usize, pin: P, expires_us: u64) -> Taken<P> {
+        Taken {
+            blocks,
+            pin,
+            expires_us,
+        }
+    }
+
+    #[test]
+    fn the_longest_keyed_prefix_is_taken_once() {
+        let mut ex = Exports::default();
+        // Request 1's prompt ended at block 3, its answer at block 5.
+        ex.insert(1, "pin1", vec![h(3), h(4), h(5)], 100);
+        // A later prompt shares blocks 0..=4 with it, then parts.
+        let prompt = [h(0), h(1), h(2), h(3), h(4), h(40), h(41)];
+        assert_eq!(ex.take_longest(&prompt), Some(taken(5, "pin1", 100)));
+        assert_eq!(ex.take_longest(&prompt), None, "single use");
+        assert!(ex.is_empty());
+        assert!(
+            ex.expire(1_000).is_empty(),
+            "a taken export does not expire"
+        );
+    }
+
+    #[test]
+    fn a_prompt_that_ends_before_the_keys_finds_nothing() {
+        let mut ex = Exports::default();
+        ex.insert(1, (), vec![h(3), h(4)], 100);
+        assert_eq!(ex.take_longest(&[h(0), h(1), h(2)]), None);
+        assert_eq!(ex.len(), 1);
+    }
+
+    #[test]
+    fn the_newest_wins_a_shared_key_and_the_older_keeps_its_own() {
+        let mut ex = Exports::default();
+        ex.insert(1, "old", vec![h(3), h(4)], 100);
+        ex.insert(2, "new", vec![h(4), h(5)], 200);
+        assert_eq!(ex.take_longest(&[h(3), h(4)]), Some(taken(2, "new", 200)));
+        // Taking the newer leaves the older's own key.
+        assert_eq!(ex.take_longest(&[h(3), h(4)]), Some(taken(1, "old", 100)));
+    }
+
+    #[test]
+    fn exports_expire_in_order_and_give_back_their_pins() {
+        let mut ex = Exports::default();
+        ex.insert(1, "a", vec![h(1)], 100);
+        ex.insert(2, "b", vec![h(2)], 150);
+        ex.insert(3, "c", vec![h(3)], 200);
+        assert_eq!(ex.take_longest(&[h(2)]), Some(taken(1, "b", 150)));
+        assert!(ex.expire(99).is_empty());
+        assert_eq!(ex.expire(150), vec!["a"], "b was taken");
+        assert_eq!(ex.take_longest(&[h(1)]), None, "expired");
+        assert_eq!(ex.expire(200), vec!["c"]);
+        assert!(ex.is_empty());
+    }
+}
