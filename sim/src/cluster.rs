@@ -174,6 +174,11 @@ enum Event {
     ExportsExpire {
         worker: usize,
     },
+    /// The TTL of request `id`'s source pin ends: unless its read started,
+    /// the source's engine lets the blocks go (the read is declined).
+    SourceExpires {
+        id: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -223,11 +228,24 @@ struct InFlight {
     /// When the source's engine lets the pin go unread (vLLM's TTL): a
     /// pull that starts later is declined.
     source_expires_us: u64,
+    /// Whether the prefill worker started reading the source's pin.
+    source_read: bool,
     /// Its decode engine exports it when it finishes: pinned that long,
     /// and whether a fetch can find it ([`KvExport::export_of`]).
     export: Option<(u64, bool)>,
     first_token_us: Option<u64>,
     floor: Floor,
+}
+
+/// The id in a worker's [`Exports`] of finished request `id`'s export.
+fn finished_export_id(id: u64) -> u64 {
+    id * 2
+}
+
+/// The id in a worker's [`Exports`] of the pin supplied for request `id`'s
+/// fetch, kept unread until its TTL.
+fn unread_export_id(id: u64) -> u64 {
+    id * 2 + 1
 }
 
 /// What a transfer on the links carries (its id: the request's id times
@@ -495,6 +513,17 @@ impl<'w> Cluster<'w> {
                         self.unpin(worker, pin);
                     }
                 }
+                Event::SourceExpires { id } => {
+                    self.pending -= 1;
+                    let unread = self
+                        .in_flight
+                        .get_mut(&id)
+                        .filter(|r| !r.source_read)
+                        .and_then(|r| r.source.take());
+                    if let Some((source, pin)) = unread {
+                        self.unpin(source, pin);
+                    }
+                }
                 Event::LinkTick => {
                     self.pending -= 1;
                     self.link_ticks.remove(&at_us);
@@ -596,8 +625,11 @@ impl<'w> Cluster<'w> {
                     pull_tokens = tokens;
                     source = Some((worker, pin));
                     source_expires_us = expires_us;
+                    if expires_us != u64::MAX {
+                        self.schedule(expires_us, Event::SourceExpires { id: spec.id });
+                    }
                 } else {
-                    self.unpin(worker, pin);
+                    self.let_go_unread(worker, spec.id, pin, expires_us);
                 }
             }
         }
@@ -627,6 +659,7 @@ impl<'w> Cluster<'w> {
                 prefill,
                 source,
                 source_expires_us,
+                source_read: false,
                 export,
                 first_token_us: None,
                 floor,
@@ -720,28 +753,29 @@ impl<'w> Cluster<'w> {
     /// of its source's pin starts, and the blocks it lacks go over the
     /// links.
     fn start_pull(&mut self, worker: usize, pull: Pull) {
-        let expired = self
+        let declined = self
             .in_flight
             .get(&pull.id)
-            .is_some_and(|r| self.now_us > r.source_expires_us);
-        if expired {
-            // The source's engine let the blocks go: it declines the read,
-            // and the prefill worker computes the prefix.
+            .is_some_and(|r| r.source.is_none() || self.now_us > r.source_expires_us);
+        if declined {
+            // The source's engine let the blocks go at their TTL: it
+            // declines the read, and the prefill worker computes the
+            // prefix.
             self.counters.exports.declined += 1;
             self.release_source(pull.id);
             self.engines[worker].pull_declined(pull.id);
             self.wake(worker);
             return;
         }
-        let Some((source, pin)) = self
-            .in_flight
-            .get_mut(&pull.id)
-            .and_then(|r| r.source.as_mut())
-        else {
-            debug_assert!(false, "a pull without its source's pin");
-            self.engines[worker].pull_done(pull.id);
+        let Some(r) = self.in_flight.get_mut(&pull.id) else {
+            debug_assert!(false, "a pull of a request no longer in flight");
+            self.engines[worker].pull_declined(pull.id);
             return;
         };
+        let Some((source, pin)) = r.source.as_mut() else {
+            unreachable!("a pull without its source's pin is declined above");
+        };
+        r.source_read = true;
         let source = *source;
         self.engines[source].start_read(pin);
         let bytes = self.engines[source]
@@ -773,11 +807,36 @@ impl<'w> Cluster<'w> {
     }
 
     /// The third path's source lets its pinned prefix go (the request's
-    /// prefill is done, or it was refused).
+    /// prefill is done, or it was refused): at once after a read, else
+    /// when its TTL ends ([`Cluster::let_go_unread`]).
     fn release_source(&mut self, id: u64) {
-        if let Some((source, pin)) = self.in_flight.get_mut(&id).and_then(|r| r.source.take()) {
+        let Some(r) = self.in_flight.get_mut(&id) else {
+            return;
+        };
+        let (read, expires_us) = (r.source_read, r.source_expires_us);
+        let Some((source, pin)) = r.source.take() else {
+            return;
+        };
+        if read {
             self.unpin(source, pin);
+        } else {
+            self.let_go_unread(source, id, pin, expires_us);
         }
+    }
+
+    /// A pin supplied for request `id`'s fetch that nobody read (the
+    /// prefill worker held the prefix): vLLM's engine frees an export only
+    /// when it is read or at its TTL, so it stays pinned until
+    /// `expires_us` (the ideal engine lets it go at once).
+    fn let_go_unread(&mut self, worker: usize, id: u64, pin: PinnedPrefix, expires_us: u64) {
+        if expires_us == u64::MAX || expires_us <= self.now_us {
+            self.unpin(worker, pin);
+            return;
+        }
+        let replaced =
+            self.exports[worker].insert(unread_export_id(id), pin, Vec::new(), expires_us);
+        debug_assert!(replaced.is_none(), "one unread pin a request");
+        self.schedule(expires_us, Event::ExportsExpire { worker });
     }
 
     /// Lets a pinned prefix go on `worker`. Its blocks become evictable, so
@@ -997,8 +1056,8 @@ impl<'w> Cluster<'w> {
         let bs = self.config.block_size.max(1) as usize;
         let blocks = pin.tokens() as usize / bs;
         let first = (spec.prompt.len() / bs).saturating_sub(1);
-        if blocks <= first {
-            // Evicted already (or a prompt under one block): nothing to read.
+        if blocks == 0 || (keyed && blocks <= first) {
+            // Nothing pinned, or nothing a later prompt could find.
             self.unpin(decode, pin);
             return;
         }
@@ -1010,7 +1069,8 @@ impl<'w> Cluster<'w> {
             hashes.drain(..first);
         }
         let at = self.now_us + ttl_us;
-        self.exports[decode].insert(id, pin, hashes, at);
+        let replaced = self.exports[decode].insert(finished_export_id(id), pin, hashes, at);
+        debug_assert!(replaced.is_none(), "one export a request");
         self.schedule(at, Event::ExportsExpire { worker: decode });
     }
 

@@ -26,7 +26,7 @@
 //!   block from the end of the request's prompt to the last block the
 //!   engine computed; a fetch that finds none prefills whole.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap};
 
 use protocol::{BlockHash, Path};
 
@@ -80,9 +80,8 @@ pub struct Exports<P> {
     by_id: HashMap<u64, Export<P>>,
     /// The newest export that covers each key.
     by_key: HashMap<BlockHash, u64>,
-    /// `(expires_us, id)` in insertion order, which is expiry order (one
-    /// TTL for all).
-    expiry: VecDeque<(u64, u64)>,
+    /// `(expires_us, id)`, soonest first.
+    expiry: BTreeSet<(u64, u64)>,
 }
 
 /// An export a fetch took ([`Exports::take_longest`]).
@@ -106,17 +105,17 @@ impl<P> Default for Exports<P> {
         Self {
             by_id: HashMap::new(),
             by_key: HashMap::new(),
-            expiry: VecDeque::new(),
+            expiry: BTreeSet::new(),
         }
     }
 }
 
 impl<P> Exports<P> {
-    /// Keeps request `id`'s export until `expires_us` (no earlier than any
-    /// kept before), found by `keys`; the newest export wins a key two
-    /// share.
-    pub fn insert(&mut self, id: u64, pin: P, keys: Vec<BlockHash>, expires_us: u64) {
-        debug_assert!(self.expiry.back().is_none_or(|&(at, _)| at <= expires_us));
+    /// Keeps export `id` until `expires_us`, found by `keys` (none: kept
+    /// only until then, for no fetch); the newest export wins a key two
+    /// share. An id kept already is replaced.
+    pub fn insert(&mut self, id: u64, pin: P, keys: Vec<BlockHash>, expires_us: u64) -> Option<P> {
+        let replaced = self.remove(id).map(|e| e.pin);
         for &key in &keys {
             self.by_key.insert(key, id);
         }
@@ -128,7 +127,8 @@ impl<P> Exports<P> {
                 expires_us,
             },
         );
-        self.expiry.push_back((expires_us, id));
+        self.expiry.insert((expires_us, id));
+        replaced
     }
 
     /// Takes (single use) the export keyed by the longest leading part of
@@ -153,11 +153,10 @@ impl<P> Exports<P> {
     /// their pins.
     pub fn expire(&mut self, now_us: u64) -> Vec<P> {
         let mut pins = Vec::new();
-        while let Some(&(at, id)) = self.expiry.front() {
+        while let Some(&(at, id)) = self.expiry.first() {
             if at > now_us {
                 break;
             }
-            self.expiry.pop_front();
             if let Some(export) = self.remove(id) {
                 pins.push(export.pin);
             }
@@ -176,6 +175,7 @@ impl<P> Exports<P> {
 
     fn remove(&mut self, id: u64) -> Option<Export<P>> {
         let export = self.by_id.remove(&id)?;
+        self.expiry.remove(&(export.expires_us, id));
         for key in &export.keys {
             if self.by_key.get(key) == Some(&id) {
                 self.by_key.remove(key);
@@ -236,16 +236,23 @@ mod tests {
     }
 
     #[test]
-    fn exports_expire_in_order_and_give_back_their_pins() {
+    fn exports_expire_soonest_first_and_give_back_their_pins() {
         let mut ex = Exports::default();
+        ex.insert(3, "c", vec![h(3)], 200);
         ex.insert(1, "a", vec![h(1)], 100);
         ex.insert(2, "b", vec![h(2)], 150);
-        ex.insert(3, "c", vec![h(3)], 200);
+        // Kept only until it expires: no fetch finds it.
+        ex.insert(4, "d", vec![], 120);
         assert_eq!(ex.take_longest(&[h(2)]), Some(taken(1, "b", 150)));
         assert!(ex.expire(99).is_empty());
-        assert_eq!(ex.expire(150), vec!["a"], "b was taken");
+        assert_eq!(ex.expire(150), vec!["a", "d"], "b was taken");
         assert_eq!(ex.take_longest(&[h(1)]), None, "expired");
         assert_eq!(ex.expire(200), vec!["c"]);
         assert!(ex.is_empty());
+        // The same id again replaces the export kept under it.
+        assert_eq!(ex.insert(5, "e", vec![h(5)], 300), None);
+        assert_eq!(ex.insert(5, "f", vec![h(6)], 100), Some("e"));
+        assert_eq!(ex.take_longest(&[h(5)]), None);
+        assert_eq!(ex.expire(100), vec!["f"]);
     }
 }

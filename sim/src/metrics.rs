@@ -288,6 +288,8 @@ pub struct Counters {
     pub gate_vetoes: u64,
     /// Requests an engine refused (e.g. longer than its whole cache).
     pub refused: u64,
+    /// What became of the decode workers' exports (a vLLM
+    /// [`crate::KvExport`]).
     pub exports: ExportFigures,
     /// Decode-side saturation, sampled at every load tick inside the
     /// measurement window over the decode-capable workers: Σ KV usage
@@ -344,7 +346,7 @@ pub struct RunSummary {
     pub preemptions: u64,
     pub gate_vetoes: u64,
     pub refused: u64,
-    /// The decode workers' exports ([`crate::KvExport::VllmEveryRequest`]).
+    /// The decode workers' exports (a vLLM [`crate::KvExport`]).
     pub exports: ExportFigures,
     /// Decode workers' mean KV usage over the window (held by requests).
     pub decode_kv_usage: f64,

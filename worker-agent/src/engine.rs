@@ -156,6 +156,7 @@ pub trait Engine: Send + Sync + fmt::Debug {
         max_bytes: usize,
     ) -> BoxFuture<'static, Option<KvHandle>> {
         let _ = (query, max_bytes);
+        metrics::counter!(crate::metrics::KV_HANDLE_QUERIES, "outcome" => "disabled").increment(1);
         Box::pin(std::future::ready(None))
     }
 

@@ -73,15 +73,18 @@ pub const ENGINE_DECODE_WITHOUT_PARAMS: &str = "worker_agent_engine_decode_witho
 pub const ENGINE_PREFIX_FETCHES: &str = "worker_agent_engine_prefix_fetches_total";
 /// KV-handle queries this agent answered by having its engine export the
 /// prefix, by outcome (`given`; `disabled`: `--vllm-bidirectional-kv`
-/// off or an engine that exports nothing; `empty`, `failed`, `unreadable`,
-/// `too_large`, `malformed`; `unanswered`: the answer could not be sent).
+/// off or an engine that exports nothing; `busy`: too many exports under
+/// way; `timeout`: the export abandoned, too late for the asker; `empty`,
+/// `failed`, `unreadable`, `too_large`, `malformed`; `unanswered`: the
+/// answer could not be sent).
 pub const KV_HANDLE_QUERIES: &str = "worker_agent_kv_handle_queries_total";
 /// Prompt tokens the engine computed for the exports it was asked for
 /// (the prefix's last block, which vLLM always recomputes, and any block
 /// it no longer held).
 pub const KV_EXPORT_RECOMPUTED_TOKENS: &str = "worker_agent_kv_export_recomputed_tokens_total";
 /// This agent's queries for the handle of a pulling prefill's source, by
-/// outcome (`given`, `none`, `timeout`, `failed`, `malformed`).
+/// outcome (`given`, `none`, `timeout`, `failed`, `malformed`; `empty`:
+/// no whole block to ask for, not sent).
 pub const KV_HANDLE_ASKS: &str = "worker_agent_kv_handle_asks_total";
 /// Streamed chunks with text but no token ids (an engine that ignores
 /// `return_token_ids`).
@@ -168,7 +171,7 @@ pub fn describe() {
     );
     describe_counter!(
         KV_HANDLE_QUERIES,
-        "Queries for an export of this engine's blocks of a prefix (from a prefill worker's agent), by outcome (given, disabled, empty, failed, unreadable, too_large, malformed, unanswered)"
+        "Queries for an export of this engine's blocks of a prefix (from a prefill worker's agent), by outcome (given, disabled, busy, timeout, empty, failed, unreadable, too_large, malformed, unanswered)"
     );
     describe_counter!(
         KV_EXPORT_RECOMPUTED_TOKENS,
@@ -176,7 +179,7 @@ pub fn describe() {
     );
     describe_counter!(
         KV_HANDLE_ASKS,
-        "Queries for the handle of a pulling prefill's source, by outcome (given, none, timeout, failed, malformed)"
+        "Queries for the handle of a pulling prefill's source, by outcome (given, none, timeout, failed, malformed, empty)"
     );
     describe_counter!(
         ENGINE_TEXT_ONLY_CHUNKS,

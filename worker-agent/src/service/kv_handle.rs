@@ -3,9 +3,11 @@
 //! worker, this agent asks that worker's agent to have its engine export
 //! the prefix and answer with the engine's handle to it ([`ask`]); and
 //! every agent answers such queries about its own engine ([`answer`]),
-//! each export a task of its own (it is a request to the engine). A reply
-//! the bus cannot carry is not sent: the engine keeps its export until its
-//! TTL.
+//! each export a task of its own (it is a request to the engine), at most
+//! [`MAX_EXPORTS`] at once and each within [`EXPORT_DEADLINE`], so that an
+//! export the asker no longer waits for is not made (dropping the request
+//! aborts it). A reply the bus cannot carry is not sent: the engine keeps
+//! its export until its TTL.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +27,15 @@ use crate::metrics as m;
 /// prefills whole.
 pub(super) const ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long an export may take on the source: within the asker's wait,
+/// with room for the reply's trip. Dropped later, the engine's request is
+/// aborted and nothing stays pinned for an asker that left.
+const EXPORT_DEADLINE: Duration = Duration::from_millis(800);
+
+/// Exports under way at once on one source; a query beyond them is
+/// answered with none (`busy`): each is a request to the engine.
+const MAX_EXPORTS: usize = 16;
+
 /// Answers every handle query on `queries` with `engine`'s export, until
 /// aborted (the exports under way with it).
 pub(super) fn answer(
@@ -39,6 +50,12 @@ pub(super) fn answer(
                 query = queries.next() => {
                     let Some(query) = query else { break };
                     let Some(reply) = query.reply else { continue };
+                    if exports.len() >= MAX_EXPORTS {
+                        counter!(m::KV_HANDLE_QUERIES, "outcome" => "busy").increment(1);
+                        warn!(exports = exports.len(), "too many exports under way: a prefill worker's query answered with none");
+                        let _ = client.publish(reply, KvHandleReply { handle: None }.encode().into()).await;
+                        continue;
+                    }
                     let client = client.clone();
                     let engine = engine.clone();
                     exports.spawn(
@@ -66,7 +83,19 @@ async fn answer_one(
             // Room for the reply's envelope beside the params.
             let room = payload_limit(client).saturating_sub(REPLY_OVERHEAD);
             let request_id = q.request_id.clone();
-            let handle = engine.export_kv(q, room).await;
+            let handle = match tokio::time::timeout(EXPORT_DEADLINE, engine.export_kv(q, room))
+                .await
+            {
+                Ok(handle) => handle,
+                Err(_) => {
+                    counter!(m::KV_HANDLE_QUERIES, "outcome" => "timeout").increment(1);
+                    warn!(
+                        request_id = %request_id,
+                        "the engine's export took longer than {EXPORT_DEADLINE:?}: abandoned (the asker waits {ASK_TIMEOUT:?})"
+                    );
+                    None
+                }
+            };
             if let Some(h) = &handle {
                 debug!(
                     request_id = %request_id,
@@ -118,13 +147,26 @@ pub(super) async fn ask(
     let outcome = |outcome: &'static str| {
         counter!(m::KV_HANDLE_ASKS, "outcome" => outcome).increment(1);
     };
-    let room = payload_limit(client).saturating_sub(REPLY_OVERHEAD) / TOKEN_BYTES;
+    let salt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+    let room = payload_limit(client)
+        .saturating_sub(REPLY_OVERHEAD)
+        .saturating_sub(salt(&request.sampling.lora) + salt(&request.sampling.cache_salt))
+        / TOKEN_BYTES;
     let bs = block_size.max(1) as usize;
     let tokens = (fetch.prefix_tokens as usize)
         .min(request.prompt.len())
         .min(room)
         / bs
         * bs;
+    if tokens == 0 {
+        outcome("empty");
+        warn!(
+            request_id = %request.request_id,
+            prefix_tokens = fetch.prefix_tokens,
+            "no whole block of the prefix to ask for: prefilled whole"
+        );
+        return None;
+    }
     let query = KvHandleQuery {
         request_id: request.request_id.clone(),
         tokens: request.prompt[..tokens].to_vec(),
