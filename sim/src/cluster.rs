@@ -237,17 +237,6 @@ struct InFlight {
     floor: Floor,
 }
 
-/// The id in a worker's [`Exports`] of finished request `id`'s export.
-fn finished_export_id(id: u64) -> u64 {
-    id * 2
-}
-
-/// The id in a worker's [`Exports`] of the pin supplied for request `id`'s
-/// fetch, kept unread until its TTL.
-fn unread_export_id(id: u64) -> u64 {
-    id * 2 + 1
-}
-
 /// What a transfer on the links carries (its id: the request's id times
 /// two, plus this).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -629,7 +618,10 @@ impl<'w> Cluster<'w> {
                         self.schedule(expires_us, Event::SourceExpires { id: spec.id });
                     }
                 } else {
-                    self.let_go_unread(worker, spec.id, pin, expires_us);
+                    // vLLM's prefill engine, holding it all, frees the
+                    // source's blocks with a notification when it
+                    // schedules the request; here at once.
+                    self.unpin(worker, pin);
                 }
             }
         }
@@ -807,36 +799,14 @@ impl<'w> Cluster<'w> {
     }
 
     /// The third path's source lets its pinned prefix go (the request's
-    /// prefill is done, or it was refused): at once after a read, else
-    /// when its TTL ends ([`Cluster::let_go_unread`]).
+    /// prefill is done, or it was refused). A prefill engine that found
+    /// nothing to pull at admission frees the source's blocks then too
+    /// (vLLM's sends the source a notification without a read); here when
+    /// its prefill is done.
     fn release_source(&mut self, id: u64) {
-        let Some(r) = self.in_flight.get_mut(&id) else {
-            return;
-        };
-        let (read, expires_us) = (r.source_read, r.source_expires_us);
-        let Some((source, pin)) = r.source.take() else {
-            return;
-        };
-        if read {
+        if let Some((source, pin)) = self.in_flight.get_mut(&id).and_then(|r| r.source.take()) {
             self.unpin(source, pin);
-        } else {
-            self.let_go_unread(source, id, pin, expires_us);
         }
-    }
-
-    /// A pin supplied for request `id`'s fetch that nobody read (the
-    /// prefill worker held the prefix): vLLM's engine frees an export only
-    /// when it is read or at its TTL, so it stays pinned until
-    /// `expires_us` (the ideal engine lets it go at once).
-    fn let_go_unread(&mut self, worker: usize, id: u64, pin: PinnedPrefix, expires_us: u64) {
-        if expires_us == u64::MAX || expires_us <= self.now_us {
-            self.unpin(worker, pin);
-            return;
-        }
-        let replaced =
-            self.exports[worker].insert(unread_export_id(id), pin, Vec::new(), expires_us);
-        debug_assert!(replaced.is_none(), "one unread pin a request");
-        self.schedule(expires_us, Event::ExportsExpire { worker });
     }
 
     /// Lets a pinned prefix go on `worker`. Its blocks become evictable, so
@@ -1069,7 +1039,7 @@ impl<'w> Cluster<'w> {
             hashes.drain(..first);
         }
         let at = self.now_us + ttl_us;
-        let replaced = self.exports[decode].insert(finished_export_id(id), pin, hashes, at);
+        let replaced = self.exports[decode].insert(id, pin, hashes, at);
         debug_assert!(replaced.is_none(), "one export a request");
         self.schedule(at, Event::ExportsExpire { worker: decode });
     }
