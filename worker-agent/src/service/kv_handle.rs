@@ -53,7 +53,7 @@ pub(super) fn answer(
                     if exports.len() >= MAX_EXPORTS {
                         counter!(m::KV_HANDLE_QUERIES, "outcome" => "busy").increment(1);
                         warn!(exports = exports.len(), "too many exports under way: a prefill worker's query answered with none");
-                        let _ = client.publish(reply, KvHandleReply { handle: None }.encode().into()).await;
+                        send_reply(&client, reply, None, None).await;
                         continue;
                     }
                     let client = client.clone();
@@ -111,12 +111,23 @@ async fn answer_one(
             (None, None)
         }
     };
+    send_reply(client, reply, handle, request_id.as_deref()).await;
+}
+
+/// Answers a query of `request_id` on `reply` with `handle`; a reply that
+/// cannot be sent is warned of and counted (`unanswered`).
+async fn send_reply(
+    client: &Client,
+    reply: async_nats::Subject,
+    handle: Option<KvHandle>,
+    request_id: Option<&str>,
+) {
     let given = handle.is_some();
     let answer = KvHandleReply { handle }.encode();
     if let Err(e) = client.publish(reply, answer.into()).await {
         counter!(m::KV_HANDLE_QUERIES, "outcome" => "unanswered").increment(1);
         warn!(
-            request_id = request_id.as_deref().unwrap_or("unknown"),
+            request_id = request_id.unwrap_or("unknown"),
             given,
             error = %e,
             "answering a KV-handle query failed (an export made is lost: the engine keeps its blocks until their TTL)"
@@ -124,8 +135,8 @@ async fn answer_one(
     }
 }
 
-/// Bytes of a reply or query beside its handle or hashes (envelope,
-/// request id, field headers), with room to spare.
+/// Bytes of a reply or query beside its handle, or its tokens, adapter
+/// and salt (envelope, request id, field headers), with room to spare.
 const REPLY_OVERHEAD: usize = 4 << 10;
 
 /// The most bytes one message may carry on this connection.

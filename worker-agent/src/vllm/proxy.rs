@@ -155,14 +155,7 @@ impl RequestContext {
         if self.do_local_prefill && kind == Kind::Local {
             openai::ask_local_prefill(&mut body);
         }
-        let mut call = self
-            .http
-            .post(&self.completions_url)
-            .header("x-request-id", request.request_id.as_str())
-            .json(&body);
-        if self.dp_size > 1 {
-            call = call.header("x-data-parallel-rank", self.worker.dp_rank().to_string());
-        }
+        let call = self.completion_call(&request.request_id, &body);
         let response = match tokio::time::timeout(self.timeout, call.send()).await {
             Err(_) => {
                 return fail(
@@ -217,7 +210,23 @@ impl RequestContext {
         if matches!(kind, Kind::Prefill | Kind::PrefillFetch(_)) {
             return self.prefilled(request, response, out).await;
         }
-        self.stream(&request, response, out, guard).await;
+        self.stream(response, out, guard, request.sampling.logprobs.is_some())
+            .await;
+    }
+
+    /// A `/v1/completions` call of `body` named `request_id`, pinned to
+    /// this worker's data-parallel rank when the engine has several.
+    fn completion_call(&self, request_id: &str, body: &Value) -> reqwest::RequestBuilder {
+        let call = self
+            .http
+            .post(&self.completions_url)
+            .header("x-request-id", request_id)
+            .json(body);
+        if self.dp_size > 1 {
+            call.header("x-data-parallel-rank", self.worker.dp_rank().to_string())
+        } else {
+            call
+        }
     }
 
     /// A prefill's non-streamed response: its `kv_transfer_params`.
@@ -314,14 +323,7 @@ impl RequestContext {
             ..Sampling::default()
         };
         let body = openai::completion_body(&self.model, tokens, 1, &salt, &Kind::Export, false);
-        let mut call = self
-            .http
-            .post(&self.completions_url)
-            .header("x-request-id", format!("{}-export", query.request_id))
-            .json(&body);
-        if self.dp_size > 1 {
-            call = call.header("x-data-parallel-rank", self.worker.dp_rank().to_string());
-        }
+        let call = self.completion_call(&format!("{}-export", query.request_id), &body);
         let failed = |why: String| ("failed", why);
         let response = tokio::time::timeout(self.timeout, call.send())
             .await
@@ -407,12 +409,11 @@ impl RequestContext {
     /// then the end.
     async fn stream(
         &self,
-        request: &GenerateRequest,
         response: reqwest::Response,
         out: &mpsc::UnboundedSender<GenerateEvent>,
         guard: &InflightGuard,
+        logprobs: bool,
     ) {
-        let logprobs = request.sampling.logprobs.is_some();
         let mut body = response.bytes_stream();
         let mut sse = openai::SseParser::new();
         let mut produced = 0u32;
