@@ -221,20 +221,23 @@ struct InFlight {
     decode: usize,
     /// The prefill worker of a remote path.
     prefill: Option<usize>,
-    /// The third path: the source worker and its pin, from the decision
-    /// until the prefill is done (read while the prefill worker pulls it,
-    /// which it does when it admits the request).
-    source: Option<(usize, PinnedPrefix)>,
-    /// When the source's engine lets the pin go unread (vLLM's TTL): a
-    /// pull that starts later is declined.
-    source_expires_us: u64,
-    /// Whether the prefill worker started reading the source's pin.
-    source_read: bool,
-    /// Its decode engine exports it when it finishes: pinned that long,
-    /// and whether a fetch can find it ([`KvExport::export_of`]).
-    export: Option<(u64, bool)>,
+    /// The third path: the prefix's source, from the decision until the
+    /// prefill is done, or until its TTL ends unread.
+    source: Option<Source>,
     first_token_us: Option<u64>,
     floor: Floor,
+}
+
+/// The worker that supplies a request's prefix, and its pin on it (read
+/// while the prefill worker pulls it, which it does when it admits the
+/// request; let go unread at its TTL, `Event::SourceExpires`, after which
+/// the read is declined).
+#[derive(Debug)]
+struct Source {
+    worker: usize,
+    pin: PinnedPrefix,
+    /// Whether the prefill worker started reading it.
+    read: bool,
 }
 
 /// What a transfer on the links carries (its id: the request's id times
@@ -507,10 +510,9 @@ impl<'w> Cluster<'w> {
                     let unread = self
                         .in_flight
                         .get_mut(&id)
-                        .filter(|r| !r.source_read)
-                        .and_then(|r| r.source.take());
-                    if let Some((source, pin)) = unread {
-                        self.unpin(source, pin);
+                        .and_then(|r| r.source.take_if(|s| !s.read));
+                    if let Some(s) = unread {
+                        self.unpin(s.worker, s.pin);
                     }
                 }
                 Event::LinkTick => {
@@ -604,7 +606,6 @@ impl<'w> Cluster<'w> {
         // hold when it has all of it now).
         let mut source = None;
         let mut pull_tokens = 0;
-        let mut source_expires_us = u64::MAX;
         if let (Some(f), Some(p)) = (&decision.fetch, prefill) {
             let worker = self.worker_index[&f.source];
             if let Some((tokens, pin, expires_us)) =
@@ -612,10 +613,13 @@ impl<'w> Cluster<'w> {
             {
                 if tokens > self.engines[p].cached_prefix_tokens(&spec.prompt) {
                     pull_tokens = tokens;
-                    source = Some((worker, pin));
-                    source_expires_us = expires_us;
-                    if expires_us != u64::MAX {
-                        self.schedule(expires_us, Event::SourceExpires { id: spec.id });
+                    source = Some(Source {
+                        worker,
+                        pin,
+                        read: false,
+                    });
+                    if let Some(at) = expires_us {
+                        self.schedule(at, Event::SourceExpires { id: spec.id });
                     }
                 } else {
                     // vLLM's prefill engine, holding it all, frees the
@@ -625,13 +629,6 @@ impl<'w> Cluster<'w> {
                 }
             }
         }
-        // The engines export only where the third path is on (vLLM's
-        // bidirectional transfer).
-        let export = self
-            .config
-            .kv_export
-            .export_of(decision.path)
-            .filter(|_| self.bidirectional);
         let request = EngineRequest {
             id: spec.id,
             prompt: spec.prompt.clone(),
@@ -650,9 +647,6 @@ impl<'w> Cluster<'w> {
                 decode,
                 prefill,
                 source,
-                source_expires_us,
-                source_read: false,
-                export,
                 first_token_us: None,
                 floor,
             },
@@ -710,7 +704,7 @@ impl<'w> Cluster<'w> {
     /// What the third path's source supplies of `prompt`'s first
     /// `prefix_tokens`: its leading tokens, the pin that holds them until
     /// the prefill is done, and when the source's engine would let them go
-    /// unread. Pinned at the decision
+    /// unread (`None`: never). Pinned at the decision
     /// ([`KvExport::pins_at_decision`]), the source pins what it holds now;
     /// otherwise the fetch takes the export whose blocks continue the
     /// prompt furthest (the export's whole pin: the engine frees it after
@@ -720,14 +714,10 @@ impl<'w> Cluster<'w> {
         worker: usize,
         prompt: &[u32],
         prefix_tokens: u32,
-    ) -> Option<(u32, PinnedPrefix, u64)> {
+    ) -> Option<(u32, PinnedPrefix, Option<u64>)> {
         if self.config.kv_export.pins_at_decision() {
             let pin = self.engines[worker].pin_prefix(prompt, prefix_tokens);
-            let expires_us = self
-                .config
-                .kv_export
-                .ttl_us()
-                .map_or(u64::MAX, |ttl| self.now_us + ttl);
+            let expires_us = self.config.kv_export.ttl_us().map(|ttl| self.now_us + ttl);
             return Some((pin.tokens(), pin, expires_us));
         }
         let bs = self.config.block_size.max(1);
@@ -738,7 +728,7 @@ impl<'w> Cluster<'w> {
         };
         self.counters.exports.read += 1;
         let tokens = (taken.blocks as u32 * bs).min(taken.pin.tokens());
-        Some((tokens, taken.pin, taken.expires_us))
+        Some((tokens, taken.pin, Some(taken.expires_us)))
     }
 
     /// A prefill worker admitted a request whose prefix it pulls: the read
@@ -748,7 +738,7 @@ impl<'w> Cluster<'w> {
         let declined = self
             .in_flight
             .get(&pull.id)
-            .is_some_and(|r| r.source.is_none() || self.now_us > r.source_expires_us);
+            .is_some_and(|r| r.source.is_none());
         if declined {
             // The source's engine let the blocks go at their TTL: it
             // declines the read, and the prefill worker computes the
@@ -764,12 +754,12 @@ impl<'w> Cluster<'w> {
             self.engines[worker].pull_declined(pull.id);
             return;
         };
-        let Some((source, pin)) = r.source.as_mut() else {
+        let Some(s) = r.source.as_mut() else {
             unreachable!("a pull without its source's pin is declined above");
         };
-        r.source_read = true;
-        let source = *source;
-        self.engines[source].start_read(pin);
+        s.read = true;
+        let source = s.worker;
+        self.engines[source].start_read(&mut s.pin);
         let bytes = self.engines[source]
             .config()
             .kv_bytes(u64::from(pull.tokens));
@@ -787,8 +777,8 @@ impl<'w> Cluster<'w> {
         let Some(p) = r.prefill else {
             return;
         };
-        if let Some((source, pin)) = r.source.as_mut() {
-            self.engines[*source].end_read(pin);
+        if let Some(s) = r.source.as_mut() {
+            self.engines[s.worker].end_read(&mut s.pin);
         }
         if self.engines[p].pull_done(id) {
             // The pulled blocks are stored now: the router hears of them
@@ -804,8 +794,8 @@ impl<'w> Cluster<'w> {
     /// (vLLM's sends the source a notification without a read); here when
     /// its prefill is done.
     fn release_source(&mut self, id: u64) {
-        if let Some((source, pin)) = self.in_flight.get_mut(&id).and_then(|r| r.source.take()) {
-            self.unpin(source, pin);
+        if let Some(s) = self.in_flight.get_mut(&id).and_then(|r| r.source.take()) {
+            self.unpin(s.worker, s.pin);
         }
     }
 
@@ -990,7 +980,10 @@ impl<'w> Cluster<'w> {
             return;
         };
         self.router.on_finished(r.decision);
-        if let Some((ttl_us, keyed)) = r.export {
+        // The engines export only where the third path is on (vLLM's
+        // bidirectional transfer).
+        let export = self.config.kv_export.export_of(r.path);
+        if let Some((ttl_us, keyed)) = export.filter(|_| self.bidirectional) {
             self.export(id, r.decode, &r.spec, ttl_us, keyed);
         }
         if let Some(first) = r.first_token_us {
