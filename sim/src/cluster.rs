@@ -726,7 +726,7 @@ impl<'w> Cluster<'w> {
             self.counters.exports.missing += 1;
             return None;
         };
-        self.counters.exports.read += 1;
+        self.counters.exports.taken += 1;
         let tokens = (taken.blocks as u32 * bs).min(taken.pin.tokens());
         Some((tokens, taken.pin, Some(taken.expires_us)))
     }

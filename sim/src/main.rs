@@ -608,7 +608,7 @@ fn floor_line(s: &sim::RunSummary) -> String {
 fn exports_line(e: &sim::ExportFigures, label: &str) -> String {
     format!(
         "decode workers' exports{label} (the whole run): {} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined after the TTL (the prefix computed), {} expired unread",
-        e.read, e.missing, e.declined, e.expired
+        e.taken, e.missing, e.declined, e.expired
     )
 }
 

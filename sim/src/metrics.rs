@@ -236,7 +236,7 @@ impl Percentiles {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ExportFigures {
     /// Fetches that took an exported request.
-    pub read: u64,
+    pub taken: u64,
     /// Fetches that found none (read already, or expired): the prefill
     /// worker computed the whole prompt.
     pub missing: u64,
@@ -255,7 +255,7 @@ impl ExportFigures {
 
 impl std::ops::AddAssign<&ExportFigures> for ExportFigures {
     fn add_assign(&mut self, other: &ExportFigures) {
-        self.read += other.read;
+        self.taken += other.taken;
         self.missing += other.missing;
         self.expired += other.expired;
         self.declined += other.declined;

@@ -357,7 +357,7 @@ fn every_request_exports_pin_decode_memory_until_read_or_expired() {
     );
     for run in [&short, &long] {
         let e = run.summary.exports;
-        assert!(e.read > 0 && e.expired > 0, "{e:?}");
+        assert!(e.taken > 0 && e.expired > 0, "{e:?}");
         assert_eq!(
             run.records.len(),
             ideal.records.len(),
