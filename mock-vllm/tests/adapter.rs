@@ -390,6 +390,9 @@ async fn a_prefix_exported_on_the_decode_side_is_pulled_with_on_the_prefill_side
     let d = VllmEngine::connect(bidirectional(&d_mock, Role::Decode)).await?;
     let p = VllmEngine::connect(bidirectional(&p_mock, Role::Prefill)).await?;
     ensure!(d.wants_kv_handles() && p.wants_kv_handles());
+    // What the decode engine holds, as the router (and its agent) hear it.
+    let mut d_kv = d.take_kv_updates().context("the KV stream")?;
+    let mut d_blocks = BlockMirror::new();
 
     // Turn 1 on the decode engine: a bypass of 300 tokens, 40 out; it
     // exports nothing.
@@ -406,15 +409,19 @@ async fn a_prefix_exported_on_the_decode_side_is_pulled_with_on_the_prefill_side
         prefix_tokens: 336,
         pulled_tokens: 336,
     };
-    let query = |id: &str, prompt: &[u32]| KvHandleQuery {
+    until_holding(&mut d_kv, &mut d_blocks, &canonical(&turn2[..336])).await?;
+    let query_of = |id: &str, tokens: &[u32]| KvHandleQuery {
         request_id: id.into(),
-        tokens: prompt[..336].to_vec(),
+        tokens: tokens.to_vec(),
         lora: None,
         cache_salt: None,
     };
+    let query = |id: &str, prompt: &[u32]| query_of(id, &prompt[..336]);
     const ANY: usize = usize::MAX;
+    // Asked for two blocks more than the engine holds (turn 2's new
+    // message): it exports only the 21 it holds, computing none of them.
     let handle = d
-        .export_kv(query("turn2", &turn2), ANY)
+        .export_kv(query_of("turn2", &turn2[..368]), ANY)
         .await
         .context("the handle to turn 2's prefix")?;
     ensure!(handle.blocks == 21, "{handle:?}");
@@ -446,10 +453,19 @@ async fn a_prefix_exported_on_the_decode_side_is_pulled_with_on_the_prefill_side
     );
     ensure!(d_mock.debug().await?["handles_read"] == 1);
 
+    // A prefix the engine does not hold is not exported: the export would
+    // compute it on the decode worker.
+    let other = prompt(5, 400);
+    let exported = || async { anyhow::Ok(d_mock.debug().await?["handles_exported"].clone()) };
+    let before = exported().await?;
+    ensure!(d.export_kv(query("unheld", &other), ANY).await.is_none());
+    ensure!(exported().await? == before, "no request to the engine");
+
     // A handle to another prompt's blocks, sent with a prompt it is no
     // prefix of, fails the prefill loudly (vLLM would use the wrong KV
     // silently).
-    let other = prompt(5, 400);
+    collect(d.generate(request("other", Stage::Local, other.clone(), 1))).await?;
+    until_holding(&mut d_kv, &mut d_blocks, &canonical(&other[..336])).await?;
     let handle = d
         .export_kv(query("other", &other), ANY)
         .await

@@ -9,7 +9,11 @@
 //!   the prefill worker holds all of it already: pinned at the decision,
 //!   or taken from the requests the decode worker exported as they
 //!   finished ([`KvExport::VllmEveryRequest`]: none found, the prefill
-//!   worker computes the whole prompt);
+//!   worker computes the whole prompt). With the prefix exported by a
+//!   request ([`KvExport::exports_by_request`]) the source's engine runs
+//!   that request first and the leg waits for it: its first token sends
+//!   the leg on; the agent's deadline (an event) abandons it, and the leg
+//!   prefills whole;
 //! - an engine step starts: the pulls of supplied prefixes its prefill
 //!   worker asks for when it admits their requests ([`engine_sim::Step::pulls`])
 //!   start on the links, and their sources' reads with them;
@@ -47,7 +51,9 @@ use protocol::{
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use router::{rules, RouteOptions, RouteRequest, RouterConfig, RouterCore};
-use worker_agent::core::{Backoff, Effect, Input, KvCore, OutboxLimits};
+use worker_agent::core::{
+    Backoff, Effect, Input, KvCore, OutboxLimits, EXPORT_DEADLINE, MAX_EXPORTS,
+};
 use worker_agent::BlockMirror;
 
 use crate::deployment::Deployment;
@@ -179,6 +185,11 @@ enum Event {
     SourceExpires {
         id: u64,
     },
+    /// The source's agent gives up on request `id`'s export
+    /// ([`EXPORT_DEADLINE`]) unless it is done.
+    ExportDeadline {
+        id: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -224,20 +235,26 @@ struct InFlight {
     /// The third path: the prefix's source, from the decision until the
     /// prefill is done, or until its TTL ends unread.
     source: Option<Source>,
+    /// The prefill leg, held back while the source's engine exports the
+    /// prefix ([`KvExport::exports_by_request`]).
+    held_leg: Option<EngineRequest>,
     first_token_us: Option<u64>,
     floor: Floor,
 }
 
 /// The worker that supplies a request's prefix, and its pin on it (read
 /// while the prefill worker pulls it, which it does when it admits the
-/// request; let go unread at its TTL, `Event::SourceExpires`, after which
-/// the read is declined).
+/// request; let go unread at its TTL, `Event::SourceExpires`; a read too
+/// near the TTL is declined, [`KvExport::readable_until_us`]).
 #[derive(Debug)]
 struct Source {
     worker: usize,
     pin: PinnedPrefix,
     /// Whether the prefill worker started reading it.
     read: bool,
+    /// When the source's engine lets the blocks go unread (`None`: never,
+    /// or not yet known while an export by request runs).
+    expires_us: Option<u64>,
 }
 
 /// What a transfer on the links carries (its id: the request's id times
@@ -253,6 +270,14 @@ enum Transfer {
 fn transfer_id(request: u64, kind: Transfer) -> u64 {
     request * 2 + kind as u64
 }
+
+/// The id of the source engine's export request for request `id`'s prefix
+/// (request ids stay below it).
+fn export_request_id(id: u64) -> u64 {
+    id | EXPORT_REQUEST
+}
+
+const EXPORT_REQUEST: u64 = 1 << 62;
 
 struct Cluster<'w> {
     config: SimConfig,
@@ -292,6 +317,8 @@ struct Cluster<'w> {
     /// The engines run vLLM's bidirectional transfer: this deployment's
     /// router fetches prefixes (the C/D ones, with the third path on).
     bidirectional: bool,
+    /// Each worker's export requests under way (at most [`MAX_EXPORTS`]).
+    exporting: Vec<usize>,
 }
 
 /// The first KV epoch of every worker.
@@ -408,6 +435,7 @@ impl<'w> Cluster<'w> {
         let warmup = (window_end as f64 * config.warmup_fraction.clamp(0.0, 0.9)) as u64;
         let busy = vec![false; engines.len()];
         let exports = engines.iter().map(|_| Exports::default()).collect();
+        let exporting = vec![0; engines.len()];
         let links = SharedLinks::new(config.link, engines.len());
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         let floor = TtftFloor::new(engine_config.cost, engine_config.block_size);
@@ -439,6 +467,7 @@ impl<'w> Cluster<'w> {
             window: (warmup, window_end.max(warmup + 1)),
             exports,
             bidirectional,
+            exporting,
         })
     }
 
@@ -514,6 +543,10 @@ impl<'w> Cluster<'w> {
                     if let Some(s) = unread {
                         self.unpin(s.worker, s.pin);
                     }
+                }
+                Event::ExportDeadline { id } => {
+                    self.pending -= 1;
+                    self.export_deadline(id);
                 }
                 Event::LinkTick => {
                     self.pending -= 1;
@@ -613,14 +646,18 @@ impl<'w> Cluster<'w> {
             {
                 if tokens > self.engines[p].cached_prefix_tokens(&spec.prompt) {
                     pull_tokens = tokens;
+                    // An export by request starts its TTL when it is done.
+                    let expires_us =
+                        expires_us.filter(|_| !self.config.kv_export.exports_by_request());
+                    if let Some(at) = expires_us {
+                        self.schedule(at, Event::SourceExpires { id: spec.id });
+                    }
                     source = Some(Source {
                         worker,
                         pin,
                         read: false,
+                        expires_us,
                     });
-                    if let Some(at) = expires_us {
-                        self.schedule(at, Event::SourceExpires { id: spec.id });
-                    }
                 } else {
                     // vLLM's prefill engine, holding it all, frees the
                     // source's blocks with a notification when it
@@ -636,6 +673,8 @@ impl<'w> Cluster<'w> {
             mode,
             pull_tokens,
         };
+        let exported = source.is_some() && self.config.kv_export.exports_by_request();
+        let spec_id = spec.id;
         self.in_flight.insert(
             spec.id,
             InFlight {
@@ -647,11 +686,16 @@ impl<'w> Cluster<'w> {
                 decode,
                 prefill,
                 source,
+                held_leg: None,
                 first_token_us: None,
                 floor,
             },
         );
-        self.submit(target, request);
+        if exported {
+            self.request_export(spec_id, request);
+        } else {
+            self.submit(target, request);
+        }
     }
 
     /// The request's TTFT floor ([`TtftFloor`]); `self.hashes` holds its
@@ -731,20 +775,115 @@ impl<'w> Cluster<'w> {
         Some((tokens, taken.pin, Some(taken.expires_us)))
     }
 
+    /// Has request `id`'s source engine export the prefix its prefill `leg`
+    /// pulls (a one-token request of it, under the agent's limits), holding
+    /// the leg until the export is done ([`Cluster::export_done`]) or
+    /// abandoned ([`Cluster::export_deadline`]). A source running
+    /// [`MAX_EXPORTS`] already exports nothing: the leg prefills whole.
+    fn request_export(&mut self, id: u64, leg: EngineRequest) {
+        let Some(worker) = self
+            .in_flight
+            .get(&id)
+            .and_then(|r| r.source.as_ref())
+            .map(|s| s.worker)
+        else {
+            unreachable!("an export is asked for a fetch with a source");
+        };
+        if self.exporting[worker] >= MAX_EXPORTS {
+            self.counters.exports.busy += 1;
+            self.send_whole(id, leg);
+            return;
+        }
+        let export = EngineRequest {
+            id: export_request_id(id),
+            prompt: leg.prompt[..leg.pull_tokens as usize].into(),
+            output_tokens: [leg.output_tokens.first().copied().unwrap_or(0)].into(),
+            mode: Mode::LocalPrefill,
+            pull_tokens: 0,
+        };
+        if self.engines[worker].submit(export).is_err() {
+            debug_assert!(false, "a decode engine refused a prefix it holds");
+            self.send_whole(id, leg);
+            return;
+        }
+        self.exporting[worker] += 1;
+        if let Some(r) = self.in_flight.get_mut(&id) {
+            r.held_leg = Some(leg);
+        }
+        let deadline = self.now_us + EXPORT_DEADLINE.as_micros() as u64;
+        self.schedule(deadline, Event::ExportDeadline { id });
+        self.wake(worker);
+    }
+
+    /// The source's engine exported request `id`'s prefix (its export's
+    /// first token): the held leg goes to the prefill worker, and the
+    /// export's TTL starts. Nothing once the export was abandoned.
+    fn export_done(&mut self, id: u64) {
+        let Some(r) = self.in_flight.get_mut(&id) else {
+            return;
+        };
+        let (Some(leg), Some(prefill)) = (r.held_leg.take(), r.prefill) else {
+            return;
+        };
+        self.counters.exports.made += 1;
+        if let (Some(ttl_us), Some(s)) = (self.config.kv_export.ttl_us(), r.source.as_mut()) {
+            let at = self.now_us + ttl_us;
+            s.expires_us = Some(at);
+            self.schedule(at, Event::SourceExpires { id });
+        }
+        self.submit(prefill, leg);
+    }
+
+    /// The source's agent gives up on request `id`'s export unless it is
+    /// done: the source's engine drops the export request, and the leg
+    /// prefills whole.
+    fn export_deadline(&mut self, id: u64) {
+        let Some(r) = self.in_flight.get_mut(&id) else {
+            return;
+        };
+        let Some(leg) = r.held_leg.take() else {
+            return;
+        };
+        self.counters.exports.abandoned += 1;
+        if let Some(worker) = r.source.as_ref().map(|s| s.worker) {
+            if self.engines[worker].abort(export_request_id(id)) {
+                self.exporting[worker] -= 1;
+                self.wake(worker);
+            }
+        }
+        self.send_whole(id, leg);
+    }
+
+    /// Sends request `id`'s prefill `leg` without its source (whose pin
+    /// goes): the prefill worker computes what it does not hold.
+    fn send_whole(&mut self, id: u64, mut leg: EngineRequest) {
+        self.release_source(id);
+        leg.pull_tokens = 0;
+        let Some(prefill) = self.in_flight.get(&id).and_then(|r| r.prefill) else {
+            unreachable!("a fetch is a remote path");
+        };
+        self.submit(prefill, leg);
+    }
+
     /// A prefill worker admitted a request whose prefix it pulls: the read
     /// of its source's pin starts, and the blocks it lacks go over the
     /// links.
     fn start_pull(&mut self, worker: usize, pull: Pull) {
+        let (now, kv_export) = (self.now_us, self.config.kv_export);
+        let readable = |s: &Source| {
+            s.expires_us
+                .is_none_or(|at| now < kv_export.readable_until_us(at))
+        };
         let declined = self
             .in_flight
             .get(&pull.id)
-            .is_some_and(|r| r.source.is_none());
+            .is_some_and(|r| !r.source.as_ref().is_some_and(readable));
         if declined {
-            // The source's engine let the blocks go at their TTL: it
-            // declines the read, and the prefill worker computes the
+            // The source's engine let the blocks go at their TTL, or will
+            // soon: the prefill worker declines the read and computes the
             // prefix.
             self.counters.exports.declined += 1;
-            self.release_source(pull.id);
+            self.keep_declined_source(pull.id);
             self.engines[worker].pull_declined(pull.id);
             self.wake(worker);
             return;
@@ -765,6 +904,23 @@ impl<'w> Cluster<'w> {
             .kv_bytes(u64::from(pull.tokens));
         self.counters.kv_bytes_pulled += bytes;
         self.start_transfer(transfer_id(pull.id, Transfer::Pull), source, worker, bytes);
+    }
+
+    /// Request `id`'s read was declined: its source, told nothing, keeps
+    /// the blocks until their TTL (an unkeyed export then).
+    fn keep_declined_source(&mut self, id: u64) {
+        let Some(s) = self.in_flight.get_mut(&id).and_then(|r| r.source.take()) else {
+            return;
+        };
+        match s.expires_us {
+            Some(at) if at > self.now_us => {
+                let replaced =
+                    self.exports[s.worker].insert(export_request_id(id), s.pin, Vec::new(), at);
+                debug_assert!(replaced.is_none(), "one declined read a request");
+                self.schedule(at, Event::ExportsExpire { worker: s.worker });
+            }
+            _ => self.unpin(s.worker, s.pin),
+        }
     }
 
     /// A pulled prefix arrived on the prefill worker: the source's read ends
@@ -867,6 +1023,12 @@ impl<'w> Cluster<'w> {
         let in_window = (self.window.0..self.window.1).contains(&now);
         for output in outputs {
             match output {
+                StepOutput::FirstToken { id, .. } if id & EXPORT_REQUEST != 0 => {
+                    self.export_done(id & !EXPORT_REQUEST);
+                }
+                StepOutput::Finished { id, .. } if id & EXPORT_REQUEST != 0 => {
+                    self.exporting[worker] -= 1;
+                }
                 StepOutput::FirstToken { id, cached_tokens } => {
                     self.counters.window_tokens += u64::from(in_window);
                     if let Some(r) = self.in_flight.get_mut(&id) {

@@ -13,11 +13,17 @@
 //!   (`engine_sim::Engine::pin_prefix`). The simulated engine does this;
 //!   no real engine does.
 //! - **vLLM, on demand** (what the worker agent does): the decode worker's
-//!   agent asks its engine to export the prefix a fetch needs (a one-token
-//!   request of it), pinned from the decision until read, as in the ideal
-//!   model; and every remote decode leg, which carries the prefill
-//!   engine's transfer params, is exported as it finishes and stays pinned
-//!   until the TTL: nobody reads it.
+//!   agent asks its engine to export the prefix a fetch needs, pinned from
+//!   the decision until read, as in the ideal model. The export is a
+//!   request to the decode engine (one token of the prefix: it queues
+//!   there, recomputes the prefix's last block and decodes one token), and
+//!   the prefill worker is sent its leg only when it is done; an export
+//!   not done within the agent's deadline, or beyond the exports one
+//!   source runs at once, is abandoned and the leg prefills whole
+//!   ([`KvExport::exports_by_request`]). The TTL runs from the export's
+//!   end. And every remote decode leg, which carries the prefill engine's
+//!   transfer params, is exported as it finishes and stays pinned until
+//!   the TTL: nobody reads it.
 //! - **vLLM, every request** (the agent before it asked on demand: a
 //!   handle asked of every bypass): every request decoded is exported as it
 //!   finishes, pinned until a later turn's fetch reads it or the TTL ends,
@@ -25,10 +31,22 @@
 //!   found as the agent found them: by the chained block hash of each whole
 //!   block from the end of the request's prompt to the last block the
 //!   engine computed; a fetch that finds none prefills whole.
+//!
+//! In both vLLM models the prefill engine declines a read that would start
+//! less than [`VLLM_READ_MARGIN_US`] before the export's TTL ends (the
+//! prefill worker computes the prefix, as vLLM does with
+//! `kv_load_failure_policy: recompute`; its default fails the request),
+//! and the decode engine keeps the blocks until the TTL all the same.
 
 use std::collections::{BTreeSet, HashMap};
 
 use protocol::{BlockHash, Path};
+
+/// vLLM's prefill engine declines to read an export that expires within
+/// this long (`_KV_BLOCKS_EXPIRY_SAFETY_MARGIN` in
+/// `nixl/pull_worker.py`, vLLM 0.34.0), so an export is readable for its
+/// TTL less this.
+pub const VLLM_READ_MARGIN_US: u64 = 5_000_000;
 
 /// How the third path's source keeps the blocks it supplies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,12 +70,31 @@ impl KvExport {
         !matches!(self, Self::VllmEveryRequest { .. })
     }
 
+    /// Whether the source's engine exports a fetched prefix with a request
+    /// of its own before the prefill worker is sent the leg, within the
+    /// agent's deadline and bound ([`worker_agent::core::EXPORT_DEADLINE`],
+    /// [`worker_agent::core::MAX_EXPORTS`]); else the source's blocks
+    /// are readable from the decision on.
+    pub fn exports_by_request(self) -> bool {
+        matches!(self, Self::VllmOnDemand { .. })
+    }
+
     /// How long the decode engine keeps an export nobody read (`None`: as
     /// long as the read takes to come).
     pub fn ttl_us(self) -> Option<u64> {
         match self {
             Self::Ideal => None,
             Self::VllmOnDemand { ttl_us } | Self::VllmEveryRequest { ttl_us } => Some(ttl_us),
+        }
+    }
+
+    /// Until when an export that expires at `expires_us` may be read.
+    pub fn readable_until_us(self, expires_us: u64) -> u64 {
+        match self {
+            Self::Ideal => expires_us,
+            Self::VllmOnDemand { .. } | Self::VllmEveryRequest { .. } => {
+                expires_us.saturating_sub(VLLM_READ_MARGIN_US)
+            }
         }
     }
 
@@ -198,6 +235,20 @@ mod tests {
             blocks,
             pin,
             expires_us,
+        }
+    }
+
+    #[test]
+    fn a_vllm_export_is_readable_until_its_margin_before_the_ttl() {
+        let at = 60_000_000;
+        assert_eq!(KvExport::Ideal.readable_until_us(at), at);
+        let vllm = [
+            KvExport::VllmOnDemand { ttl_us: 1 },
+            KvExport::VllmEveryRequest { ttl_us: 1 },
+        ];
+        for kv_export in vllm {
+            assert_eq!(kv_export.readable_until_us(at), at - VLLM_READ_MARGIN_US);
+            assert_eq!(kv_export.readable_until_us(1_000), 0);
         }
     }
 

@@ -185,7 +185,8 @@ struct Common {
     #[arg(long, value_enum, default_value_t = KvExportArg::Ideal)]
     kv_export: KvExportArg,
     /// With `--kv-export vllm-*`: seconds a decode engine keeps an export
-    /// nobody read (vLLM's `decoder_kv_blocks_ttl`).
+    /// nobody read (vLLM's `decoder_kv_blocks_ttl`); a prefill engine reads
+    /// it only until 5 s before then (vLLM's safety margin).
     #[arg(long, default_value_t = 480.0)]
     decoder_kv_blocks_ttl_s: f64,
     /// Each worker's host-memory KV tier (G2) in GiB, for every
@@ -574,7 +575,7 @@ fn third_path_note(config: &SimConfig) -> String {
     let pins = match config.kv_export {
         KvExport::Ideal => "only the prefix a fetch reads, until read (--kv-export ideal: no engine does this today; vLLM: --kv-export vllm-on-demand)".to_owned(),
         KvExport::VllmOnDemand { ttl_us } => format!(
-            "the prefix a fetch reads, and every remote decode leg for {:.0} s (vLLM as the agent uses it)",
+            "the prefix a fetch reads, exported by a request of it before the leg is sent, and every remote decode leg for {:.0} s (vLLM as the agent uses it)",
             ttl_us as f64 / 1e6
         ),
         KvExport::VllmEveryRequest { ttl_us } => format!(
@@ -606,8 +607,16 @@ fn floor_line(s: &sim::RunSummary) -> String {
 /// What became of the decode workers' exports (`--kv-export
 /// vllm-*`).
 fn exports_line(e: &sim::ExportFigures, label: &str) -> String {
+    let asked = if e.made + e.abandoned + e.busy > 0 {
+        format!(
+            "{} made by a request of the prefix for a fetch, {} abandoned at the agent's deadline and {} refused as too many at once (the prompt prefilled whole), ",
+            e.made, e.abandoned, e.busy
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "decode workers' exports{label} (the whole run): {} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined after the TTL (the prefix computed), {} expired unread",
+        "decode workers' exports{label} (the whole run): {asked}{} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined less than 5 s before the TTL or after it (the prefix computed), {} expired unread",
         e.taken, e.missing, e.declined, e.expired
     )
 }

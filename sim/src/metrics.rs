@@ -242,9 +242,18 @@ pub struct ExportFigures {
     pub missing: u64,
     /// Exports whose TTL ended unread.
     pub expired: u64,
-    /// Fetches whose read came after the TTL (the prefill worker computed
-    /// the prefix).
+    /// Fetches whose read came less than vLLM's margin before the TTL, or
+    /// after it (the prefill worker computed the prefix).
     pub declined: u64,
+    /// Exports a source's engine made by a request of the fetched prefix
+    /// (`--kv-export vllm-on-demand`), in time: the leg sent with them.
+    pub made: u64,
+    /// Exports of a fetched prefix not done within the agent's deadline
+    /// (abandoned: the prefill worker computed the whole prompt).
+    pub abandoned: u64,
+    /// Fetches whose source ran as many exports as its agent allows (none
+    /// made: the prefill worker computed the whole prompt).
+    pub busy: u64,
 }
 
 impl ExportFigures {
@@ -259,6 +268,9 @@ impl std::ops::AddAssign<&ExportFigures> for ExportFigures {
         self.missing += other.missing;
         self.expired += other.expired;
         self.declined += other.declined;
+        self.made += other.made;
+        self.abandoned += other.abandoned;
+        self.busy += other.busy;
     }
 }
 

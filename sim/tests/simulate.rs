@@ -511,3 +511,63 @@ fn the_report_charts_and_records_the_misses() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// On demand, the source's engine exports a fetched prefix by a request of
+/// it, which the prefill leg waits for: at a light load every export is
+/// made in time and a fetched request's first token comes later than on
+/// the ideal engine, whose blocks are readable at once; at a heavy load
+/// some exports wait in the decode workers' queue past the agent's
+/// deadline and are abandoned (the leg prefills whole). With a TTL under
+/// vLLM's read margin every read is declined. Every request is served
+/// either way, and the same for the same seed.
+#[test]
+fn an_export_on_demand_is_a_request_the_prefill_leg_waits_for() {
+    let at = |kv_export: sim::KvExport, sessions_per_s: f64| {
+        let mut c = config(cd_isl(), 7);
+        c.fetch = router::FetchConfig {
+            enabled: true,
+            min_tokens: 256,
+        };
+        c.kv_export = kv_export;
+        simulate(&c, &mut agentic_at(sessions_per_s, 30.0, 7)).unwrap()
+    };
+    let on_demand = sim::KvExport::VllmOnDemand { ttl_us: 60_000_000 };
+    let fetched_ttft_ms = |run: &RunResult| {
+        let mut ttft: Vec<f64> = run
+            .records
+            .iter()
+            .filter(|r| r.path == protocol::Path::RemoteFetch)
+            .map(|r| r.ttft_ms())
+            .collect();
+        ttft.sort_by(f64::total_cmp);
+        (ttft.len(), ttft[ttft.len() / 2])
+    };
+    let (ideal, light) = (at(sim::KvExport::Ideal, 0.5), at(on_demand, 0.5));
+    let e = light.summary.exports;
+    assert!(e.made > 0 && e.abandoned == 0 && e.busy == 0, "{e:?}");
+    assert!(!ideal.summary.exports.any());
+    let ((n_ideal, ideal_ms), (n_light, light_ms)) =
+        (fetched_ttft_ms(&ideal), fetched_ttft_ms(&light));
+    assert!(
+        n_ideal > 10 && n_light > 10,
+        "{n_ideal} and {n_light} fetches"
+    );
+    assert!(
+        light_ms > ideal_ms * 1.2,
+        "a fetched request's median TTFT {light_ms} ms with the export's request, {ideal_ms} ms without"
+    );
+    assert_eq!(
+        light.records.len(),
+        ideal.records.len(),
+        "every request served"
+    );
+    let unreadable = at(sim::KvExport::VllmOnDemand { ttl_us: 4_000_000 }, 0.5);
+    let e = unreadable.summary.exports;
+    assert!(e.made > 0 && e.declined == e.made, "{e:?}");
+    assert_eq!(unreadable.summary.kv_gb_pulled, 0.0);
+    assert_eq!(unreadable.records.len(), ideal.records.len());
+    let heavy = at(on_demand, 3.0);
+    let e = heavy.summary.exports;
+    assert!(e.abandoned > 0 && e.made > e.abandoned, "{e:?}");
+    assert_eq!(heavy.records, at(on_demand, 3.0).records);
+}

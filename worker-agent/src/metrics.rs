@@ -74,9 +74,10 @@ pub const ENGINE_PREFIX_FETCHES: &str = "worker_agent_engine_prefix_fetches_tota
 /// KV-handle queries this agent answered by having its engine export the
 /// prefix, by outcome (`given`; `disabled`: `--vllm-bidirectional-kv`
 /// off or an engine that exports nothing; `busy`: too many exports under
-/// way; `timeout`: the export abandoned, too late for the asker; `empty`,
-/// `failed`, `unreadable`, `too_large`, `malformed`; `unanswered`: the
-/// answer could not be sent).
+/// way; `timeout`: the export abandoned, too late for the asker;
+/// `unheld`: the engine holds none of the prefix any more, by its KV
+/// events; `empty`, `failed`, `unreadable`, `too_large`, `malformed`;
+/// `unanswered`: the answer could not be sent).
 pub const KV_HANDLE_QUERIES: &str = "worker_agent_kv_handle_queries_total";
 /// Prompt tokens the engine computed for the exports it was asked for
 /// (the prefix's last block, which vLLM always recomputes, and any block
@@ -171,7 +172,7 @@ pub fn describe() {
     );
     describe_counter!(
         KV_HANDLE_QUERIES,
-        "Queries for an export of this engine's blocks of a prefix (from a prefill worker's agent), by outcome (given, disabled, busy, timeout, empty, failed, unreadable, too_large, malformed, unanswered)"
+        "Queries for an export of this engine's blocks of a prefix (from a prefill worker's agent), by outcome (given, disabled, busy, timeout, unheld, empty, failed, unreadable, too_large, malformed, unanswered)"
     );
     describe_counter!(
         KV_EXPORT_RECOMPUTED_TOKENS,

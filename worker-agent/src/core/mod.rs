@@ -11,12 +11,16 @@
 //!   raft-rs's `RawNode`: [`KvCore::step`] takes an [`Input`] and the time
 //!   and returns [`Effect`]s (publish, cancel, retry at, ask the engine for
 //!   its block set, reply to a resync, note for metrics and logs).
+//! - [`EXPORT_DEADLINE`], [`MAX_EXPORTS`] (`exports.rs`): the limits on
+//!   the exports the agent's engine makes for other workers' prefill legs.
 
 mod backoff;
+mod exports;
 mod kv;
 mod outbox;
 
 pub use backoff::Backoff;
+pub use exports::{EXPORT_DEADLINE, MAX_EXPORTS};
 pub use kv::{
     linger, stall_after, Effect, Input, KvCore, Note, ResyncReason, MAX_LINGER, MAX_STALL,
     MIN_LINGER, MIN_STALL,

@@ -19,6 +19,7 @@ use protocol::{subjects, GenerateRequest, KvHandle, KvHandleQuery, KvHandleReply
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, warn, Instrument};
 
+use crate::core::{EXPORT_DEADLINE, MAX_EXPORTS};
 use crate::engine::Engine;
 use crate::metrics as m;
 
@@ -26,15 +27,6 @@ use crate::metrics as m;
 /// exports the prefix in one step, unless its queue is long) before it
 /// prefills whole.
 pub(super) const ASK_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// How long an export may take on the source: within the asker's wait,
-/// with room for the reply's trip. Dropped later, the engine's request is
-/// aborted and nothing stays pinned for an asker that left.
-const EXPORT_DEADLINE: Duration = Duration::from_millis(800);
-
-/// Exports under way at once on one source; a query beyond them is
-/// answered with none (`busy`): each is a request to the engine.
-const MAX_EXPORTS: usize = 16;
 
 /// Answers every handle query on `queries` with `engine`'s export, until
 /// aborted (the exports under way with it).

@@ -235,6 +235,7 @@ impl VllmEngine {
             bidirectional: config.bidirectional_kv,
             do_local_prefill: config.do_local_prefill,
             timeout: config.request_timeout,
+            kv: commands_tx.clone(),
             stop: stop_rx,
         });
         Ok(Self {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use metrics::counter;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn, Instrument};
@@ -20,10 +20,19 @@ use super::zmq::{self as z, ReplayLimits, ReplayMsg};
 use crate::engine::KvUpdate;
 use crate::metrics as m;
 
-/// A commands to the KV task.
+/// A command to the KV task.
 #[derive(Debug)]
 pub(super) enum KvCommand {
+    /// Send the engine's block set as a [`KvUpdate::BlockSet`].
     BlockSet,
+    /// How many leading whole blocks of a prompt the engine holds, by the
+    /// events it sent ([`super::translate::Translator::held_prefix_blocks`]).
+    HeldPrefix {
+        tokens: Vec<u32>,
+        lora: Option<String>,
+        cache_salt: Option<String>,
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// The KV task: the SUB socket, replays and block-set requests, around
@@ -148,6 +157,20 @@ impl KvTask {
                     {
                         break;
                     }
+                    Vec::new()
+                }
+                KvTaskEvent::Command(Some(KvCommand::HeldPrefix {
+                    tokens,
+                    lora,
+                    cache_salt,
+                    reply,
+                })) => {
+                    let held = self.core.translator().held_prefix_blocks(
+                        &tokens,
+                        lora.as_deref(),
+                        cache_salt.as_deref(),
+                    );
+                    let _ = reply.send(held);
                     Vec::new()
                 }
             };

@@ -3,8 +3,8 @@
 //! prefill's `kv_transfer_params` passed on, a decode's sent back; every
 //! failure ends as a clear `Failed`. With bidirectional KV transfer, a
 //! decode engine exports a prefix when another worker's prefill asks for
-//! it ([`RequestContext::export`]) and a pulling prefill sends its
-//! source's handle.
+//! it ([`RequestContext::export`]; only the leading blocks it still holds,
+//! by its KV events) and a pulling prefill sends its source's handle.
 
 use std::time::Duration;
 
@@ -15,10 +15,11 @@ use protocol::{
     Sampling, Stage, WorkerId,
 };
 use serde_json::Value;
-use tokio::sync::{mpsc, watch};
-use tracing::{info, warn};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{debug, info, warn};
 
 use super::engine::EngineKind;
+use super::kv_task::KvCommand;
 use super::load::InflightGuard;
 use super::openai::{self, Kind};
 use crate::metrics as m;
@@ -41,6 +42,8 @@ pub(super) struct RequestContext {
     /// Bypasses carry `do_local_prefill: true` (an SGLang decode server).
     pub(super) do_local_prefill: bool,
     pub(super) timeout: Duration,
+    /// The KV task, which knows the blocks the engine holds.
+    pub(super) kv: mpsc::UnboundedSender<KvCommand>,
     pub(super) stop: watch::Receiver<bool>,
 }
 
@@ -313,10 +316,31 @@ impl RequestContext {
             ));
         }
         let bs = self.block_size.max(1) as usize;
-        let tokens = &query.tokens[..query.tokens.len() / bs * bs];
-        if tokens.is_empty() {
+        let asked = query.tokens.len() / bs;
+        if asked == 0 {
             return Err(("empty", "the query names no whole block".into()));
         }
+        // Only what the engine still holds: a block it lost since the
+        // router saw it would be computed here, on the decode worker.
+        let held = self.held_prefix_blocks(&query).await.ok_or((
+            "failed",
+            "the adapter's KV event task has stopped".to_owned(),
+        ))?;
+        if held == 0 {
+            return Err((
+                "unheld",
+                format!("the engine holds none of the prefix's {asked} blocks any more, by its KV events (evicted since the router saw them): not computed here"),
+            ));
+        }
+        if held < asked {
+            debug!(
+                request_id = %query.request_id,
+                asked,
+                held,
+                "exporting only the leading blocks the engine still holds"
+            );
+        }
+        let tokens = &query.tokens[..held * bs];
         let salt = Sampling {
             lora: query.lora,
             cache_salt: query.cache_salt,
@@ -401,6 +425,21 @@ impl RequestContext {
             blocks: blocks as u32,
             engine,
         })
+    }
+
+    /// How many leading whole blocks of `query`'s prompt the engine holds,
+    /// by its KV events (`None`: the KV task is gone).
+    async fn held_prefix_blocks(&self, query: &KvHandleQuery) -> Option<usize> {
+        let (reply, held) = oneshot::channel();
+        self.kv
+            .send(KvCommand::HeldPrefix {
+                tokens: query.tokens.clone(),
+                lora: query.lora.clone(),
+                cache_salt: query.cache_salt.clone(),
+                reply,
+            })
+            .ok()?;
+        held.await.ok()
     }
 
     /// A streamed completion: tokens as they come (with their

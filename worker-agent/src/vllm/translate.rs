@@ -153,6 +153,38 @@ impl Translator {
         &self.mirror
     }
 
+    /// How many leading whole blocks of `tokens` (a prompt with its LoRA
+    /// adapter and cache salt, hashed as the engine's `BlockStored` events
+    /// for it are) the engine holds in any tier, by the events it sent.
+    /// A prompt with extra keys (multimodal) matches none.
+    pub fn held_prefix_blocks(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> usize {
+        let mut hashes = Vec::new();
+        self.hasher_for(lora, cache_salt)
+            .extend(None, tokens, &mut hashes);
+        hashes
+            .iter()
+            .take_while(|&&h| self.mirror.contains(h))
+            .count()
+    }
+
+    /// The hasher of blocks stored for a request with `lora` and
+    /// `cache_salt`: the deployment's, salted with them when it has either.
+    fn hasher_for(&self, lora: Option<&str>, cache_salt: Option<&str>) -> BlockHasher {
+        if lora.is_none() && cache_salt.is_none() {
+            return self.hasher;
+        }
+        BlockHasher::new(
+            self.hasher.block_size(),
+            HashSalt::new(&self.model, lora, cache_salt),
+        )
+        .expect("the deployment's block size is valid")
+    }
+
     /// Translates one batch.
     pub fn apply(&mut self, batch: &WireBatch) -> Outcome {
         let mut out = Outcome::default();
@@ -239,13 +271,7 @@ impl Translator {
         if !known {
             out.unknown_media += 1;
         }
-        let salt = if e.lora_name.is_some() || e.cache_salt.is_some() {
-            HashSalt::new(&self.model, e.lora_name.as_deref(), e.cache_salt.as_deref())
-        } else {
-            self.hasher.salt()
-        };
-        let hasher = BlockHasher::new(self.hasher.block_size(), salt)
-            .expect("apply passes only blocks of the deployment's size");
+        let hasher = self.hasher_for(e.lora_name.as_deref(), e.cache_salt.as_deref());
         // Runs of blocks new to the tier, each with its parent.
         let mut run_parent = parent;
         let mut run: Vec<BlockHash> = Vec::new();
@@ -590,6 +616,35 @@ mod tests {
             let own = t.own_hash(&h(1)).unwrap();
             assert!(seen.insert(own), "{own:?} collides");
         }
+    }
+
+    /// What an export may be made of: the leading blocks of a prompt the
+    /// engine holds, salted as its events for that prompt are; none once
+    /// the first is gone.
+    #[test]
+    fn the_held_prefix_is_the_leading_blocks_held_with_their_salt() {
+        let mut t = translator();
+        let p = tokens(12, 1);
+        t.apply(&batch(vec![stored(&[1, 2, 3], None, &p, None)]));
+        let mut longer = p.clone();
+        longer.extend(tokens(6, 2));
+        assert_eq!(t.held_prefix_blocks(&longer, None, None), 3);
+        assert_eq!(t.held_prefix_blocks(&p[..7], None, None), 1, "whole blocks");
+        assert_eq!(t.held_prefix_blocks(&tokens(12, 3), None, None), 0);
+        assert_eq!(t.held_prefix_blocks(&p, Some("adapter"), None), 0);
+        assert_eq!(t.held_prefix_blocks(&p, None, Some("tenant")), 0);
+        t.apply(&batch(vec![removed(&[2], None)]));
+        assert_eq!(t.held_prefix_blocks(&p, None, None), 1, "up to the gap");
+        t.apply(&batch(vec![removed(&[1], None)]));
+        assert_eq!(t.held_prefix_blocks(&p, None, None), 0);
+        // A salted prompt's blocks, asked for with its salt.
+        let mut salted = stored(&[7], None, &p[..4], None);
+        if let WireEvent::Stored(s) = &mut salted {
+            s.cache_salt = Some("tenant".into());
+        }
+        t.apply(&batch(vec![salted]));
+        assert_eq!(t.held_prefix_blocks(&p, None, Some("tenant")), 1);
+        assert_eq!(t.held_prefix_blocks(&p, None, None), 0);
     }
 
     #[test]
