@@ -11,9 +11,9 @@
 //!   finished ([`KvExport::VllmEveryRequest`]: none found, the prefill
 //!   worker computes the whole prompt). With the prefix exported by a
 //!   request ([`KvExport::exports_by_request`]) the source's engine runs
-//!   that request first and the leg waits for it: its first token sends
-//!   the leg on; the agent's deadline (an event) abandons it, and the leg
-//!   prefills whole;
+//!   that request first and the leg waits for it, nothing pinned: its
+//!   first token pins the prefix and sends the leg on; the agent's
+//!   deadline (an event) abandons it, and the leg prefills whole;
 //! - an engine step starts: the pulls of supplied prefixes its prefill
 //!   worker asks for when it admits their requests ([`engine_sim::Step::pulls`])
 //!   start on the links, and their sources' reads with them;
@@ -232,12 +232,13 @@ struct InFlight {
     decode: usize,
     /// The prefill worker of a remote path.
     prefill: Option<usize>,
-    /// The third path: the prefix's source, from the decision until the
-    /// prefill is done, or until its TTL ends unread.
+    /// The third path: the prefix's source, from the decision (or the
+    /// export's end) until the prefill is done, or until its TTL ends
+    /// unread.
     source: Option<Source>,
-    /// The prefill leg, held back while the source's engine exports the
-    /// prefix ([`KvExport::exports_by_request`]).
-    held_leg: Option<EngineRequest>,
+    /// The source's export by request under way, with the prefill leg it
+    /// holds back ([`KvExport::exports_by_request`]).
+    export: Option<PendingExport>,
     first_token_us: Option<u64>,
     floor: Floor,
 }
@@ -252,9 +253,16 @@ struct Source {
     pin: PinnedPrefix,
     /// Whether the prefill worker started reading it.
     read: bool,
-    /// When the source's engine lets the blocks go unread (`None`: never,
-    /// or not yet known while an export by request runs).
+    /// When the source's engine lets the blocks go unread (`None`: never).
     expires_us: Option<u64>,
+}
+
+/// An export a source's engine runs for a request's prefix
+/// ([`KvExport::exports_by_request`]), and the prefill leg waiting for it.
+#[derive(Debug)]
+struct PendingExport {
+    source: usize,
+    leg: EngineRequest,
 }
 
 /// What a transfer on the links carries (its id: the request's id times
@@ -272,9 +280,20 @@ fn transfer_id(request: u64, kind: Transfer) -> u64 {
 }
 
 /// The id of the source engine's export request for request `id`'s prefix
-/// (request ids stay below it).
+/// (request ids stay below it); also the key of a declined read's blocks
+/// among its source's [`Exports`].
 fn export_request_id(id: u64) -> u64 {
     id | EXPORT_REQUEST
+}
+
+/// Whether an engine's request `id` is an export request, not a user's.
+fn is_export_request(id: u64) -> bool {
+    id & EXPORT_REQUEST != 0
+}
+
+/// The request whose prefix export request `id` exports.
+fn exported_for(id: u64) -> u64 {
+    id & !EXPORT_REQUEST
 }
 
 const EXPORT_REQUEST: u64 = 1 << 62;
@@ -557,6 +576,11 @@ impl<'w> Cluster<'w> {
                 }
             }
         }
+        debug_assert!(
+            self.exporting.iter().all(|&n| n == 0),
+            "export requests left under way: {:?}",
+            self.exporting
+        );
     }
 
     /// Schedules the workload's next self-arriving request (one at a time,
@@ -634,21 +658,31 @@ impl<'w> Cluster<'w> {
             Some(p) => (p, Mode::PrefillOnly),
             None => (decode, Mode::LocalPrefill),
         };
-        // The third path: pin the prefix on its source; the prefill worker
-        // pulls what it lacks of it when it admits the request (nothing to
-        // hold when it has all of it now).
+        // The third path: the prefill worker pulls what it lacks of the
+        // prefix when it admits the request (nothing to pull when it has
+        // all of it now); pinned on its source from the decision, or, when
+        // the source's engine exports it by a request, once that has run.
         let mut source = None;
+        let mut export_from = None;
         let mut pull_tokens = 0;
         if let (Some(f), Some(p)) = (&decision.fetch, prefill) {
             let worker = self.worker_index[&f.source];
-            if let Some((tokens, pin, expires_us)) =
+            let held_by_p = self.engines[p].cached_prefix_tokens(&spec.prompt);
+            if self.config.kv_export.exports_by_request() {
+                // The source's agent asks for what its engine holds of it.
+                let bs = self.config.block_size.max(1);
+                let held = self.engines[worker]
+                    .cached_prefix_tokens(&spec.prompt)
+                    .min(f.prefix_tokens / bs * bs);
+                if held > held_by_p {
+                    pull_tokens = held;
+                    export_from = Some(worker);
+                }
+            } else if let Some((tokens, pin, expires_us)) =
                 self.supplied_prefix(worker, &spec.prompt, f.prefix_tokens)
             {
-                if tokens > self.engines[p].cached_prefix_tokens(&spec.prompt) {
+                if tokens > held_by_p {
                     pull_tokens = tokens;
-                    // An export by request starts its TTL when it is done.
-                    let expires_us =
-                        expires_us.filter(|_| !self.config.kv_export.exports_by_request());
                     if let Some(at) = expires_us {
                         self.schedule(at, Event::SourceExpires { id: spec.id });
                     }
@@ -666,6 +700,10 @@ impl<'w> Cluster<'w> {
                 }
             }
         }
+        debug_assert!(
+            !is_export_request(spec.id),
+            "request ids stay below export ids"
+        );
         let request = EngineRequest {
             id: spec.id,
             prompt: spec.prompt.clone(),
@@ -673,7 +711,6 @@ impl<'w> Cluster<'w> {
             mode,
             pull_tokens,
         };
-        let exported = source.is_some() && self.config.kv_export.exports_by_request();
         let spec_id = spec.id;
         self.in_flight.insert(
             spec.id,
@@ -686,15 +723,14 @@ impl<'w> Cluster<'w> {
                 decode,
                 prefill,
                 source,
-                held_leg: None,
+                export: None,
                 first_token_us: None,
                 floor,
             },
         );
-        if exported {
-            self.request_export(spec_id, request);
-        } else {
-            self.submit(target, request);
+        match (export_from, prefill) {
+            (Some(worker), Some(p)) => self.request_export(spec_id, worker, p, request),
+            _ => self.submit(target, request),
         }
     }
 
@@ -750,7 +786,8 @@ impl<'w> Cluster<'w> {
     /// the prefill is done, and when the source's engine would let them go
     /// unread (`None`: never). Pinned at the decision
     /// ([`KvExport::pins_at_decision`]), the source pins what it holds now;
-    /// otherwise the fetch takes the export whose blocks continue the
+    /// taken from the exports kept ([`KvExport::VllmEveryRequest`]), the
+    /// fetch takes the export whose blocks continue the
     /// prompt furthest (the export's whole pin: the engine frees it after
     /// the read), and finds none once it is read or expired.
     fn supplied_prefix(
@@ -775,23 +812,16 @@ impl<'w> Cluster<'w> {
         Some((tokens, taken.pin, Some(taken.expires_us)))
     }
 
-    /// Has request `id`'s source engine export the prefix its prefill `leg`
+    /// Has `source`'s engine export the prefix request `id`'s prefill `leg`
     /// pulls (a one-token request of it, under the agent's limits), holding
     /// the leg until the export is done ([`Cluster::export_done`]) or
     /// abandoned ([`Cluster::export_deadline`]). A source running
     /// [`MAX_EXPORTS`] already exports nothing: the leg prefills whole.
-    fn request_export(&mut self, id: u64, leg: EngineRequest) {
-        let Some(worker) = self
-            .in_flight
-            .get(&id)
-            .and_then(|r| r.source.as_ref())
-            .map(|s| s.worker)
-        else {
-            unreachable!("an export is asked for a fetch with a source");
-        };
-        if self.exporting[worker] >= MAX_EXPORTS {
+    fn request_export(&mut self, id: u64, source: usize, prefill: usize, mut leg: EngineRequest) {
+        if self.exporting[source] >= MAX_EXPORTS {
             self.counters.exports.busy += 1;
-            self.send_whole(id, leg);
+            leg.pull_tokens = 0;
+            self.submit(prefill, leg);
             return;
         }
         let export = EngineRequest {
@@ -801,35 +831,52 @@ impl<'w> Cluster<'w> {
             mode: Mode::LocalPrefill,
             pull_tokens: 0,
         };
-        if self.engines[worker].submit(export).is_err() {
+        if self.engines[source].submit(export).is_err() {
             debug_assert!(false, "a decode engine refused a prefix it holds");
-            self.send_whole(id, leg);
+            leg.pull_tokens = 0;
+            self.submit(prefill, leg);
             return;
         }
-        self.exporting[worker] += 1;
+        self.exporting[source] += 1;
         if let Some(r) = self.in_flight.get_mut(&id) {
-            r.held_leg = Some(leg);
+            r.export = Some(PendingExport { source, leg });
         }
         let deadline = self.now_us + EXPORT_DEADLINE.as_micros() as u64;
         self.schedule(deadline, Event::ExportDeadline { id });
-        self.wake(worker);
+        self.wake(source);
+    }
+
+    /// Request `id`'s export under way, taken (none once it was done or
+    /// abandoned), and the prefill worker its leg goes to.
+    fn take_pending_export(&mut self, id: u64) -> Option<(PendingExport, usize)> {
+        let r = self.in_flight.get_mut(&id)?;
+        let prefill = r.prefill?;
+        Some((r.export.take()?, prefill))
     }
 
     /// The source's engine exported request `id`'s prefix (its export's
-    /// first token): the held leg goes to the prefill worker, and the
-    /// export's TTL starts. Nothing once the export was abandoned.
+    /// first token): it pins the blocks, which it just computed or hit, its
+    /// TTL starts, and the held leg goes to the prefill worker. Nothing
+    /// once the export was abandoned.
     fn export_done(&mut self, id: u64) {
-        let Some(r) = self.in_flight.get_mut(&id) else {
-            return;
-        };
-        let (Some(leg), Some(prefill)) = (r.held_leg.take(), r.prefill) else {
+        let Some((PendingExport { source, mut leg }, prefill)) = self.take_pending_export(id)
+        else {
             return;
         };
         self.counters.exports.made += 1;
-        if let (Some(ttl_us), Some(s)) = (self.config.kv_export.ttl_us(), r.source.as_mut()) {
-            let at = self.now_us + ttl_us;
-            s.expires_us = Some(at);
+        let pin = self.engines[source].pin_prefix(&leg.prompt, leg.pull_tokens);
+        leg.pull_tokens = pin.tokens();
+        let expires_us = self.config.kv_export.ttl_us().map(|ttl| self.now_us + ttl);
+        if let Some(at) = expires_us {
             self.schedule(at, Event::SourceExpires { id });
+        }
+        if let Some(r) = self.in_flight.get_mut(&id) {
+            r.source = Some(Source {
+                worker: source,
+                pin,
+                read: false,
+                expires_us,
+            });
         }
         self.submit(prefill, leg);
     }
@@ -838,30 +885,19 @@ impl<'w> Cluster<'w> {
     /// done: the source's engine drops the export request, and the leg
     /// prefills whole.
     fn export_deadline(&mut self, id: u64) {
-        let Some(r) = self.in_flight.get_mut(&id) else {
-            return;
-        };
-        let Some(leg) = r.held_leg.take() else {
+        let Some((PendingExport { source, mut leg }, prefill)) = self.take_pending_export(id)
+        else {
             return;
         };
         self.counters.exports.abandoned += 1;
-        if let Some(worker) = r.source.as_ref().map(|s| s.worker) {
-            if self.engines[worker].abort(export_request_id(id)) {
-                self.exporting[worker] -= 1;
-                self.wake(worker);
-            }
+        // The source's step may still run: an export it finishes is out of
+        // its scheduler already (not aborted; its `Finished` comes at the
+        // step's end and ends it), one it has not is dropped now.
+        if self.engines[source].abort(export_request_id(id)) {
+            self.exporting[source] -= 1;
+            self.wake(source);
         }
-        self.send_whole(id, leg);
-    }
-
-    /// Sends request `id`'s prefill `leg` without its source (whose pin
-    /// goes): the prefill worker computes what it does not hold.
-    fn send_whole(&mut self, id: u64, mut leg: EngineRequest) {
-        self.release_source(id);
         leg.pull_tokens = 0;
-        let Some(prefill) = self.in_flight.get(&id).and_then(|r| r.prefill) else {
-            unreachable!("a fetch is a remote path");
-        };
         self.submit(prefill, leg);
     }
 
@@ -1023,10 +1059,10 @@ impl<'w> Cluster<'w> {
         let in_window = (self.window.0..self.window.1).contains(&now);
         for output in outputs {
             match output {
-                StepOutput::FirstToken { id, .. } if id & EXPORT_REQUEST != 0 => {
-                    self.export_done(id & !EXPORT_REQUEST);
+                StepOutput::FirstToken { id, .. } if is_export_request(id) => {
+                    self.export_done(exported_for(id));
                 }
-                StepOutput::Finished { id, .. } if id & EXPORT_REQUEST != 0 => {
+                StepOutput::Finished { id, .. } if is_export_request(id) => {
                     self.exporting[worker] -= 1;
                 }
                 StepOutput::FirstToken { id, cached_tokens } => {
@@ -1306,6 +1342,115 @@ mod tests {
         cluster.unpin(d, pin);
         assert!(cluster.busy[d], "the release woke it");
         assert_eq!(cluster.engines[d].running(), 1);
+    }
+
+    /// A source runs at most [`MAX_EXPORTS`] exports at once: the next
+    /// fetch's leg goes to the prefill worker whole at once. The agent's
+    /// deadline abandons the exports not done: those still queued on the
+    /// source are dropped there, the one its running step finishes ends
+    /// with that step, and every held leg goes to the prefill worker whole.
+    #[test]
+    fn a_source_runs_at_most_max_exports_and_drops_the_abandoned_ones() {
+        let mut workload = Agentic::new(AgenticConfig {
+            duration_s: 1.0,
+            ..AgenticConfig::default()
+        });
+        let mut c = config(OutboxLimits::default());
+        c.kv_export = KvExport::VllmOnDemand { ttl_us: 60_000_000 };
+        let mut cluster = Cluster::new(c, &mut workload).unwrap();
+        let first = |cluster: &Cluster<'_>, role| {
+            (0..cluster.engines.len())
+                .find(|&i| cluster.engines[i].role() == role)
+                .unwrap()
+        };
+        let (p, d) = (
+            first(&cluster, protocol::Role::Prefill),
+            first(&cluster, protocol::Role::Decode),
+        );
+        let bs = cluster.engines[d].config().block_size;
+        let prefix: Vec<u32> = (0..4 * bs).collect();
+        let source = &mut cluster.engines[d];
+        source
+            .submit(EngineRequest {
+                id: 1_000,
+                prompt: prefix.clone().into(),
+                output_tokens: vec![1].into(),
+                mode: Mode::LocalPrefill,
+                pull_tokens: 0,
+            })
+            .unwrap();
+        let mut now = 0;
+        while let Some(step) = source.step(now) {
+            now = step.end_us();
+        }
+        cluster.now_us = now;
+        let fetches = MAX_EXPORTS as u64 + 1;
+        for id in 1..=fetches {
+            let mut prompt = prefix.clone();
+            prompt.extend(10_000 * id as u32..10_000 * id as u32 + bs);
+            let spec = RequestSpec {
+                id,
+                session: id,
+                turn: 1,
+                prompt: prompt.into(),
+                output: vec![1; 4].into(),
+            };
+            let leg = EngineRequest {
+                id,
+                prompt: spec.prompt.clone(),
+                output_tokens: spec.output.clone(),
+                mode: Mode::PrefillOnly,
+                pull_tokens: 4 * bs,
+            };
+            cluster.in_flight.insert(
+                id,
+                InFlight {
+                    spec,
+                    arrival_us: now,
+                    decision: DecisionId(id),
+                    path: Path::RemoteFetch,
+                    rule: String::new(),
+                    decode: d,
+                    prefill: Some(p),
+                    source: None,
+                    export: None,
+                    first_token_us: None,
+                    floor: Floor {
+                        reusable_tokens: 0,
+                        ttft_ms: 0.0,
+                    },
+                },
+            );
+            cluster.request_export(id, d, p, leg);
+        }
+        let holding = |cluster: &Cluster<'_>| {
+            (1..=fetches)
+                .filter(|id| cluster.in_flight[id].export.is_some())
+                .count()
+        };
+        assert_eq!(cluster.exporting[d], MAX_EXPORTS);
+        assert_eq!(holding(&cluster), MAX_EXPORTS);
+        assert_eq!(cluster.counters.exports.busy, 1);
+        let legs_at_p = |cluster: &Cluster<'_>| {
+            let e = &cluster.engines[p];
+            e.stats().prefills_done as usize + e.running() + e.waiting()
+        };
+        assert_eq!(legs_at_p(&cluster), 1, "the one past the bound, whole");
+
+        // The first export runs in the source's step; the others queue.
+        for id in 1..=fetches {
+            cluster.export_deadline(id);
+        }
+        assert_eq!(cluster.counters.exports.abandoned, MAX_EXPORTS as u64);
+        assert_eq!(holding(&cluster), 0);
+        assert_eq!(legs_at_p(&cluster), fetches as usize);
+        assert_eq!(cluster.engines[d].waiting(), 0, "the queued ones dropped");
+        assert_eq!(cluster.engines[d].stats().aborted, MAX_EXPORTS as u64 - 1);
+        assert_eq!(
+            cluster.exporting[d], 1,
+            "the running one ends with its step"
+        );
+        assert!(cluster.in_flight.values().all(|r| r.source.is_none()));
     }
 
     /// The index the engines' own block sets make.

@@ -13,11 +13,12 @@
 //!   (`engine_sim::Engine::pin_prefix`). The simulated engine does this;
 //!   no real engine does.
 //! - **vLLM, on demand** (what the worker agent does): the decode worker's
-//!   agent asks its engine to export the prefix a fetch needs, pinned from
-//!   the decision until read, as in the ideal model. The export is a
-//!   request to the decode engine (one token of the prefix: it queues
-//!   there, recomputes the prefix's last block and decodes one token), and
-//!   the prefill worker is sent its leg only when it is done; an export
+//!   agent asks its engine to export what it holds of the prefix a fetch
+//!   needs. The export is a request to the decode engine (one token of the
+//!   prefix: it queues there, recomputes the prefix's last block, and any
+//!   block evicted while it waited, and decodes one token); the blocks are
+//!   pinned from its end until read, and the prefill worker is sent its
+//!   leg only then; an export
 //!   not done within the agent's deadline, or beyond the exports one
 //!   source runs at once, is abandoned and the leg prefills whole
 //!   ([`KvExport::exports_by_request`]). The TTL runs from the export's
@@ -64,10 +65,11 @@ pub enum KvExport {
 }
 
 impl KvExport {
-    /// Whether a fetch pins its prefix at the decision (else it takes an
-    /// export kept since an earlier request finished).
+    /// Whether a fetch pins its prefix at the decision (the ideal engine;
+    /// else it is exported by a request, or taken from an export kept since
+    /// an earlier request finished).
     pub fn pins_at_decision(self) -> bool {
-        !matches!(self, Self::VllmEveryRequest { .. })
+        matches!(self, Self::Ideal)
     }
 
     /// Whether the source's engine exports a fetched prefix with a request

@@ -176,9 +176,11 @@ struct Common {
     /// `ideal`, the fetched prefix from the decision until read, nothing
     /// else (the simulated engine; no real engine does this);
     /// `vllm-on-demand`, vLLM's bidirectional transfer as the worker agent
-    /// uses it (the fetched prefix exported at the decision, pinned until
-    /// read; and every remote decode leg exported as it finishes, pinned
-    /// until --decoder-kv-blocks-ttl-s: nobody reads it);
+    /// uses it (the fetched prefix exported by a request to the decode
+    /// engine that the prefill leg waits for, abandoned after 0.8 s or
+    /// beyond 16 at once; pinned from its end until read, and readable
+    /// until 5 s before --decoder-kv-blocks-ttl-s; and every remote decode
+    /// leg exported as it finishes, pinned until the TTL: nobody reads it);
     /// `vllm-every-request`, every request decoded exported, pinned until
     /// a later turn's fetch reads it or the TTL (a fetch whose export is
     /// gone prefills whole).
@@ -616,7 +618,7 @@ fn exports_line(e: &sim::ExportFigures, label: &str) -> String {
         String::new()
     };
     format!(
-        "decode workers' exports{label} (the whole run): {asked}{} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined less than 5 s before the TTL or after it (the prefix computed), {} expired unread",
+        "decode workers' exports{label} (the whole run): {asked}{} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined less than 5 s before the TTL or after it (the prefix computed), {} expired unread (the declined reads' blocks among them)",
         e.taken, e.missing, e.declined, e.expired
     )
 }

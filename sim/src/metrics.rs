@@ -240,7 +240,8 @@ pub struct ExportFigures {
     /// Fetches that found none (read already, or expired): the prefill
     /// worker computed the whole prompt.
     pub missing: u64,
-    /// Exports whose TTL ended unread.
+    /// Exports whose TTL ended unread (a declined read's blocks among
+    /// them: the source keeps them until then).
     pub expired: u64,
     /// Fetches whose read came less than vLLM's margin before the TTL, or
     /// after it (the prefill worker computed the prefix).

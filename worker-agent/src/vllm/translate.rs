@@ -156,7 +156,8 @@ impl Translator {
     /// How many leading whole blocks of `tokens` (a prompt with its LoRA
     /// adapter and cache salt, hashed as the engine's `BlockStored` events
     /// for it are) the engine holds in any tier, by the events it sent.
-    /// A prompt with extra keys (multimodal) matches none.
+    /// The query has tokens only, so a block the engine stored with extra
+    /// keys (multimodal) never matches: the count stops before it.
     pub fn held_prefix_blocks(
         &self,
         tokens: &[u32],
