@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use settings::{Flag, Kind, SettingsError};
 use worker_agent::{engine_model, EngineModelError};
 
+use crate::nixl::KvLoadFailurePolicy;
 use crate::wire::{Encoding, Flavour};
 
 pub use settings::Args;
@@ -53,6 +54,8 @@ pub struct Options {
     /// How long exported blocks wait for their read.
     #[serde(with = "settings::duration")]
     pub decoder_kv_blocks_ttl: Duration,
+    /// What a prefill does when its pull is declined.
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
 }
 
 impl Default for Options {
@@ -83,6 +86,7 @@ impl Default for Options {
             sglang_decode: false,
             bidirectional_kv_xfer: false,
             decoder_kv_blocks_ttl: Duration::from_secs(480),
+            kv_load_failure_policy: KvLoadFailurePolicy::Fail,
         }
     }
 }
@@ -129,7 +133,12 @@ pub fn flags() -> Vec<Flag> {
         Flag::new(
             "decoder_kv_blocks_ttl",
             Kind::Duration,
-            "With --bidirectional-kv-xfer: how long exported blocks wait for their one read (vLLM's decoder_kv_blocks_ttl)",
+            "With --bidirectional-kv-xfer: how long exported blocks wait for their one read (vLLM's decoder_kv_blocks_ttl); a prefill engine reads a handle only until 5 s before then",
+        ),
+        Flag::new(
+            "kv_load_failure_policy",
+            Kind::Text,
+            "With --bidirectional-kv-xfer: fail or recompute, what a prefill does when its pull is declined (vLLM's kv_load_failure_policy; fail: an HTTP 500, as vLLM's finish reason error)",
         ),
         Flag::new("encoding", Kind::Text, "KV batch encoding: array, map, or tagged (today's vLLM 0.33 / SGLang 0.5: an array batch of tagged-map events; vLLM's with 32-byte digests and group_idx)"),
         Flag::new(
@@ -236,6 +245,7 @@ pub struct Config {
     pub sglang_decode: bool,
     pub bidirectional_kv_xfer: bool,
     pub decoder_kv_blocks_ttl: Duration,
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
 }
 
 impl Config {
@@ -309,6 +319,7 @@ impl Options {
             sglang_decode: self.sglang_decode,
             bidirectional_kv_xfer: self.bidirectional_kv_xfer,
             decoder_kv_blocks_ttl: self.decoder_kv_blocks_ttl,
+            kv_load_failure_policy: self.kv_load_failure_policy,
         })
     }
 }

@@ -19,10 +19,15 @@
 //!   a whole handle are a plain prefill, as in vLLM.
 //! - **The read.** vLLM reads over NIXL; mock-vllm asks the source's HTTP
 //!   API (`POST /switchyard/nixl/read`) for the tokens behind the handle.
-//!   A declined read (unknown, already read, expired) is recomputed. Unlike
-//!   vLLM, which would use the wrong KV silently (vllm-project/vllm#43094),
-//!   mock-vllm fails a prefill whose pulled tokens are not its prompt's
-//!   prefix, so that a router relaying the wrong handle is caught.
+//!   The reader declines a handle that expires within
+//!   [`READ_EXPIRY_MARGIN`] without asking ([`expires_too_soon`]), as vLLM
+//!   does; the source declines one unknown, read already or expired. A
+//!   declined read fails the prefill, or is recomputed, as
+//!   `--kv-load-failure-policy` says ([`KvLoadFailurePolicy`], vLLM's
+//!   `kv_load_failure_policy`). Unlike vLLM, which would use the wrong KV
+//!   silently (vllm-project/vllm#43094), mock-vllm fails a prefill whose
+//!   pulled tokens are not its prompt's prefix, so that a router relaying
+//!   the wrong handle is caught.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -32,6 +37,35 @@ use serde_json::{json, Map, Value};
 /// A pull of fewer tokens is recomputed instead (vLLM's
 /// `kv_recompute_threshold` default with bidirectional transfer on).
 pub const PULL_RECOMPUTE_THRESHOLD: u64 = 64;
+
+/// A prefill engine does not read a handle that expires within this long
+/// (vLLM's `_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`, `nixl/pull_worker.py`).
+pub const READ_EXPIRY_MARGIN: Duration = Duration::from_secs(5);
+
+/// What a prefill engine does when a pull fails or is declined (vLLM's
+/// `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvLoadFailurePolicy {
+    /// Fail the request (vLLM's default: finish reason `error`, an HTTP
+    /// 500).
+    Fail,
+    /// Compute the prefix instead.
+    Recompute,
+}
+
+/// Whether a handle whose `remote_blocks_expiry_time` is `expiry` (seconds
+/// since the epoch) expires within [`READ_EXPIRY_MARGIN`] of `now`: vLLM's
+/// reader then declines it without reading. A handle without one is read.
+pub fn expires_too_soon(expiry: Option<f64>, now: SystemTime) -> bool {
+    let Some(expiry) = expiry else {
+        return false;
+    };
+    let now = now
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    now + READ_EXPIRY_MARGIN.as_secs_f64() >= expiry
+}
 
 /// Where this engine's blocks are read from, as its handles say.
 #[derive(Debug, Clone)]
@@ -171,7 +205,7 @@ pub enum Declined {
 }
 
 /// A prefill's pull, from its `kv_transfer_params`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pull {
     pub engine_id: String,
     pub request_id: String,
@@ -181,6 +215,9 @@ pub struct Pull {
     pub tokens: u64,
     /// Remote block ids of the first group.
     pub ids: Vec<u64>,
+    /// When the source lets the blocks go (`remote_blocks_expiry_time`,
+    /// seconds since the epoch), if the handle says.
+    pub expiry: Option<f64>,
 }
 
 /// The pull `params` ask of a prefill of `prompt_len` tokens: `None`
@@ -212,6 +249,9 @@ pub fn pull_of(params: &Map<String, Value>, prompt_len: usize) -> Option<Pull> {
         port,
         tokens,
         ids,
+        expiry: params
+            .get("remote_blocks_expiry_time")
+            .and_then(Value::as_f64),
     })
 }
 
@@ -263,6 +303,17 @@ mod tests {
             .is_err());
         exports.export("r2", &[1, 2, 3], &[4], &at(), now);
         assert!(exports.read("r2", 4, &[2_000_000], now).is_err());
+    }
+
+    #[test]
+    fn a_handle_expiring_within_the_margin_is_not_read() {
+        let now = SystemTime::now();
+        let secs = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
+        let at = |d: Duration| Some(secs(now + d));
+        assert!(!expires_too_soon(None, now), "no deadline: read");
+        assert!(!expires_too_soon(at(Duration::from_secs(6)), now));
+        assert!(expires_too_soon(at(Duration::from_secs(4)), now));
+        assert!(expires_too_soon(Some(secs(now) - 1.0), now), "expired");
     }
 
     #[test]

@@ -646,8 +646,17 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
                     });
                 }
                 Err(Pulled::Declined(why)) => {
-                    lock(&app.debug).pulls_declined += 1;
-                    tracing::warn!(%request_id, reason = %why, "the source declined the read: recomputed");
+                    let mut d = lock(&app.debug);
+                    d.pulls_declined += 1;
+                    if s.kv_load_failure_policy == nixl::KvLoadFailurePolicy::Fail {
+                        d.errors += 1;
+                        tracing::warn!(%request_id, reason = %why, "the read was declined: the request fails (kv_load_failure_policy fail)");
+                        return error(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            format!("KV load failed for {request_id}: {why}"),
+                        );
+                    }
+                    tracing::warn!(%request_id, reason = %why, "the read was declined: recomputed");
                 }
                 Err(Pulled::Wrong(why)) => {
                     let mut d = lock(&app.debug);
@@ -1030,8 +1039,9 @@ async fn stream_events(
 
 /// Why a pull gave no prefix.
 enum Pulled {
-    /// The source declined the read (unknown, read already, expired):
-    /// recomputed, as vLLM's recompute policy does.
+    /// The read was declined (the handle expires within the margin, or the
+    /// source no longer knows it): the request fails or is recomputed, as
+    /// `kv_load_failure_policy` says.
     Declined(String),
     /// What was pulled is not this prompt's prefix, or the handle lists
     /// too few blocks (vLLM would use the wrong KV, or fail an assertion).
@@ -1040,6 +1050,13 @@ enum Pulled {
 
 /// Reads `pull`'s tokens from the source engine; the tokens pulled.
 async fn pulled(app: &App, pull: &Pull, prompt: &[u32]) -> Result<u32, Pulled> {
+    if nixl::expires_too_soon(pull.expiry, SystemTime::now()) {
+        return Err(Pulled::Declined(format!(
+            "the handle of {:?} expires within {:?} (declining expired remote read)",
+            pull.request_id,
+            nixl::READ_EXPIRY_MARGIN
+        )));
+    }
     let n = pull.tokens as usize;
     let needed = n.div_ceil(app.settings.block_size.max(1) as usize);
     if pull.ids.len() < needed {

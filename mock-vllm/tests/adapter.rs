@@ -498,3 +498,80 @@ async fn a_prefix_exported_on_the_decode_side_is_pulled_with_on_the_prefill_side
     d_mock.stop().await?;
     p_mock.stop().await
 }
+
+/// vLLM's reader declines a handle that expires within 5 s, and then
+/// fails the request (`kv_load_failure_policy: fail`, its default: an HTTP
+/// 500, which the adapter reports as a retryable failure that says what to
+/// set) or computes the prefix (`recompute`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_declined_near_its_ttl_fails_or_is_recomputed_as_the_policy_says() -> Result<()> {
+    let d_mock =
+        Mock::start(&["--bidirectional-kv-xfer=true", "--decoder-kv-blocks-ttl=4s"]).await?;
+    let p_fail = Mock::start(&["--bidirectional-kv-xfer=true"]).await?;
+    let p_recompute = Mock::start(&[
+        "--bidirectional-kv-xfer=true",
+        "--kv-load-failure-policy=recompute",
+    ])
+    .await?;
+    let bidirectional = |mock: &Mock, role: Role| VllmConfig {
+        role,
+        bidirectional_kv: true,
+        ..mock.adapter(0, 1)
+    };
+    let d = VllmEngine::connect(bidirectional(&d_mock, Role::Decode)).await?;
+    let mut d_kv = d.take_kv_updates().context("the KV stream")?;
+    let turn1 = prompt(9, 300);
+    collect(d.generate(request("turn1", Stage::Local, turn1.clone(), 1))).await?;
+    until_holding(
+        &mut d_kv,
+        &mut BlockMirror::new(),
+        &canonical(&turn1[..288]),
+    )
+    .await?;
+    let mut turn2 = turn1.clone();
+    turn2.extend(prompt(10, 200));
+    let fetch = PrefixFetch {
+        source: WorkerId::new("d", 0).unwrap(),
+        prefix_tokens: 288,
+        pulled_tokens: 288,
+    };
+    let mut outcomes = Vec::new();
+    for (name, p_mock) in [("fail", &p_fail), ("recompute", &p_recompute)] {
+        let query = KvHandleQuery {
+            request_id: format!("turn2-{name}"),
+            tokens: turn2[..288].to_vec(),
+            lora: None,
+            cache_salt: None,
+        };
+        let handle = d.export_kv(query, usize::MAX).await.context("a handle")?;
+        let p = VllmEngine::connect(bidirectional(p_mock, Role::Prefill)).await?;
+        let mut leg = request(&format!("turn2-{name}"), Stage::Prefill, turn2.clone(), 1);
+        leg.annotation.fetch = Some(fetch.clone());
+        let events = collect(p.generate_pulling(leg, Some(handle))).await?;
+        outcomes.push((events, p_mock.debug().await?));
+        p.stop();
+    }
+    let [(failed, fail_debug), (recomputed, recompute_debug)] = &outcomes[..] else {
+        bail!("two outcomes");
+    };
+    ensure!(
+        matches!(failed.last(), Some(GenerateEvent::Failed { retryable: true, error }) if error.contains("HTTP 500") && error.contains("kv_load_failure_policy")),
+        "{failed:?}"
+    );
+    ensure!(
+        matches!(recomputed.last(), Some(GenerateEvent::Finished { .. })),
+        "{recomputed:?}"
+    );
+    for debug in [fail_debug, recompute_debug] {
+        ensure!(debug["pulls_declined"] == 1, "{debug}");
+    }
+    ensure!(
+        d_mock.debug().await?["handles_read"] == 0,
+        "declined without a read"
+    );
+    d.stop();
+    for mock in [d_mock, p_fail, p_recompute] {
+        mock.stop().await?;
+    }
+    Ok(())
+}

@@ -201,11 +201,19 @@ impl RequestContext {
                 });
                 return;
             }
+            // vLLM fails a pulling prefill whose read it declined (the
+            // export expired, or expires within its 5 s margin) unless told
+            // to recompute: say so where the operator reads it.
+            let hint = if matches!(kind, Kind::PrefillFetch(_)) && status.is_server_error() {
+                " (a prefill that pulls its prefix: vLLM fails it so when the read is declined, e.g. the source's export expired or expires within 5 s, unless the prefill engine's kv_load_failure_policy is recompute)"
+            } else {
+                ""
+            };
             return fail(
                 out,
                 openai::retryable_status(status.as_u16()),
                 format!(
-                    "the engine answered HTTP {status}: {}",
+                    "the engine answered HTTP {status}: {}{hint}",
                     openai::error_message(&text)
                 ),
             );
