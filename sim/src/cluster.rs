@@ -785,7 +785,8 @@ impl<'w> Cluster<'w> {
     /// `prefix_tokens`: its leading tokens, the pin that holds them until
     /// the prefill is done, and when the source's engine would let them go
     /// unread (`None`: never). Pinned at the decision
-    /// ([`KvExport::pins_at_decision`]), the source pins what it holds now;
+    /// ([`KvExport::pins_at_decision`], the ideal engine, which keeps them
+    /// until read), the source pins what it holds now;
     /// taken from the exports kept ([`KvExport::VllmEveryRequest`]), the
     /// fetch takes the export whose blocks continue the
     /// prompt furthest (the export's whole pin: the engine frees it after
@@ -798,8 +799,7 @@ impl<'w> Cluster<'w> {
     ) -> Option<(u32, PinnedPrefix, Option<u64>)> {
         if self.config.kv_export.pins_at_decision() {
             let pin = self.engines[worker].pin_prefix(prompt, prefix_tokens);
-            let expires_us = self.config.kv_export.ttl_us().map(|ttl| self.now_us + ttl);
-            return Some((pin.tokens(), pin, expires_us));
+            return Some((pin.tokens(), pin, None));
         }
         let bs = self.config.block_size.max(1);
         let blocks = ((prefix_tokens / bs) as usize).min(self.hashes.len());

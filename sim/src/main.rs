@@ -617,8 +617,9 @@ fn exports_line(e: &sim::ExportFigures, label: &str) -> String {
     } else {
         String::new()
     };
+    let margin_s = sim::exports::VLLM_READ_MARGIN_US as f64 / 1e6;
     format!(
-        "decode workers' exports{label} (the whole run): {asked}{} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined less than 5 s before the TTL or after it (the prefix computed), {} expired unread (the declined reads' blocks among them)",
+        "decode workers' exports{label} (the whole run): {asked}{} taken by a fetch, {} fetches found none (the prompt prefilled whole), {} reads declined less than {margin_s} s before the TTL or after it (the prefix computed), {} expired unread (the declined reads' blocks among them)",
         e.taken, e.missing, e.declined, e.expired
     )
 }
