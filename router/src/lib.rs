@@ -60,5 +60,5 @@ pub use crate::core::{
     LoadBased, NeverDisagg, Overrides, ParamError, ParamSpec, Policy, PolicyInput, PolicyName,
     PolicySpec, PrefillSelection, ReplayError, Replayed, Replayer, RouteError, RouteOptions,
     RouteRequest, Routed, RouterConfig, RouterCore, Side, SlaDynamic, SlaPrediction, TierWeights,
-    Verdict, Workers, POLICIES,
+    Verdict, Workers, POLICIES, TUNED_PARAMS,
 };

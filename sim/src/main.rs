@@ -55,8 +55,9 @@ enum Command {
     /// For the workload and --workers: search each family's best
     /// configuration by capacity (aggregated; disaggregated at its best
     /// P:D split; C/D with each policy at its best split and thresholds,
-    /// the thresholds' grids from the router's policy registry); print a
-    /// table and one JSON line.
+    /// the thresholds' grids from the router's policy registry; for every
+    /// family the router's decode selection, `decode.overlap_credit`,
+    /// unless --router-param sets it); print a table and one JSON line.
     Tune {
         #[command(flatten)]
         common: Common,
@@ -831,7 +832,7 @@ fn tune(
             b.deployment.name(),
             b.tried,
             b.capacity.describe(unit),
-            tuned_params(&b.deployment)
+            tuned_params(b)
         );
     }
     let of = |family: &str| best.iter().find(|b| b.family == family);
@@ -862,7 +863,7 @@ fn tune(
     let sla = of("sla_dynamic");
     if let (Some(sla), Some(st)) = (sla, best_static) {
         println!(
-            "sla_dynamic with defaults ({}) vs the best tuned static policy ({}): {:.3} vs {:.3}",
+            "sla_dynamic with its policy's defaults ({}; its split and router settings tuned, as every family's) vs the best tuned static policy ({}): {:.3} vs {:.3}",
             sla.deployment.name(),
             st.deployment.name(),
             sla.capacity.load(),
@@ -882,12 +883,13 @@ fn tune(
     let mut later = None;
     if load > 0.0 {
         // Each seed's run of every deployment; the p90s averaged over seeds.
-        let deployments: Vec<&Deployment> = std::iter::once(&disagg.deployment)
-            .chain(tied.iter().map(|b| &b.deployment))
+        // Each on the router settings tuned for it.
+        let deployments: Vec<(&Deployment, Vec<Scenario>)> = std::iter::once(disagg)
+            .chain(tied.iter().copied())
+            .map(|b| (&b.deployment, b.scenarios(&scenarios)))
             .collect();
-        let jobs: Vec<(&Deployment, &Scenario)> = scenarios
-            .iter()
-            .flat_map(|s| deployments.iter().map(move |&d| (d, s)))
+        let jobs: Vec<(&Deployment, &Scenario)> = (0..scenarios.len())
+            .flat_map(|i| deployments.iter().map(move |(d, s)| (*d, &s[i])))
             .collect();
         let points = parallel_map(&jobs, threads, &|_, _| {}, |(d, s)| {
             run_point(&s.config, d, &s.workload, load)
@@ -991,6 +993,12 @@ fn tune(
                 .params()
                 .into_iter()
                 .map(|(k, v)| (k.to_owned(), serde_json::Value::from(v)))
+                .collect::<serde_json::Map<_, _>>()
+                .into();
+            row["router_params"] = b
+                .router_params
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::from(*v)))
                 .collect::<serde_json::Map<_, _>>()
                 .into();
             row["tried"] = b.tried.into();

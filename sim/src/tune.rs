@@ -9,7 +9,11 @@
 //! parameter in turn over its grid from the policy registry
 //! ([`router::ParamSpec::tune`]), the others at their best so far (one
 //! pass of coordinate search); then the split again, one worker either
-//! way. A candidate's capacity search starts at its family's best capacity
+//! way. The router settings every family shares ([`router::TUNED_PARAMS`]:
+//! how much a decode worker's cached prefix counts against its load) are
+//! searched the same way before the split is refined and again at the
+//! end, aggregated's too, unless `--router-param` fixed them. A
+//! candidate's capacity search starts at its family's best capacity
 //! so far and steps by a small factor, so most searches take a few runs.
 //! Candidates of one step run in parallel.
 
@@ -30,8 +34,31 @@ pub struct Best {
     pub family: String,
     pub deployment: Deployment,
     pub capacity: Capacity,
+    /// The router settings tuned for it ([`router::TUNED_PARAMS`]), by
+    /// name, over the scenarios' own.
+    pub router_params: Vec<(String, f64)>,
     /// Configurations whose capacity was searched.
     pub tried: usize,
+}
+
+impl Best {
+    /// `scenarios` with this family's tuned router settings: what its
+    /// capacity was measured on.
+    pub fn scenarios(&self, scenarios: &[Scenario]) -> Vec<Scenario> {
+        with_router_params(scenarios, &self.router_params)
+    }
+}
+
+/// `scenarios` with `params` set over their router settings.
+fn with_router_params(scenarios: &[Scenario], params: &[(String, f64)]) -> Vec<Scenario> {
+    scenarios
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            s.config.router_params.extend(params.iter().cloned());
+            s
+        })
+        .collect()
 }
 
 /// What to tune.
@@ -56,8 +83,42 @@ pub struct Progress {
     pub runs: AtomicUsize,
 }
 
-/// A family's candidate: its split and policy.
-type Candidate = (u32, Policy);
+/// A family's candidate.
+#[derive(Debug, Clone)]
+struct Candidate {
+    prefill: u32,
+    policy: Policy,
+    /// Tuned router settings ([`router::TUNED_PARAMS`]) over the
+    /// scenarios' own.
+    router: Vec<(String, f64)>,
+}
+
+impl Candidate {
+    fn key(&self) -> String {
+        format!(
+            "{} {:?} {:?}",
+            self.prefill,
+            self.policy.params(),
+            self.router
+        )
+    }
+
+    fn with_prefill(&self, prefill: u32) -> Self {
+        Self {
+            prefill,
+            ..self.clone()
+        }
+    }
+
+    /// This candidate with router setting `name` at `value` (replacing its
+    /// tuned value, if any).
+    fn with_router(&self, name: &str, value: f64) -> Self {
+        let mut c = self.clone();
+        c.router.retain(|(n, _)| n != name);
+        c.router.push((name.to_owned(), value));
+        c
+    }
+}
 
 impl Tune<'_> {
     /// Every family's best, aggregated first.
@@ -71,13 +132,30 @@ impl Tune<'_> {
         let agg = Deployment::Aggregated {
             workers: self.workers,
         };
-        let capacity = self.capacity(&agg, self.search.start, progress)?;
+        let mut agg_best: Option<(Vec<(String, f64)>, Capacity)> = None;
+        let mut tried = 0;
+        for router in self.router_grid(&[]) {
+            let c = self.capacity(
+                &agg,
+                &router,
+                agg_best
+                    .as_ref()
+                    .map_or(self.search.start, |(_, c)| c.load()),
+                progress,
+            )?;
+            tried += 1;
+            if agg_best.as_ref().is_none_or(|(_, b)| c.load() > b.load()) {
+                agg_best = Some((router, c));
+            }
+        }
+        let (router_params, capacity) = agg_best.expect("the grid is not empty");
         let guess = capacity.load();
         out.push(Best {
             family: "aggregated".into(),
             deployment: agg,
             capacity,
-            tried: 1,
+            router_params,
+            tried,
         });
         let families = std::iter::once(("disaggregated".to_owned(), None)).chain(
             self.policies
@@ -91,25 +169,78 @@ impl Tune<'_> {
         Ok(out)
     }
 
-    fn deployment(&self, (prefill, policy): &Candidate, disagg: bool) -> Deployment {
-        let decode = self.workers - prefill;
+    fn deployment(&self, c: &Candidate, disagg: bool) -> Deployment {
+        let decode = self.workers - c.prefill;
         if disagg {
             Deployment::Disaggregated {
-                prefill: *prefill,
+                prefill: c.prefill,
                 decode,
             }
         } else {
             Deployment::Conditional {
-                prefill: *prefill,
+                prefill: c.prefill,
                 decode,
-                policy: policy.clone(),
+                policy: c.policy.clone(),
             }
         }
+    }
+
+    /// The tuned router settings a `--router-param` did not fix, with their
+    /// grids.
+    fn tuned_router_params(&self) -> impl Iterator<Item = (&'static str, &'static [f64])> + '_ {
+        router::TUNED_PARAMS.iter().copied().filter(|(name, _)| {
+            !self
+                .scenarios
+                .iter()
+                .any(|s| s.config.router_params.iter().any(|(n, _)| n == name))
+        })
+    }
+
+    /// Every combination of the tuned router settings' grids over `base`
+    /// (just `base` when none is tuned).
+    fn router_grid(&self, base: &[(String, f64)]) -> Vec<Vec<(String, f64)>> {
+        let mut grid = vec![base.to_vec()];
+        for (name, values) in self.tuned_router_params() {
+            grid = grid
+                .iter()
+                .flat_map(|g| {
+                    values.iter().map(move |&v| {
+                        let mut g = g.clone();
+                        g.retain(|(n, _)| n != name);
+                        g.push((name.to_owned(), v));
+                        g
+                    })
+                })
+                .collect();
+        }
+        grid
+    }
+
+    /// One pass over each tuned router setting's grid from the best
+    /// candidate so far, the others at their best.
+    fn tune_router_params(
+        &self,
+        family: &str,
+        best: &mut Option<(Candidate, Capacity)>,
+        evaluate: &mut impl FnMut(
+            Vec<Candidate>,
+            &mut Option<(Candidate, Capacity)>,
+        ) -> Result<(), SimError>,
+        stage: &(dyn Fn(&str) + Sync),
+    ) -> Result<(), SimError> {
+        for (name, values) in self.tuned_router_params() {
+            stage(&format!("{family}: {name}"));
+            let (c, _) = best.clone().expect("evaluated");
+            let candidates = values.iter().map(|&v| c.with_router(name, v)).collect();
+            evaluate(candidates, best)?;
+        }
+        Ok(())
     }
 
     fn capacity(
         &self,
         deployment: &Deployment,
+        router: &[(String, f64)],
         guess: f64,
         progress: &Progress,
     ) -> Result<Capacity, SimError> {
@@ -121,11 +252,10 @@ impl Tune<'_> {
             },
             ..self.search
         };
+        let scenarios = with_router_params(self.scenarios, router);
         let (c, _) = capacity::search(&s, &[], |load| {
-            progress
-                .runs
-                .fetch_add(self.scenarios.len(), Ordering::Relaxed);
-            mean_attainment(self.scenarios, deployment, load)
+            progress.runs.fetch_add(scenarios.len(), Ordering::Relaxed);
+            mean_attainment(&scenarios, deployment, load)
         })?;
         progress.searches.fetch_add(1, Ordering::Relaxed);
         Ok(c)
@@ -144,7 +274,7 @@ impl Tune<'_> {
         let start = policy.unwrap_or_else(|| router::AlwaysDisagg.into());
         let w = self.workers;
         let mut tried: HashMap<String, Capacity> = HashMap::new();
-        let key = |(p, policy): &Candidate| format!("{p} {:?}", policy.params());
+        let key = Candidate::key;
         let mut best: Option<(Candidate, Capacity)> = None;
         // Runs the candidates not tried yet (in parallel) and keeps the
         // best; ties keep the earlier best.
@@ -159,7 +289,7 @@ impl Tune<'_> {
             }
             let hint = best.as_ref().map_or(guess, |(_, c)| c.load());
             let results = parallel_map(&fresh, self.threads, &|_, _| {}, |c| {
-                self.capacity(&self.deployment(c, disagg), hint, progress)
+                self.capacity(&self.deployment(c, disagg), &c.router, hint, progress)
             });
             for (c, r) in fresh.into_iter().zip(results) {
                 let capacity = r?;
@@ -178,17 +308,29 @@ impl Tune<'_> {
         grid.retain(|p| (1..w).contains(p));
         grid.dedup();
         stage(&format!("{family}: P:D split"));
+        let first = Candidate {
+            prefill: 0,
+            policy: start.clone(),
+            // Each tuned router setting at its default, the grid's first.
+            router: self
+                .tuned_router_params()
+                .map(|(name, grid)| (name.to_owned(), grid[0]))
+                .collect(),
+        };
         evaluate(
-            grid.iter().map(|&p| (p, start.clone())).collect(),
+            grid.iter().map(|&p| first.with_prefill(p)).collect(),
             &mut best,
         )?;
+        // The router settings every family shares, at the best split.
+        self.tune_router_params(family, &mut best, &mut evaluate, stage)?;
         let mut step = (w / 8).max(1);
         loop {
-            let ((p, policy), _) = best.clone().expect("the grid is not empty");
+            let (c, _) = best.clone().expect("the grid is not empty");
+            let p = c.prefill;
             let around = [p.saturating_sub(step), p + step]
                 .into_iter()
                 .filter(|q| (1..w).contains(q) && *q != p)
-                .map(|q| (q, policy.clone()))
+                .map(|q| c.with_prefill(q))
                 .collect();
             evaluate(around, &mut best)?;
             if step == 1 {
@@ -204,53 +346,70 @@ impl Tune<'_> {
             .collect();
         for param in &params {
             stage(&format!("{family}: {}", param.name));
-            let ((p, policy), _) = best.clone().expect("evaluated");
+            let (c, _) = best.clone().expect("evaluated");
             let candidates = param
                 .tune
                 .iter()
                 .filter_map(|&v| {
-                    let mut q = policy.clone();
-                    q.set(param.name, v).ok()?;
-                    q.validate().ok()?;
-                    Some((p, q))
+                    let mut q = c.clone();
+                    q.policy.set(param.name, v).ok()?;
+                    q.policy.validate().ok()?;
+                    Some(q)
                 })
                 .collect();
             evaluate(candidates, &mut best)?;
         }
-        if !params.is_empty() {
+        if !params.is_empty() || self.tuned_router_params().next().is_some() {
             stage(&format!("{family}: P:D split again"));
-            let ((p, policy), _) = best.clone().expect("evaluated");
+            let (c, _) = best.clone().expect("evaluated");
+            let p = c.prefill;
             let around = [p.saturating_sub(1), p + 1]
                 .into_iter()
                 .filter(|q| (1..w).contains(q) && *q != p)
-                .map(|q| (q, policy.clone()))
+                .map(|q| c.with_prefill(q))
                 .collect();
             evaluate(around, &mut best)?;
         }
+        // The router settings again, where the split and thresholds ended.
+        self.tune_router_params(family, &mut best, &mut evaluate, stage)?;
         let (candidate, capacity) = best.expect("evaluated");
         Ok(Best {
             family: family.to_owned(),
             deployment: self.deployment(&candidate, disagg),
             capacity,
+            router_params: candidate.router,
             tried: tried.len(),
         })
     }
 }
 
-/// The tunable parameters of a deployment's policy, `name=value`, or `-`.
-pub fn tuned_params(deployment: &Deployment) -> String {
-    let Deployment::Conditional { policy, .. } = deployment else {
-        return "-".into();
-    };
-    let spec = policy.spec();
-    let shown: Vec<String> = policy
-        .params()
-        .into_iter()
-        .filter(|(name, _)| spec.param(name).is_some_and(|p| !p.tune.is_empty()))
+/// A family's tuned settings, `name=value`: the router's
+/// ([`Best::router_params`]), then its policy's tunable parameters (or
+/// what says there are none).
+pub fn tuned_params(best: &Best) -> String {
+    let mut shown: Vec<String> = best
+        .router_params
+        .iter()
         .map(|(name, value)| format!("{name}={value}"))
         .collect();
+    let policy_params: Vec<String> = match &best.deployment {
+        Deployment::Conditional { policy, .. } => {
+            let spec = policy.spec();
+            policy
+                .params()
+                .into_iter()
+                .filter(|(name, _)| spec.param(name).is_some_and(|p| !p.tune.is_empty()))
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    if policy_params.is_empty() && matches!(best.deployment, Deployment::Conditional { .. }) {
+        shown.push("policy: nothing to tune".into());
+    }
+    shown.extend(policy_params);
     if shown.is_empty() {
-        "defaults (nothing to tune)".into()
+        "-".into()
     } else {
         shown.join(" ")
     }

@@ -1,5 +1,5 @@
-//! `sim tune` on a small cluster: one best per family, its split and
-//! thresholds among those searched, the same for the same seed.
+//! `sim tune` on a small cluster: one best per family, its split, router
+//! settings and thresholds among those searched, the same for the same seed.
 
 use engine_sim::{KvTransfer, Preset};
 use router::{IslBased, Policy};
@@ -94,12 +94,41 @@ fn one_best_per_family_among_what_it_searched() {
     // Splits 1 and 2, then one setting per grid value at least.
     let grid: usize = policy.spec().params().map(|p| p.tune.len()).sum();
     assert!(best[2].tried >= 2 + grid.min(1), "{}", best[2].tried);
+    // Every family's router settings are tuned, aggregated's over the
+    // whole grid, and the scenarios it names carry them.
+    let (credit, credits) = router::TUNED_PARAMS[0];
+    assert_eq!(best[0].tried, credits.len());
     for b in &best {
         assert!(b.capacity.load() > 0.0, "{} {:?}", b.family, b.capacity);
+        let [(name, value)] = b.router_params.as_slice() else {
+            panic!("{} {:?}", b.family, b.router_params)
+        };
+        assert!(name == credit && credits.contains(value), "{name}={value}");
+        let config = b.scenarios(&scenarios)[0].config.router_config().unwrap();
+        assert_eq!(config.decode.overlap_credit, *value, "{}", b.family);
     }
     let again = tune.run(&Progress::default(), &|_| {}).unwrap();
     for (a, b) in best.iter().zip(&again) {
-        assert_eq!((&a.deployment, a.capacity), (&b.deployment, b.capacity));
+        assert_eq!(
+            (&a.deployment, a.capacity, &a.router_params),
+            (&b.deployment, b.capacity, &b.router_params)
+        );
+    }
+
+    // A router setting fixed by the scenarios is not tuned.
+    let mut fixed = scenarios.clone();
+    fixed[0].config.router_params = vec![(credit.to_owned(), 3.0)];
+    let tune = Tune {
+        scenarios: &fixed,
+        policies: &[],
+        ..tune
+    };
+    let best = tune.run(&Progress::default(), &|_| {}).unwrap();
+    assert_eq!(best[0].tried, 1);
+    for b in &best {
+        assert!(b.router_params.is_empty(), "{:?}", b.router_params);
+        let config = b.scenarios(&fixed)[0].config.router_config().unwrap();
+        assert_eq!(config.decode.overlap_credit, 3.0);
     }
 }
 

@@ -17,6 +17,17 @@ use super::workers::LedgerConfig;
 /// name one was made without it, and replay gives it this value.
 pub const UNRECORDED_PARAMS: &[(&str, f64)] = &[("prefill.miss_weight", 0.0)];
 
+/// Router settings `sim tune` searches for every family of deployments
+/// (aggregated and disaggregated too: they choose decode workers the same
+/// way), each with its grid, the default first.
+///
+/// `decode.overlap_credit` is Dynamo's `--kv-overlap-score-weight`
+/// (default 1); on multi-turn workloads a conversation's decode worker is
+/// worth more than one block of load per cached block to every family
+/// (the README's tuning section has the figures).
+pub const TUNED_PARAMS: &[(&str, &[f64])] =
+    &[("decode.overlap_credit", &[1.0, 2.0, 4.0, 8.0, 16.0])];
+
 /// Everything the router core is configured with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouterConfig {

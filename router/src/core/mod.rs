@@ -36,7 +36,7 @@ pub mod workers;
 pub use admission::{Admission, AdmissionConfig, Offer};
 pub use breaker::{BreakerConfig, BreakerState, Breakers, Transition};
 pub use calibrate::{Calibration, Expected, Factors};
-pub use config::{ConfigError, RouterConfig};
+pub use config::{ConfigError, RouterConfig, TUNED_PARAMS};
 pub use decide::{
     decision_seed, CandidateScore, Explanation, RouteError, RouteOptions, RouteRequest, Routed,
     RouterCore,
