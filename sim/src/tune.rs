@@ -11,9 +11,9 @@
 //! pass of coordinate search); then the split again, one worker either
 //! way. The router settings every family shares ([`router::TUNED_PARAMS`]:
 //! how much a decode worker's cached prefix counts against its load) are
-//! searched the same way before the split is refined and again at the
-//! end, aggregated's too, unless `--router-param` fixed them. A
-//! candidate's capacity search starts at its family's best capacity
+//! searched the same way after the split's coarse grid (which is then
+//! run again with them) and again at the end, aggregated's too, unless
+//! `--router-param` fixed them. A candidate's capacity search starts at its family's best capacity
 //! so far and steps by a small factor, so most searches take a few runs.
 //! Candidates of one step run in parallel.
 
@@ -321,8 +321,11 @@ impl Tune<'_> {
             grid.iter().map(|&p| first.with_prefill(p)).collect(),
             &mut best,
         )?;
-        // The router settings every family shares, at the best split.
+        // The router settings every family shares, at the best split; then
+        // the coarse grid again with them (the best split moves with them).
         self.tune_router_params(family, &mut best, &mut evaluate, stage)?;
+        let (c, _) = best.clone().expect("evaluated");
+        evaluate(grid.iter().map(|&p| c.with_prefill(p)).collect(), &mut best)?;
         let mut step = (w / 8).max(1);
         loop {
             let (c, _) = best.clone().expect("the grid is not empty");
