@@ -822,7 +822,7 @@ fn tune(
         100.0 * tolerance
     );
     println!(
-        "{:<14} {:<26} {:>5}  {:<44} thresholds",
+        "{:<14} {:<26} {:>5}  {:<44} tuned settings",
         "family", "best deployment", "tried", "capacity"
     );
     for b in &best {
@@ -995,9 +995,12 @@ fn tune(
                 .map(|(k, v)| (k.to_owned(), serde_json::Value::from(v)))
                 .collect::<serde_json::Map<_, _>>()
                 .into();
-            row["router_params"] = b
+            // What it was measured at: the --router-param settings, then
+            // its tuned ones over them.
+            row["router_params"] = base
                 .router_params
                 .iter()
+                .chain(&b.router_params)
                 .map(|(k, v)| (k.clone(), serde_json::Value::from(*v)))
                 .collect::<serde_json::Map<_, _>>()
                 .into();

@@ -1,21 +1,25 @@
 //! `sim tune`: for a workload and a number of workers, the best
 //! configuration of each family of deployments, by capacity
-//! ([`crate::capacity`]): aggregated; disaggregated at its best P:D split;
-//! and C/D with each policy at its best split and thresholds.
+//! ([`crate::capacity`]): aggregated at its best router settings;
+//! disaggregated at its best P:D split and router settings; and C/D with
+//! each policy at its best split, router settings and thresholds.
 //!
 //! The search per family, to keep the runs few: the split on a coarse grid
 //! (1, a quarter, half and three quarters of the workers as prefill
-//! workers), refined by halving steps around the best; then each tunable
+//! workers); the router settings every family shares
+//! ([`router::TUNED_PARAMS`]: how much a decode worker's cached prefix
+//! counts against its load), each over its grid, unless `--router-param`
+//! fixed them; the coarse grid again (the best split moves with them);
+//! the split refined by halving steps around the best; each tunable
 //! parameter in turn over its grid from the policy registry
 //! ([`router::ParamSpec::tune`]), the others at their best so far (one
-//! pass of coordinate search); then the split again, one worker either
-//! way. The router settings every family shares ([`router::TUNED_PARAMS`]:
-//! how much a decode worker's cached prefix counts against its load) are
-//! searched the same way after the split's coarse grid (which is then
-//! run again with them) and again at the end, aggregated's too, unless
-//! `--router-param` fixed them. A candidate's capacity search starts at its family's best capacity
-//! so far and steps by a small factor, so most searches take a few runs.
-//! Candidates of one step run in parallel.
+//! pass of coordinate search); the split again, one worker either way; and
+//! the router settings again (a change there does not revisit the split).
+//! Aggregated, which has neither split nor thresholds, tries every
+//! combination of the router settings' grids. A candidate's capacity
+//! search starts at its family's best capacity so far and steps by a small
+//! factor, so most searches take a few runs. Candidates of one step run in
+//! parallel; aggregated's one after another, each from the best so far.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -110,12 +114,14 @@ impl Candidate {
         }
     }
 
-    /// This candidate with router setting `name` at `value` (replacing its
-    /// tuned value, if any).
+    /// This candidate with router setting `name` at `value`, in its place
+    /// if it has one (so that the same settings give the same key).
     fn with_router(&self, name: &str, value: f64) -> Self {
         let mut c = self.clone();
-        c.router.retain(|(n, _)| n != name);
-        c.router.push((name.to_owned(), value));
+        match c.router.iter_mut().find(|(n, _)| n == name) {
+            Some(setting) => setting.1 = value,
+            None => c.router.push((name.to_owned(), value)),
+        }
         c
     }
 }
@@ -134,7 +140,7 @@ impl Tune<'_> {
         };
         let mut agg_best: Option<(Vec<(String, f64)>, Capacity)> = None;
         let mut tried = 0;
-        for router in self.router_grid(&[]) {
+        for router in self.router_grid() {
             let c = self.capacity(
                 &agg,
                 &router,
@@ -196,17 +202,16 @@ impl Tune<'_> {
         })
     }
 
-    /// Every combination of the tuned router settings' grids over `base`
-    /// (just `base` when none is tuned).
-    fn router_grid(&self, base: &[(String, f64)]) -> Vec<Vec<(String, f64)>> {
-        let mut grid = vec![base.to_vec()];
+    /// Every combination of the tuned router settings' grids (one empty
+    /// combination when none is tuned).
+    fn router_grid(&self) -> Vec<Vec<(String, f64)>> {
+        let mut grid = vec![Vec::new()];
         for (name, values) in self.tuned_router_params() {
             grid = grid
                 .iter()
-                .flat_map(|g| {
+                .flat_map(|g: &Vec<(String, f64)>| {
                     values.iter().map(move |&v| {
                         let mut g = g.clone();
-                        g.retain(|(n, _)| n != name);
                         g.push((name.to_owned(), v));
                         g
                     })
@@ -217,10 +222,11 @@ impl Tune<'_> {
     }
 
     /// One pass over each tuned router setting's grid from the best
-    /// candidate so far, the others at their best.
+    /// candidate so far, the others at their best (`stage` names the pass
+    /// in the progress line).
     fn tune_router_params(
         &self,
-        family: &str,
+        stage_name: &str,
         best: &mut Option<(Candidate, Capacity)>,
         evaluate: &mut impl FnMut(
             Vec<Candidate>,
@@ -229,7 +235,7 @@ impl Tune<'_> {
         stage: &(dyn Fn(&str) + Sync),
     ) -> Result<(), SimError> {
         for (name, values) in self.tuned_router_params() {
-            stage(&format!("{family}: {name}"));
+            stage(&format!("{stage_name}: {name}"));
             let (c, _) = best.clone().expect("evaluated");
             let candidates = values.iter().map(|&v| c.with_router(name, v)).collect();
             evaluate(candidates, best)?;
@@ -274,7 +280,6 @@ impl Tune<'_> {
         let start = policy.unwrap_or_else(|| router::AlwaysDisagg.into());
         let w = self.workers;
         let mut tried: HashMap<String, Capacity> = HashMap::new();
-        let key = Candidate::key;
         let mut best: Option<(Candidate, Capacity)> = None;
         // Runs the candidates not tried yet (in parallel) and keeps the
         // best; ties keep the earlier best.
@@ -283,7 +288,7 @@ impl Tune<'_> {
          -> Result<(), SimError> {
             let mut fresh: Vec<Candidate> = Vec::new();
             for c in candidates {
-                if !tried.contains_key(&key(&c)) && !fresh.iter().any(|f| key(f) == key(&c)) {
+                if !tried.contains_key(&c.key()) && !fresh.iter().any(|f| f.key() == c.key()) {
                     fresh.push(c);
                 }
             }
@@ -293,7 +298,7 @@ impl Tune<'_> {
             });
             for (c, r) in fresh.into_iter().zip(results) {
                 let capacity = r?;
-                tried.insert(key(&c), capacity);
+                tried.insert(c.key(), capacity);
                 if best
                     .as_ref()
                     .is_none_or(|(_, b)| capacity.load() > b.load())
@@ -309,6 +314,7 @@ impl Tune<'_> {
         grid.dedup();
         stage(&format!("{family}: P:D split"));
         let first = Candidate {
+            // Each coarse split replaces it.
             prefill: 0,
             policy: start.clone(),
             // Each tuned router setting at its default, the grid's first.
@@ -374,7 +380,8 @@ impl Tune<'_> {
             evaluate(around, &mut best)?;
         }
         // The router settings again, where the split and thresholds ended.
-        self.tune_router_params(family, &mut best, &mut evaluate, stage)?;
+        let again = format!("{family} again");
+        self.tune_router_params(&again, &mut best, &mut evaluate, stage)?;
         let (candidate, capacity) = best.expect("evaluated");
         Ok(Best {
             family: family.to_owned(),
@@ -395,22 +402,20 @@ pub fn tuned_params(best: &Best) -> String {
         .iter()
         .map(|(name, value)| format!("{name}={value}"))
         .collect();
-    let policy_params: Vec<String> = match &best.deployment {
-        Deployment::Conditional { policy, .. } => {
-            let spec = policy.spec();
+    if let Deployment::Conditional { policy, .. } = &best.deployment {
+        let spec = policy.spec();
+        let before = shown.len();
+        shown.extend(
             policy
                 .params()
                 .into_iter()
                 .filter(|(name, _)| spec.param(name).is_some_and(|p| !p.tune.is_empty()))
-                .map(|(name, value)| format!("{name}={value}"))
-                .collect()
+                .map(|(name, value)| format!("{name}={value}")),
+        );
+        if shown.len() == before {
+            shown.push("policy: nothing to tune".into());
         }
-        _ => Vec::new(),
-    };
-    if policy_params.is_empty() && matches!(best.deployment, Deployment::Conditional { .. }) {
-        shown.push("policy: nothing to tune".into());
     }
-    shown.extend(policy_params);
     if shown.is_empty() {
         "-".into()
     } else {

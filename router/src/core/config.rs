@@ -160,3 +160,20 @@ pub enum ConfigError {
         expected: &'static str,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sim tune` starts each family at the first value of each grid: the
+    /// router's default, so that the untuned candidate is the default one.
+    #[test]
+    fn each_tuned_grid_starts_at_the_default() {
+        let config = RouterConfig::new(HashingContract::for_model("m", 16));
+        let params = config.params();
+        for (name, grid) in TUNED_PARAMS {
+            let default = params.iter().find(|(n, _)| n == name).map(|p| p.1);
+            assert_eq!(default, grid.first().copied(), "{name}");
+        }
+    }
+}
