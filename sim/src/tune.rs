@@ -114,6 +114,17 @@ impl Candidate {
         }
     }
 
+    /// This candidate with `step` prefill workers fewer and more, those
+    /// of the splits of `workers` that leave both sides at least one.
+    fn splits_around(&self, step: u32, workers: u32) -> Vec<Self> {
+        let p = self.prefill;
+        [p.saturating_sub(step), p + step]
+            .into_iter()
+            .filter(|q| (1..workers).contains(q) && *q != p)
+            .map(|q| self.with_prefill(q))
+            .collect()
+    }
+
     /// This candidate with router setting `name` at `value`, in its place
     /// if it has one (so that the same settings give the same key).
     fn with_router(&self, name: &str, value: f64) -> Self {
@@ -335,13 +346,7 @@ impl Tune<'_> {
         let mut step = (w / 8).max(1);
         loop {
             let (c, _) = best.clone().expect("the grid is not empty");
-            let p = c.prefill;
-            let around = [p.saturating_sub(step), p + step]
-                .into_iter()
-                .filter(|q| (1..w).contains(q) && *q != p)
-                .map(|q| c.with_prefill(q))
-                .collect();
-            evaluate(around, &mut best)?;
+            evaluate(c.splits_around(step, w), &mut best)?;
             if step == 1 {
                 break;
             }
@@ -371,13 +376,7 @@ impl Tune<'_> {
         if !params.is_empty() || self.tuned_router_params().next().is_some() {
             stage(&format!("{family}: P:D split again"));
             let (c, _) = best.clone().expect("evaluated");
-            let p = c.prefill;
-            let around = [p.saturating_sub(1), p + 1]
-                .into_iter()
-                .filter(|q| (1..w).contains(q) && *q != p)
-                .map(|q| c.with_prefill(q))
-                .collect();
-            evaluate(around, &mut best)?;
+            evaluate(c.splits_around(1, w), &mut best)?;
         }
         // The router settings again, where the split and thresholds ended.
         let again = format!("{family} again");
