@@ -80,6 +80,11 @@ enum Command {
         /// always tuned.
         #[arg(long, value_delimiter = ',')]
         policies: Vec<String>,
+        /// A policy parameter over its default for every tuned C/D policy
+        /// that has it, then not tuned, e.g. `--param
+        /// spare_decodes_up_to=2` (repeatable; the router's names).
+        #[arg(long = "param", value_parser = router::parse_param)]
+        params: Vec<(String, f64)>,
     },
     /// Run one deployment at one load and print its figures.
     Run {
@@ -490,7 +495,15 @@ fn main() -> anyhow::Result<()> {
             threads,
             seeds,
             policies,
-        } => tune(&common, capacity_tolerance, threads, seeds, &policies)?,
+            params,
+        } => tune(
+            &common,
+            capacity_tolerance,
+            threads,
+            seeds,
+            &policies,
+            &params,
+        )?,
         Command::Run {
             common,
             deployment,
@@ -747,6 +760,7 @@ fn tune(
     threads: Option<usize>,
     seeds: u64,
     only: &[String],
+    params: &[(String, f64)],
 ) -> anyhow::Result<()> {
     let scenarios = common.scenarios(seeds)?;
     let (base, workload) = (&scenarios[0].config, &scenarios[0].workload);
@@ -767,11 +781,21 @@ fn tune(
         }
         policies.retain(|p| wanted.contains(&p.name()));
     }
+    for (name, _) in params {
+        if !policies.iter().any(|p| p.spec().param(name).is_some()) {
+            let names: Vec<&str> = policies.iter().map(|p| p.name()).collect();
+            bail!(
+                "--param {name}: none of the tuned policies ({}) has it",
+                names.join(", ")
+            );
+        }
+    }
     let (lo, hi) = common.default_loads();
     let tune = Tune {
         scenarios: &scenarios,
         workers: common.workers,
         policies: &policies,
+        policy_params: params,
         search: Search {
             start: (lo + hi) / 2.0,
             growth: 1.25,
@@ -781,6 +805,7 @@ fn tune(
         },
         threads,
     };
+    tune.policies()?;
     let bar = ProgressBar::new_spinner().with_style(
         ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("valid template"),
     );
@@ -799,6 +824,8 @@ fn tune(
             "tuning {stage}: {searches} capacity searches, {runs} runs so far"
         ));
     })?;
+    bar.set_message("each family's TTFT p99 at its capacity");
+    let tails = tails_at_capacity(&best, &scenarios, threads)?;
     bar.finish_and_clear();
     let unit = workload.load_unit();
     let gpus = common.workers * base.preset.gpus;
@@ -822,19 +849,21 @@ fn tune(
         100.0 * tolerance
     );
     println!(
-        "{:<14} {:<26} {:>5}  {:<44} tuned settings",
-        "family", "best deployment", "tried", "capacity"
+        "{:<14} {:<26} {:>5}  {:<44} {:<20} tuned settings",
+        "family", "best deployment", "tried", "capacity", "TTFT p99 there"
     );
-    for b in &best {
+    for (b, tail) in best.iter().zip(&tails) {
         println!(
-            "{:<14} {:<26} {:>5}  {:<44} {}",
+            "{:<14} {:<26} {:>5}  {:<44} {:<20} {}",
             b.family,
             b.deployment.name(),
             b.tried,
             b.capacity.describe(unit),
+            describe_tail(tail),
             tuned_params(b)
         );
     }
+    println!("(TTFT p99 there: each seed's run at the family's capacity, lowest-highest; a capacity at 90% attainment says nothing of the other 10%)");
     let of = |family: &str| best.iter().find(|b| b.family == family);
     let cd: Vec<&Best> = best
         .iter()
@@ -979,7 +1008,8 @@ fn tune(
     let (searches, runs) = counts(&progress);
     let families: Vec<_> = best
         .iter()
-        .map(|b| {
+        .zip(&tails)
+        .map(|(b, tail)| {
             let mut row = b.capacity.to_json();
             let (prefill, decode) = b.deployment.split();
             row["family"] = b.family.clone().into();
@@ -1005,6 +1035,7 @@ fn tune(
                 .collect::<serde_json::Map<_, _>>()
                 .into();
             row["tried"] = b.tried.into();
+            row["ttft_p99_ms_at_capacity"] = tail.clone().into();
             row
         })
         .collect();
@@ -1032,6 +1063,50 @@ fn tune(
 /// policy of the router's registry (the SLA policy's targets are the SLO
 /// and its cost model the registry's defaults, corrected online by the
 /// router core's calibration, unless `--param` says otherwise).
+/// Each family's TTFT p99 at its capacity, seed by seed (empty when no
+/// load passed): each best run on each scenario at its capacity, on the
+/// router settings tuned for it.
+fn tails_at_capacity(
+    best: &[Best],
+    scenarios: &[Scenario],
+    threads: usize,
+) -> anyhow::Result<Vec<Vec<f64>>> {
+    let jobs: Vec<(&Best, Scenario)> = best
+        .iter()
+        .filter(|b| b.capacity.load() > 0.0)
+        .flat_map(|b| b.scenarios(scenarios).into_iter().map(move |s| (b, s)))
+        .collect();
+    let p99s = parallel_map(&jobs, threads, &|_, _| {}, |(b, s)| {
+        run_point(&s.config, &b.deployment, &s.workload, b.capacity.load())
+            .map(|p| p.summary.ttft_ms.p99)
+    })
+    .into_iter()
+    .collect::<Result<Vec<f64>, _>>()?;
+    let mut p99s = p99s.into_iter();
+    Ok(best
+        .iter()
+        .map(|b| {
+            let runs = if b.capacity.load() > 0.0 {
+                scenarios.len()
+            } else {
+                0
+            };
+            p99s.by_ref().take(runs).collect()
+        })
+        .collect())
+}
+
+/// A tail's seeds as `lowest-highest s` (one seed: its figure).
+fn describe_tail(p99s: &[f64]) -> String {
+    let lo = p99s.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = p99s.iter().copied().fold(0.0, f64::max);
+    match p99s.len() {
+        0 => "-".into(),
+        1 => format!("{:.1} s", hi / 1000.0),
+        _ => format!("{:.1}-{:.1} s", lo / 1000.0, hi / 1000.0),
+    }
+}
+
 fn deployment_named(
     name: &str,
     params: &[(String, f64)],

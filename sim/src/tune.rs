@@ -13,7 +13,7 @@
 //! the split refined by halving steps around the best; each tunable
 //! parameter in turn over its grid from the policy registry
 //! ([`router::ParamSpec::tune`]), the others at their best so far (one
-//! pass of coordinate search); the split again, one worker either way; and
+//! pass of coordinate search; a parameter `--param` fixed is not tuned); the split again, one worker either way; and
 //! the router settings again (a change there does not revisit the split).
 //! Aggregated, which has neither split nor thresholds, tries every
 //! combination of the router settings' grids. A candidate's capacity
@@ -74,6 +74,9 @@ pub struct Tune<'a> {
     pub workers: u32,
     /// The C/D policies with the parameters they start from (defaults).
     pub policies: &'a [Policy],
+    /// Policy parameters fixed over their defaults (`--param`), set on
+    /// each policy that has them and not tuned.
+    pub policy_params: &'a [(String, f64)],
     /// Each candidate's capacity search (its `start` is the first
     /// family's guess; later ones start at their family's best).
     pub search: Search,
@@ -174,16 +177,40 @@ impl Tune<'_> {
             router_params,
             tried,
         });
-        let families = std::iter::once(("disaggregated".to_owned(), None)).chain(
-            self.policies
-                .iter()
-                .map(|p| (p.name().to_owned(), Some(p.clone()))),
-        );
+        let policies = self.policies()?;
+        let families = std::iter::once(("disaggregated".to_owned(), None))
+            .chain(policies.into_iter().map(|p| (p.name().to_owned(), Some(p))));
         for (family, policy) in families {
             stage(&family);
             out.push(self.family(&family, policy, guess, progress, stage)?);
         }
         Ok(out)
+    }
+
+    /// The C/D policies as tuned: each with the fixed parameters it has
+    /// ([`Tune::policy_params`]), checked (call it first to refuse a bad
+    /// value before anything runs).
+    pub fn policies(&self) -> Result<Vec<Policy>, SimError> {
+        self.policies
+            .iter()
+            .map(|policy| {
+                let mut policy = policy.clone();
+                for (name, value) in self.policy_params {
+                    if policy.spec().param(name).is_some() {
+                        policy
+                            .set(name, *value)
+                            .map_err(router::ConfigError::from)?;
+                    }
+                }
+                policy.validate().map_err(router::ConfigError::from)?;
+                Ok(policy)
+            })
+            .collect()
+    }
+
+    /// Whether `--param` fixed the policy parameter `name`.
+    fn fixed(&self, name: &str) -> bool {
+        self.policy_params.iter().any(|(n, _)| n == name)
     }
 
     fn deployment(&self, c: &Candidate, disagg: bool) -> Deployment {
@@ -356,7 +383,7 @@ impl Tune<'_> {
         let params: Vec<_> = start
             .spec()
             .params()
-            .filter(|p| !p.tune.is_empty())
+            .filter(|p| !p.tune.is_empty() && !self.fixed(p.name))
             .collect();
         for param in &params {
             stage(&format!("{family}: {}", param.name));

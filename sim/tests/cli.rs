@@ -149,6 +149,32 @@ fn tune_error(policies: &str) -> anyhow::Result<String> {
     sim_error(&["tune", "--policies", policies])
 }
 
+/// `tune --param` names a parameter none of the tuned policies has, and
+/// an out-of-range value, before anything runs.
+#[test]
+fn tune_refuses_a_param_no_tuned_policy_has() -> anyhow::Result<()> {
+    let stderr = sim_error(&[
+        "tune",
+        "--policies",
+        "isl",
+        "--param",
+        "spare_decodes_up_to=2",
+    ])?;
+    assert!(
+        stderr.contains("--param spare_decodes_up_to: none of the tuned policies (isl) has it"),
+        "{stderr}"
+    );
+    let stderr = sim_error(&[
+        "tune",
+        "--policies",
+        "sla_dynamic",
+        "--param",
+        "spare_decodes_up_to=-1",
+    ])?;
+    assert!(stderr.contains("spare_decodes_up_to = -1"), "{stderr}");
+    Ok(())
+}
+
 /// `--router-param` takes the router's settings by the names its decision
 /// records list, and names what is wrong before anything runs.
 #[test]
@@ -330,6 +356,77 @@ fn run_with_seeds_sums_the_misses() -> anyhow::Result<()> {
             }
         }
         assert_eq!(summed, expected, "{both}");
+    }
+    Ok(())
+}
+
+/// `sim tune` prints each family's TTFT p99 at its capacity, seed by seed:
+/// each the p99 `sim run` prints for that family at that load and seed.
+#[test]
+fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
+    let small = [
+        "--workload",
+        "synthetic",
+        "--duration-s",
+        "6",
+        "--workers",
+        "3",
+        "--preset",
+        "llama8b_h100",
+    ];
+    let out = sim(&[&["tune", "--policies", "isl", "--seeds", "2"][..], &small].concat())?;
+    assert!(out.contains("TTFT p99 there"), "{out}");
+    let json: serde_json::Value = serde_json::from_str(
+        out.lines()
+            .rfind(|l| l.starts_with('{'))
+            .ok_or_else(|| anyhow::anyhow!("no JSON line:\n{out}"))?,
+    )?;
+    let agg = &json["families"][0];
+    assert_eq!(agg["family"], "aggregated");
+    let tails: Vec<f64> = agg["ttft_p99_ms_at_capacity"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("no tail: {agg}"))?
+        .iter()
+        .filter_map(|v| v.as_f64())
+        .collect();
+    assert_eq!(tails.len(), 2, "{agg}");
+    for family in json["families"].as_array().into_iter().flatten() {
+        assert_eq!(
+            family["ttft_p99_ms_at_capacity"].as_array().map(Vec::len),
+            Some(2)
+        );
+    }
+    let capacity = agg["capacity"].as_f64().unwrap_or_default().to_string();
+    let credit = agg["router_params"]["decode.overlap_credit"]
+        .as_f64()
+        .unwrap_or_default();
+    for (seed, tail) in ["1", "2"].into_iter().zip(&tails) {
+        let run = sim(&[
+            &[
+                "run",
+                "--deployment",
+                "aggregated",
+                "--load",
+                &capacity,
+                "--seed",
+                seed,
+                "--router-param",
+                &format!("decode.overlap_credit={credit}"),
+            ][..],
+            &small,
+        ]
+        .concat())?;
+        let row = rows(&run)[0];
+        let p99: f64 = row
+            .split('|')
+            .nth(1)
+            .and_then(|c| c.split_whitespace().nth(2))
+            .unwrap_or("")
+            .parse()?;
+        assert!(
+            (p99 - tail).abs() <= 0.5,
+            "seed {seed}: {tail} in the tune, {row}"
+        );
     }
     Ok(())
 }

@@ -50,6 +50,7 @@ fn one_best_per_family_among_what_it_searched() {
         scenarios: &scenarios,
         workers: 3,
         policies: &policies,
+        policy_params: &[],
         search: Search {
             start: 4.0,
             growth: 1.5,
@@ -130,6 +131,38 @@ fn one_best_per_family_among_what_it_searched() {
         let config = b.scenarios(&fixed)[0].config.router_config().unwrap();
         assert_eq!(config.decode.overlap_credit, 3.0);
     }
+
+    // A policy parameter fixed by `--param` is set and not tuned; the
+    // others are.
+    let tune = Tune {
+        scenarios: &fixed,
+        policies: &policies,
+        policy_params: &[("eff_isl_tokens".to_owned(), 700.0)],
+        ..tune
+    };
+    let stages = std::sync::Mutex::new(Vec::new());
+    let best = tune
+        .run(&Progress::default(), &|s| {
+            stages.lock().unwrap().push(s.to_owned())
+        })
+        .unwrap();
+    let stages = stages.into_inner().unwrap();
+    assert!(
+        stages.iter().any(|s| s == "isl: eff_isl_ratio"),
+        "{stages:?}"
+    );
+    assert!(
+        !stages.iter().any(|s| s.contains("eff_isl_tokens")),
+        "{stages:?}"
+    );
+    let Deployment::Conditional { policy, .. } = &best[2].deployment else {
+        panic!("{:?}", best[2].deployment)
+    };
+    let eff = policy
+        .params()
+        .into_iter()
+        .find(|(n, _)| *n == "eff_isl_tokens");
+    assert_eq!(eff, Some(("eff_isl_tokens", 700.0)));
 }
 
 /// With several seeds' scenarios a load is judged by the mean of their

@@ -75,8 +75,15 @@ pub mod rules {
     /// SLA rule: only remote meets the targets: remote.
     pub const SLA_REMOTE_MEETS_TARGETS: &str = "sla.remote_meets_targets";
     /// SLA rule: neither meets them; a bypass would push the decode
-    /// worker's running requests over the ITL target: remote.
+    /// worker's running requests over the ITL target, and the remote first
+    /// token is predicted within `spare_decodes_up_to` times the TTFT
+    /// target (0: no limit, the default): remote.
     pub const SLA_REMOTE_SPARES_DECODES: &str = "sla.remote_spares_decodes";
+    /// SLA rule: neither meets them; a bypass would push the decode
+    /// worker's running requests over the ITL target, but the remote first
+    /// token is predicted past `spare_decodes_up_to` times the TTFT target
+    /// (the prefill side is overloaded) and the local one is sooner: bypass.
+    pub const SLA_LOCAL_REMOTE_OVERLOADED: &str = "sla.local_remote_overloaded";
     /// SLA rule: neither meets them; the local first token is sooner: bypass.
     pub const SLA_LOCAL_SOONER: &str = "sla.local_sooner";
     /// SLA rule: neither meets them; remote's is no later: remote.
@@ -89,7 +96,9 @@ pub mod rules {
     /// SLA rule: only the fetching remote prefill meets the targets.
     pub const SLA_FETCH_MEETS_TARGETS: &str = "sla.fetch_meets_targets";
     /// SLA rule: neither meets them; a bypass would push the decode
-    /// worker's running requests over the ITL target: remote, fetching.
+    /// worker's running requests over the ITL target, and the fetching
+    /// remote's first token is predicted within `spare_decodes_up_to`
+    /// times the TTFT target: remote, fetching.
     pub const SLA_FETCH_SPARES_DECODES: &str = "sla.fetch_spares_decodes";
     /// SLA rule: neither meets them; the fetching remote's first token is
     /// no later: remote, fetching.

@@ -88,7 +88,7 @@ const LOAD_PARAMS: [ParamSpec; 2] = [
     },
 ];
 
-const SLA_PARAMS: [ParamSpec; 13] = [
+const SLA_PARAMS: [ParamSpec; 14] = [
     ParamSpec {
         name: "ttft_target_ms",
         help: "SLA policy: time-to-first-token target (ms)",
@@ -97,6 +97,11 @@ const SLA_PARAMS: [ParamSpec; 13] = [
     ParamSpec {
         name: "itl_target_ms",
         help: "SLA policy: inter-token latency target, a per-request mean (ms)",
+        tune: &[],
+    },
+    ParamSpec {
+        name: "spare_decodes_up_to",
+        help: "SLA policy: when neither path meets the targets, a request goes to the prefill worker to spare the decode worker's running requests only while its predicted first token is within this multiple of the TTFT target, past which the sooner first token wins (0: no limit; a limit bounds the prefill side's queue but costs attainment: README)",
         tune: &[],
     },
     ParamSpec {

@@ -273,6 +273,18 @@ pub struct SlaDynamic {
     pub ttft_target_ms: f64,
     /// Inter-token latency target (ms). Default 60.
     pub itl_target_ms: f64,
+    /// How long a request that neither path serves in time may be predicted
+    /// to wait for its first token on the prefill worker, as a multiple of
+    /// the TTFT target, and still be sent there to spare the decode
+    /// worker's running requests a local prefill's stall
+    /// ([`rules::SLA_REMOTE_SPARES_DECODES`]); past it the sooner first
+    /// token wins ([`rules::SLA_LOCAL_REMOTE_OVERLOADED`]). Default 0: no
+    /// limit, which keeps the most requests within the SLO but lets the
+    /// prefill side's queue grow for as long as an overload lasts (with one
+    /// prefill worker, a TTFT p99 of minutes at 90% attainment). A limit
+    /// bounds that queue and moves the overload onto the decode workers'
+    /// ITL: the README measures the trade.
+    pub spare_decodes_up_to: f64,
     /// Engine timing (a prior: the calibration corrects it).
     #[serde(flatten)]
     pub cost: CostModel,
@@ -290,6 +302,7 @@ impl SlaDynamic {
         Self {
             ttft_target_ms,
             itl_target_ms,
+            spare_decodes_up_to: 0.0,
             cost,
         }
     }
@@ -307,6 +320,17 @@ impl SlaDynamic {
         positive("itl_target_ms", self.itl_target_ms)?;
         positive("transfer_bytes_per_ms", self.cost.transfer_bytes_per_ms)?;
         positive("host_read_bytes_per_ms", self.cost.host_read_bytes_per_ms)
+    }
+
+    /// The longest predicted remote TTFT at which a request neither path
+    /// serves in time still goes remote to spare the decodes
+    /// ([`SlaDynamic::spare_decodes_up_to`]; infinite without a limit).
+    pub fn spare_limit_ms(&self) -> f64 {
+        if self.spare_decodes_up_to > 0.0 {
+            self.spare_decodes_up_to * self.ttft_target_ms
+        } else {
+            f64::INFINITY
+        }
     }
 
     /// The numbers the policy decides on.
@@ -565,6 +589,16 @@ impl ConditionalDisaggPolicy for SlaDynamic {
             k.local_ttft, k.remote_ttft, k.itl,
         ));
         let [no_more_work, meets, spares, sooner] = r.rules;
+        let harms_decodes = s.running > 0 && s.itl_local_ms > it;
+        let spare_limit = self.spare_limit_ms();
+        let within_limit = if spare_limit.is_finite() {
+            format!(
+                ", and remote's first token is within {spare_limit:.0} ms ({} x the TTFT target)",
+                self.spare_decodes_up_to
+            )
+        } else {
+            String::new()
+        };
         let what = &r.what;
         let (path, rule, why) = match (local_ok, r.ok) {
             (true, true) if s.local_work_ms < r.work_ms => (
@@ -622,12 +656,20 @@ impl ConditionalDisaggPolicy for SlaDynamic {
                 meets,
                 format!("only remote meets the targets: {what}"),
             ),
-            (false, false) if s.running > 0 && s.itl_local_ms > it => (
+            (false, false) if harms_decodes && r.ttft_ms <= spare_limit => (
                 r.path,
                 spares,
                 format!(
-                    "neither meets the targets; local would leave {} running requests over the ITL target: {what}",
+                    "neither meets the targets; local would leave {} running requests over the ITL target{within_limit}: {what}",
                     s.running
+                ),
+            ),
+            (false, false) if harms_decodes && s.local_ttft_ms < r.ttft_ms => (
+                Path::Bypass,
+                rules::SLA_LOCAL_REMOTE_OVERLOADED,
+                format!(
+                    "neither meets the targets; local would leave {} running requests over the ITL target, but remote's first token ({:.0} ms) is past {:.0} ms ({} x the TTFT target: the prefill side is overloaded) and local's is sooner: bypass on {d}",
+                    s.running, r.ttft_ms, spare_limit, self.spare_decodes_up_to
                 ),
             ),
             (false, false) if s.local_ttft_ms < r.ttft_ms => (
@@ -913,6 +955,62 @@ mod tests {
         );
     }
 
+    /// With `spare_decodes_up_to`, a request neither path serves in time
+    /// goes remote to spare the decodes only while its remote first token
+    /// is within that multiple of the TTFT target; past it, the sooner
+    /// first token (local, named as such; or remote, if it is sooner
+    /// still). Without the limit (0, the default) it goes remote however
+    /// deep the prefill worker's queue.
+    #[test]
+    fn a_spare_limit_bounds_the_prefill_queue() {
+        let f = Fixture::new();
+        let busy_p = EffectiveLoad {
+            queued_prefill_tokens: 400_000,
+            ..EffectiveLoad::default()
+        };
+        let input = f.input(8_000, 0, running(30, 30 * 64), busy_p);
+        let unlimited = SlaDynamic::with_slo(500.0, 40.0);
+        assert_eq!(unlimited.spare_decodes_up_to, 0.0);
+        let s = unlimited.predict(&input);
+        assert!(s.remote_ttft_ms > 10.0 * 500.0 && s.local_ttft_ms < s.remote_ttft_ms);
+        let (_, rule, why) = decide(&unlimited, &input);
+        assert_eq!(rule, rules::SLA_REMOTE_SPARES_DECODES, "{why}");
+        assert!(!why.contains("x the TTFT target"), "{why}");
+
+        let limit = |x: f64| SlaDynamic {
+            spare_decodes_up_to: x,
+            ..unlimited
+        };
+        // Within the limit: remote, saying so.
+        let within = s.remote_ttft_ms / 500.0 + 1.0;
+        let (path, rule, why) = decide(&limit(within), &input);
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_SPARES_DECODES),
+            "{why}"
+        );
+        assert!(why.contains("x the TTFT target"), "{why}");
+        // Past it: the sooner first token, local here.
+        let (path, rule, why) = decide(&limit(2.0), &input);
+        assert_eq!(
+            (path, rule),
+            (Path::Bypass, rules::SLA_LOCAL_REMOTE_OVERLOADED),
+            "{why}"
+        );
+        assert!(why.contains("past 1000 ms (2 x the TTFT target"), "{why}");
+        // Past it with a decode worker queued deeper still: remote is sooner.
+        let deep_d = EffectiveLoad {
+            queued_prefill_tokens: 4_000_000,
+            ..running(30, 30 * 64)
+        };
+        let (path, rule, why) = decide(&limit(2.0), &f.input(8_000, 0, deep_d, busy_p));
+        assert_eq!(
+            (path, rule),
+            (Path::Remote, rules::SLA_REMOTE_SOONER),
+            "{why}"
+        );
+    }
+
     /// A prefix the decode worker holds only in host memory is neither a
     /// free hit nor a recompute: the bypass's TTFT adds its read-back over
     /// the host link (setup + bytes / (gpus x per-GPU rate)), which sits
@@ -997,7 +1095,7 @@ mod tests {
         ] {
             assert!(why.contains(needle), "{needle}: {why}");
         }
-        assert_eq!(crate::core::Policy::from(policy).params().len(), 13);
+        assert_eq!(crate::core::Policy::from(policy).params().len(), 14);
     }
 
     /// The third option: a long append to a conversation the decode worker
