@@ -80,9 +80,9 @@ enum Command {
         /// always tuned.
         #[arg(long, value_delimiter = ',')]
         policies: Vec<String>,
-        /// A policy parameter over its default for every tuned C/D policy
-        /// that has it, then not tuned, e.g. `--param
-        /// spare_decodes_up_to=2` (repeatable; the router's names).
+        /// NAME=VALUE: fix a policy parameter for every tuned C/D policy that
+        /// has it (it is then not tuned), e.g. `--param
+        /// spare_decodes_up_to=2`; repeatable, the router's names.
         #[arg(long = "param", value_parser = router::parse_param)]
         params: Vec<(String, f64)>,
     },
@@ -805,7 +805,7 @@ fn tune(
         },
         threads,
     };
-    tune.policies()?;
+    tune.tuned_policies()?;
     let bar = ProgressBar::new_spinner().with_style(
         ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("valid template"),
     );
@@ -825,7 +825,7 @@ fn tune(
         ));
     })?;
     bar.set_message("each family's TTFT p99 at its capacity");
-    let tails = tails_at_capacity(&best, &scenarios, threads)?;
+    let tails = tails_at_capacity(&best, &scenarios, threads, &progress)?;
     bar.finish_and_clear();
     let unit = workload.load_unit();
     let gpus = common.workers * base.preset.gpus;
@@ -848,6 +848,13 @@ fn tune(
         if seeds == 1 { "" } else { " on average over the seeds" },
         100.0 * tolerance
     );
+    if !params.is_empty() {
+        let fixed: Vec<String> = params.iter().map(|(n, v)| format!("{n}={v}")).collect();
+        println!(
+            "policy parameters fixed by --param (not tuned): {}\n",
+            fixed.join(" ")
+        );
+    }
     println!(
         "{:<14} {:<26} {:>5}  {:<44} {:<20} tuned settings",
         "family", "best deployment", "tried", "capacity", "TTFT p99 there"
@@ -1059,10 +1066,6 @@ fn tune(
     Ok(())
 }
 
-/// `--deployment` and `--param`: aggregated, disaggregated, or C/D with a
-/// policy of the router's registry (the SLA policy's targets are the SLO
-/// and its cost model the registry's defaults, corrected online by the
-/// router core's calibration, unless `--param` says otherwise).
 /// Each family's TTFT p99 at its capacity, seed by seed (empty when no
 /// load passed): each best run on each scenario at its capacity, on the
 /// router settings tuned for it.
@@ -1070,12 +1073,16 @@ fn tails_at_capacity(
     best: &[Best],
     scenarios: &[Scenario],
     threads: usize,
+    progress: &Progress,
 ) -> anyhow::Result<Vec<Vec<f64>>> {
     let jobs: Vec<(&Best, Scenario)> = best
         .iter()
         .filter(|b| b.capacity.load() > 0.0)
         .flat_map(|b| b.scenarios(scenarios).into_iter().map(move |s| (b, s)))
         .collect();
+    progress
+        .runs
+        .fetch_add(jobs.len(), std::sync::atomic::Ordering::Relaxed);
     let p99s = parallel_map(&jobs, threads, &|_, _| {}, |(b, s)| {
         run_point(&s.config, &b.deployment, &s.workload, b.capacity.load())
             .map(|p| p.summary.ttft_ms.p99)
@@ -1107,6 +1114,10 @@ fn describe_tail(p99s: &[f64]) -> String {
     }
 }
 
+/// `--deployment` and `--param`: aggregated, disaggregated, or C/D with a
+/// policy of the router's registry (the SLA policy's targets are the SLO
+/// and its cost model the registry's defaults, corrected online by the
+/// router core's calibration, unless `--param` says otherwise).
 fn deployment_named(
     name: &str,
     params: &[(String, f64)],

@@ -177,7 +177,7 @@ impl Tune<'_> {
             router_params,
             tried,
         });
-        let policies = self.policies()?;
+        let policies = self.tuned_policies()?;
         let families = std::iter::once(("disaggregated".to_owned(), None))
             .chain(policies.into_iter().map(|p| (p.name().to_owned(), Some(p))));
         for (family, policy) in families {
@@ -190,7 +190,7 @@ impl Tune<'_> {
     /// The C/D policies as tuned: each with the fixed parameters it has
     /// ([`Tune::policy_params`]), checked (call it first to refuse a bad
     /// value before anything runs).
-    pub fn policies(&self) -> Result<Vec<Policy>, SimError> {
+    pub fn tuned_policies(&self) -> Result<Vec<Policy>, SimError> {
         self.policies
             .iter()
             .map(|policy| {

@@ -101,7 +101,7 @@ const SLA_PARAMS: [ParamSpec; 14] = [
     },
     ParamSpec {
         name: "spare_decodes_up_to",
-        help: "SLA policy: when neither path meets the targets, a request goes to the prefill worker to spare the decode worker's running requests only while its predicted first token is within this multiple of the TTFT target, past which the sooner first token wins (0: no limit; a limit bounds the prefill side's queue but costs attainment: README)",
+        help: "SLA policy, a multiple of the TTFT target: when neither path meets the targets, a request goes to the prefill worker to spare the decode worker's running requests only while its predicted first token there is within this multiple of the target, past which the sooner first token wins (0: no limit; 1 or less: never spare them; a limit bounds the prefill side's queue but costs attainment: README, 'A limit on the prefill queue')",
         tune: &[],
     },
     ParamSpec {

@@ -256,8 +256,10 @@ pub struct FetchPrediction {
 ///    remote misses one), whether or not they already are without it (a
 ///    decode worker past its ITL target takes no more prefill work: letting
 ///    the sooner first token decide there drove ITL ever further past the
-///    target once the prefill workers' queue grew); otherwise the sooner
-///    first token (ties remote).
+///    target once the prefill workers' queue grew) and, with a limit
+///    (`spare_decodes_up_to`), the remote first token is within it;
+///    otherwise the sooner first token (ties remote; a bypass past the
+///    limit is `sla.local_remote_overloaded`).
 ///
 /// "Remote" is the better of two remote prefills when the router offers
 /// the third path ([`PolicyInput::fetch`]): from the prefill worker's own
