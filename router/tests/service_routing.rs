@@ -100,6 +100,14 @@ async fn a_short_append_bypasses_to_the_worker_holding_the_conversation() -> Res
     assert_eq!(logged.id.to_string(), decision);
     assert_eq!(logged.decode, id("d1"));
 
+    // The first request's reservation is released (the router's loop
+    // hears its end after the client does): until then it counts against
+    // d1, more than the 62 blocks d1 holds, and d0 would win the decode.
+    wait_for("the first request's release", || async {
+        (router.ledger().await.ok()?["in_flight"] == 0).then_some(())
+    })
+    .await?;
+
     // Streamed: SSE chunks in order, the annotation first, [DONE] last.
     let r = router
         .post(
