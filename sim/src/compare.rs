@@ -153,13 +153,27 @@ pub fn mean_attainment(
     deployment: &Deployment,
     load: f64,
 ) -> Result<f64, SimError> {
-    let mut sum = 0.0;
-    for s in scenarios {
-        sum += run_point(&s.config, deployment, &s.workload, load)?
-            .summary
-            .slo_attainment;
-    }
-    Ok(sum / scenarios.len().max(1) as f64)
+    Ok(mean_slo_attainment(&run_scenarios(
+        scenarios, deployment, load,
+    )?))
+}
+
+/// `deployment` at `load` on each of `scenarios`, one after another, in
+/// their order.
+pub fn run_scenarios(
+    scenarios: &[Scenario],
+    deployment: &Deployment,
+    load: f64,
+) -> Result<Vec<Point>, SimError> {
+    scenarios
+        .iter()
+        .map(|s| run_point(&s.config, deployment, &s.workload, load))
+        .collect()
+}
+
+/// The mean SLO attainment of `points`.
+pub fn mean_slo_attainment(points: &[Point]) -> f64 {
+    points.iter().map(|p| p.summary.slo_attainment).sum::<f64>() / points.len().max(1) as f64
 }
 
 /// One deployment at one load.

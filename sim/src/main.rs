@@ -824,8 +824,6 @@ fn tune(
             "tuning {stage}: {searches} capacity searches, {runs} runs so far"
         ));
     })?;
-    bar.set_message("each family's TTFT p99 at its capacity");
-    let tails = tails_at_capacity(&best, &scenarios, threads, &progress)?;
     bar.finish_and_clear();
     let unit = workload.load_unit();
     let gpus = common.workers * base.preset.gpus;
@@ -859,14 +857,14 @@ fn tune(
         "{:<14} {:<26} {:>5}  {:<44} {:<20} tuned settings",
         "family", "best deployment", "tried", "capacity", "TTFT p99 there"
     );
-    for (b, tail) in best.iter().zip(&tails) {
+    for b in &best {
         println!(
             "{:<14} {:<26} {:>5}  {:<44} {:<20} {}",
             b.family,
             b.deployment.name(),
             b.tried,
             b.capacity.describe(unit),
-            describe_tail(tail),
+            describe_tail(&b.tail),
             tuned_params(b)
         );
     }
@@ -1015,8 +1013,7 @@ fn tune(
     let (searches, runs) = counts(&progress);
     let families: Vec<_> = best
         .iter()
-        .zip(&tails)
-        .map(|(b, tail)| {
+        .map(|b| {
             let mut row = b.capacity.to_json();
             let (prefill, decode) = b.deployment.split();
             row["family"] = b.family.clone().into();
@@ -1042,7 +1039,7 @@ fn tune(
                 .collect::<serde_json::Map<_, _>>()
                 .into();
             row["tried"] = b.tried.into();
-            row["ttft_p99_ms_at_capacity"] = tail.clone().into();
+            row["ttft_p99_ms_at_capacity"] = b.tail.clone().into();
             row
         })
         .collect();
@@ -1064,43 +1061,6 @@ fn tune(
     });
     println!("\n{line}");
     Ok(())
-}
-
-/// Each family's TTFT p99 at its capacity, seed by seed (empty when no
-/// load passed): each best run on each scenario at its capacity, on the
-/// router settings tuned for it.
-fn tails_at_capacity(
-    best: &[Best],
-    scenarios: &[Scenario],
-    threads: usize,
-    progress: &Progress,
-) -> anyhow::Result<Vec<Vec<f64>>> {
-    let jobs: Vec<(&Best, Scenario)> = best
-        .iter()
-        .filter(|b| b.capacity.load() > 0.0)
-        .flat_map(|b| b.scenarios(scenarios).into_iter().map(move |s| (b, s)))
-        .collect();
-    progress
-        .runs
-        .fetch_add(jobs.len(), std::sync::atomic::Ordering::Relaxed);
-    let p99s = parallel_map(&jobs, threads, &|_, _| {}, |(b, s)| {
-        run_point(&s.config, &b.deployment, &s.workload, b.capacity.load())
-            .map(|p| p.summary.ttft_ms.p99)
-    })
-    .into_iter()
-    .collect::<Result<Vec<f64>, _>>()?;
-    let mut p99s = p99s.into_iter();
-    Ok(best
-        .iter()
-        .map(|b| {
-            let runs = if b.capacity.load() > 0.0 {
-                scenarios.len()
-            } else {
-                0
-            };
-            p99s.by_ref().take(runs).collect()
-        })
-        .collect())
 }
 
 /// A tail's seeds as `lowest-highest s` (one seed: its figure).

@@ -28,7 +28,7 @@ use router::Policy;
 
 use crate::capacity::{self, Capacity, Search};
 use crate::cluster::SimError;
-use crate::compare::{mean_attainment, parallel_map, Scenario};
+use crate::compare::{mean_slo_attainment, parallel_map, run_scenarios, Scenario};
 use crate::deployment::Deployment;
 
 /// One family's best configuration.
@@ -38,6 +38,9 @@ pub struct Best {
     pub family: String,
     pub deployment: Deployment,
     pub capacity: Capacity,
+    /// Its TTFT p99 at its capacity on each scenario, in their order, from
+    /// the capacity search's own runs (empty when no load passed).
+    pub tail: Vec<f64>,
     /// The router settings tuned for it ([`router::TUNED_PARAMS`]), by
     /// name, over the scenarios' own.
     pub router_params: Vec<(String, f64)>,
@@ -50,6 +53,20 @@ impl Best {
     /// capacity was measured on.
     pub fn scenarios(&self, scenarios: &[Scenario]) -> Vec<Scenario> {
         with_router_params(scenarios, &self.router_params)
+    }
+}
+
+/// A candidate's capacity, and its TTFT p99 there on each scenario
+/// ([`Best::tail`]).
+#[derive(Debug, Clone)]
+struct Measured {
+    capacity: Capacity,
+    tail: Vec<f64>,
+}
+
+impl Measured {
+    fn load(&self) -> f64 {
+        self.capacity.load()
     }
 }
 
@@ -152,7 +169,7 @@ impl Tune<'_> {
         let agg = Deployment::Aggregated {
             workers: self.workers,
         };
-        let mut agg_best: Option<(Vec<(String, f64)>, Capacity)> = None;
+        let mut agg_best: Option<(Vec<(String, f64)>, Measured)> = None;
         let mut tried = 0;
         for router in self.router_grid() {
             let c = self.capacity(
@@ -168,12 +185,13 @@ impl Tune<'_> {
                 agg_best = Some((router, c));
             }
         }
-        let (router_params, capacity) = agg_best.expect("the grid is not empty");
-        let guess = capacity.load();
+        let (router_params, measured) = agg_best.expect("the grid is not empty");
+        let guess = measured.load();
         out.push(Best {
             family: "aggregated".into(),
             deployment: agg,
-            capacity,
+            capacity: measured.capacity,
+            tail: measured.tail,
             router_params,
             tried,
         });
@@ -265,10 +283,10 @@ impl Tune<'_> {
     fn tune_router_params(
         &self,
         stage_name: &str,
-        best: &mut Option<(Candidate, Capacity)>,
+        best: &mut Option<(Candidate, Measured)>,
         evaluate: &mut impl FnMut(
             Vec<Candidate>,
-            &mut Option<(Candidate, Capacity)>,
+            &mut Option<(Candidate, Measured)>,
         ) -> Result<(), SimError>,
         stage: &(dyn Fn(&str) + Sync),
     ) -> Result<(), SimError> {
@@ -287,7 +305,7 @@ impl Tune<'_> {
         router: &[(String, f64)],
         guess: f64,
         progress: &Progress,
-    ) -> Result<Capacity, SimError> {
+    ) -> Result<Measured, SimError> {
         let s = Search {
             start: if guess > 0.0 {
                 guess
@@ -297,12 +315,21 @@ impl Tune<'_> {
             ..self.search
         };
         let scenarios = with_router_params(self.scenarios, router);
-        let (c, _) = capacity::search(&s, &[], |load| {
+        // Each load's TTFT p99s, to give the capacity's.
+        let mut tails: Vec<(f64, Vec<f64>)> = Vec::new();
+        let (capacity, _) = capacity::search(&s, &[], |load| {
             progress.runs.fetch_add(scenarios.len(), Ordering::Relaxed);
-            mean_attainment(&scenarios, deployment, load)
+            let points = run_scenarios(&scenarios, deployment, load)?;
+            tails.push((load, points.iter().map(|p| p.summary.ttft_ms.p99).collect()));
+            Ok::<_, SimError>(mean_slo_attainment(&points))
         })?;
         progress.searches.fetch_add(1, Ordering::Relaxed);
-        Ok(c)
+        let tail = tails
+            .into_iter()
+            .find(|(load, _)| *load == capacity.load())
+            .map(|(_, tail)| tail)
+            .unwrap_or_default();
+        Ok(Measured { capacity, tail })
     }
 
     /// The best of one family (`policy` `None`: disaggregated).
@@ -318,11 +345,11 @@ impl Tune<'_> {
         let start = policy.unwrap_or_else(|| router::AlwaysDisagg.into());
         let w = self.workers;
         let mut tried: HashMap<String, Capacity> = HashMap::new();
-        let mut best: Option<(Candidate, Capacity)> = None;
+        let mut best: Option<(Candidate, Measured)> = None;
         // Runs the candidates not tried yet (in parallel) and keeps the
         // best; ties keep the earlier best.
         let mut evaluate = |candidates: Vec<Candidate>,
-                            best: &mut Option<(Candidate, Capacity)>|
+                            best: &mut Option<(Candidate, Measured)>|
          -> Result<(), SimError> {
             let mut fresh: Vec<Candidate> = Vec::new();
             for c in candidates {
@@ -335,13 +362,13 @@ impl Tune<'_> {
                 self.capacity(&self.deployment(c, disagg), &c.router, hint, progress)
             });
             for (c, r) in fresh.into_iter().zip(results) {
-                let capacity = r?;
-                tried.insert(c.key(), capacity);
+                let measured = r?;
+                tried.insert(c.key(), measured.capacity);
                 if best
                     .as_ref()
-                    .is_none_or(|(_, b)| capacity.load() > b.load())
+                    .is_none_or(|(_, b)| measured.load() > b.load())
                 {
-                    *best = Some((c, capacity));
+                    *best = Some((c, measured));
                 }
             }
             Ok(())
@@ -408,11 +435,12 @@ impl Tune<'_> {
         // The router settings again, where the split and thresholds ended.
         let again = format!("{family} again");
         self.tune_router_params(&again, &mut best, &mut evaluate, stage)?;
-        let (candidate, capacity) = best.expect("evaluated");
+        let (candidate, measured) = best.expect("evaluated");
         Ok(Best {
             family: family.to_owned(),
             deployment: self.deployment(&candidate, disagg),
-            capacity,
+            capacity: measured.capacity,
+            tail: measured.tail,
             router_params: candidate.router,
             tried: tried.len(),
         })

@@ -593,14 +593,6 @@ impl ConditionalDisaggPolicy for SlaDynamic {
         let [no_more_work, meets, spares, sooner] = r.rules;
         let harms_decodes = s.running > 0 && s.itl_local_ms > it;
         let spare_limit = self.spare_limit_ms();
-        let within_limit = if spare_limit.is_finite() {
-            format!(
-                ", and remote's first token is within {spare_limit:.0} ms ({} x the TTFT target)",
-                self.spare_decodes_up_to
-            )
-        } else {
-            String::new()
-        };
         let what = &r.what;
         let (path, rule, why) = match (local_ok, r.ok) {
             (true, true) if s.local_work_ms < r.work_ms => (
@@ -662,8 +654,16 @@ impl ConditionalDisaggPolicy for SlaDynamic {
                 r.path,
                 spares,
                 format!(
-                    "neither meets the targets; local would leave {} running requests over the ITL target{within_limit}: {what}",
-                    s.running
+                    "neither meets the targets; local would leave {} running requests over the ITL target{}: {what}",
+                    s.running,
+                    if spare_limit.is_finite() {
+                        format!(
+                            ", and remote's first token is within {spare_limit:.0} ms ({} x the TTFT target)",
+                            self.spare_decodes_up_to
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
             ),
             (false, false) if harms_decodes && s.local_ttft_ms < r.ttft_ms => (
