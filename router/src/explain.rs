@@ -65,7 +65,8 @@ pub fn to_json(decision: &RouteDecision, e: &Explanation, block_size: u32) -> Va
         "decode_candidates": list(&e.decode, e.decode_pick),
         "prefill_candidates": list(&e.prefill, e.prefill_pick),
         "prefix_holder": holder(e).map(|(side, c)| json!({"worker": c.worker.to_string(), "side": side, "overlap_blocks": c.overlap_blocks})),
-        "verdict": e.verdict.as_ref().map(|v| json!({"path": v.path.as_str(), "rule": v.rule, "reason": v.reason})),
+        "decode_holder": e.decode_holder.and_then(|i| e.decode.get(i)).map(|c| json!({"worker": c.worker.to_string(), "overlap_blocks": c.overlap_blocks})),
+        "verdict": e.verdict.as_ref().map(|v| json!({"path": v.path.as_str(), "rule": v.rule, "reason": v.reason, "on_decode_holder": v.on_decode_holder})),
         "gate": e.gate.map(|g| json!({
             "used_blocks": g.used_blocks,
             "request_blocks": g.request_blocks,
@@ -166,8 +167,24 @@ pub fn to_text(decision: &RouteDecision, e: &Explanation, block_size: u32) -> St
             c.worker, c.overlap_blocks
         );
     }
+    if let Some(c) = e.decode_holder.and_then(|i| e.decode.get(i)) {
+        let _ = writeln!(
+            out,
+            "  a bypass could go to {} instead of the pick: it holds {} weighted blocks",
+            c.worker, c.overlap_blocks
+        );
+    }
     if let Some(v) = &e.verdict {
-        let _ = writeln!(out, "  policy says {} ({}): {}", v.path, v.rule, v.reason);
+        let on = if v.on_decode_holder {
+            " on the decode holder"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            "  policy says {}{on} ({}): {}",
+            v.path, v.rule, v.reason
+        );
     }
     if let Some(g) = e.gate {
         let _ = writeln!(

@@ -323,6 +323,10 @@ fn candidates(e: &Explanation, out: &mut String) {
         )
         .unwrap();
     }
+    if let Some(c) = e.decode_holder.and_then(|i| e.decode.get(i)) {
+        let on = e.verdict.as_ref().is_some_and(|v| v.on_decode_holder);
+        writeln!(out, "  decode holder {} (bypass there: {on})", c.worker).unwrap();
+    }
 }
 
 fn candidate_lines(e: &Explanation, out: &mut String) {

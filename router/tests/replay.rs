@@ -257,6 +257,19 @@ fn sla_decisions_replay_with_their_calibration() {
     let differ = differ_without(&records, &deltas, |r| r.inputs.calibration.clear());
     assert!(differ >= calibrated, "{differ} of {calibrated}");
 
+    // Some bypasses went to the decode worker holding the conversation,
+    // not to the one the selection picked, and replayed so.
+    let on_holder = records
+        .iter()
+        .filter(|r| {
+            r.decision.path == Path::Bypass
+                && r.decision
+                    .reason
+                    .contains(&format!("local weighed on {}, which", r.decision.decode))
+        })
+        .count();
+    assert!(on_holder > 0, "none of {}", records.len());
+
     // The decode workers' reported ITL is recorded and replayed: without
     // it some decisions differ.
     let reported = records

@@ -180,7 +180,8 @@ pub struct Explanation {
     /// Every decode candidate, in id order.
     pub decode: Vec<CandidateScore>,
     /// The decode candidate selection picked (index into `decode`); the
-    /// final decode worker differs when the gate moved the request.
+    /// final decode worker differs when the policy bypassed on
+    /// `decode_holder` or the gate moved the request.
     pub decode_pick: Option<usize>,
     /// Every prefill candidate, in id order.
     pub prefill: Vec<CandidateScore>,
@@ -189,6 +190,10 @@ pub struct Explanation {
     /// The candidate holding the longest weighted prefix of the prompt
     /// ([`crate::PolicyInput::holder`]): its side and index there.
     pub holder: Option<(Side, usize)>,
+    /// The decode candidate offered to the policy as where a bypass could
+    /// go instead of the pick ([`crate::PolicyInput::decode_holder`]):
+    /// its index in `decode`.
+    pub decode_holder: Option<usize>,
     /// The policy's parameters.
     pub policy_params: Vec<(&'static str, f64)>,
     /// The calibration factors the policy was given.
@@ -610,6 +615,37 @@ impl RouterCore {
             Side::Decode => candidate(&decode[i]),
             Side::Prefill => candidate(&prefill[i]),
         });
+        // Where a bypass could go instead of the chosen decode worker, for
+        // the policy that weighs it (the SLA policy: the static ones keep
+        // Dynamo's semantics): the eligible one holding the most of the
+        // prompt, when that is more than the chosen one holds (a session's
+        // turns stay where they are).
+        let weighs_alternatives = matches!(self.policy, Policy::SlaDynamic(_));
+        let serves_bypass = |s: &Scored| {
+            self.workers
+                .slot(s.slot)
+                .capabilities()
+                .serves(Path::Bypass)
+        };
+        let decode_holder_pick = match session_pick {
+            Some(_) => None,
+            None if !weighs_alternatives => None,
+            None => decode
+                .iter()
+                .enumerate()
+                .filter(|&(i, s)| {
+                    i != d_pick
+                        && eligible(s)
+                        && serves_bypass(s)
+                        && s.overlap_blocks > decode[d_pick].overlap_blocks
+                })
+                .fold(None, |best: Option<(usize, &Scored)>, (i, s)| match best {
+                    Some((_, b)) if b.overlap_blocks >= s.overlap_blocks => best,
+                    _ => Some((i, s)),
+                })
+                .map(|(i, _)| i),
+        };
+        let decode_holder = decode_holder_pick.and_then(|i| candidate(&decode[i]));
         let offer = p.as_ref().and_then(|p| {
             let (side, i) = holder_pick?;
             // The source serves a read of its blocks only if its engine
@@ -635,32 +671,38 @@ impl RouterCore {
             decode: d,
             prefill: *p,
             holder,
+            decode_holder,
             tier_weights: self.config.decode.tier_weights,
             calibration: factors,
             fetch: offer,
         });
         let verdict = match &input {
             Some(input) => self.policy.decide(input),
-            None => Verdict {
-                path: Path::Bypass,
-                rule: rules::NO_PREFILL_WORKER,
-                reason: format!(
+            None => Verdict::new(
+                Path::Bypass,
+                rules::NO_PREFILL_WORKER,
+                format!(
                     "no prefill worker registered: aggregated on {}, local prefill of {} of {isl} tokens",
                     d.id,
                     isl - d.held.any()
                 ),
-            },
+            ),
         };
 
         // The decode gate.
         let mut path = verdict.path;
         let mut rule = verdict.rule;
-        let mut final_d = d_pick;
+        // The decode worker the verdict is about.
+        let verdict_d = match decode_holder_pick {
+            Some(i) if verdict.on_decode_holder && path == Path::Bypass => i,
+            _ => d_pick,
+        };
+        let mut final_d = verdict_d;
         let mut gate_check = None;
         let mut veto = None;
         if let (Path::Bypass, Some(p)) = (path, &p) {
             let gate = &self.config.gate;
-            let check = gate.check(&decode[d_pick].load, shape.request_blocks);
+            let check = gate.check(&decode[verdict_d].load, shape.request_blocks);
             gate_check = Some(check);
             if !check.fits {
                 path = Path::Remote;
@@ -680,18 +722,19 @@ impl RouterCore {
                 if let Some(m) = moved {
                     final_d = m;
                 }
-                let capacity = decode[d_pick].load.kv_capacity_blocks;
+                let capacity = decode[verdict_d].load.kv_capacity_blocks;
+                let checked = &self.workers.slot(decode[verdict_d].slot).id;
                 let target = match moved {
                     Some(m) => format!(
                         "decode moved to {}, which has room",
                         self.workers.slot(decode[m].slot).id
                     ),
-                    None => format!("no decode worker has room, decode stays on {}", d.id),
+                    None => format!("no decode worker has room, decode stays on {checked}"),
                 };
                 veto = Some(if check.known {
                     format!(
                         "; vetoed by the decode gate: {} would use {} + {} = {} > {:.2} × {capacity} = {:.0} KV blocks: remote prefill on {}, {target}",
-                        d.id,
+                        checked,
                         check.used_blocks,
                         check.request_blocks,
                         check.used_blocks.saturating_add(check.request_blocks),
@@ -702,7 +745,7 @@ impl RouterCore {
                 } else {
                     format!(
                         "; vetoed by the decode gate: {}'s KV capacity is unknown (no signal): remote prefill on {}, {target}",
-                        d.id, p.id,
+                        checked, p.id,
                     )
                 });
             }
@@ -775,7 +818,7 @@ impl RouterCore {
         // The third path: the SLA policy weighed it; for any other policy a
         // remote verdict fetches what the router offers (as does a bypass
         // the gate vetoed, whatever the policy).
-        let weighs_fetch = matches!(self.policy, Policy::SlaDynamic(_));
+        let weighs_fetch = weighs_alternatives;
         let vetoed = veto.is_some();
         let fetch = match (path, offer) {
             (Path::RemoteFetch, Some(o)) => Some(o),
@@ -835,6 +878,7 @@ impl RouterCore {
                 prefill: prefill.iter().map(score).collect(),
                 prefill_pick: p_pick,
                 holder: holder_pick,
+                decode_holder: decode_holder_pick,
                 policy_params: self.policy.params(),
                 calibration: factors,
                 verdict: p.is_some().then(|| verdict.clone()),
@@ -890,8 +934,15 @@ impl RouterCore {
         // prediction for the path taken (the gate's veto included), on the
         // decode worker the verdict was about.
         if let (Policy::SlaDynamic(sla), Some(input)) = (&self.policy, &input) {
+            let input = match decode_holder {
+                Some(h) if verdict_d != d_pick => PolicyInput {
+                    decode: h,
+                    ..*input
+                },
+                _ => *input,
+            };
             self.calibration
-                .expect(id, now_ms, sla.expected(input, path));
+                .expect(id, now_ms, sla.expected(&input, path));
         }
 
         self.workers.charge(

@@ -12,14 +12,14 @@ pub struct AlwaysDisagg;
 
 impl ConditionalDisaggPolicy for AlwaysDisagg {
     fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
-        Verdict {
-            path: Path::Remote,
-            rule: rules::ALWAYS_REMOTE,
-            reason: format!(
+        Verdict::new(
+            Path::Remote,
+            rules::ALWAYS_REMOTE,
+            format!(
                 "always disaggregated: remote prefill of {} tokens on {} ({} cached there), decode on {}",
                 input.isl_tokens, input.prefill.id, input.prefill.held.any(), input.decode.id
             ),
-        }
+        )
     }
 }
 
@@ -30,16 +30,16 @@ pub struct NeverDisagg;
 
 impl ConditionalDisaggPolicy for NeverDisagg {
     fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
-        Verdict {
-            path: Path::Bypass,
-            rule: rules::NEVER_BYPASS,
-            reason: format!(
+        Verdict::new(
+            Path::Bypass,
+            rules::NEVER_BYPASS,
+            format!(
                 "never disaggregated: bypass on {}, local prefill of {} of {} tokens",
                 input.decode.id,
                 input.decode_append_tokens(),
                 input.isl_tokens
             ),
-        }
+        )
     }
 }
 

@@ -120,7 +120,7 @@ impl IslBased {
 impl ConditionalDisaggPolicy for IslBased {
     fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
         let (path, rule, reason) = self.clause(&self.check(input), input);
-        Verdict { path, rule, reason }
+        Verdict::new(path, rule, reason)
     }
 }
 

@@ -23,23 +23,19 @@ impl ConditionalDisaggPolicy for IslOrLoad {
         let isl = self.isl.check(input);
         if isl.bypass() {
             let (path, rule, reason) = self.isl.clause(&isl, input);
-            return Verdict { path, rule, reason };
+            return Verdict::new(path, rule, reason);
         }
         let load = self.load.check(input);
         let (load_path, load_rule, load_reason) = self.load.clause(&load, input);
         if load_path == Path::Bypass {
-            return Verdict {
-                path: load_path,
-                rule: load_rule,
-                reason: load_reason,
-            };
+            return Verdict::new(load_path, load_rule, load_reason);
         }
         let (_, rule, isl_reason) = self.isl.clause(&isl, input);
-        Verdict {
-            path: Path::Remote,
+        Verdict::new(
+            Path::Remote,
             rule,
-            reason: format!("{isl_reason}; and {load_reason}"),
-        }
+            format!("{isl_reason}; and {load_reason}"),
+        )
     }
 }
 

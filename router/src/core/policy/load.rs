@@ -85,7 +85,7 @@ impl LoadBased {
 impl ConditionalDisaggPolicy for LoadBased {
     fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
         let (path, rule, reason) = self.clause(&self.check(input), input);
-        Verdict { path, rule, reason }
+        Verdict::new(path, rule, reason)
     }
 }
 

@@ -166,6 +166,13 @@ pub struct PolicyInput<'a> {
     /// chosen decode worker, then the chosen prefill worker, when they tie
     /// with others. Where a prefix could be fetched from.
     pub holder: Option<Candidate<'a>>,
+    /// A decode worker other than the chosen one that holds more of the
+    /// prompt than it does (the one holding the most), could take a bypass
+    /// (not busy while another is free, serving local prefills) and is not
+    /// ruled out by the request's session: where a bypass could go instead
+    /// ([`Verdict::on_decode_holder`]). Offered only to the policy that
+    /// weighs it ([`SlaDynamic`]); `None` otherwise.
+    pub decode_holder: Option<Candidate<'a>>,
     /// The decode selection's weights of the offloaded tiers: how much a
     /// host or disk block counts in [`PolicyInput::eff_isl_tokens`].
     pub tier_weights: TierWeights,
@@ -208,6 +215,21 @@ pub struct Verdict {
     pub rule: &'static str,
     /// The rule with the numbers that decided it, for people.
     pub reason: String,
+    /// A bypass on [`PolicyInput::decode_holder`] instead of the chosen
+    /// decode worker (only with a bypass, and only when one was offered).
+    pub on_decode_holder: bool,
+}
+
+impl Verdict {
+    /// A verdict about the chosen decode worker.
+    pub fn new(path: Path, rule: &'static str, reason: String) -> Self {
+        Self {
+            path,
+            rule,
+            reason,
+            on_decode_holder: false,
+        }
+    }
 }
 
 /// Decides per request between bypass and remote prefill. Every policy the
@@ -289,6 +311,7 @@ pub(crate) mod tests {
                     held: HeldTokens::default(),
                 },
                 holder: None,
+                decode_holder: None,
                 tier_weights: TierWeights::default(),
                 calibration: Factors::default(),
                 fetch: None,

@@ -4,10 +4,8 @@
 //! router offers it) and the inter-token latency a local prefill inflicts
 //! on the decode worker, or a prefix read on the worker serving it.
 
-use protocol::Path;
+use protocol::{Path, WorkerId, WorkerRecord};
 use serde::{Deserialize, Serialize};
-
-use protocol::WorkerRecord;
 
 use super::{
     positive, rules, ConditionalDisaggPolicy, HeldTokens, ParamError, PolicyInput, Verdict,
@@ -226,7 +224,17 @@ pub struct FetchPrediction {
 
 /// A cost chooser between the paths, against the SLO (its only
 /// required parameters; the cost model's defaults are corrected online by
-/// the calibration factors the router core learns, [`Factors`]):
+/// the calibration factors the router core learns, [`Factors`]).
+///
+/// The bypass is weighed on the decode worker the selection picked, or on
+/// the one holding more of the prompt ([`PolicyInput::decode_holder`]) when
+/// a bypass there meets the targets and one on the pick does not, or
+/// computes more: where an append runs is then the policy's call, not the
+/// decode selection's overlap credit. (Until 2026-12-07 it was the pick's
+/// alone: at the router's default credit, 1, a later turn moved off its
+/// conversation's worker went remote with its prefix fetched, or was
+/// computed whole, and `sla_dynamic` held about 3.03 sessions/s on the
+/// agentic workload at 2P+6D against about 3.2 now, seeds 1-20.) Then:
 ///
 /// 1. both paths meet the targets (local: TTFT, and the decode worker's
 ///    ITL with this prefill; remote: TTFT): the one that spends less
@@ -542,12 +550,100 @@ fn prefill_has_room(input: &PolicyInput<'_>, tokens: u64) -> bool {
     budget > 0 && queued.saturating_add(tokens) <= budget
 }
 
-impl ConditionalDisaggPolicy for SlaDynamic {
-    fn decide(&self, input: &PolicyInput<'_>) -> Verdict {
+impl SlaDynamic {
+    /// Whether a bypass predicted `s` meets both targets.
+    fn local_meets_targets(&self, s: &SlaPrediction) -> bool {
+        s.local_ttft_ms <= self.ttft_target_ms && s.itl_local_ms <= self.itl_target_ms
+    }
+
+    /// Where a bypass is weighed: on the chosen decode worker, or on the
+    /// decode worker holding more of the prompt
+    /// ([`PolicyInput::decode_holder`]) when a bypass there meets the
+    /// targets and one on the chosen worker does not, or computes more.
+    fn local_option<'a>(&self, input: &PolicyInput<'a>) -> LocalOption<'a> {
         let s = self.predict(input);
+        let Some(h) = input.decode_holder else {
+            return LocalOption {
+                input: *input,
+                prediction: s,
+                on_holder: false,
+                note: String::new(),
+            };
+        };
+        let on_h = PolicyInput {
+            decode: h,
+            ..*input
+        };
+        let sh = self.predict(&on_h);
+        let (ok, ok_h) = (self.local_meets_targets(&s), self.local_meets_targets(&sh));
+        let d = input.decode.id;
+        let held = format!(
+            "{} holds {} prompt tokens, {d} {}",
+            h.id,
+            h.held.any(),
+            input.decode.held.any()
+        );
+        let other = |w: &WorkerId, o: &SlaPrediction| {
+            format!(
+                "a bypass on {w}: {} tokens, TTFT {:.0} ms, ITL {:.1} ms, {:.0} ms of compute",
+                o.local_prefill_tokens, o.local_ttft_ms, o.itl_local_ms, o.local_work_ms
+            )
+        };
+        if ok_h && (!ok || sh.local_work_ms < s.local_work_ms) {
+            let why = if ok {
+                "computes less"
+            } else {
+                "meets the targets"
+            };
+            LocalOption {
+                input: on_h,
+                prediction: sh,
+                on_holder: true,
+                note: format!(
+                    "{held}: local weighed on {}, which {why} ({}); ",
+                    h.id,
+                    other(d, &s)
+                ),
+            }
+        } else {
+            let why = if ok_h {
+                "computes no less"
+            } else {
+                "misses the targets"
+            };
+            LocalOption {
+                input: *input,
+                prediction: s,
+                on_holder: false,
+                note: format!(
+                    "{held}: local weighed on {d}, as {} {why} ({}); ",
+                    h.id,
+                    other(h.id, &sh)
+                ),
+            }
+        }
+    }
+}
+
+/// Where [`SlaDynamic`] weighs a bypass, and what it predicts there.
+struct LocalOption<'a> {
+    /// The policy's input with that worker as its decode worker.
+    input: PolicyInput<'a>,
+    prediction: SlaPrediction,
+    /// The worker is [`PolicyInput::decode_holder`].
+    on_holder: bool,
+    /// What decided between the two workers (empty when there was no
+    /// choice), for the explanation.
+    note: String,
+}
+
+impl ConditionalDisaggPolicy for SlaDynamic {
+    fn decide(&self, chosen: &PolicyInput<'_>) -> Verdict {
+        let local = self.local_option(chosen);
+        let (input, s) = (&local.input, local.prediction);
         let (tt, it) = (self.ttft_target_ms, self.itl_target_ms);
         let (d, p) = (input.decode.id, input.prefill.id);
-        let local_ok = s.local_ttft_ms <= tt && s.itl_local_ms <= it;
+        let local_ok = self.local_meets_targets(&s);
         let r = self.remote_option(input, &s);
         let k = s.factors;
         let reported = if s.recent_itl_ms > 0.0 {
@@ -688,7 +784,8 @@ impl ConditionalDisaggPolicy for SlaDynamic {
         Verdict {
             path,
             rule,
-            reason: format!("{numbers}: {why}"),
+            reason: format!("{}{numbers}: {why}", local.note),
+            on_decode_holder: local.on_holder && path == Path::Bypass,
         }
     }
 }
@@ -697,7 +794,7 @@ impl ConditionalDisaggPolicy for SlaDynamic {
 mod tests {
     use super::*;
     use crate::core::policy::tests::Fixture;
-    use crate::core::policy::HeldTokens;
+    use crate::core::policy::{Candidate, HeldTokens};
     use crate::core::workers::EffectiveLoad;
 
     fn running(batch: u32, blocks: u64) -> EffectiveLoad {
@@ -1010,6 +1107,60 @@ mod tests {
             (path, rule),
             (Path::Remote, rules::SLA_REMOTE_SOONER),
             "{why}"
+        );
+    }
+
+    /// A decode worker holding more of the prompt than the chosen one is
+    /// weighed for the bypass: there when it meets the targets and computes
+    /// less; on the chosen worker when it misses them.
+    #[test]
+    fn a_bypass_is_weighed_on_the_decode_worker_holding_the_prompt() {
+        let f = Fixture::new();
+        let h_record = crate::core::policy::tests::record("d1", protocol::Role::Decode);
+        let holder = |load: EffectiveLoad| Candidate {
+            id: &h_record.id,
+            record: &h_record,
+            load,
+            held: HeldTokens {
+                device: 7_800,
+                host: 7_800,
+                disk: 7_800,
+            },
+        };
+        let policy = SlaDynamic::default();
+        let idle = EffectiveLoad::default();
+        let mut input = f.input(8_000, 0, running(20, 20 * 64), idle);
+        assert!(!policy.decide(&input).on_decode_holder);
+
+        input.decode_holder = Some(holder(running(20, 20 * 64)));
+        let v = policy.decide(&input);
+        assert_eq!(
+            (v.path, v.on_decode_holder),
+            (Path::Bypass, true),
+            "{}",
+            v.reason
+        );
+        assert!(
+            v.reason.starts_with(
+                "d1 holds 7800 prompt tokens, d0 0: local weighed on d1, which computes less"
+            ),
+            "{}",
+            v.reason
+        );
+
+        // The holder's decodes are past the ITL target: weighed on d0.
+        let slow = EffectiveLoad {
+            recent_itl_us: 90_000,
+            ..running(20, 20 * 64)
+        };
+        input.decode_holder = Some(holder(slow));
+        let v = policy.decide(&input);
+        assert!(!v.on_decode_holder, "{}", v.reason);
+        assert!(
+            v.reason
+                .contains("local weighed on d0, as d1 misses the targets"),
+            "{}",
+            v.reason
         );
     }
 
