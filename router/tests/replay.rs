@@ -269,6 +269,14 @@ fn sla_decisions_replay_with_their_calibration() {
         })
         .count();
     assert!(on_holder > 0, "none of {}", records.len());
+    // A record made before the router offered the holder replays without
+    // it (`UNRECORDED_PARAMS`), as it was decided.
+    let differ = differ_without(&records, &deltas, |r| {
+        r.inputs
+            .router_params
+            .retain(|(name, _)| name != "decode.offer_holder")
+    });
+    assert!(differ >= on_holder, "{differ} of {on_holder}");
 
     // The decode workers' reported ITL is recorded and replayed: without
     // it some decisions differ.

@@ -15,7 +15,8 @@ use super::workers::LedgerConfig;
 /// Settings added after the decision log began, each with the value that
 /// decides as the router did before it existed: a record that does not
 /// name one was made without it, and replay gives it this value.
-pub const UNRECORDED_PARAMS: &[(&str, f64)] = &[("prefill.miss_weight", 0.0)];
+pub const UNRECORDED_PARAMS: &[(&str, f64)] =
+    &[("prefill.miss_weight", 0.0), ("decode.offer_holder", 0.0)];
 
 /// Router settings `sim tune` searches for every family of deployments
 /// (aggregated and disaggregated too: they choose decode workers the same
@@ -98,6 +99,7 @@ impl RouterConfig {
             ("decode.busy_kv_usage", self.decode.busy_kv_usage),
             ("decode.busy_waiting", f64::from(self.decode.busy_waiting)),
             ("decode.temperature", self.decode.temperature),
+            ("decode.offer_holder", bool_f(self.decode.offer_holder)),
             ("prefill.host_weight", self.prefill.tier_weights.host),
             ("prefill.disk_weight", self.prefill.tier_weights.disk),
             ("prefill.miss_weight", self.prefill.miss_weight),
@@ -124,6 +126,7 @@ impl RouterConfig {
             "decode.busy_kv_usage" => self.decode.busy_kv_usage = value,
             "decode.busy_waiting" => self.decode.busy_waiting = value as u32,
             "decode.temperature" => self.decode.temperature = value,
+            "decode.offer_holder" => self.decode.offer_holder = value != 0.0,
             "prefill.host_weight" => self.prefill.tier_weights.host = value,
             "prefill.disk_weight" => self.prefill.tier_weights.disk = value,
             "prefill.miss_weight" => self.prefill.miss_weight = value,

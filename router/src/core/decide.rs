@@ -618,8 +618,9 @@ impl RouterCore {
         // Where a bypass could go instead of the chosen decode worker, for
         // the policy that weighs it (the SLA policy: the static ones keep
         // Dynamo's semantics): the eligible one holding the most of the
-        // prompt, when that is more than the chosen one holds (a session's
-        // turns stay where they are).
+        // prompt, when that is more than the chosen one holds and the
+        // decode gate would let a bypass run there (a session's turns stay
+        // where they are).
         let weighs_alternatives = matches!(self.policy, Policy::SlaDynamic(_));
         let serves_bypass = |s: &Scored| {
             self.workers
@@ -629,7 +630,7 @@ impl RouterCore {
         };
         let decode_holder_pick = match session_pick {
             Some(_) => None,
-            None if !weighs_alternatives => None,
+            None if !weighs_alternatives || !dcfg.offer_holder => None,
             None => decode
                 .iter()
                 .enumerate()
@@ -638,6 +639,7 @@ impl RouterCore {
                         && eligible(s)
                         && serves_bypass(s)
                         && s.overlap_blocks > decode[d_pick].overlap_blocks
+                        && self.config.gate.check(&s.load, shape.request_blocks).fits
                 })
                 .fold(None, |best: Option<(usize, &Scored)>, (i, s)| match best {
                     Some((_, b)) if b.overlap_blocks >= s.overlap_blocks => best,

@@ -83,6 +83,12 @@ pub struct DecodeSelection {
     pub busy_waiting: u32,
     /// Softmax temperature; 0 (default) takes the minimum cost.
     pub temperature: f64,
+    /// Offer the policy the eligible decode worker holding more of the
+    /// prompt than the pick, where a bypass may go instead
+    /// ([`crate::PolicyInput::decode_holder`]; the SLA policy weighs it,
+    /// the static policies keep Dynamo's semantics and never see it).
+    /// Default true; a decision record made before it replays without.
+    pub offer_holder: bool,
 }
 
 impl DecodeSelection {
@@ -112,6 +118,7 @@ impl Default for DecodeSelection {
             busy_kv_usage: 0.9,
             busy_waiting: 16,
             temperature: 0.0,
+            offer_holder: true,
         }
     }
 }

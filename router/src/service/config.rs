@@ -347,6 +347,11 @@ fn fixed_flags() -> Vec<Flag> {
         "Decode selection: softmax temperature (0: the cheapest)",
     ),
     Flag::new(
+        "decode.offer_holder",
+        Kind::Switch,
+        "Offer the SLA policy the decode worker holding more of the prompt than the pick, for a bypass there instead",
+    ),
+    Flag::new(
         "prefill.miss_weight",
         Kind::Number,
         "Prefill selection: weight of the blocks a worker would recompute that another holds, per request-sized queue on the pool (0: the soonest start alone)",

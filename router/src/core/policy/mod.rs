@@ -168,7 +168,8 @@ pub struct PolicyInput<'a> {
     pub holder: Option<Candidate<'a>>,
     /// A decode worker other than the chosen one that holds more of the
     /// prompt than it does (the one holding the most), could take a bypass
-    /// (not busy while another is free, serving local prefills) and is not
+    /// (not busy while another is free, serving local prefills, within the
+    /// decode gate's budget with this request) and is not
     /// ruled out by the request's session: where a bypass could go instead
     /// ([`Verdict::on_decode_holder`]). Offered only to the policy that
     /// weighs it ([`SlaDynamic`]); `None` otherwise.
