@@ -621,7 +621,7 @@ impl RouterCore {
         // prompt, when that is more than the chosen one holds and the
         // decode gate would let a bypass run there (a session's turns stay
         // where they are).
-        let weighs_alternatives = matches!(self.policy, Policy::SlaDynamic(_));
+        let weighs_alternatives = self.policy.weighs_alternatives();
         let serves_bypass = |s: &Scored| {
             self.workers
                 .slot(s.slot)
@@ -630,7 +630,7 @@ impl RouterCore {
         };
         let decode_holder_pick = match session_pick {
             Some(_) => None,
-            None if !weighs_alternatives || !dcfg.offer_holder => None,
+            None if !weighs_alternatives || !dcfg.offer_holder || p.is_none() => None,
             None => decode
                 .iter()
                 .enumerate()
@@ -769,17 +769,14 @@ impl RouterCore {
                 pick(decode, can, dcfg.temperature, rng)
                     .or_else(|| pick(decode, any, dcfg.temperature, rng))
             };
-            let before = self.workers.slot(decode[final_d].slot).id.clone();
+            let before = self.workers.slot(decode[final_d].slot);
+            let (before, before_caps) = (before.id.clone(), before.capabilities().names());
             match moved {
                 Some(m) => {
                     final_d = m;
                     veto.get_or_insert_with(String::new).push_str(&format!(
-                        "; {before} cannot serve a {} decode (capabilities {}): decode moved to {}",
+                        "; {before} cannot serve a {} decode (capabilities {before_caps}): decode moved to {}",
                         path.as_str(),
-                        self.workers
-                            .slot(decode[d_pick].slot)
-                            .capabilities()
-                            .names(),
                         self.workers.slot(decode[m].slot).id
                     ));
                 }
@@ -820,11 +817,10 @@ impl RouterCore {
         // The third path: the SLA policy weighed it; for any other policy a
         // remote verdict fetches what the router offers (as does a bypass
         // the gate vetoed, whatever the policy).
-        let weighs_fetch = weighs_alternatives;
         let vetoed = veto.is_some();
         let fetch = match (path, offer) {
             (Path::RemoteFetch, Some(o)) => Some(o),
-            (Path::Remote, Some(o)) if !weighs_fetch || vetoed => {
+            (Path::Remote, Some(o)) if !weighs_alternatives || vetoed => {
                 path = Path::RemoteFetch;
                 Some(o)
             }
@@ -835,7 +831,7 @@ impl RouterCore {
             }
             _ => None,
         };
-        let fetch_note = match (&fetch, weighs_fetch && !vetoed) {
+        let fetch_note = match (&fetch, weighs_alternatives && !vetoed) {
             (Some(o), false) => Some(format!(
                 "; prefix fetched: {} of {} prefix tokens pulled from {} ({} blocks pinned there while read), {} tokens prefilled",
                 o.pulled_tokens,

@@ -169,10 +169,10 @@ pub struct PolicyInput<'a> {
     /// A decode worker other than the chosen one that holds more of the
     /// prompt than it does (the one holding the most), could take a bypass
     /// (not busy while another is free, serving local prefills, within the
-    /// decode gate's budget with this request) and is not
-    /// ruled out by the request's session: where a bypass could go instead
-    /// ([`Verdict::on_decode_holder`]). Offered only to the policy that
-    /// weighs it ([`SlaDynamic`]); `None` otherwise.
+    /// decode gate's budget with this request), never for a request with
+    /// a session (its decode stays on its bound worker): where a bypass
+    /// could go instead ([`Verdict::on_decode_holder`]). Offered only to
+    /// the policy that weighs it ([`SlaDynamic`]); `None` otherwise.
     pub decode_holder: Option<Candidate<'a>>,
     /// The decode selection's weights of the offloaded tiers: how much a
     /// host or disk block counts in [`PolicyInput::eff_isl_tokens`].

@@ -377,6 +377,16 @@ impl Policy {
         self.spec().name
     }
 
+    /// Whether it weighs the alternatives the router offers itself: the
+    /// third path's fetch ([`PolicyInput::fetch`]) as a path of its own,
+    /// and the decode holder ([`PolicyInput::decode_holder`]) as where a
+    /// bypass may run. The static policies keep Dynamo's semantics: a
+    /// remote verdict of theirs fetches whatever is offered, and they are
+    /// offered no holder.
+    pub fn weighs_alternatives(&self) -> bool {
+        matches!(self, Policy::SlaDynamic(_))
+    }
+
     /// Its parameters as (name, value), in the registry's order: recorded
     /// with every decision, logged at start.
     pub fn params(&self) -> Vec<(&'static str, f64)> {

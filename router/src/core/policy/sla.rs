@@ -781,10 +781,15 @@ impl ConditionalDisaggPolicy for SlaDynamic {
                 format!("neither meets the targets; remote's first token is no later: {what}"),
             ),
         };
+        let stays = if local.on_holder && path != Path::Bypass {
+            format!("; its decode on {}, the selection's pick", chosen.decode.id)
+        } else {
+            String::new()
+        };
         Verdict {
             path,
             rule,
-            reason: format!("{}{numbers}: {why}", local.note),
+            reason: format!("{}{numbers}: {why}{stays}", local.note),
             on_decode_holder: local.on_holder && path == Path::Bypass,
         }
     }
