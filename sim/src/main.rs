@@ -915,7 +915,10 @@ fn tune(
         .filter(|b| b.capacity.load() == best_cd.capacity.load())
         .collect();
     let mut later = None;
-    if load > 0.0 {
+    'later: {
+        if load <= 0.0 {
+            break 'later;
+        }
         // Each seed's run of every deployment; the p90s averaged over seeds.
         // Each on the router settings tuned for it.
         let deployments: Vec<(&Deployment, Vec<Scenario>)> = std::iter::once(disagg)
@@ -943,6 +946,13 @@ fn tune(
         let p90 = |s: &sim::RunSummary| s.later_turn_ttft_ms.p90;
         let dis_points = of_deployment(0);
         let b = mean(&dis_points, &p90);
+        if b <= 0.0 {
+            // Every request's TTFT is > 0: none was a later turn.
+            println!(
+                "turn-2+ TTFT p90: no request of this workload is a conversation's later turn: nothing to compare"
+            );
+            break 'later;
+        }
         let candidates: Vec<(&Best, Vec<&sim::compare::Point>, f64)> = tied
             .iter()
             .enumerate()

@@ -376,11 +376,17 @@ fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
     ];
     let out = sim(&[&["tune", "--policies", "isl", "--seeds", "2"][..], &small].concat())?;
     assert!(out.contains("TTFT p99 there"), "{out}");
+    // Single-turn requests: no turn-2+ comparison (it used to say 0.00x).
+    assert!(
+        out.contains("no request of this workload is a conversation's later turn"),
+        "{out}"
+    );
     let json: serde_json::Value = serde_json::from_str(
         out.lines()
             .rfind(|l| l.starts_with('{'))
             .ok_or_else(|| anyhow::anyhow!("no JSON line:\n{out}"))?,
     )?;
+    assert!(json["later_turn_ttft_p90"].is_null(), "{json}");
     let agg = &json["families"][0];
     assert_eq!(agg["family"], "aggregated");
     let tails: Vec<f64> = agg["ttft_p99_ms_at_capacity"]
