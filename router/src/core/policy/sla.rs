@@ -4,7 +4,7 @@
 //! router offers it) and the inter-token latency a local prefill inflicts
 //! on the decode worker, or a prefix read on the worker serving it.
 
-use protocol::{Path, WorkerId, WorkerRecord};
+use protocol::{Path, WorkerRecord};
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -576,51 +576,31 @@ impl SlaDynamic {
         };
         let sh = self.predict(&on_h);
         let (ok, ok_h) = (self.local_meets_targets(&s), self.local_meets_targets(&sh));
+        let on_holder = ok_h && (!ok || sh.local_work_ms < s.local_work_ms);
         let d = input.decode.id;
-        let held = format!(
-            "{} holds {} prompt tokens, {d} {}",
+        // The worker weighed and why, then the other one and its numbers.
+        let (weighed, why, other, o) = match (on_holder, ok, ok_h) {
+            (true, true, _) => (h.id, "which computes less".to_owned(), d, &s),
+            (true, false, _) => (h.id, "which meets the targets".to_owned(), d, &s),
+            (false, _, true) => (d, format!("as {} computes no less", h.id), h.id, &sh),
+            (false, _, false) => (d, format!("as {} misses the targets", h.id), h.id, &sh),
+        };
+        let note = format!(
+            "{} holds {} prompt tokens, {d} {}: local weighed on {weighed}, {why} (a bypass on {other}: {} tokens, TTFT {:.0} ms, ITL {:.1} ms, {:.0} ms of compute); ",
             h.id,
             h.held.any(),
-            input.decode.held.any()
+            input.decode.held.any(),
+            o.local_prefill_tokens,
+            o.local_ttft_ms,
+            o.itl_local_ms,
+            o.local_work_ms
         );
-        let other = |w: &WorkerId, o: &SlaPrediction| {
-            format!(
-                "a bypass on {w}: {} tokens, TTFT {:.0} ms, ITL {:.1} ms, {:.0} ms of compute",
-                o.local_prefill_tokens, o.local_ttft_ms, o.itl_local_ms, o.local_work_ms
-            )
-        };
-        if ok_h && (!ok || sh.local_work_ms < s.local_work_ms) {
-            let why = if ok {
-                "computes less"
-            } else {
-                "meets the targets"
-            };
-            LocalOption {
-                input: on_h,
-                prediction: sh,
-                on_holder: true,
-                note: format!(
-                    "{held}: local weighed on {}, which {why} ({}); ",
-                    h.id,
-                    other(d, &s)
-                ),
-            }
-        } else {
-            let why = if ok_h {
-                "computes no less"
-            } else {
-                "misses the targets"
-            };
-            LocalOption {
-                input: *input,
-                prediction: s,
-                on_holder: false,
-                note: format!(
-                    "{held}: local weighed on {d}, as {} {why} ({}); ",
-                    h.id,
-                    other(h.id, &sh)
-                ),
-            }
+        let (input, prediction) = if on_holder { (on_h, sh) } else { (*input, s) };
+        LocalOption {
+            input,
+            prediction,
+            on_holder,
+            note,
         }
     }
 }
