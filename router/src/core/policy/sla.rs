@@ -222,6 +222,19 @@ pub struct FetchPrediction {
     pub source_stall_ms: f64,
 }
 
+/// The prefill side of a [`SlaPrediction`] (its `remote_*`, `transfer_ms`
+/// and `fetch` fields), predicted once for a decision.
+#[derive(Debug, Clone, Copy)]
+struct RemotePrediction {
+    prefill_tokens: u64,
+    host_read_ms: f64,
+    model_ms: f64,
+    transfer_ms: f64,
+    ttft_ms: f64,
+    work_ms: f64,
+    fetch: Option<FetchPrediction>,
+}
+
 /// A cost chooser between the paths, against the SLO (its only
 /// required parameters; the cost model's defaults are corrected online by
 /// the calibration factors the router core learns, [`Factors`]).
@@ -345,6 +358,13 @@ impl SlaDynamic {
 
     /// The numbers the policy decides on.
     pub fn predict(&self, input: &PolicyInput<'_>) -> SlaPrediction {
+        self.predict_with(input, self.predict_remote(input))
+    }
+
+    /// The prediction for `input`'s decode worker, with the prefill side
+    /// already predicted (it does not depend on the decode worker, so a
+    /// bypass weighed on two of them shares it).
+    fn predict_with(&self, input: &PolicyInput<'_>, remote: RemotePrediction) -> SlaPrediction {
         let c = &self.cost;
         let k = input.calibration;
         let isl = u64::from(input.isl_tokens);
@@ -384,6 +404,46 @@ impl SlaDynamic {
         };
         let itl_base = (k.itl * step_model).max(recent_itl);
         let itl_local = itl_base + stall / f64::from(input.expected_output_tokens.max(1));
+
+        let RemotePrediction {
+            prefill_tokens: remote_prefill_tokens,
+            host_read_ms: remote_host_read_ms,
+            model_ms: remote_model_ms,
+            transfer_ms,
+            ttft_ms: remote_ttft_ms,
+            work_ms: remote_work_ms,
+            fetch,
+        } = remote;
+        SlaPrediction {
+            local_prefill_tokens: local,
+            local_host_read_ms: local_read,
+            local_model_ms: local_model,
+            local_ttft_ms: k.local_ttft * local_model,
+            step_model_ms: step_model,
+            recent_itl_ms: recent_itl,
+            itl_base_ms: itl_base,
+            prefill_stall_ms: stall,
+            itl_local_ms: itl_local,
+            running: batch,
+            remote_prefill_tokens,
+            remote_host_read_ms,
+            remote_model_ms,
+            transfer_ms,
+            remote_ttft_ms,
+            local_work_ms: local_work,
+            remote_work_ms,
+            fetch,
+            factors: k,
+        }
+    }
+
+    /// The prefill side of a prediction: the plain remote prefill and,
+    /// when offered, the one with the prefix fetched.
+    fn predict_remote(&self, input: &PolicyInput<'_>) -> RemotePrediction {
+        let c = &self.cost;
+        let k = input.calibration;
+        let isl = u64::from(input.isl_tokens);
+        let bs = u64::from(input.block_size);
 
         let p = &input.prefill;
         let p_hit = u64::from(p.held.any()).min(isl);
@@ -429,26 +489,14 @@ impl SlaDynamic {
             }
         });
 
-        SlaPrediction {
-            local_prefill_tokens: local,
-            local_host_read_ms: local_read,
-            local_model_ms: local_model,
-            local_ttft_ms: k.local_ttft * local_model,
-            step_model_ms: step_model,
-            recent_itl_ms: recent_itl,
-            itl_base_ms: itl_base,
-            prefill_stall_ms: stall,
-            itl_local_ms: itl_local,
-            running: batch,
-            remote_prefill_tokens: remote,
-            remote_host_read_ms: remote_read,
-            remote_model_ms: remote_model,
+        RemotePrediction {
+            prefill_tokens: remote,
+            host_read_ms: remote_read,
+            model_ms: remote_model,
             transfer_ms: transfer,
-            remote_ttft_ms: k.remote_ttft * remote_model + transfer,
-            local_work_ms: local_work,
-            remote_work_ms: remote_work,
+            ttft_ms: k.remote_ttft * remote_model + transfer,
+            work_ms: remote_work,
             fetch,
-            factors: k,
         }
     }
 
@@ -561,7 +609,8 @@ impl SlaDynamic {
     /// ([`PolicyInput::decode_holder`]) when a bypass there meets the
     /// targets and one on the chosen worker does not, or computes more.
     fn local_option<'a>(&self, input: &PolicyInput<'a>) -> LocalOption<'a> {
-        let s = self.predict(input);
+        let remote = self.predict_remote(input);
+        let s = self.predict_with(input, remote);
         let Some(h) = input.decode_holder else {
             return LocalOption {
                 input: *input,
@@ -574,7 +623,7 @@ impl SlaDynamic {
             decode: h,
             ..*input
         };
-        let sh = self.predict(&on_h);
+        let sh = self.predict_with(&on_h, remote);
         let (ok, ok_h) = (self.local_meets_targets(&s), self.local_meets_targets(&sh));
         let on_holder = ok_h && (!ok || sh.local_work_ms < s.local_work_ms);
         let d = input.decode.id;
