@@ -138,23 +138,48 @@ impl Capacity {
     }
 }
 
-/// One load tried and its attainment.
-pub type Probe = (f64, f64);
+/// What one load's runs said: the share of requests within the SLO, and
+/// whether the load kept within the caller's other bounds (`sim tune
+/// --ttft-p99-bound-ms`). It passes when both hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Judged {
+    pub attainment: f64,
+    pub within_bounds: bool,
+}
 
-/// Searches the capacity, starting from `known` probes; `attainment` runs
-/// one load. Returns the capacity and every probe it ran itself, in order.
-pub fn search<E>(
+impl Judged {
+    fn passes(&self, target: f64) -> bool {
+        self.within_bounds && self.attainment >= target
+    }
+}
+
+/// An attainment alone: no other bound.
+impl From<f64> for Judged {
+    fn from(attainment: f64) -> Self {
+        Self {
+            attainment,
+            within_bounds: true,
+        }
+    }
+}
+
+/// One load tried and what it said.
+pub type Probe = (f64, Judged);
+
+/// Searches the capacity, starting from `known` probes; `judge` runs one
+/// load. Returns the capacity and every probe it ran itself, in order.
+pub fn search<E, J: Into<Judged>>(
     s: &Search,
     known: &[Probe],
-    mut attainment: impl FnMut(f64) -> Result<f64, E>,
+    mut judge: impl FnMut(f64) -> Result<J, E>,
 ) -> Result<(Capacity, Vec<Probe>), E> {
     let mut ran = Vec::new();
     let mut run = |load: f64, ran: &mut Vec<Probe>| -> Result<bool, E> {
-        let a = attainment(load)?;
-        ran.push((load, a));
-        Ok(a >= s.target)
+        let j = judge(load)?.into();
+        ran.push((load, j));
+        Ok(j.passes(s.target))
     };
-    let passes = |(_, a): &Probe| *a >= s.target;
+    let passes = |(_, j): &Probe| j.passes(s.target);
     let mut pass = known
         .iter()
         .filter(|p| passes(p))
@@ -269,6 +294,11 @@ mod tests {
         move |load| Ok(if load <= capacity { 0.95 } else { 0.5 })
     }
 
+    /// Probes of attainments alone.
+    fn probes(known: &[(f64, f64)]) -> Vec<Probe> {
+        known.iter().map(|&(l, a)| (l, a.into())).collect()
+    }
+
     /// A found capacity's load, failing load and dip.
     fn found(c: Capacity) -> (f64, f64, Option<f64>) {
         match c {
@@ -283,7 +313,7 @@ mod tests {
 
     #[test]
     fn bisects_inside_the_bracket_the_sweep_gave() {
-        let known = [(0.5, 0.99), (1.0, 0.97), (1.5, 0.6), (2.0, 0.2)];
+        let known = probes(&[(0.5, 0.99), (1.0, 0.97), (1.5, 0.6), (2.0, 0.2)]);
         let (c, ran) = search(&Search::default(), &known, step(1.37)).unwrap();
         let (load, fails_at, dipped_at) = found(c);
         assert!(load <= 1.37 && 1.37 < fails_at, "{c:?}");
@@ -296,19 +326,21 @@ mod tests {
             "{ran:?}"
         );
         assert!(
-            above.iter().all(|&(l, a)| l > fails_at && a < 0.9),
+            above
+                .iter()
+                .all(|&(l, j)| l > fails_at && j.attainment < 0.9),
             "{ran:?}"
         );
     }
 
     #[test]
     fn doubles_past_the_loads_tried_and_halves_below_them() {
-        let known = [(0.5, 0.99), (1.0, 0.97)];
+        let known = probes(&[(0.5, 0.99), (1.0, 0.97)]);
         let (c, _) = search(&Search::default(), &known, step(5.1)).unwrap();
         assert!(
             matches!(c, Capacity::Found { load, fails_at, .. } if load <= 5.1 && fails_at > 5.1)
         );
-        let known = [(1.0, 0.2)];
+        let known = probes(&[(1.0, 0.2)]);
         let (c, _) = search(&Search::default(), &known, step(0.2)).unwrap();
         assert!(
             matches!(c, Capacity::Found { load, fails_at, .. } if load <= 0.2 && fails_at > 0.2)
@@ -325,7 +357,7 @@ mod tests {
                 0.95
             })
         };
-        let known = [(1.0, 0.95), (1.35, 0.85)];
+        let known = probes(&[(1.0, 0.95), (1.35, 0.85)]);
         let (c, _) = search(&Search::default(), &known, dip).unwrap();
         let (load, fails_at, dipped_at) = found(c);
         assert!(load <= 1.8 && fails_at > 1.8 && load > 1.7, "{c:?}");
@@ -342,6 +374,25 @@ mod tests {
         };
         let (c, _) = search(&first, &known, dip).unwrap();
         assert!(c.load() < 1.35, "{c:?}");
+    }
+
+    #[test]
+    fn a_load_past_another_bound_fails_whatever_its_attainment() {
+        // Every load keeps 95% within the SLO; above 2.0 the caller's other
+        // bound breaks (a tail, in `sim tune`).
+        let judge = |load: f64| -> Result<Judged, Infallible> {
+            Ok(Judged {
+                attainment: 0.95,
+                within_bounds: load <= 2.0,
+            })
+        };
+        let (c, ran) = search(&Search::default(), &[], judge).unwrap();
+        let (load, fails_at, _) = found(c);
+        assert!(load <= 2.0 && 2.0 < fails_at, "{c:?}");
+        assert!(
+            ran.iter().all(|(l, j)| j.passes(0.9) == (*l <= 2.0)),
+            "{ran:?}"
+        );
     }
 
     #[test]

@@ -239,7 +239,7 @@ pub fn capacities(
         let known: Vec<Probe> = points
             .iter()
             .filter(|p| p.deployment == name)
-            .map(|p| (p.load, p.summary.slo_attainment))
+            .map(|p| (p.load, p.summary.slo_attainment.into()))
             .collect();
         capacity::search(s, &known, |load| {
             run_point(base, d, workload, load).map(|p| p.summary.slo_attainment)

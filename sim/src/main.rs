@@ -85,6 +85,12 @@ enum Command {
         /// spare_decodes_up_to=2`; repeatable, the router's names.
         #[arg(long = "param", value_parser = router::parse_param)]
         params: Vec<(String, f64)>,
+        /// A load passes only if the mean over the seeds of each run's TTFT
+        /// p99 is within this too (ms): the best configuration of each
+        /// family with a tail an operator would run, not only with the most
+        /// requests within the SLO (default: no bound).
+        #[arg(long)]
+        ttft_p99_bound_ms: Option<f64>,
     },
     /// Run one deployment at one load and print its figures.
     Run {
@@ -496,6 +502,7 @@ fn main() -> anyhow::Result<()> {
             seeds,
             policies,
             params,
+            ttft_p99_bound_ms,
         } => tune(
             &common,
             capacity_tolerance,
@@ -503,6 +510,7 @@ fn main() -> anyhow::Result<()> {
             seeds,
             &policies,
             &params,
+            ttft_p99_bound_ms,
         )?,
         Command::Run {
             common,
@@ -761,7 +769,13 @@ fn tune(
     seeds: u64,
     only: &[String],
     params: &[(String, f64)],
+    ttft_p99_bound_ms: Option<f64>,
 ) -> anyhow::Result<()> {
+    if let Some(ms) = ttft_p99_bound_ms {
+        if !(ms.is_finite() && ms > 0.0) {
+            bail!("--ttft-p99-bound-ms must be a finite number > 0, not {ms}");
+        }
+    }
     let scenarios = common.scenarios(seeds)?;
     let (base, workload) = (&scenarios[0].config, &scenarios[0].workload);
     let threads = threads_or_cores(threads);
@@ -803,6 +817,7 @@ fn tune(
             tolerance,
             ..Search::default()
         },
+        ttft_p99_bound_ms,
         threads,
     };
     tune.tuned_policies()?;
@@ -841,9 +856,17 @@ fn tune(
         common.itl_slo_ms
     );
     println!("{}", third_path_note(base));
+    let over_seeds = if seeds == 1 {
+        ""
+    } else {
+        ", on average over the seeds,"
+    };
+    let bound = match ttft_p99_bound_ms {
+        Some(ms) => format!(" and a TTFT p99 <= {ms:.0} ms"),
+        None => String::new(),
+    };
     println!(
-        "capacity: the highest load with >= 90% of requests within the SLO{} (bisected to {:.0}%)\n",
-        if seeds == 1 { "" } else { " on average over the seeds" },
+        "capacity: the highest load with{over_seeds} >= 90% of requests within the SLO{bound} (bisected to {:.0}%)\n",
         100.0 * tolerance
     );
     if !params.is_empty() {
@@ -888,12 +911,20 @@ fn tune(
     let disagg = of("disaggregated").context("disaggregated was tuned")?;
     let baseline = agg.capacity.load().max(disagg.capacity.load());
     let ratio = best_cd.capacity.load() / baseline;
-    println!(
-        "\nbest C/D ({}) / max(aggregated, best disaggregated) = {:.3} / {:.3} = {ratio:.2}x (target 1.5x)",
-        best_cd.deployment.name(),
-        best_cd.capacity.load(),
-        baseline
-    );
+    if baseline > 0.0 {
+        println!(
+            "\nbest C/D ({}) / max(aggregated, best disaggregated) = {:.3} / {:.3} = {ratio:.2}x (target 1.5x)",
+            best_cd.deployment.name(),
+            best_cd.capacity.load(),
+            baseline
+        );
+    } else {
+        println!(
+            "\nneither aggregated nor disaggregated passed at any load searched: no ratio (best C/D: {}, {:.3})",
+            best_cd.deployment.name(),
+            best_cd.capacity.load()
+        );
+    }
     let sla = of("sla_dynamic");
     if let (Some(sla), Some(st)) = (sla, best_static) {
         println!(
@@ -1061,9 +1092,10 @@ fn tune(
         "seed": common.seed,
         "seeds": seeds,
         "slo": {"ttft_ms": common.ttft_slo_ms, "itl_ms": common.itl_slo_ms},
+        "ttft_p99_bound_ms": ttft_p99_bound_ms,
         "families": families,
         "best_cd": best_cd.family,
-        "cd_over_baseline": ratio,
+        "cd_over_baseline": (baseline > 0.0).then_some(ratio),
         "later_turn_ttft_p90": later.map(|(family, load, cd, dis, floor)| serde_json::json!({"load": load, "family": family, "best_cd_ms": cd, "disaggregated_ms": dis, "floor_ms": floor})),
         "searches": searches,
         "runs": runs,

@@ -436,3 +436,62 @@ fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `sim tune --ttft-p99-bound-ms`: a load passes only with its TTFT p99
+/// within the bound too. No run's p99 is within 1 ms, so no load passes
+/// and no ratio is claimed; with a bound no run reaches, the capacities
+/// are those without one.
+#[test]
+fn tune_bounds_the_tail_when_asked() -> anyhow::Result<()> {
+    let small = [
+        "tune",
+        "--policies",
+        "isl",
+        "--workload",
+        "synthetic",
+        "--duration-s",
+        "6",
+        "--workers",
+        "3",
+        "--preset",
+        "llama8b_h100",
+    ];
+    let json_of = |out: &str| -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::from_str(
+            out.lines()
+                .rfind(|l| l.starts_with('{'))
+                .ok_or_else(|| anyhow::anyhow!("no JSON line:\n{out}"))?,
+        )?)
+    };
+    let capacities = |json: &serde_json::Value| -> Vec<f64> {
+        json["families"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|f| f["capacity"].as_f64().unwrap_or(f64::NAN))
+            .collect()
+    };
+
+    let out = sim(&[&small[..], &["--ttft-p99-bound-ms", "1"]].concat())?;
+    assert!(out.contains("and a TTFT p99 <= 1 ms"), "{out}");
+    assert!(out.contains("no ratio"), "{out}");
+    let json = json_of(&out)?;
+    assert_eq!(json["ttft_p99_bound_ms"], 1.0, "{json}");
+    assert!(json["cd_over_baseline"].is_null(), "{json}");
+    assert_eq!(capacities(&json), vec![0.0; 3], "{json}");
+
+    let free = json_of(&sim(&small)?)?;
+    assert!(free["ttft_p99_bound_ms"].is_null(), "{free}");
+    assert!(capacities(&free).iter().all(|&c| c > 0.0), "{free}");
+    let loose = json_of(&sim(
+        &[&small[..], &["--ttft-p99-bound-ms", "1e9"]].concat()
+    )?)?;
+    assert_eq!(capacities(&loose), capacities(&free), "{loose}\n{free}");
+
+    let stderr = sim_error(&[&small[..], &["--ttft-p99-bound-ms", "0"]].concat())?;
+    assert!(
+        stderr.contains("--ttft-p99-bound-ms must be a finite number > 0, not 0"),
+        "{stderr}"
+    );
+    Ok(())
+}
