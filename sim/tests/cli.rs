@@ -360,20 +360,33 @@ fn run_with_seeds_sums_the_misses() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A cluster small enough to tune in seconds: 3 workers of the 8B preset
+/// and 6 s of single-turn requests.
+const SMALL_CLUSTER: [&str; 8] = [
+    "--workload",
+    "synthetic",
+    "--duration-s",
+    "6",
+    "--workers",
+    "3",
+    "--preset",
+    "llama8b_h100",
+];
+
+/// The last JSON line `sim` printed.
+fn last_json(out: &str) -> anyhow::Result<serde_json::Value> {
+    let line = out
+        .lines()
+        .rfind(|l| l.starts_with('{'))
+        .ok_or_else(|| anyhow::anyhow!("no JSON line:\n{out}"))?;
+    Ok(serde_json::from_str(line)?)
+}
+
 /// `sim tune` prints each family's TTFT p99 at its capacity, seed by seed:
 /// each the p99 `sim run` prints for that family at that load and seed.
 #[test]
 fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
-    let small = [
-        "--workload",
-        "synthetic",
-        "--duration-s",
-        "6",
-        "--workers",
-        "3",
-        "--preset",
-        "llama8b_h100",
-    ];
+    let small = SMALL_CLUSTER;
     let out = sim(&[&["tune", "--policies", "isl", "--seeds", "2"][..], &small].concat())?;
     assert!(out.contains("TTFT p99 there"), "{out}");
     // Single-turn requests: no turn-2+ comparison (it used to say 0.00x).
@@ -381,11 +394,7 @@ fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
         out.contains("no request of this workload is a conversation's later turn"),
         "{out}"
     );
-    let json: serde_json::Value = serde_json::from_str(
-        out.lines()
-            .rfind(|l| l.starts_with('{'))
-            .ok_or_else(|| anyhow::anyhow!("no JSON line:\n{out}"))?,
-    )?;
+    let json = last_json(&out)?;
     assert!(json["later_turn_ttft_p90"].is_null(), "{json}");
     let agg = &json["families"][0];
     assert_eq!(agg["family"], "aggregated");
@@ -443,26 +452,7 @@ fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
 /// are those without one.
 #[test]
 fn tune_bounds_the_tail_when_asked() -> anyhow::Result<()> {
-    let small = [
-        "tune",
-        "--policies",
-        "isl",
-        "--workload",
-        "synthetic",
-        "--duration-s",
-        "6",
-        "--workers",
-        "3",
-        "--preset",
-        "llama8b_h100",
-    ];
-    let json_of = |out: &str| -> anyhow::Result<serde_json::Value> {
-        Ok(serde_json::from_str(
-            out.lines()
-                .rfind(|l| l.starts_with('{'))
-                .ok_or_else(|| anyhow::anyhow!("no JSON line:\n{out}"))?,
-        )?)
-    };
+    let small = [&["tune", "--policies", "isl"][..], &SMALL_CLUSTER].concat();
     let capacities = |json: &serde_json::Value| -> Vec<f64> {
         json["families"]
             .as_array()
@@ -475,15 +465,15 @@ fn tune_bounds_the_tail_when_asked() -> anyhow::Result<()> {
     let out = sim(&[&small[..], &["--ttft-p99-bound-ms", "1"]].concat())?;
     assert!(out.contains("and a TTFT p99 <= 1 ms"), "{out}");
     assert!(out.contains("no ratio"), "{out}");
-    let json = json_of(&out)?;
+    let json = last_json(&out)?;
     assert_eq!(json["ttft_p99_bound_ms"], 1.0, "{json}");
     assert!(json["cd_over_baseline"].is_null(), "{json}");
     assert_eq!(capacities(&json), vec![0.0; 3], "{json}");
 
-    let free = json_of(&sim(&small)?)?;
+    let free = last_json(&sim(&small)?)?;
     assert!(free["ttft_p99_bound_ms"].is_null(), "{free}");
     assert!(capacities(&free).iter().all(|&c| c > 0.0), "{free}");
-    let loose = json_of(&sim(
+    let loose = last_json(&sim(
         &[&small[..], &["--ttft-p99-bound-ms", "1e9"]].concat()
     )?)?;
     assert_eq!(capacities(&loose), capacities(&free), "{loose}\n{free}");
