@@ -22,6 +22,9 @@
 pub struct Search {
     /// Share of measured requests that must meet the SLO.
     pub target: f64,
+    /// A load passes only if its TTFT p99 is within this too (ms; `None`:
+    /// no bound), `sim compare` and `sim tune --ttft-p99-bound-ms`.
+    pub ttft_p99_bound_ms: Option<f64>,
     /// The first load to try when nothing was run yet.
     pub start: f64,
     /// How many times the bracket may grow up (or shrink down) by `growth`
@@ -44,6 +47,7 @@ impl Default for Search {
     fn default() -> Self {
         Self {
             target: 0.9,
+            ttft_p99_bound_ms: None,
             start: 1.0,
             max_doublings: 4,
             growth: 2.0,
@@ -138,48 +142,39 @@ impl Capacity {
     }
 }
 
-/// What one load's runs said: the share of requests within the SLO, and
-/// whether the load kept within the caller's other bounds (`sim tune
-/// --ttft-p99-bound-ms`). It passes when both hold.
+/// What one load's runs measured (over several seeds: their means).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Judged {
+pub struct Outcome {
+    /// Share of requests within the SLO.
     pub attainment: f64,
-    pub within_bounds: bool,
+    pub ttft_p99_ms: f64,
 }
 
-impl Judged {
-    fn passes(&self, target: f64) -> bool {
-        self.within_bounds && self.attainment >= target
+impl Search {
+    /// Whether a load with this outcome passes: its attainment at the
+    /// target, and its TTFT p99 within the bound, if any.
+    pub fn passes(&self, o: &Outcome) -> bool {
+        o.attainment >= self.target && self.ttft_p99_bound_ms.is_none_or(|b| o.ttft_p99_ms <= b)
     }
 }
 
-/// An attainment alone: no other bound.
-impl From<f64> for Judged {
-    fn from(attainment: f64) -> Self {
-        Self {
-            attainment,
-            within_bounds: true,
-        }
-    }
-}
+/// One load tried and what it measured.
+pub type Probe = (f64, Outcome);
 
-/// One load tried and what it said.
-pub type Probe = (f64, Judged);
-
-/// Searches the capacity, starting from `known` probes; `judge` runs one
+/// Searches the capacity, starting from `known` probes; `measure` runs one
 /// load. Returns the capacity and every probe it ran itself, in order.
-pub fn search<E, J: Into<Judged>>(
+pub fn search<E>(
     s: &Search,
     known: &[Probe],
-    mut judge: impl FnMut(f64) -> Result<J, E>,
+    mut measure: impl FnMut(f64) -> Result<Outcome, E>,
 ) -> Result<(Capacity, Vec<Probe>), E> {
     let mut ran = Vec::new();
     let mut run = |load: f64, ran: &mut Vec<Probe>| -> Result<bool, E> {
-        let j = judge(load)?.into();
-        ran.push((load, j));
-        Ok(j.passes(s.target))
+        let o = measure(load)?;
+        ran.push((load, o));
+        Ok(s.passes(&o))
     };
-    let passes = |(_, j): &Probe| j.passes(s.target);
+    let passes = |(_, o): &Probe| s.passes(o);
     let mut pass = known
         .iter()
         .filter(|p| passes(p))
@@ -289,14 +284,22 @@ mod tests {
     use super::*;
     use std::convert::Infallible;
 
+    /// An outcome of this attainment, with a TTFT p99 of 1 s.
+    fn attained(attainment: f64) -> Outcome {
+        Outcome {
+            attainment,
+            ttft_p99_ms: 1_000.0,
+        }
+    }
+
     /// Attainment that drops below 90% above `capacity`.
-    fn step(capacity: f64) -> impl FnMut(f64) -> Result<f64, Infallible> {
-        move |load| Ok(if load <= capacity { 0.95 } else { 0.5 })
+    fn step(capacity: f64) -> impl FnMut(f64) -> Result<Outcome, Infallible> {
+        move |load| Ok(attained(if load <= capacity { 0.95 } else { 0.5 }))
     }
 
     /// Probes of attainments alone.
     fn probes(known: &[(f64, f64)]) -> Vec<Probe> {
-        known.iter().map(|&(l, a)| (l, a.into())).collect()
+        known.iter().map(|&(l, a)| (l, attained(a))).collect()
     }
 
     /// A found capacity's load, failing load and dip.
@@ -328,7 +331,7 @@ mod tests {
         assert!(
             above
                 .iter()
-                .all(|&(l, j)| l > fails_at && j.attainment < 0.9),
+                .all(|&(l, o)| l > fails_at && o.attainment < 0.9),
             "{ran:?}"
         );
     }
@@ -350,12 +353,12 @@ mod tests {
     #[test]
     fn a_dip_below_the_capacity_is_stepped_over_and_named() {
         // Fails between 1.3 and 1.4 only, and above 1.8.
-        let dip = |load: f64| -> Result<f64, Infallible> {
-            Ok(if (1.3..1.4).contains(&load) || load > 1.8 {
+        let dip = |load: f64| -> Result<Outcome, Infallible> {
+            Ok(attained(if (1.3..1.4).contains(&load) || load > 1.8 {
                 0.85
             } else {
                 0.95
-            })
+            }))
         };
         let known = probes(&[(1.0, 0.95), (1.35, 0.85)]);
         let (c, _) = search(&Search::default(), &known, dip).unwrap();
@@ -377,22 +380,29 @@ mod tests {
     }
 
     #[test]
-    fn a_load_past_another_bound_fails_whatever_its_attainment() {
-        // Every load keeps 95% within the SLO; above 2.0 the caller's other
-        // bound breaks (a tail, in `sim tune`).
-        let judge = |load: f64| -> Result<Judged, Infallible> {
-            Ok(Judged {
+    fn a_load_past_the_tail_bound_fails_whatever_its_attainment() {
+        // Every load keeps 95% within the SLO; the TTFT p99 grows with it,
+        // 5 s at 2.0.
+        let tail = |load: f64| -> Result<Outcome, Infallible> {
+            Ok(Outcome {
                 attainment: 0.95,
-                within_bounds: load <= 2.0,
+                ttft_p99_ms: 2_500.0 * load,
             })
         };
-        let (c, ran) = search(&Search::default(), &[], judge).unwrap();
+        let bounded = Search {
+            ttft_p99_bound_ms: Some(5_000.0),
+            ..Search::default()
+        };
+        let (c, ran) = search(&bounded, &[], tail).unwrap();
         let (load, fails_at, _) = found(c);
         assert!(load <= 2.0 && 2.0 < fails_at, "{c:?}");
         assert!(
-            ran.iter().all(|(l, j)| j.passes(0.9) == (*l <= 2.0)),
+            ran.iter().all(|(l, o)| bounded.passes(o) == (*l <= 2.0)),
             "{ran:?}"
         );
+        // Without the bound every load passes, up to the search's bound.
+        let (c, _) = search(&Search::default(), &[], tail).unwrap();
+        assert!(matches!(c, Capacity::AboveBound { .. }), "{c:?}");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use protocol::trace::MooncakeRecord;
 
-use crate::capacity::{self, Capacity, Probe, Search};
+use crate::capacity::{self, Capacity, Outcome, Probe, Search};
 use crate::cluster::{simulate, SimConfig, SimError};
 use crate::deployment::Deployment;
 use crate::metrics::{Misses, MissesByPath, MissesByRule, RunSummary};
@@ -176,6 +176,16 @@ pub fn mean_slo_attainment(points: &[Point]) -> f64 {
     points.iter().map(|p| p.summary.slo_attainment).sum::<f64>() / points.len().max(1) as f64
 }
 
+/// What `points`, one load's runs (a seed each), measured: their mean SLO
+/// attainment and mean TTFT p99, for the capacity search.
+pub fn outcome(points: &[Point]) -> Outcome {
+    let n = points.len().max(1) as f64;
+    Outcome {
+        attainment: mean_slo_attainment(points),
+        ttft_p99_ms: points.iter().map(|p| p.summary.ttft_ms.p99).sum::<f64>() / n,
+    }
+}
+
 /// One deployment at one load.
 pub fn run_point(
     base: &SimConfig,
@@ -239,10 +249,10 @@ pub fn capacities(
         let known: Vec<Probe> = points
             .iter()
             .filter(|p| p.deployment == name)
-            .map(|p| (p.load, p.summary.slo_attainment.into()))
+            .map(|p| (p.load, outcome(std::slice::from_ref(p))))
             .collect();
         capacity::search(s, &known, |load| {
-            run_point(base, d, workload, load).map(|p| p.summary.slo_attainment)
+            run_point(base, d, workload, load).map(|p| outcome(&[p]))
         })
         .map(|(c, _)| (name, c))
     })
@@ -473,12 +483,14 @@ pub fn write_report(
     Ok(())
 }
 
-/// Writes `capacity.json` into `dir`: each deployment's capacity.
+/// Writes `capacity.json` into `dir`: each deployment's capacity, with
+/// what the search counted as passing.
 pub fn write_capacities(
     dir: &Path,
     capacities: &[(String, Capacity)],
     workload: &str,
     load_unit: &str,
+    search: &Search,
 ) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let rows: Vec<_> = capacities
@@ -488,6 +500,8 @@ pub fn write_capacities(
             row["deployment"] = d.clone().into();
             row["workload"] = workload.into();
             row["load_unit"] = load_unit.into();
+            row["attainment_target"] = search.target.into();
+            row["ttft_p99_bound_ms"] = search.ttft_p99_bound_ms.into();
             row
         })
         .collect();

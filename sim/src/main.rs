@@ -51,6 +51,11 @@ enum Command {
         /// this share of the load.
         #[arg(long, default_value_t = Search::default().tolerance)]
         capacity_tolerance: f64,
+        /// A load passes the capacity search only if its TTFT p99 is within
+        /// this too (ms): a capacity with a tail an operator would run, not
+        /// only with the most requests within the SLO (default: no bound).
+        #[arg(long)]
+        ttft_p99_bound_ms: Option<f64>,
     },
     /// For the workload and --workers: search each family's best
     /// configuration by capacity (aggregated; disaggregated at its best
@@ -86,8 +91,8 @@ enum Command {
         #[arg(long = "param", value_parser = router::parse_param)]
         params: Vec<(String, f64)>,
         /// A load passes only if the mean over the seeds of each run's TTFT
-        /// p99 is within this too (ms): the best configuration of each
-        /// family with a tail an operator would run, not only with the most
+        /// p99 is within this too (ms): each family's best configuration
+        /// with a tail an operator would run, not only with the most
         /// requests within the SLO (default: no bound).
         #[arg(long)]
         ttft_p99_bound_ms: Option<f64>,
@@ -402,7 +407,9 @@ fn main() -> anyhow::Result<()> {
             out,
             threads,
             capacity_tolerance,
+            ttft_p99_bound_ms,
         } => {
+            check_tail_bound(ttft_p99_bound_ms)?;
             let workload = common.workload()?;
             let base = common.sim_config()?;
             let (lo, hi) = common.default_loads();
@@ -457,6 +464,7 @@ fn main() -> anyhow::Result<()> {
             let search = Search {
                 start: hi,
                 tolerance: capacity_tolerance,
+                ttft_p99_bound_ms,
                 ..Search::default()
             };
             let bar = ProgressBar::new(deployments.len() as u64).with_style(
@@ -475,8 +483,9 @@ fn main() -> anyhow::Result<()> {
             )?;
             bar.finish_and_clear();
             println!(
-                "\nCapacity: the highest load with >= {:.0}% of requests within the SLO (bisected to {:.0}%):",
+                "\nCapacity: the highest load with >= {:.0}% of requests within the SLO{} (bisected to {:.0}%):",
                 100.0 * search.target,
+                tail_bound_clause(ttft_p99_bound_ms),
                 100.0 * search.tolerance
             );
             for (deployment, capacity) in &caps {
@@ -485,7 +494,7 @@ fn main() -> anyhow::Result<()> {
                     capacity.describe(workload.load_unit())
                 );
             }
-            write_capacities(&out, &caps, workload.name(), workload.load_unit())
+            write_capacities(&out, &caps, workload.name(), workload.load_unit(), &search)
                 .with_context(|| format!("writing the report to {}", out.display()))?;
             write_report(&out, &results, workload.name(), workload.load_unit(), &note)
                 .with_context(|| format!("writing the report to {}", out.display()))?;
@@ -762,6 +771,24 @@ fn run_seeds(
 
 /// `sim tune`: every family's best, the table, the comparisons the issue
 /// asks for, one JSON line.
+/// `--ttft-p99-bound-ms`, when given, is a time.
+fn check_tail_bound(ttft_p99_bound_ms: Option<f64>) -> anyhow::Result<()> {
+    match ttft_p99_bound_ms {
+        Some(ms) if !(ms.is_finite() && ms > 0.0) => {
+            bail!("--ttft-p99-bound-ms must be a finite number > 0, not {ms}")
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The capacity's definition's clause for `--ttft-p99-bound-ms`.
+fn tail_bound_clause(ttft_p99_bound_ms: Option<f64>) -> String {
+    match ttft_p99_bound_ms {
+        Some(ms) => format!(" and a TTFT p99 <= {ms:.0} ms"),
+        None => String::new(),
+    }
+}
+
 fn tune(
     common: &Common,
     tolerance: f64,
@@ -771,11 +798,7 @@ fn tune(
     params: &[(String, f64)],
     ttft_p99_bound_ms: Option<f64>,
 ) -> anyhow::Result<()> {
-    if let Some(ms) = ttft_p99_bound_ms {
-        if !(ms.is_finite() && ms > 0.0) {
-            bail!("--ttft-p99-bound-ms must be a finite number > 0, not {ms}");
-        }
-    }
+    check_tail_bound(ttft_p99_bound_ms)?;
     let scenarios = common.scenarios(seeds)?;
     let (base, workload) = (&scenarios[0].config, &scenarios[0].workload);
     let threads = threads_or_cores(threads);
@@ -815,9 +838,9 @@ fn tune(
             growth: 1.25,
             max_doublings: 12,
             tolerance,
+            ttft_p99_bound_ms,
             ..Search::default()
         },
-        ttft_p99_bound_ms,
         threads,
     };
     tune.tuned_policies()?;
@@ -861,12 +884,9 @@ fn tune(
     } else {
         ", on average over the seeds,"
     };
-    let bound = match ttft_p99_bound_ms {
-        Some(ms) => format!(" and a TTFT p99 <= {ms:.0} ms"),
-        None => String::new(),
-    };
     println!(
-        "capacity: the highest load with{over_seeds} >= 90% of requests within the SLO{bound} (bisected to {:.0}%)\n",
+        "capacity: the highest load with{over_seeds} >= 90% of requests within the SLO{} (bisected to {:.0}%)\n",
+        tail_bound_clause(ttft_p99_bound_ms),
         100.0 * tolerance
     );
     if !params.is_empty() {

@@ -26,9 +26,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use router::Policy;
 
-use crate::capacity::{self, Capacity, Judged, Search};
+use crate::capacity::{self, Capacity, Search};
 use crate::cluster::SimError;
-use crate::compare::{mean_slo_attainment, parallel_map, run_scenarios, Scenario};
+use crate::compare::{outcome, parallel_map, run_scenarios, Scenario};
 use crate::deployment::Deployment;
 
 /// One family's best configuration.
@@ -95,11 +95,9 @@ pub struct Tune<'a> {
     /// each policy that has them and not tuned.
     pub policy_params: &'a [(String, f64)],
     /// Each candidate's capacity search (its `start` is the first
-    /// family's guess; later ones start at their family's best).
+    /// family's guess; later ones start at their family's best; a TTFT p99
+    /// bound is on the mean over the scenarios).
     pub search: Search,
-    /// A load passes only if the mean over the scenarios of their TTFT
-    /// p99 is within this too (ms; `None`: no bound).
-    pub ttft_p99_bound_ms: Option<f64>,
     pub threads: usize,
 }
 
@@ -323,15 +321,8 @@ impl Tune<'_> {
         let (capacity, _) = capacity::search(&s, &[], |load| {
             progress.runs.fetch_add(scenarios.len(), Ordering::Relaxed);
             let points = run_scenarios(&scenarios, deployment, load)?;
-            let tail: Vec<f64> = points.iter().map(|p| p.summary.ttft_ms.p99).collect();
-            let within_bounds = self
-                .ttft_p99_bound_ms
-                .is_none_or(|bound| tail.iter().sum::<f64>() / tail.len() as f64 <= bound);
-            tails.push((load, tail));
-            Ok::<_, SimError>(Judged {
-                attainment: mean_slo_attainment(&points),
-                within_bounds,
-            })
+            tails.push((load, points.iter().map(|p| p.summary.ttft_ms.p99).collect()));
+            Ok::<_, SimError>(outcome(&points))
         })?;
         progress.searches.fetch_add(1, Ordering::Relaxed);
         let tail = tails

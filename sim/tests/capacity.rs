@@ -4,12 +4,14 @@
 //! token, arriving evenly. Each request then costs one step of `t`; at a
 //! period `T < t` the queue grows, request k's TTFT is `(k+1) t - k T`, and
 //! with a TTFT target `S` the first `floor((S - t) / (t - T)) + 1` meet it.
-//! 90% of N requests meet it iff `T >= t - (S - t) / (0.9 N - 1)`.
+//! 90% of N requests meet it iff `T >= t - (S - t) / (0.9 N - 1)`. The
+//! TTFT p99 (nearest rank: of N = 100, request 98's) is `99 t - 98 T`,
+//! within a bound `B` iff `T >= (99 t - B) / 98`.
 
 use std::convert::Infallible;
 
 use engine_sim::{KvTransfer, Preset};
-use sim::capacity::{search, Capacity, Search};
+use sim::capacity::{search, Capacity, Outcome, Search};
 use sim::workload::{pseudo_tokens, Arrival, RequestSpec, Scripted};
 use sim::{simulate, Deployment, OutboxLimits, SimConfig, Slo};
 
@@ -61,10 +63,13 @@ fn workload(n: u64, rate: f64) -> Scripted {
     Scripted::new(arrivals)
 }
 
-fn attainment(ttft_ms: f64, rate: f64) -> f64 {
+fn outcome(ttft_ms: f64, rate: f64) -> Outcome {
     let r = simulate(&config(ttft_ms), &mut workload(N, rate)).unwrap();
     assert_eq!(r.summary.measured, N as usize);
-    r.summary.slo_attainment
+    Outcome {
+        attainment: r.summary.slo_attainment,
+        ttft_p99_ms: r.summary.ttft_ms.p99,
+    }
 }
 
 #[test]
@@ -81,10 +86,7 @@ fn the_search_finds_the_capacity_known_by_construction() {
         tolerance: 0.005,
         ..Search::default()
     };
-    let (found, ran) = search(&s, &[], |load| {
-        Ok::<_, Infallible>(attainment(slo_ms, load))
-    })
-    .unwrap();
+    let (found, ran) = search(&s, &[], |load| Ok::<_, Infallible>(outcome(slo_ms, load))).unwrap();
     let Capacity::Found { load, fails_at, .. } = found else {
         panic!("{found:?}")
     };
@@ -100,14 +102,39 @@ fn the_search_finds_the_capacity_known_by_construction() {
         max_doublings: 2,
         ..s
     };
-    let (above, _) = search(&s, &[], |load| {
-        Ok::<_, Infallible>(attainment(slo_ms, load))
-    })
-    .unwrap();
+    let (above, _) = search(&s, &[], |load| Ok::<_, Infallible>(outcome(slo_ms, load))).unwrap();
     assert_eq!(
         above,
         Capacity::AboveBound {
             bound: capacity / 4.0
         }
     );
+}
+
+#[test]
+fn a_tail_bound_finds_the_capacity_known_by_construction() {
+    let alone = simulate(&config(1e9), &mut workload(1, 1.0)).unwrap();
+    let t_ms = alone.records[0].ttft_ms();
+    let slo_ms = 2.0 * t_ms;
+    // The 90% alone would allow T down to about 0.989 t, where the p99 is
+    // about 2.1 t: a bound of 1.5 t binds first.
+    let bound_ms = 1.5 * t_ms;
+    let capacity = 1e3 * 98.0 / (99.0 * t_ms - bound_ms);
+    let unbounded = 1e3 / (t_ms - (slo_ms - t_ms) / (0.9 * N as f64 - 1.0));
+    assert!(capacity < 0.995 * unbounded, "{capacity} {unbounded}");
+    let s = Search {
+        start: 1.0,
+        tolerance: 0.005,
+        ttft_p99_bound_ms: Some(bound_ms),
+        ..Search::default()
+    };
+    let (found, ran) = search(&s, &[], |load| Ok::<_, Infallible>(outcome(slo_ms, load))).unwrap();
+    let Capacity::Found { load, fails_at, .. } = found else {
+        panic!("{found:?}")
+    };
+    assert!(
+        load <= capacity * 1.001 && capacity <= fails_at * 1.001,
+        "capacity {capacity:.4}/s by construction, search {found:?} after {ran:?}"
+    );
+    assert!(fails_at - load <= 0.005 * fails_at);
 }

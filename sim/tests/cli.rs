@@ -485,3 +485,44 @@ fn tune_bounds_the_tail_when_asked() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `sim compare --ttft-p99-bound-ms`: the capacity's definition names the
+/// bound, and `capacity.json` records what passed: with no run's p99
+/// within 1 ms, no deployment passes at any load.
+#[test]
+fn compare_bounds_the_tail_when_asked() -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("sim-compare-bound-{}", std::process::id()));
+    let out_dir = dir
+        .to_str()
+        .ok_or_else(|| anyhow::anyhow!("not UTF-8: {dir:?}"))?;
+    let out = sim(&[
+        &[
+            "compare",
+            "--loads",
+            "2",
+            "--out",
+            out_dir,
+            "--ttft-p99-bound-ms",
+            "1",
+        ][..],
+        &SMALL_CLUSTER,
+    ]
+    .concat())?;
+    assert!(
+        out.contains("within the SLO and a TTFT p99 <= 1 ms"),
+        "{out}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("capacity.json"))?)?;
+    std::fs::remove_dir_all(&dir)?;
+    let rows = json
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("not an array of deployments: {json}"))?;
+    assert!(rows.len() >= 3, "{json}");
+    for row in rows {
+        assert_eq!(row["ttft_p99_bound_ms"], 1.0, "{row}");
+        assert_eq!(row["capacity"], 0.0, "{row}");
+        assert!(row["below"].is_number(), "{row}");
+    }
+    Ok(())
+}

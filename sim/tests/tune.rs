@@ -58,7 +58,6 @@ fn one_best_per_family_among_what_it_searched() {
             tolerance: 0.2,
             ..Search::default()
         },
-        ttft_p99_bound_ms: None,
         threads: 2,
     };
     let progress = Progress::default();
