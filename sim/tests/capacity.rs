@@ -72,12 +72,31 @@ fn outcome(ttft_ms: f64, rate: f64) -> Outcome {
     }
 }
 
-#[test]
-fn the_search_finds_the_capacity_known_by_construction() {
-    // One request alone: its TTFT is the step time t.
+/// The step time t: one request alone, its TTFT.
+fn step_ms() -> f64 {
     let alone = simulate(&config(1e9), &mut workload(1, 1.0)).unwrap();
     let t_ms = alone.records[0].ttft_ms();
     assert!(t_ms > 100.0, "an 8k-token prefill takes {t_ms} ms");
+    t_ms
+}
+
+/// `s` finds `capacity` (requests/s) with the TTFT target `slo_ms`, to
+/// its tolerance (arrivals are rounded to microseconds: that much more).
+fn assert_finds(s: &Search, slo_ms: f64, capacity: f64) {
+    let (found, ran) = search(s, &[], |load| Ok::<_, Infallible>(outcome(slo_ms, load))).unwrap();
+    let Capacity::Found { load, fails_at, .. } = found else {
+        panic!("{found:?}")
+    };
+    assert!(
+        load <= capacity * 1.001 && capacity <= fails_at * 1.001,
+        "capacity {capacity:.4}/s by construction, search {found:?} after {ran:?}"
+    );
+    assert!(fails_at - load <= s.tolerance * fails_at);
+}
+
+#[test]
+fn the_search_finds_the_capacity_known_by_construction() {
+    let t_ms = step_ms();
     let slo_ms = 2.0 * t_ms;
     let period_ms = t_ms - (slo_ms - t_ms) / (0.9 * N as f64 - 1.0);
     let capacity = 1e3 / period_ms;
@@ -86,16 +105,7 @@ fn the_search_finds_the_capacity_known_by_construction() {
         tolerance: 0.005,
         ..Search::default()
     };
-    let (found, ran) = search(&s, &[], |load| Ok::<_, Infallible>(outcome(slo_ms, load))).unwrap();
-    let Capacity::Found { load, fails_at, .. } = found else {
-        panic!("{found:?}")
-    };
-    // Arrivals are rounded to microseconds: allow that much.
-    assert!(
-        load <= capacity * 1.001 && capacity <= fails_at * 1.001,
-        "capacity {capacity:.4}/s by construction, search {found:?} after {ran:?}"
-    );
-    assert!(fails_at - load <= 0.005 * fails_at);
+    assert_finds(&s, slo_ms, capacity);
     // Below the bound it never searched past: reported as such.
     let s = Search {
         start: capacity / 16.0,
@@ -113,8 +123,7 @@ fn the_search_finds_the_capacity_known_by_construction() {
 
 #[test]
 fn a_tail_bound_finds_the_capacity_known_by_construction() {
-    let alone = simulate(&config(1e9), &mut workload(1, 1.0)).unwrap();
-    let t_ms = alone.records[0].ttft_ms();
+    let t_ms = step_ms();
     let slo_ms = 2.0 * t_ms;
     // The 90% alone would allow T down to about 0.989 t, where the p99 is
     // about 2.1 t: a bound of 1.5 t binds first.
@@ -128,13 +137,5 @@ fn a_tail_bound_finds_the_capacity_known_by_construction() {
         ttft_p99_bound_ms: Some(bound_ms),
         ..Search::default()
     };
-    let (found, ran) = search(&s, &[], |load| Ok::<_, Infallible>(outcome(slo_ms, load))).unwrap();
-    let Capacity::Found { load, fails_at, .. } = found else {
-        panic!("{found:?}")
-    };
-    assert!(
-        load <= capacity * 1.001 && capacity <= fails_at * 1.001,
-        "capacity {capacity:.4}/s by construction, search {found:?} after {ran:?}"
-    );
-    assert!(fails_at - load <= 0.005 * fails_at);
+    assert_finds(&s, slo_ms, capacity);
 }
