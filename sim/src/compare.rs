@@ -232,6 +232,16 @@ pub fn sweep(
     .collect()
 }
 
+/// One deployment's capacity, and its TTFT p99 there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeploymentCapacity {
+    pub deployment: String,
+    pub capacity: Capacity,
+    /// The TTFT p99 of the run at the capacity's load (`None` when no load
+    /// passed).
+    pub ttft_p99_ms: Option<f64>,
+}
+
 /// Each deployment's capacity (see [`crate::capacity`]), searched from the
 /// sweep's `points` of that deployment, deployments in parallel;
 /// `progress` is called with (deployments done, total).
@@ -243,7 +253,7 @@ pub fn capacities(
     s: &Search,
     threads: usize,
     progress: &(dyn Fn(usize, usize) + Sync),
-) -> Result<Vec<(String, Capacity)>, SimError> {
+) -> Result<Vec<DeploymentCapacity>, SimError> {
     parallel_map(deployments, threads, progress, |d| {
         let name = d.name();
         let known: Vec<Probe> = points
@@ -251,10 +261,19 @@ pub fn capacities(
             .filter(|p| p.deployment == name)
             .map(|p| (p.load, outcome(std::slice::from_ref(p))))
             .collect();
-        capacity::search(s, &known, |load| {
+        let (capacity, ran) = capacity::search(s, &known, |load| {
             run_point(base, d, workload, load).map(|p| outcome(&[p]))
+        })?;
+        let ttft_p99_ms = known
+            .iter()
+            .chain(&ran)
+            .find(|(load, o)| *load == capacity.load() && s.passes(o))
+            .map(|(_, o)| o.ttft_p99_ms);
+        Ok(DeploymentCapacity {
+            deployment: name,
+            capacity,
+            ttft_p99_ms,
         })
-        .map(|(c, _)| (name, c))
     })
     .into_iter()
     .collect()
@@ -483,11 +502,11 @@ pub fn write_report(
     Ok(())
 }
 
-/// Writes `capacity.json` into `dir`: each deployment's capacity, with
-/// what the search counted as passing.
+/// Writes `capacity.json` into `dir`: each deployment's capacity and its
+/// TTFT p99 there, with what the search counted as passing.
 pub fn write_capacities(
     dir: &Path,
-    capacities: &[(String, Capacity)],
+    capacities: &[DeploymentCapacity],
     workload: &str,
     load_unit: &str,
     search: &Search,
@@ -495,9 +514,10 @@ pub fn write_capacities(
     std::fs::create_dir_all(dir)?;
     let rows: Vec<_> = capacities
         .iter()
-        .map(|(d, c)| {
-            let mut row = c.to_json();
-            row["deployment"] = d.clone().into();
+        .map(|c| {
+            let mut row = c.capacity.to_json();
+            row["deployment"] = c.deployment.clone().into();
+            row["ttft_p99_ms_at_capacity"] = c.ttft_p99_ms.into();
             row["workload"] = workload.into();
             row["load_unit"] = load_unit.into();
             row["attainment_target"] = search.target.into();

@@ -488,12 +488,17 @@ fn main() -> anyhow::Result<()> {
                 tail_bound_clause(ttft_p99_bound_ms),
                 100.0 * search.tolerance
             );
-            for (deployment, capacity) in &caps {
+            for c in &caps {
+                let tail = c.ttft_p99_ms.map_or(String::new(), |ms| {
+                    format!("  TTFT p99 there {}", describe_tail(&[ms]))
+                });
                 println!(
-                    "  {deployment:<24} {}",
-                    capacity.describe(workload.load_unit())
+                    "  {:<24} {:<36}{tail}",
+                    c.deployment,
+                    c.capacity.describe(workload.load_unit())
                 );
             }
+            println!("  (TTFT p99 there: the run at the capacity's load; a capacity at 90% attainment says nothing of the other 10%)");
             write_capacities(&out, &caps, workload.name(), workload.load_unit(), &search)
                 .with_context(|| format!("writing the report to {}", out.display()))?;
             write_report(&out, &results, workload.name(), workload.load_unit(), &note)

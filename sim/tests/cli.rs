@@ -382,6 +382,42 @@ fn last_json(out: &str) -> anyhow::Result<serde_json::Value> {
     Ok(serde_json::from_str(line)?)
 }
 
+/// The TTFT p99 in `sim run`'s first row.
+fn run_p99(run: &str) -> anyhow::Result<f64> {
+    let row = rows(run)
+        .first()
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("no row:\n{run}"))?;
+    let p99 = row
+        .split('|')
+        .nth(1)
+        .and_then(|c| c.split_whitespace().nth(2))
+        .ok_or_else(|| anyhow::anyhow!("no TTFT p99 in {row}"))?;
+    Ok(p99.parse()?)
+}
+
+/// `sim compare --loads 2` on the small cluster with `args`: what it
+/// printed, and its `capacity.json`.
+fn compare_small(args: &[&str]) -> anyhow::Result<(String, serde_json::Value)> {
+    let dir = std::env::temp_dir().join(format!(
+        "sim-compare-{}-{}",
+        std::process::id(),
+        args.join("_")
+    ));
+    let out_dir = dir
+        .to_str()
+        .ok_or_else(|| anyhow::anyhow!("not UTF-8: {dir:?}"))?;
+    let out = sim(&[
+        &["compare", "--loads", "2", "--out", out_dir][..],
+        args,
+        &SMALL_CLUSTER,
+    ]
+    .concat())?;
+    let json = serde_json::from_str(&std::fs::read_to_string(dir.join("capacity.json"))?)?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok((out, json))
+}
+
 /// `sim tune` prints each family's TTFT p99 at its capacity, seed by seed:
 /// each the p99 `sim run` prints for that family at that load and seed.
 #[test]
@@ -431,16 +467,10 @@ fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
             &small,
         ]
         .concat())?;
-        let row = rows(&run)[0];
-        let p99: f64 = row
-            .split('|')
-            .nth(1)
-            .and_then(|c| c.split_whitespace().nth(2))
-            .unwrap_or("")
-            .parse()?;
+        let p99 = run_p99(&run)?;
         assert!(
             (p99 - tail).abs() <= 0.5,
-            "seed {seed}: {tail} in the tune, {row}"
+            "seed {seed}: {tail} in the tune, {p99} in sim run"
         );
     }
     Ok(())
@@ -491,30 +521,11 @@ fn tune_bounds_the_tail_when_asked() -> anyhow::Result<()> {
 /// within 1 ms, no deployment passes at any load.
 #[test]
 fn compare_bounds_the_tail_when_asked() -> anyhow::Result<()> {
-    let dir = std::env::temp_dir().join(format!("sim-compare-bound-{}", std::process::id()));
-    let out_dir = dir
-        .to_str()
-        .ok_or_else(|| anyhow::anyhow!("not UTF-8: {dir:?}"))?;
-    let out = sim(&[
-        &[
-            "compare",
-            "--loads",
-            "2",
-            "--out",
-            out_dir,
-            "--ttft-p99-bound-ms",
-            "1",
-        ][..],
-        &SMALL_CLUSTER,
-    ]
-    .concat())?;
+    let (out, json) = compare_small(&["--ttft-p99-bound-ms", "1"])?;
     assert!(
         out.contains("within the SLO and a TTFT p99 <= 1 ms"),
         "{out}"
     );
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("capacity.json"))?)?;
-    std::fs::remove_dir_all(&dir)?;
     let rows = json
         .as_array()
         .ok_or_else(|| anyhow::anyhow!("not an array of deployments: {json}"))?;
@@ -523,6 +534,33 @@ fn compare_bounds_the_tail_when_asked() -> anyhow::Result<()> {
         assert_eq!(row["ttft_p99_bound_ms"], 1.0, "{row}");
         assert_eq!(row["capacity"], 0.0, "{row}");
         assert!(row["below"].is_number(), "{row}");
+        assert!(row["ttft_p99_ms_at_capacity"].is_null(), "{row}");
     }
+    Ok(())
+}
+
+/// `sim compare` prints each deployment's TTFT p99 at its capacity, and
+/// `capacity.json` records it: the p99 `sim run` prints for that
+/// deployment at that load.
+#[test]
+fn compare_shows_each_deployments_tail_at_its_capacity() -> anyhow::Result<()> {
+    let (out, json) = compare_small(&[])?;
+    assert!(out.contains("TTFT p99 there"), "{out}");
+    let agg = &json[0];
+    assert_eq!(agg["deployment"], "agg 3", "{json}");
+    let tail = agg["ttft_p99_ms_at_capacity"]
+        .as_f64()
+        .ok_or_else(|| anyhow::anyhow!("no tail: {agg}"))?;
+    let capacity = agg["capacity"].as_f64().unwrap_or_default().to_string();
+    let run = sim(&[
+        &["run", "--deployment", "aggregated", "--load", &capacity][..],
+        &SMALL_CLUSTER,
+    ]
+    .concat())?;
+    let p99 = run_p99(&run)?;
+    assert!(
+        (p99 - tail).abs() <= 0.5,
+        "{tail} in compare, {p99} in sim run"
+    );
     Ok(())
 }
