@@ -774,8 +774,6 @@ fn run_seeds(
     Ok(())
 }
 
-/// `sim tune`: every family's best, the table, the comparisons the issue
-/// asks for, one JSON line.
 /// `--ttft-p99-bound-ms`, when given, is a time.
 fn check_tail_bound(ttft_p99_bound_ms: Option<f64>) -> anyhow::Result<()> {
     match ttft_p99_bound_ms {
@@ -794,6 +792,8 @@ fn tail_bound_clause(ttft_p99_bound_ms: Option<f64>) -> String {
     }
 }
 
+/// `sim tune`: every family's best, the table, the comparisons the issue
+/// asks for, one JSON line.
 fn tune(
     common: &Common,
     tolerance: f64,

@@ -422,8 +422,11 @@ fn compare_small(args: &[&str]) -> anyhow::Result<(String, serde_json::Value)> {
 /// each the p99 `sim run` prints for that family at that load and seed.
 #[test]
 fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
-    let small = SMALL_CLUSTER;
-    let out = sim(&[&["tune", "--policies", "isl", "--seeds", "2"][..], &small].concat())?;
+    let out = sim(&[
+        &["tune", "--policies", "isl", "--seeds", "2"][..],
+        &SMALL_CLUSTER,
+    ]
+    .concat())?;
     assert!(out.contains("TTFT p99 there"), "{out}");
     // Single-turn requests: no turn-2+ comparison (it used to say 0.00x).
     assert!(
@@ -464,7 +467,7 @@ fn tune_shows_each_familys_tail_at_its_capacity() -> anyhow::Result<()> {
                 "--router-param",
                 &format!("decode.overlap_credit={credit}"),
             ][..],
-            &small,
+            &SMALL_CLUSTER,
         ]
         .concat())?;
         let p99 = run_p99(&run)?;
